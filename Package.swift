@@ -1,0 +1,43 @@
+// swift-tools-version:6.0
+import PackageDescription
+
+let package = Package(
+    name: "proxyctl",
+    products: [
+        .executable(name: "proxyctl", targets: ["proxyctl"]),
+        // For the fuzz package under Tests/Fuzz only: the parsers it drives.
+        .library(name: "ProxyCore", targets: ["ProxyCore"]),
+    ],
+    targets: [
+        // System libraries: a modulemap and a shim header each, nothing else.
+        .systemLibrary(
+            name: "CLibevent",
+            pkgConfig: "libevent_openssl",
+            providers: [.apt(["libevent-dev"])]
+        ),
+        .systemLibrary(
+            name: "CCurl",
+            pkgConfig: "libcurl",
+            providers: [.apt(["libcurl4-openssl-dev"])]
+        ),
+        .systemLibrary(
+            name: "COpenSSL",
+            pkgConfig: "openssl",
+            providers: [.apt(["libssl-dev"])]
+        ),
+
+        // Pure logic: Foundation only; no sockets, no C.
+        .target(name: "ProxyCore"),
+        // OpenSSL: CA, leaf certificates, ES256, hashing, randomness.
+        .target(name: "ProxyTLS", dependencies: ["ProxyCore", "COpenSSL"]),
+        // The only module that touches file descriptors.
+        .target(name: "ProxyIO", dependencies: ["ProxyCore", "ProxyTLS", "CLibevent", "CCurl", "COpenSSL"]),
+        // argv -> command, help text, exit codes.
+        .target(name: "ProxyCLI", dependencies: ["ProxyCore", "ProxyTLS", "ProxyIO"]),
+        .executableTarget(name: "proxyctl", dependencies: ["ProxyCLI"]),
+
+        .testTarget(name: "ProxyCoreTests", dependencies: ["ProxyCore"]),
+        .testTarget(name: "ProxyIOTests", dependencies: ["ProxyIO", "ProxyCore"]),
+    ],
+    swiftLanguageModes: [.v6]
+)

@@ -1,0 +1,54 @@
+#ifndef PROXYCTL_CLIBEVENT_SHIM_H
+#define PROXYCTL_CLIBEVENT_SHIM_H
+
+// libevent's event-config.h defines _GNU_SOURCE; including the socket headers first keeps fd_set
+// identical to the definition CCurl sees (otherwise: "'__fds_bits' ... is not present in definition").
+#include <sys/types.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/select.h>
+#include <sys/resource.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <signal.h>
+#include <unistd.h>
+#include <fcntl.h>
+#include <errno.h>
+
+#include <event2/event.h>
+#include <event2/buffer.h>
+#include <event2/bufferevent.h>
+#include <event2/bufferevent_ssl.h>
+#include <event2/listener.h>
+#include <event2/thread.h>
+#include <event2/util.h>
+
+#include <openssl/ssl.h>
+
+// evsignal_new is a function-like macro.
+static inline struct event *proxyctl_evsignal_new(struct event_base *base, int signum,
+                                                  event_callback_fn cb, void *arg) {
+    return event_new(base, signum, EV_SIGNAL | EV_PERSIST, cb, arg);
+}
+
+// setsockopt takes a void pointer; a typed wrapper keeps the call sites short.
+static inline int proxyctl_set_nodelay(int fd) {
+    int one = 1;
+    return setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+// errno is a macro over a thread-local; Swift's Glibc import covers it, but a function keeps the I/O
+// layer free of Glibc-specific spelling.
+static inline int proxyctl_errno(void) { return errno; }
+
+// EVUTIL_SOCKET_ERROR is a macro.
+static inline int proxyctl_socket_error(int fd) {
+    int err = 0;
+    socklen_t len = sizeof(err);
+    if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) return errno;
+    return err;
+}
+
+#endif

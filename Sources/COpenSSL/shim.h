@@ -1,0 +1,43 @@
+#ifndef PROXYCTL_COPENSSL_SHIM_H
+#define PROXYCTL_COPENSSL_SHIM_H
+
+#include <openssl/ssl.h>
+#include <openssl/err.h>
+#include <openssl/evp.h>
+#include <openssl/ec.h>
+#include <openssl/x509.h>
+#include <openssl/x509v3.h>
+#include <openssl/pem.h>
+#include <openssl/rand.h>
+#include <openssl/bio.h>
+#include <openssl/core_names.h>
+#include <openssl/ecdsa.h>
+#include <openssl/bn.h>
+#include <openssl/sha.h>
+
+// BIO_get_mem_data is a macro over BIO_ctrl.
+static inline long proxyctl_BIO_get_mem_data(BIO *bio, char **data) {
+    return BIO_get_mem_data(bio, data);
+}
+
+// OPENSSL_free is a macro carrying file and line.
+static inline void proxyctl_OPENSSL_free(void *ptr) { OPENSSL_free(ptr); }
+
+// SSL_CTX_set_min_proto_version is a macro over SSL_CTX_ctrl.
+static inline int proxyctl_SSL_CTX_set_min_proto_version(SSL_CTX *ctx, int version) {
+    return (int)SSL_CTX_set_min_proto_version(ctx, version);
+}
+
+// SSL_CTX_set_tlsext_servername_callback and _arg are macros over SSL_CTX_callback_ctrl / SSL_CTX_ctrl.
+static inline int proxyctl_SSL_CTX_set_servername_callback(SSL_CTX *ctx, int (*cb)(SSL *, int *, void *),
+                                                            void *arg) {
+    if (!SSL_CTX_set_tlsext_servername_callback(ctx, cb)) return 0;
+    return (int)SSL_CTX_set_tlsext_servername_arg(ctx, arg);
+}
+
+// SSL_set_tlsext_host_name is a macro over SSL_ctrl.
+static inline int proxyctl_SSL_set_tlsext_host_name(SSL *ssl, const char *name) {
+    return (int)SSL_set_tlsext_host_name(ssl, name);
+}
+
+#endif

@@ -1,0 +1,210 @@
+/// Log verbosity, from quietest to loudest.
+public enum LogLevel: Int, Sendable, Comparable, CaseIterable, CustomStringConvertible {
+    case error = 0
+    case warn = 1
+    case info = 2
+    case debug = 3
+
+    public init?(name: String) {
+        switch name.lowercased() {
+        case "error": self = .error
+        case "warn", "warning": self = .warn
+        case "info": self = .info
+        case "debug": self = .debug
+        default: return nil
+        }
+    }
+
+    public var description: String {
+        switch self {
+        case .error: "error"
+        case .warn: "warn"
+        case .info: "info"
+        case .debug: "debug"
+        }
+    }
+
+    public static func < (lhs: Self, rhs: Self) -> Bool { lhs.rawValue < rhs.rawValue }
+}
+
+/// The `[proxy]` section: the listener, the way out, timeouts and limits.
+public struct ProxySettings: Sendable, Equatable {
+    public var listen = ListenAddress.default
+    public var upstreamProxy: UpstreamProxy? = nil
+    public var noUpstreamProxy = BypassList()
+    /// File of `user:password` lines; when set, clients must authenticate with Basic.
+    public var proxyAuthFile: String? = nil
+    /// DNS resolution plus TCP connect, milliseconds.
+    public var connectTimeout = 10_000
+    /// A tunnel or a body transfer with no bytes either way for this long is closed.
+    public var idleTimeout = 300_000
+    /// An idle keep-alive client connection is closed after this long.
+    public var keepAliveTimeout = 60_000
+    /// A request head must arrive completely within this time.
+    public var headerTimeout = 30_000
+    /// On SIGTERM or SIGINT, open transfers may finish for this long.
+    public var shutdownGrace = 10_000
+    public var headLimits = HTTPHeadLimits()
+    /// Most client connections open at once; further connections wait in the kernel's backlog.
+    public var maxConnections = 4096
+    public var logLevel = LogLevel.info
+    /// Where tokens, keys and the local CA live; nil means the platform default.
+    public var stateDir: String? = nil
+
+    public init() {}
+}
+
+/// A whole configuration, validated.
+public struct Configuration: Sendable, Equatable {
+    public var proxy = ProxySettings()
+    /// Where it came from: a file path, or nil for the built-in defaults.
+    public var source: String? = nil
+
+    public init() {}
+}
+
+/// Turns the text of proxy.conf into a `Configuration`, or every error in it.
+public struct ConfigParser: Sendable {
+    /// Expands `~/` in paths.
+    public var homeDirectory: String?
+    /// Relative paths are taken relative to this directory (the config file's).
+    public var baseDirectory: String?
+
+    public init(homeDirectory: String?, baseDirectory: String?) {
+        self.homeDirectory = homeDirectory
+        self.baseDirectory = baseDirectory
+    }
+
+    public func parse(_ text: String, file: String) -> Result<Configuration, ConfigErrors> {
+        let (document, syntaxErrors) = INIDocument.parse(text, file: file)
+        var errors = syntaxErrors
+        var config = Configuration()
+        config.source = file
+        var seenProxy: Int? = nil
+        for section in document.sections {
+            switch section.name {
+            case "proxy":
+                if let first = seenProxy {
+                    errors.append(
+                        ConfigError(
+                            file: file, line: section.line, section: "proxy",
+                            "section appears twice (first on line \(first)); merge them"))
+                    continue
+                }
+                if section.argument != nil {
+                    errors.append(
+                        ConfigError(file: file, line: section.line, "[proxy] takes no name; write [proxy]"))
+                }
+                seenProxy = section.line
+                applyProxy(section, file: file, into: &config.proxy, errors: &errors)
+            default:
+                errors.append(
+                    ConfigError(
+                        file: file, line: section.line,
+                        "unknown section [\(section.label)]; expected [proxy]"))
+            }
+        }
+        // Cross-key checks.
+        if !config.proxy.listen.isLoopback && config.proxy.proxyAuthFile == nil {
+            let line = document.sections.first { $0.name == "proxy" }?.entries.first { $0.key == "listen" }?.line
+            errors.append(
+                ConfigError(
+                    file: file, line: line, section: "proxy", key: "listen",
+                    "\(config.proxy.listen) is reachable from other machines; set proxy_auth_file so that clients must authenticate, or listen on 127.0.0.1"
+                ))
+        }
+        errors.sort { ($0.line ?? 0) < ($1.line ?? 0) }
+        return errors.isEmpty ? .success(config) : .failure(ConfigErrors(errors))
+    }
+
+    /// A path value: `~/` expanded, relative paths resolved against the config file's directory.
+    public func resolvePath(_ value: String) -> String {
+        if value.hasPrefix("~/"), let homeDirectory {
+            return homeDirectory + value.dropFirst(1)
+        }
+        if !value.hasPrefix("/"), let baseDirectory {
+            return baseDirectory + "/" + value
+        }
+        return value
+    }
+
+    private func applyProxy(
+        _ section: INIDocument.Section, file: String, into settings: inout ProxySettings, errors: inout [ConfigError]
+    ) {
+        for entry in section.entries {
+            func fail(_ message: String) {
+                errors.append(ConfigError(file: file, line: entry.line, section: "proxy", key: entry.key, message))
+            }
+            func got() -> String { "got \"\(INIDocument.clip(entry.value))\"" }
+            func duration(_ apply: (Int) -> Void, allowZero: Bool = false) {
+                guard let value = ConfigValue.duration(entry.value), allowZero || value > 0 else {
+                    return fail("expected a duration such as 10s, 500ms or 5m, \(got())")
+                }
+                apply(value)
+            }
+            func size(_ minimum: Int, _ maximum: Int, _ apply: (Int) -> Void) {
+                guard let value = ConfigValue.size(entry.value), value >= minimum, value <= maximum else {
+                    return fail("expected a size from \(minimum) to \(maximum) bytes (e.g. 8KiB), \(got())")
+                }
+                apply(value)
+            }
+            func count(_ minimum: Int, _ maximum: Int, _ apply: (Int) -> Void) {
+                guard let value = Int(entry.value), value >= minimum, value <= maximum else {
+                    return fail("expected a number from \(minimum) to \(maximum), \(got())")
+                }
+                apply(value)
+            }
+            switch entry.key {
+            case "listen":
+                guard let address = ListenAddress.parse(entry.value) else {
+                    return fail("expected HOST:PORT with an IP address, such as 127.0.0.1:8080 or [::1]:8080, \(got())")
+                }
+                settings.listen = address
+            case "upstream_proxy":
+                if entry.value.isEmpty || entry.value.lowercased() == "none" {
+                    settings.upstreamProxy = nil
+                    continue
+                }
+                switch UpstreamProxy.parse(entry.value) {
+                case .success(let proxy): settings.upstreamProxy = proxy
+                // The value may hold a password: never echo it.
+                case .failure(let error): fail(error.message)
+                }
+            case "no_upstream_proxy":
+                switch BypassList.parse(entry.value) {
+                case .success(let list): settings.noUpstreamProxy = list
+                case .failure(let error): fail("\(error.message); expected a comma-separated list")
+                }
+            case "proxy_auth_file":
+                guard !entry.value.isEmpty else { return fail("expected the path of a file of user:password lines") }
+                settings.proxyAuthFile = resolvePath(entry.value)
+            case "connect_timeout": duration { settings.connectTimeout = $0 }
+            case "idle_timeout": duration { settings.idleTimeout = $0 }
+            case "keepalive_timeout": duration { settings.keepAliveTimeout = $0 }
+            case "header_timeout": duration { settings.headerTimeout = $0 }
+            case "shutdown_grace": duration({ settings.shutdownGrace = $0 }, allowZero: true)
+            case "max_request_line": size(256, 1 << 20) { settings.headLimits.maxStartLine = $0 }
+            case "max_header_bytes": size(1024, 16 << 20) { settings.headLimits.maxHeadBytes = $0 }
+            case "max_headers": count(8, 10_000) { settings.headLimits.maxFields = $0 }
+            case "max_connections": count(1, 1_000_000) { settings.maxConnections = $0 }
+            case "log_level":
+                guard let level = LogLevel(name: entry.value) else {
+                    return fail("expected one of error, warn, info, debug, \(got())")
+                }
+                settings.logLevel = level
+            case "state_dir":
+                guard !entry.value.isEmpty else { return fail("expected a directory path") }
+                settings.stateDir = resolvePath(entry.value)
+            default:
+                fail("unknown key; expected one of \(Self.proxyKeys.joined(separator: ", "))")
+            }
+        }
+    }
+
+    /// Every key of `[proxy]`, in the order of proxy.conf.example.
+    public static let proxyKeys = [
+        "listen", "upstream_proxy", "no_upstream_proxy", "proxy_auth_file", "connect_timeout", "idle_timeout",
+        "keepalive_timeout", "header_timeout", "shutdown_grace", "max_request_line", "max_header_bytes",
+        "max_headers", "max_connections", "log_level", "state_dir",
+    ]
+}

@@ -1,0 +1,134 @@
+/// A host and port, normalised for comparison: lower-case, no trailing dot, IPv6 without brackets.
+public struct HostPort: Sendable, Hashable, CustomStringConvertible {
+    public enum Kind: Sendable, Hashable { case name, ipv4, ipv6 }
+
+    /// The host: a lower-case name without a trailing dot, dotted IPv4, or IPv6 without brackets.
+    public let host: String
+    public let port: Int
+    public let kind: Kind
+
+    public init(host: String, port: Int, kind: Kind) {
+        self.host = host
+        self.port = port
+        self.kind = kind
+    }
+
+    /// `host:port`, with brackets around an IPv6 address: the form for CONNECT and Host.
+    public var description: String { "\(hostForURL):\(port)" }
+
+    /// The host as written in a URL or an authority.
+    public var hostForURL: String { kind == .ipv6 ? "[\(host)]" : host }
+
+    /// Parses `host[:port]` as found in CONNECT (RFC 9112 §3.2.3) or a URL's authority (RFC 3986 §3.2).
+    ///
+    /// Userinfo (`user@`), whitespace, control characters, an empty host or a port outside 1...65535 are
+    /// errors. `defaultPort` is used when the port is absent; without one, the port is required.
+    public static func parse(_ text: Substring, defaultPort: Int?) -> Result<HostPort, HTTPParseError> {
+        let bytes = Array(text.utf8)
+        if bytes.contains(UInt8(ascii: "@")) {
+            return .failure(HTTPParseError(.malformed, "userinfo is not allowed in an authority"))
+        }
+        var hostBytes: ArraySlice<UInt8>
+        var rest: ArraySlice<UInt8>
+        var kind: Kind
+        if bytes.first == UInt8(ascii: "[") {
+            guard let close = bytes.firstIndex(of: UInt8(ascii: "]")) else {
+                return .failure(HTTPParseError(.malformed, "unterminated IPv6 address in authority"))
+            }
+            hostBytes = bytes[1..<close]
+            rest = bytes[(close + 1)...]
+            kind = .ipv6
+            guard IPAddress.parseIPv6(hostBytes) != nil else {
+                return .failure(HTTPParseError(.malformed, "invalid IPv6 address in authority"))
+            }
+        } else {
+            let colon = bytes.lastIndex(of: ASCII.colon)
+            hostBytes = bytes[..<(colon ?? bytes.endIndex)]
+            rest = bytes[(colon ?? bytes.endIndex)...]
+            kind = IPAddress.parseIPv4(hostBytes) != nil ? .ipv4 : .name
+            for byte in hostBytes where !ASCII.regName[Int(byte)] {
+                return .failure(HTTPParseError(.malformed, "invalid character in host name"))
+            }
+        }
+        if kind == .name && hostBytes.last == UInt8(ascii: ".") { hostBytes = hostBytes.dropLast() }
+        guard !hostBytes.isEmpty else { return .failure(HTTPParseError(.malformed, "empty host in authority")) }
+        var port: Int
+        if rest.isEmpty {
+            guard let defaultPort else { return .failure(HTTPParseError(.malformed, "port missing in authority")) }
+            port = defaultPort
+        } else {
+            guard rest.first == ASCII.colon else {
+                return .failure(HTTPParseError(.malformed, "malformed authority"))
+            }
+            let digits = rest.dropFirst()
+            if digits.isEmpty, let defaultPort {
+                port = defaultPort  // RFC 3986 §3.2.3: an empty port means the default one.
+            } else {
+                guard let parsed = parsePort(digits) else {
+                    return .failure(HTTPParseError(.malformed, "invalid port in authority"))
+                }
+                port = parsed
+            }
+        }
+        let host = String(decoding: hostBytes.map(ASCII.lower), as: UTF8.self)
+        return .success(HostPort(host: host, port: port, kind: kind))
+    }
+
+    static func parsePort(_ digits: some Collection<UInt8>) -> Int? {
+        guard !digits.isEmpty, digits.count <= 5 else { return nil }
+        var value = 0
+        for byte in digits {
+            guard ASCII.isDigit(byte) else { return nil }
+            value = value * 10 + Int(byte - 0x30)
+        }
+        return (1...65535).contains(value) ? value : nil
+    }
+}
+
+/// The parsed form of an absolute-form request target (RFC 9112 §3.2.2) or a configured URL.
+public struct AbsoluteURL: Sendable, Equatable {
+    /// Lower-case scheme.
+    public let scheme: String
+    public let authority: HostPort
+    /// Path and query, exactly as sent; "/" when the URL had no path. This is the origin-form.
+    public let pathAndQuery: String
+
+    /// Parses `scheme://authority[path][?query]`. A fragment, userinfo or a scheme other than http and https
+    /// are errors.
+    public static func parse(_ text: String) -> Result<AbsoluteURL, HTTPParseError> {
+        guard let schemeEnd = text.range(of: "://") else {
+            return .failure(HTTPParseError(.malformed, "request target is not an absolute URL"))
+        }
+        let scheme = text[..<schemeEnd.lowerBound].lowercased()
+        let defaultPort: Int
+        switch scheme {
+        case "http": defaultPort = 80
+        case "https": defaultPort = 443
+        default: return .failure(HTTPParseError(.malformed, "unsupported URL scheme \"\(ASCII.printable(scheme.utf8))\""))
+        }
+        let afterScheme = text[schemeEnd.upperBound...]
+        if afterScheme.contains("#") {
+            return .failure(HTTPParseError(.malformed, "a request target must not contain a fragment"))
+        }
+        let authorityEnd = afterScheme.firstIndex(where: { $0 == "/" || $0 == "?" }) ?? afterScheme.endIndex
+        let authorityText = afterScheme[..<authorityEnd]
+        switch HostPort.parse(authorityText, defaultPort: defaultPort) {
+        case .failure(let error):
+            return .failure(error)
+        case .success(let authority):
+            var path = String(afterScheme[authorityEnd...])
+            if path.isEmpty || path.first == "?" { path = "/" + path }
+            return .success(AbsoluteURL(scheme: scheme, authority: authority, pathAndQuery: path))
+        }
+    }
+
+    /// The port is the scheme's default.
+    public var hasDefaultPort: Bool {
+        (scheme == "http" && authority.port == 80) || (scheme == "https" && authority.port == 443)
+    }
+
+    /// `host` or `host:port`: the value of a Host field for this URL (RFC 9110 §7.2).
+    public var hostFieldValue: String {
+        hasDefaultPort ? authority.hostForURL : authority.description
+    }
+}

@@ -1,0 +1,160 @@
+/// Follows the framing of a chunked body (RFC 9112 §7.1) without changing or copying it.
+///
+/// A forwarder hands it the bytes it is about to pass on; the scanner says how many belong to this message
+/// and when the message ends. Chunk data is skipped by arithmetic, so large chunks cost nothing per byte.
+/// Anything that could make two parsers disagree about where the body ends is an error: a size that is not
+/// hexadecimal or overflows, a bare LF, control characters in an extension, data not followed by CRLF.
+public struct ChunkedScanner: Sendable {
+    public enum Outcome: Sendable, Equatable {
+        /// All bytes given belong to the body; more are needed.
+        case needMore
+        /// The body ended after `consumed` bytes of the input; later bytes belong to the next message.
+        case done(consumed: Int)
+        case failed(HTTPParseError)
+    }
+
+    /// Longest chunk-size line (size plus extensions) accepted.
+    public static let maxLine = 4096
+    /// Largest trailer section accepted.
+    public static let maxTrailers = 65536
+
+    private enum State: Sendable, Equatable {
+        /// Reading hex digits; goes to `.extensions` on ";", SP or HTAB, to `.sizeLF` on CR.
+        case size(digits: Int, value: UInt64)
+        /// Reading chunk extensions up to CR.
+        case extensions(value: UInt64)
+        /// Saw CR after the size line; LF goes to `.data` (or `.trailerLineStart` for the last chunk).
+        case sizeLF(value: UInt64)
+        /// Inside chunk data; `remaining` bytes to go, then `.dataCR`.
+        case data(remaining: UInt64)
+        case dataCR
+        case dataLF
+        /// At the start of a trailer line or the final CRLF.
+        case trailerLineStart
+        /// Inside a trailer field line, up to CR.
+        case trailerLine
+        /// Saw CR ending a trailer line (or the final line when `final`).
+        case trailerLF(final: Bool)
+        case finished
+        case failed(HTTPParseError.Code)
+    }
+
+    private var state: State = .size(digits: 0, value: 0)
+    private var lineLength = 0
+    private var trailerBytes = 0
+    /// Total chunk data bytes seen, for logs and limits.
+    public private(set) var dataBytes: UInt64 = 0
+
+    public init() {}
+
+    /// Bytes of chunk data that can be passed on without being looked at.
+    public var pendingData: UInt64 {
+        if case .data(let remaining) = state { return remaining }
+        return 0
+    }
+
+    public var isFinished: Bool { state == .finished }
+
+    /// Takes `count` bytes of chunk data without looking at them. `count` must not exceed `pendingData`.
+    public mutating func skipData(_ count: Int) {
+        guard case .data(let remaining) = state, UInt64(count) <= remaining else {
+            preconditionFailure("skipData beyond the current chunk")
+        }
+        dataBytes += UInt64(count)
+        state = remaining == UInt64(count) ? .dataCR : .data(remaining: remaining - UInt64(count))
+    }
+
+    /// Scans `input`, which continues where the last call stopped, and stops right after the last byte of
+    /// the body.
+    public mutating func scan(_ input: UnsafeRawBufferPointer) -> Outcome {
+        var index = 0
+        while index < input.count && state != .finished {
+            if case .data(let remaining) = state {
+                let take = Int(min(remaining, UInt64(input.count - index)))
+                skipData(take)
+                index += take
+                continue
+            }
+            let byte = input[index]
+            index += 1
+            if let error = step(byte) { return .failed(error) }
+        }
+        if state == .finished { return .done(consumed: index) }
+        return .needMore
+    }
+
+    public mutating func scan(_ bytes: [UInt8]) -> Outcome {
+        bytes.withUnsafeBytes { scan($0) }
+    }
+
+    /// One framing byte. Returns an error, or nil to go on.
+    private mutating func step(_ byte: UInt8) -> HTTPParseError? {
+        switch state {
+        case .size(let digits, let value):
+            lineLength += 1
+            if let hex = ASCII.hexValue(byte) {
+                guard digits < 16 else { return fail("chunk size too large") }
+                state = .size(digits: digits + 1, value: value << 4 | UInt64(hex))
+            } else if digits == 0 {
+                return fail("chunk size is not hexadecimal")
+            } else if byte == UInt8(ascii: ";") || byte == ASCII.space || byte == ASCII.tab {
+                state = .extensions(value: value)
+            } else if byte == ASCII.cr {
+                state = .sizeLF(value: value)
+            } else {
+                return fail("chunk size is not hexadecimal")
+            }
+        case .extensions(let value):
+            lineLength += 1
+            guard lineLength <= Self.maxLine else { return fail("chunk extensions too long") }
+            if byte == ASCII.cr {
+                state = .sizeLF(value: value)
+            } else if !ASCII.fieldValue[Int(byte)] {
+                return fail("control character in chunk extension")
+            }
+        case .sizeLF(let value):
+            guard byte == ASCII.lf else { return fail("chunk size line not ended by CRLF") }
+            lineLength = 0
+            state = value == 0 ? .trailerLineStart : .data(remaining: value)
+        case .data:
+            preconditionFailure("data is skipped, not stepped")
+        case .dataCR:
+            guard byte == ASCII.cr else { return fail("chunk data not followed by CRLF") }
+            state = .dataLF
+        case .dataLF:
+            guard byte == ASCII.lf else { return fail("chunk data not followed by CRLF") }
+            state = .size(digits: 0, value: 0)
+        case .trailerLineStart:
+            trailerBytes += 1
+            if byte == ASCII.cr {
+                state = .trailerLF(final: true)
+            } else if byte == ASCII.space || byte == ASCII.tab || !ASCII.tchar[Int(byte)] {
+                return fail("malformed trailer field")
+            } else {
+                state = .trailerLine
+            }
+        case .trailerLine:
+            trailerBytes += 1
+            guard trailerBytes <= Self.maxTrailers else { return fail("trailer section too large") }
+            if byte == ASCII.cr {
+                state = .trailerLF(final: false)
+            } else if !ASCII.fieldValue[Int(byte)] {
+                return fail("control character in trailer field")
+            }
+        case .trailerLF(let final):
+            trailerBytes += 1
+            guard byte == ASCII.lf else { return fail("trailer line not ended by CRLF") }
+            state = final ? .finished : .trailerLineStart
+        case .finished:
+            preconditionFailure("scanning past the end of a chunked body")
+        case .failed(let code):
+            return HTTPParseError(code, "malformed chunked body")
+        }
+        return nil
+    }
+
+    private mutating func fail(_ reason: String) -> HTTPParseError {
+        state = .failed(.badChunk)
+        return HTTPParseError(.badChunk, reason)
+    }
+}

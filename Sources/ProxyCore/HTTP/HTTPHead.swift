@@ -1,0 +1,135 @@
+/// The version in a start line. Only HTTP/1.x reaches the rest of the proxy.
+public struct HTTPVersion: Sendable, Equatable, CustomStringConvertible {
+    public var major: Int
+    public var minor: Int
+
+    public static let http1_0 = HTTPVersion(major: 1, minor: 0)
+    public static let http1_1 = HTTPVersion(major: 1, minor: 1)
+
+    public init(major: Int, minor: Int) {
+        self.major = major
+        self.minor = minor
+    }
+
+    public var description: String { "HTTP/\(major).\(minor)" }
+}
+
+/// Where one field line sits inside `HTTPHead.bytes`.
+public struct HTTPFieldLine: Sendable, Equatable {
+    /// The whole line, including its line terminator.
+    public let line: Range<Int>
+    /// The field name.
+    public let name: Range<Int>
+    /// The field value without leading and trailing whitespace.
+    public let value: Range<Int>
+}
+
+/// A parsed HTTP/1.1 request or response head (RFC 9112 §2.1).
+///
+/// The head keeps the bytes exactly as received, so that a forwarder can send every field line it does not
+/// have to change byte for byte: order, case and value untouched.
+public struct HTTPHead: Sendable {
+    /// The head as received: the start line, every field line and the final empty line.
+    public let bytes: [UInt8]
+    /// The start line without its line terminator.
+    public let startLine: Range<Int>
+    /// Offset of the first field line (just after the start line's terminator).
+    public let fieldsStart: Int
+    /// The field lines in the order received.
+    public let fields: [HTTPFieldLine]
+    public let version: HTTPVersion
+    /// Requests: the method, exactly as sent (methods are case-sensitive). Empty for responses.
+    public let method: String
+    /// Requests: the request-target, exactly as sent. Empty for responses.
+    public let target: String
+    /// Responses: the status code. Zero for requests.
+    public let status: Int
+
+    /// The field name at `index`, as sent.
+    public func name(at index: Int) -> String {
+        String(decoding: bytes[fields[index].name], as: UTF8.self)
+    }
+
+    /// The field value at `index`, without surrounding whitespace.
+    public func value(at index: Int) -> String {
+        String(decoding: bytes[fields[index].value], as: UTF8.self)
+    }
+
+    /// Raw bytes of the value at `index`.
+    public func valueBytes(at index: Int) -> ArraySlice<UInt8> {
+        bytes[fields[index].value]
+    }
+
+    /// Whether the field at `index` has the given name, compared case-insensitively.
+    /// - Parameter lowercaseName: the name, in lower case.
+    @inline(__always)
+    public func field(_ index: Int, isNamed lowercaseName: StaticString) -> Bool {
+        ASCII.equalsLowercase(bytes[fields[index].name], lowercaseName)
+    }
+
+    /// Indices of every field line with the given name (compared case-insensitively).
+    public func indices(named lowercaseName: StaticString) -> [Int] {
+        fields.indices.filter { field($0, isNamed: lowercaseName) }
+    }
+
+    /// Every value of the fields with the given name, in order.
+    public func values(named lowercaseName: StaticString) -> [String] {
+        indices(named: lowercaseName).map { value(at: $0) }
+    }
+
+    /// Every comma-separated element of the fields with the given name, lower-cased and trimmed; empty
+    /// elements are skipped (RFC 9110 §5.6.1).
+    public func listElements(named lowercaseName: StaticString) -> [String] {
+        var elements: [String] = []
+        for index in indices(named: lowercaseName) {
+            for element in value(at: index).split(separator: ",", omittingEmptySubsequences: true) {
+                let trimmed = element.trimmingOWS()
+                if !trimmed.isEmpty { elements.append(trimmed.lowercased()) }
+            }
+        }
+        return elements
+    }
+
+    /// Serialises the head for forwarding: `startLine` replaces the start line (when given), the field lines
+    /// for which `drop` answers true are left out, `extra` lines are appended, everything else is copied
+    /// byte for byte.
+    public func serialized(
+        startLine newStartLine: String? = nil,
+        drop: (Int) -> Bool = { _ in false },
+        extra: [(name: String, value: String)] = []
+    ) -> [UInt8] {
+        var out: [UInt8] = []
+        out.reserveCapacity(bytes.count + 64)
+        if let newStartLine {
+            out.append(contentsOf: newStartLine.utf8)
+            out.append(ASCII.cr)
+            out.append(ASCII.lf)
+        } else {
+            out.append(contentsOf: bytes[0..<fieldsStart])
+        }
+        for index in fields.indices where !drop(index) {
+            out.append(contentsOf: bytes[fields[index].line])
+        }
+        for (name, value) in extra {
+            out.append(contentsOf: name.utf8)
+            out.append(ASCII.colon)
+            out.append(ASCII.space)
+            out.append(contentsOf: value.utf8)
+            out.append(ASCII.cr)
+            out.append(ASCII.lf)
+        }
+        out.append(ASCII.cr)
+        out.append(ASCII.lf)
+        return out
+    }
+}
+
+extension StringProtocol {
+    /// The string without leading and trailing optional whitespace (SP and HTAB, RFC 9110 §5.6.3).
+    func trimmingOWS() -> String {
+        var scalars = Substring(self).unicodeScalars[...]
+        while let first = scalars.first, first == " " || first == "\t" { scalars.removeFirst() }
+        while let last = scalars.last, last == " " || last == "\t" { scalars.removeLast() }
+        return String(String.UnicodeScalarView(scalars))
+    }
+}

@@ -1,0 +1,338 @@
+import Foundation
+
+/// Size limits for a message head. Exceeding one is an error with its own status (414 or 431).
+public struct HTTPHeadLimits: Sendable, Equatable {
+    /// Longest start line (request line or status line), without its terminator.
+    public var maxStartLine: Int
+    /// Longest whole head: start line, field lines and terminators.
+    public var maxHeadBytes: Int
+    /// Most field lines.
+    public var maxFields: Int
+
+    public init(maxStartLine: Int = 8192, maxHeadBytes: Int = 65536, maxFields: Int = 100) {
+        self.maxStartLine = maxStartLine
+        self.maxHeadBytes = maxHeadBytes
+        self.maxFields = maxFields
+    }
+}
+
+/// Why a message was refused. Equality compares the code only, so tests can ask which error it was.
+public struct HTTPParseError: Error, Sendable, Equatable, CustomStringConvertible {
+    public enum Code: Sendable, Equatable {
+        /// Syntax error in a start line or field line (400).
+        case malformed
+        /// The request line is longer than allowed (414).
+        case startLineTooLong
+        /// The head has more bytes or more field lines than allowed (431).
+        case headTooLarge
+        /// Not HTTP/1.x (505).
+        case versionNotSupported
+        /// The head is well-formed but its framing is ambiguous or invalid (400): the smuggling guards.
+        case badFraming
+        /// A chunked body is malformed (400).
+        case badChunk
+    }
+
+    public let code: Code
+    /// One line for the client and the log. Never contains a field value.
+    public let reason: String
+
+    public init(_ code: Code, _ reason: String) {
+        self.code = code
+        self.reason = reason
+    }
+
+    /// The status a server answers a request with for this error.
+    public var status: Int {
+        switch code {
+        case .malformed, .badFraming, .badChunk: 400
+        case .startLineTooLong: 414
+        case .headTooLarge: 431
+        case .versionNotSupported: 505
+        }
+    }
+
+    public var description: String { reason }
+
+    public static func == (lhs: Self, rhs: Self) -> Bool { lhs.code == rhs.code }
+}
+
+/// An incremental HTTP/1.1 head parser (RFC 9112 §2-§5).
+///
+/// Feed it bytes as they arrive; it takes bytes up to the end of the head and no further, so the caller
+/// knows exactly where the body starts. Requests are parsed strictly: CRLF only, no obs-fold, no
+/// whitespace before the colon, no control characters. Responses accept a bare LF as a line terminator
+/// (RFC 9112 §2.2 allows it) because old servers send one and the client decides what it accepts.
+public struct HTTPHeadParser: Sendable {
+    public enum Kind: Sendable { case request, response }
+
+    public enum Outcome: Sendable {
+        /// Every byte given was taken; the head is not complete yet.
+        case needMore
+        /// The head is complete; `consumed` bytes of the last input belonged to it.
+        case complete(HTTPHead, consumed: Int)
+        /// The head is invalid; the connection must not be used for anything else.
+        case failed(HTTPParseError)
+    }
+
+    public let kind: Kind
+    public let limits: HTTPHeadLimits
+
+    private var buffer: [UInt8] = []
+    /// Offset in `buffer` where the line being read starts.
+    private var lineStart = 0
+    private var startLine: Range<Int>? = nil
+    private var fieldsStart = 0
+    private var fields: [HTTPFieldLine] = []
+    private var leadingEmptyLines = 0
+    private var version = HTTPVersion.http1_1
+    private var method = ""
+    private var target = ""
+    private var status = 0
+    private var failure: HTTPParseError? = nil
+
+    public init(kind: Kind, limits: HTTPHeadLimits = HTTPHeadLimits()) {
+        self.kind = kind
+        self.limits = limits
+    }
+
+    /// Whether some bytes of a head have been taken.
+    public var hasPartialHead: Bool { !buffer.isEmpty }
+
+    /// Starts over for the next message on the same connection.
+    public mutating func reset() {
+        buffer.removeAll(keepingCapacity: true)
+        lineStart = 0
+        startLine = nil
+        fieldsStart = 0
+        fields.removeAll(keepingCapacity: true)
+        leadingEmptyLines = 0
+        method = ""
+        target = ""
+        status = 0
+        failure = nil
+    }
+
+    /// Parses `input`. Call again with more bytes after `.needMore`.
+    public mutating func parse(_ input: UnsafeRawBufferPointer) -> Outcome {
+        if let failure { return .failed(failure) }
+        var offset = 0
+        while offset < input.count {
+            let remaining = input.count - offset
+            let found = memchr(input.baseAddress! + offset, Int32(ASCII.lf), remaining)
+            guard let found else {
+                buffer.append(contentsOf: input[offset...])
+                if let error = checkLimits(lineComplete: false) { return fail(error) }
+                return .needMore
+            }
+            let lfIndex = input.baseAddress!.distance(to: UnsafeRawPointer(found))
+            buffer.append(contentsOf: input[offset...lfIndex])
+            offset = lfIndex + 1
+            if let error = checkLimits(lineComplete: true) { return fail(error) }
+            switch endLine() {
+            case .failure(let error):
+                return fail(error)
+            case .success(let done):
+                if done {
+                    let head = HTTPHead(
+                        bytes: buffer,
+                        startLine: startLine!,
+                        fieldsStart: fieldsStart,
+                        fields: fields,
+                        version: version,
+                        method: method,
+                        target: target,
+                        status: status
+                    )
+                    reset()
+                    return .complete(head, consumed: offset)
+                }
+            }
+        }
+        return .needMore
+    }
+
+    /// Convenience for tests and the fuzzer.
+    public mutating func parse(_ bytes: [UInt8]) -> Outcome {
+        bytes.withUnsafeBytes { parse($0) }
+    }
+
+    private mutating func fail(_ error: HTTPParseError) -> Outcome {
+        failure = error
+        return .failed(error)
+    }
+
+    private func checkLimits(lineComplete: Bool) -> HTTPParseError? {
+        if startLine == nil {
+            // The line terminator does not count toward the start line's length.
+            let length = buffer.count - lineStart - (lineComplete ? 2 : 0)
+            if length > limits.maxStartLine {
+                return kind == .request
+                    ? HTTPParseError(.startLineTooLong, "request line longer than \(limits.maxStartLine) bytes")
+                    : HTTPParseError(.headTooLarge, "status line longer than \(limits.maxStartLine) bytes")
+            }
+        }
+        if buffer.count > limits.maxHeadBytes {
+            return HTTPParseError(.headTooLarge, "header section larger than \(limits.maxHeadBytes) bytes")
+        }
+        return nil
+    }
+
+    /// Handles the line that ends at the end of `buffer` (which ends in LF). Returns true at the empty line.
+    private mutating func endLine() -> Result<Bool, HTTPParseError> {
+        let lineEnd = buffer.count  // just past LF
+        var contentEnd = lineEnd - 1
+        if contentEnd > lineStart && buffer[contentEnd - 1] == ASCII.cr {
+            contentEnd -= 1
+        } else if kind == .request {
+            return .failure(HTTPParseError(.malformed, "line ends in a bare LF; HTTP requires CRLF"))
+        }
+        let content = lineStart..<contentEnd
+        defer { lineStart = lineEnd }
+
+        if startLine == nil {
+            if content.isEmpty {
+                // RFC 9112 §2.2: ignore at least one empty line before the request line.
+                leadingEmptyLines += 1
+                if leadingEmptyLines > 4 || kind == .response {
+                    return .failure(HTTPParseError(.malformed, "empty line where a start line was expected"))
+                }
+                buffer.removeAll(keepingCapacity: true)
+                lineStart = 0
+                return .success(false)
+            }
+            let result = kind == .request ? parseRequestLine(content) : parseStatusLine(content)
+            if case .failure(let error) = result { return .failure(error) }
+            startLine = content
+            fieldsStart = lineEnd
+            return .success(false)
+        }
+        if content.isEmpty { return .success(true) }
+        if fields.count >= limits.maxFields {
+            return .failure(HTTPParseError(.headTooLarge, "more than \(limits.maxFields) header fields"))
+        }
+        switch parseFieldLine(content, line: lineStart..<lineEnd) {
+        case .failure(let error): return .failure(error)
+        case .success(let field):
+            fields.append(field)
+            return .success(false)
+        }
+    }
+
+    // request-line = method SP request-target SP HTTP-version   (RFC 9112 §3)
+    private mutating func parseRequestLine(_ range: Range<Int>) -> Result<Void, HTTPParseError> {
+        let line = buffer[range]
+        guard let firstSpace = line.firstIndex(of: ASCII.space), firstSpace > range.lowerBound else {
+            return .failure(HTTPParseError(.malformed, "malformed request line"))
+        }
+        for byte in buffer[range.lowerBound..<firstSpace] where !ASCII.tchar[Int(byte)] {
+            return .failure(HTTPParseError(.malformed, "malformed request line: invalid character in method"))
+        }
+        let targetStart = firstSpace + 1
+        guard let secondSpace = buffer[targetStart..<range.upperBound].firstIndex(of: ASCII.space),
+            secondSpace > targetStart
+        else {
+            return .failure(HTTPParseError(.malformed, "malformed request line"))
+        }
+        for byte in buffer[targetStart..<secondSpace] where !ASCII.targetByte[Int(byte)] {
+            return .failure(
+                HTTPParseError(.malformed, "malformed request line: invalid character in request target"))
+        }
+        switch parseVersion(secondSpace + 1..<range.upperBound) {
+        case .failure(let error): return .failure(error)
+        case .success(let parsed): version = parsed
+        }
+        method = String(decoding: buffer[range.lowerBound..<firstSpace], as: UTF8.self)
+        target = String(decoding: buffer[targetStart..<secondSpace], as: UTF8.self)
+        return .success(())
+    }
+
+    // status-line = HTTP-version SP status-code SP [ reason-phrase ]   (RFC 9112 §4)
+    private mutating func parseStatusLine(_ range: Range<Int>) -> Result<Void, HTTPParseError> {
+        guard range.count >= 12, buffer[range.lowerBound + 8] == ASCII.space else {
+            return .failure(HTTPParseError(.malformed, "malformed status line"))
+        }
+        switch parseVersion(range.lowerBound..<range.lowerBound + 8) {
+        case .failure(let error): return .failure(error)
+        case .success(let parsed): version = parsed
+        }
+        var code = 0
+        for index in range.lowerBound + 9..<range.lowerBound + 12 {
+            let byte = buffer[index]
+            guard ASCII.isDigit(byte) else { return .failure(HTTPParseError(.malformed, "malformed status code")) }
+            code = code * 10 + Int(byte - 0x30)
+        }
+        guard code >= 100 else { return .failure(HTTPParseError(.malformed, "malformed status code")) }
+        let rest = range.lowerBound + 12..<range.upperBound
+        if !rest.isEmpty {
+            // Some servers omit the reason phrase and its space; tolerate that, nothing else.
+            guard buffer[rest.lowerBound] == ASCII.space else {
+                return .failure(HTTPParseError(.malformed, "malformed status line"))
+            }
+            for byte in buffer[rest] where !ASCII.fieldValue[Int(byte)] {
+                return .failure(HTTPParseError(.malformed, "control character in reason phrase"))
+            }
+        }
+        status = code
+        return .success(())
+    }
+
+    // HTTP-version = "HTTP" "/" DIGIT "." DIGIT   (RFC 9112 §2.3)
+    private func parseVersion(_ range: Range<Int>) -> Result<HTTPVersion, HTTPParseError> {
+        let bytes = buffer[range]
+        guard bytes.count == 8, bytes.starts(with: "HTTP/".utf8), ASCII.isDigit(bytes[range.lowerBound + 5]),
+            bytes[range.lowerBound + 6] == UInt8(ascii: "."), ASCII.isDigit(bytes[range.lowerBound + 7])
+        else {
+            return .failure(HTTPParseError(.malformed, "malformed HTTP version"))
+        }
+        let parsed = HTTPVersion(
+            major: Int(bytes[range.lowerBound + 5] - 0x30), minor: Int(bytes[range.lowerBound + 7] - 0x30))
+        guard parsed.major == 1 else {
+            return .failure(HTTPParseError(.versionNotSupported, "\(parsed) is not supported; use HTTP/1.1"))
+        }
+        return .success(parsed)
+    }
+
+    // field-line = field-name ":" OWS field-value OWS   (RFC 9112 §5)
+    private func parseFieldLine(_ range: Range<Int>, line: Range<Int>) -> Result<HTTPFieldLine, HTTPParseError> {
+        let first = buffer[range.lowerBound]
+        if first == ASCII.space || first == ASCII.tab {
+            // RFC 9112 §5.2: obs-fold is rejected in requests; a proxy must not forward it either.
+            return .failure(HTTPParseError(.malformed, "obsolete line folding in header section"))
+        }
+        var index = range.lowerBound
+        while index < range.upperBound && ASCII.tchar[Int(buffer[index])] { index += 1 }
+        let nameEnd = index
+        guard nameEnd > range.lowerBound else {
+            return .failure(HTTPParseError(.malformed, "malformed header field name"))
+        }
+        guard index < range.upperBound, buffer[index] == ASCII.colon else {
+            if index < range.upperBound && (buffer[index] == ASCII.space || buffer[index] == ASCII.tab) {
+                // RFC 9112 §5.1: whitespace between name and colon must be rejected with 400.
+                return .failure(
+                    HTTPParseError(
+                        .malformed,
+                        "whitespace between header field name \"\(ASCII.printable(buffer[range.lowerBound..<nameEnd]))\" and colon"
+                    ))
+            }
+            return .failure(HTTPParseError(.malformed, "malformed header field name"))
+        }
+        index += 1
+        var valueStart = index
+        while valueStart < range.upperBound && (buffer[valueStart] == ASCII.space || buffer[valueStart] == ASCII.tab) {
+            valueStart += 1
+        }
+        var valueEnd = range.upperBound
+        while valueEnd > valueStart && (buffer[valueEnd - 1] == ASCII.space || buffer[valueEnd - 1] == ASCII.tab) {
+            valueEnd -= 1
+        }
+        for byte in buffer[valueStart..<valueEnd] where !ASCII.fieldValue[Int(byte)] {
+            return .failure(
+                HTTPParseError(
+                    .malformed,
+                    "control character in the value of header field \"\(ASCII.printable(buffer[range.lowerBound..<nameEnd]))\""
+                ))
+        }
+        return .success(HTTPFieldLine(line: line, name: range.lowerBound..<nameEnd, value: valueStart..<valueEnd))
+    }
+}

@@ -1,0 +1,246 @@
+/// How the body of a message is delimited (RFC 9112 §6.3).
+public enum BodyFraming: Sendable, Equatable {
+    case none
+    case contentLength(UInt64)
+    case chunked
+    /// Responses only: the body ends when the server closes the connection.
+    case untilClose
+}
+
+/// What a request asks the proxy to do, decided from its head alone.
+public enum RequestTarget: Sendable, Equatable {
+    /// `CONNECT host:port`: open a tunnel.
+    case connect(HostPort)
+    /// `GET http://host/path`: forward to the origin.
+    case absolute(AbsoluteURL)
+    /// `GET /path` or `OPTIONS *`: a request for the proxy itself, not a proxy request.
+    case notProxyRequest
+}
+
+/// The result of checking a request head: its target, its framing and which field lines do not travel on.
+public struct RequestSemantics: Sendable {
+    public let target: RequestTarget
+    public let framing: BodyFraming
+    /// The client allows the connection to stay open after this exchange.
+    public let keepAlive: Bool
+    /// The client asked to switch protocols (`Upgrade`, e.g. WebSocket) and the upgrade travels on.
+    public let upgrade: Bool
+    /// Indices of field lines that must not be forwarded (hop-by-hop fields, proxy credentials, a Host
+    /// that disagrees with the target).
+    public let dropped: Set<Int>
+    /// The Host value to add when the received one was missing or had to be replaced.
+    public let replacementHost: String?
+    /// Index of the Proxy-Authorization field, if any.
+    public let proxyAuthorization: Int?
+}
+
+/// The result of checking a response head.
+public struct ResponseSemantics: Sendable {
+    public let framing: BodyFraming
+    /// A 1xx other than 101: forward it, then read the final response.
+    public let isInterim: Bool
+    /// A 101 to a request that asked for an upgrade: the connection becomes a tunnel.
+    public let switchesProtocols: Bool
+    /// The server will close, or its framing allows no reuse.
+    public let serverCloses: Bool
+    public let dropped: Set<Int>
+}
+
+/// Field names that are hop-by-hop whatever the Connection field says (RFC 9110 §7.6.1), plus the proxy's
+/// own credentials.
+private let alwaysHopByHop: [StaticString] = [
+    "connection", "proxy-connection", "keep-alive", "te", "upgrade", "proxy-authorization",
+]
+
+/// Connection options that must never remove a field: dropping these would change the framing or the
+/// target that this proxy checked ("Connection: Content-Length" is an old smuggling trick).
+private let protectedFields: Set<String> = ["content-length", "transfer-encoding", "host"]
+
+public enum MessageSemantics {
+    /// Checks a request head received by a forward proxy (RFC 9112 §3.2, §6.1, §6.3, §9.6; RFC 9110 §7.6.1).
+    public static func request(_ head: HTTPHead) -> Result<RequestSemantics, HTTPParseError> {
+        let target: RequestTarget
+        if head.method == "CONNECT" {
+            // RFC 9112 §3.2.3: authority-form, the port is required.
+            if head.target.hasPrefix("/") || head.target.contains("://") {
+                return .failure(HTTPParseError(.malformed, "CONNECT needs host:port as its target"))
+            }
+            switch HostPort.parse(head.target[...], defaultPort: nil) {
+            case .failure(let error): return .failure(error)
+            case .success(let authority): target = .connect(authority)
+            }
+        } else if head.target.hasPrefix("/") || head.target == "*" {
+            target = .notProxyRequest
+        } else {
+            switch AbsoluteURL.parse(head.target) {
+            case .failure(let error): return .failure(error)
+            case .success(let url): target = .absolute(url)
+            }
+        }
+
+        // Host (RFC 9112 §3.2): at most one; required in HTTP/1.1 except for CONNECT, where the target is
+        // the authority and some clients omit it.
+        let hostIndices = head.indices(named: "host")
+        if hostIndices.count > 1 {
+            return .failure(HTTPParseError(.badFraming, "more than one Host header field"))
+        }
+        var dropped = Set<Int>()
+        var replacementHost: String? = nil
+        if case .absolute(let url) = target {
+            if let hostIndex = hostIndices.first {
+                // RFC 9112 §3.2.2: the target wins; keep the received bytes when they name the same authority.
+                let sent = HostPort.parse(head.value(at: hostIndex)[...], defaultPort: url.authority.port)
+                if case .success(let authority) = sent, authority == url.authority {
+                    // same authority: forwarded unchanged
+                } else {
+                    dropped.insert(hostIndex)
+                    replacementHost = url.hostFieldValue
+                }
+            } else if head.version == .http1_1 {
+                return .failure(HTTPParseError(.malformed, "HTTP/1.1 request without a Host header field"))
+            } else {
+                replacementHost = url.hostFieldValue
+            }
+        }
+
+        let framing: BodyFraming
+        switch requestFraming(head) {
+        case .failure(let error): return .failure(error)
+        case .success(let parsed): framing = parsed
+        }
+        if case .connect = target, framing != .none {
+            return .failure(HTTPParseError(.badFraming, "CONNECT request with a body"))
+        }
+
+        let options = head.listElements(named: "connection")
+        let wantsUpgrade = options.contains("upgrade") && !head.indices(named: "upgrade").isEmpty
+        var proxyAuthorization: Int? = nil
+        for index in head.fields.indices {
+            if head.field(index, isNamed: "proxy-authorization") {
+                if proxyAuthorization != nil {
+                    return .failure(HTTPParseError(.malformed, "more than one Proxy-Authorization header field"))
+                }
+                proxyAuthorization = index
+            }
+            if isHopByHop(head, index, options: options, keepUpgrade: wantsUpgrade) { dropped.insert(index) }
+        }
+        let keepAlive = head.version == .http1_1 && !options.contains("close")
+        return .success(
+            RequestSemantics(
+                target: target,
+                framing: framing,
+                keepAlive: keepAlive,
+                upgrade: wantsUpgrade,
+                dropped: dropped,
+                replacementHost: replacementHost,
+                proxyAuthorization: proxyAuthorization
+            ))
+    }
+
+    /// Request framing (RFC 9112 §6.3): Transfer-Encoding with chunked last, or one Content-Length, or none.
+    static func requestFraming(_ head: HTTPHead) -> Result<BodyFraming, HTTPParseError> {
+        let codings = head.listElements(named: "transfer-encoding")
+        let hasTransferEncoding = !head.indices(named: "transfer-encoding").isEmpty
+        let lengths = head.indices(named: "content-length")
+        if hasTransferEncoding {
+            if !lengths.isEmpty {
+                return .failure(HTTPParseError(.badFraming, "both Transfer-Encoding and Content-Length"))
+            }
+            if head.version == .http1_0 {
+                // RFC 9112 §6.1: Transfer-Encoding in an HTTP/1.0 message means the framing is faulty.
+                return .failure(HTTPParseError(.badFraming, "Transfer-Encoding in an HTTP/1.0 request"))
+            }
+            guard codings.last == "chunked", codings.filter({ $0 == "chunked" }).count == 1 else {
+                return .failure(HTTPParseError(.badFraming, "Transfer-Encoding must end with a single chunked"))
+            }
+            for coding in codings where !coding.utf8.allSatisfy({ ASCII.tchar[Int($0)] }) {
+                return .failure(HTTPParseError(.badFraming, "malformed Transfer-Encoding"))
+            }
+            return .success(.chunked)
+        }
+        switch contentLength(head, lengths) {
+        case .failure(let error): return .failure(error)
+        case .success(let length): return .success(length.map { $0 == 0 ? .none : .contentLength($0) } ?? .none)
+        }
+    }
+
+    /// The Content-Length, when every value agrees (RFC 9110 §8.6, RFC 9112 §6.3 item 5).
+    static func contentLength(_ head: HTTPHead, _ indices: [Int]) -> Result<UInt64?, HTTPParseError> {
+        var length: UInt64? = nil
+        for index in indices {
+            let value = head.valueBytes(at: index)
+            for element in value.split(separator: UInt8(ascii: ","), omittingEmptySubsequences: false) {
+                var trimmed = element[...]
+                while let first = trimmed.first, first == ASCII.space || first == ASCII.tab { trimmed.removeFirst() }
+                while let last = trimmed.last, last == ASCII.space || last == ASCII.tab { trimmed.removeLast() }
+                guard !trimmed.isEmpty, trimmed.count <= 19, trimmed.allSatisfy(ASCII.isDigit) else {
+                    return .failure(HTTPParseError(.badFraming, "invalid Content-Length"))
+                }
+                let parsed = trimmed.reduce(UInt64(0)) { $0 * 10 + UInt64($1 - 0x30) }
+                if let length, length != parsed {
+                    return .failure(HTTPParseError(.badFraming, "conflicting Content-Length values"))
+                }
+                length = parsed
+            }
+        }
+        return .success(length)
+    }
+
+    private static func isHopByHop(_ head: HTTPHead, _ index: Int, options: [String], keepUpgrade: Bool) -> Bool {
+        for name in alwaysHopByHop where head.field(index, isNamed: name) {
+            if keepUpgrade && head.field(index, isNamed: "upgrade") { return false }
+            return true
+        }
+        if options.isEmpty { return false }
+        let name = head.name(at: index).lowercased()
+        return options.contains(name) && !protectedFields.contains(name)
+    }
+
+    /// Checks a response head received by the proxy for a request with `requestMethod`
+    /// (RFC 9112 §6.3, RFC 9110 §15.2).
+    public static func response(
+        _ head: HTTPHead, requestMethod: String, upgradeRequested: Bool
+    ) -> Result<ResponseSemantics, HTTPParseError> {
+        let options = head.listElements(named: "connection")
+        let switches = head.status == 101
+        if switches && !upgradeRequested {
+            return .failure(HTTPParseError(.malformed, "101 Switching Protocols without an upgrade request"))
+        }
+        var dropped = Set<Int>()
+        for index in head.fields.indices
+        where isHopByHop(head, index, options: options, keepUpgrade: switches)
+            && !head.field(index, isNamed: "proxy-authorization")
+        {
+            dropped.insert(index)
+        }
+        if switches {
+            // The Connection field must reach the client for the upgrade to be recognised.
+            dropped = dropped.filter { !head.field($0, isNamed: "connection") }
+        }
+        let interim = head.status < 200 && !switches
+        let framing: BodyFraming
+        if head.status < 200 || head.status == 204 || head.status == 304 || requestMethod == "HEAD" {
+            framing = .none
+        } else if !head.indices(named: "transfer-encoding").isEmpty {
+            // RFC 9112 §6.3 item 3: Transfer-Encoding overrides Content-Length, which must not be forwarded.
+            for index in head.indices(named: "content-length") { dropped.insert(index) }
+            framing = head.listElements(named: "transfer-encoding").last == "chunked" ? .chunked : .untilClose
+        } else {
+            switch contentLength(head, head.indices(named: "content-length")) {
+            case .failure(let error): return .failure(error)
+            case .success(let length): framing = length.map { .contentLength($0) } ?? .untilClose
+            }
+        }
+        let serverCloses =
+            options.contains("close") || framing == .untilClose || switches
+            || (head.version == .http1_0 && !options.contains("keep-alive"))
+        return .success(
+            ResponseSemantics(
+                framing: framing == .contentLength(0) ? .none : framing,
+                isInterim: interim,
+                switchesProtocols: switches,
+                serverCloses: serverCloses,
+                dropped: dropped
+            ))
+    }
+}

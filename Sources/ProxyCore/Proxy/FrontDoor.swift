@@ -1,0 +1,145 @@
+/// What the proxy does with a request head: the whole decision, made without any I/O.
+public enum FrontDoorDecision: Sendable, Equatable {
+    /// Answer the client directly and (when `response.close`) close the connection.
+    case respond(ProxyResponse)
+    /// Open a blind tunnel to `target`, through `upstream` when set.
+    case tunnel(target: HostPort, upstream: UpstreamProxy?)
+    /// Forward the request: connect to `target` (or `upstream`) and send `head`, then the body.
+    case forward(Forward)
+
+    public struct Forward: Sendable, Equatable {
+        public let url: AbsoluteURL
+        public let upstream: UpstreamProxy?
+        /// The head to send, with hop-by-hop fields removed and the target in the form the next hop needs.
+        public let head: [UInt8]
+        public let framing: BodyFraming
+        public let keepAlive: Bool
+        public let upgrade: Bool
+        public let method: String
+    }
+}
+
+/// The front door of the proxy: turns a request head into a decision.
+public struct FrontDoor: Sendable {
+    public var settings: ProxySettings
+    /// Who may use the proxy; nil means anyone who can reach the listener (loopback only).
+    public var credentials: ProxyCredentials?
+    /// The address the listener actually bound (the port may have been 0 in the settings).
+    public var boundAddress: ListenAddress
+
+    public init(settings: ProxySettings, credentials: ProxyCredentials?, boundAddress: ListenAddress) {
+        self.settings = settings
+        self.credentials = credentials
+        self.boundAddress = boundAddress
+    }
+
+    /// The answer for a head that could not be parsed.
+    public static func reject(_ error: HTTPParseError) -> ProxyResponse {
+        ProxyResponse(
+            status: error.status,
+            proxyStatus: ProxyStatus(error: .httpRequestError, details: error.reason),
+            message: "proxyctl: bad request: \(error.reason)",
+            close: true
+        )
+    }
+
+    public func decide(_ head: HTTPHead) -> FrontDoorDecision {
+        let semantics: RequestSemantics
+        switch MessageSemantics.request(head) {
+        case .failure(let error): return .respond(Self.reject(error))
+        case .success(let checked): semantics = checked
+        }
+
+        if let credentials {
+            let value = semantics.proxyAuthorization.map { head.value(at: $0) }
+            switch credentials.check(value) {
+            case .allowed: break
+            case .missing, .invalid:
+                return .respond(
+                    ProxyResponse(
+                        status: 407,
+                        proxyStatus: ProxyStatus(error: .httpRequestDenied, details: "proxy authentication required"),
+                        message: value == nil
+                            ? "proxyctl: this proxy requires a user name and password (Proxy-Authorization: Basic)"
+                            : "proxyctl: wrong proxy user name or password",
+                        extraFields: [("Proxy-Authenticate", "Basic realm=\"proxyctl\", charset=\"UTF-8\"")],
+                        // The body of the request (if any) was not read: the framing is unknown here.
+                        close: semantics.framing != .none || !semantics.keepAlive
+                    ))
+            }
+        }
+
+        switch semantics.target {
+        case .notProxyRequest:
+            return .respond(
+                ProxyResponse(
+                    status: 400,
+                    proxyStatus: ProxyStatus(error: .httpRequestError, details: "not a proxy request"),
+                    message:
+                        "proxyctl is a forward proxy, not a web server: set HTTPS_PROXY=http://\(boundAddress) and HTTP_PROXY=http://\(boundAddress) (or curl -x http://\(boundAddress) URL)",
+                    close: semantics.framing != .none || !semantics.keepAlive
+                ))
+        case .connect(let target):
+            if isLoop(target) { return .respond(loopResponse(target)) }
+            return .tunnel(target: target, upstream: upstream(for: target))
+        case .absolute(let url):
+            guard url.scheme == "http" else {
+                return .respond(
+                    ProxyResponse(
+                        status: 400,
+                        proxyStatus: ProxyStatus(error: .httpRequestError, details: "https URL in a plain request"),
+                        message:
+                            "proxyctl: https:// URLs go through a CONNECT tunnel; configure this proxy as HTTPS_PROXY so the client sends CONNECT",
+                        close: semantics.framing != .none || !semantics.keepAlive
+                    ))
+            }
+            if isLoop(url.authority) { return .respond(loopResponse(url.authority)) }
+            let upstream = upstream(for: url.authority)
+            var extra: [(name: String, value: String)] = []
+            if let replacement = semantics.replacementHost { extra.append(("Host", replacement)) }
+            if semantics.upgrade { extra.append(("Connection", "upgrade")) }
+            if let authorization = upstream?.authorization { extra.append(("Proxy-Authorization", authorization)) }
+            // Direct: origin-form (RFC 9112 §3.2.1). Through another proxy: absolute-form, as received.
+            let target = upstream == nil ? url.pathAndQuery : head.target
+            let outgoing = head.serialized(
+                startLine: "\(head.method) \(target) \(head.version)",
+                drop: { semantics.dropped.contains($0) },
+                extra: extra
+            )
+            return .forward(
+                FrontDoorDecision.Forward(
+                    url: url,
+                    upstream: upstream,
+                    head: outgoing,
+                    framing: semantics.framing,
+                    keepAlive: semantics.keepAlive,
+                    upgrade: semantics.upgrade,
+                    method: head.method
+                ))
+        }
+    }
+
+    public func upstream(for target: HostPort) -> UpstreamProxy? {
+        guard let proxy = settings.upstreamProxy, !settings.noUpstreamProxy.matches(target) else { return nil }
+        return proxy
+    }
+
+    /// A request whose target is this proxy itself would come back to us forever.
+    func isLoop(_ target: HostPort) -> Bool {
+        guard target.port == boundAddress.port else { return false }
+        if target.host == boundAddress.host { return true }
+        let listenAddress = IPAddress.parse(boundAddress.host)
+        let listensEverywhere = listenAddress == .v4(0) || listenAddress == .v6(0, 0)
+        let targetIsLocal = target.host == "localhost" || (IPAddress.parse(target.host)?.isLoopback ?? false)
+        return targetIsLocal && (listensEverywhere || (listenAddress?.isLoopback ?? false))
+    }
+
+    private func loopResponse(_ target: HostPort) -> ProxyResponse {
+        ProxyResponse(
+            status: 508,
+            proxyStatus: ProxyStatus(error: .proxyLoopDetected, details: "the target is this proxy"),
+            message: "proxyctl: \(target) is this proxy itself; request the real destination instead",
+            close: true
+        )
+    }
+}

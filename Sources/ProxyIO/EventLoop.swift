@@ -1,0 +1,2 @@
+import CLibevent
+import CCurl
