@@ -51,4 +51,8 @@ static inline int proxyctl_socket_error(int fd) {
     return err;
 }
 
+// glibc defines EAI_NODATA (a name with no addresses) only under _GNU_SOURCE, which must not be set
+// before the socket headers above (see the top of this file).
+static inline int proxyctl_eai_nodata(void) { return -5; }
+
 #endif

@@ -1,2 +1,136 @@
 import CLibevent
-import CCurl
+import Foundation
+import Synchronization
+
+/// One libevent `event_base` and the thread that runs it.
+///
+/// Everything created on a loop (bufferevents, timers, connections) belongs to it and is used only on its
+/// thread, so those objects are plain non-Sendable classes. The only ways in from other threads are `post`
+/// and `LoopBound`, both thread-safe.
+public final class EventLoop: @unchecked Sendable {
+    // @unchecked Sendable: `base` and `wakeEvent` are only used on the loop thread, except through
+    // `post`, which locks `jobs` and calls `event_active`, which libevent makes thread-safe once
+    // `evthread_use_pthreads` has run (see `EventLoop.initializeLibraries`).
+
+    let base: OpaquePointer
+    private var wakeEvent: OpaquePointer?
+    private let jobs = Mutex<[@Sendable () -> Void]>([])
+    private var thread: pthread_t?
+
+    /// Must run once, before any other thread starts and before the first loop is made.
+    public static func initializeLibraries() {
+        _ = evthread_use_pthreads()
+        // Writes to a closed socket must fail with EPIPE, not kill the process.
+        signal(SIGPIPE, SIG_IGN)
+    }
+
+    public init() {
+        // libevent keeps timeouts on a monotonic clock: clock changes do not disturb them.
+        guard let base = event_base_new() else { fatalError("event_base_new failed") }
+        self.base = base
+        let context = Unmanaged.passUnretained(self).toOpaque()
+        wakeEvent = event_new(
+            base, -1, Int16(EV_PERSIST),
+            { _, _, context in
+                Unmanaged<EventLoop>.fromOpaque(context!).takeUnretainedValue().runPostedJobs()
+            }, context)
+        // A persistent event that is never added is fine for event_active.
+    }
+
+    deinit {
+        if let wakeEvent { event_free(wakeEvent) }
+        event_base_free(base)
+    }
+
+    /// Runs the loop on the calling thread until `stop` or until nothing is left to do.
+    public func run() {
+        thread = pthread_self()
+        event_base_loop(base, 0)
+    }
+
+    /// Ends `run` after the current callbacks return.
+    public func stop() {
+        event_base_loopbreak(base)
+    }
+
+    /// Whether the caller is on this loop's thread.
+    public var inLoopThread: Bool {
+        guard let thread else { return true }
+        return pthread_equal(thread, pthread_self()) != 0
+    }
+
+    /// Runs `job` on the loop thread soon. Safe from any thread.
+    public func post(_ job: @escaping @Sendable () -> Void) {
+        jobs.withLock { $0.append(job) }
+        event_active(wakeEvent, Int32(EV_READ), 0)
+    }
+
+    private func runPostedJobs() {
+        let pending = jobs.withLock { queue -> [@Sendable () -> Void] in
+            let taken = queue
+            queue.removeAll()
+            return taken
+        }
+        for job in pending { job() }
+    }
+
+    /// Milliseconds on a monotonic clock, for durations and activity checks.
+    public static func monotonicMilliseconds() -> Int64 {
+        var now = timespec()
+        clock_gettime(CLOCK_MONOTONIC, &now)
+        return Int64(now.tv_sec) * 1000 + Int64(now.tv_nsec) / 1_000_000
+    }
+}
+
+/// A value that belongs to a loop, carried through a Sendable closure (a resolver thread's answer, say) and
+/// opened again only on that loop's thread.
+public struct LoopBound<Value>: @unchecked Sendable {
+    // @unchecked Sendable: the value is only read on the loop thread, which `value` checks.
+    private let stored: Value
+    private let loop: EventLoop
+
+    public init(_ value: Value, loop: EventLoop) {
+        self.stored = value
+        self.loop = loop
+    }
+
+    public var value: Value {
+        precondition(loop.inLoopThread, "a LoopBound value was opened off its loop")
+        return stored
+    }
+}
+
+/// A one-shot or repeating timer on a loop. Cancelled when freed.
+public final class LoopTimer {
+    private var event: OpaquePointer?
+    private let action: () -> Void
+
+    public init(loop: EventLoop, action: @escaping () -> Void) {
+        self.action = action
+        event = event_new(
+            loop.base, -1, 0,
+            { _, _, context in
+                Unmanaged<LoopTimer>.fromOpaque(context!).takeUnretainedValue().action()
+            }, Unmanaged.passUnretained(self).toOpaque())
+    }
+
+    deinit {
+        if let event { event_free(event) }
+    }
+
+    /// Fires once after `milliseconds`, replacing an earlier schedule.
+    public func schedule(milliseconds: Int) {
+        var delay = timeval(milliseconds: milliseconds)
+        event_add(event, &delay)
+    }
+
+    public func cancel() {
+        event_del(event)
+    }
+}
+
+extension timeval {
+    init(milliseconds: Int) {
+        self.init(tv_sec: milliseconds / 1000, tv_usec: (milliseconds % 1000) * 1000)
+    }
+}

@@ -1,1 +1,4 @@
+import Foundation
 import ProxyCLI
+
+exit(ProxyctlCommand.main(Array(CommandLine.arguments.dropFirst())))

@@ -164,8 +164,12 @@ public struct HTTPHeadParser: Sendable {
 
     private func checkLimits(lineComplete: Bool) -> HTTPParseError? {
         if startLine == nil {
-            // The line terminator does not count toward the start line's length.
-            let length = buffer.count - lineStart - (lineComplete ? 2 : 0)
+            // The line terminator (CRLF, a bare LF in a response, or a CR whose LF has not arrived yet) does
+            // not count toward the start line's length, so the outcome does not depend on where reads split.
+            let possibleCR = buffer.count - (lineComplete ? 2 : 1)
+            var terminator = lineComplete ? 1 : 0
+            if possibleCR >= lineStart && buffer[possibleCR] == ASCII.cr { terminator += 1 }
+            let length = buffer.count - lineStart - terminator
             if length > limits.maxStartLine {
                 return kind == .request
                     ? HTTPParseError(.startLineTooLong, "request line longer than \(limits.maxStartLine) bytes")
@@ -188,19 +192,21 @@ public struct HTTPHeadParser: Sendable {
             return .failure(HTTPParseError(.malformed, "line ends in a bare LF; HTTP requires CRLF"))
         }
         let content = lineStart..<contentEnd
+
+        if startLine == nil && content.isEmpty {
+            // RFC 9112 §2.2: ignore at least one empty line before the request line.
+            leadingEmptyLines += 1
+            if leadingEmptyLines > 4 || kind == .response {
+                return .failure(HTTPParseError(.malformed, "empty line where a start line was expected"))
+            }
+            // The line is dropped, so the next one starts at 0 (not at `lineEnd`: no `defer` on this path).
+            buffer.removeAll(keepingCapacity: true)
+            lineStart = 0
+            return .success(false)
+        }
         defer { lineStart = lineEnd }
 
         if startLine == nil {
-            if content.isEmpty {
-                // RFC 9112 §2.2: ignore at least one empty line before the request line.
-                leadingEmptyLines += 1
-                if leadingEmptyLines > 4 || kind == .response {
-                    return .failure(HTTPParseError(.malformed, "empty line where a start line was expected"))
-                }
-                buffer.removeAll(keepingCapacity: true)
-                lineStart = 0
-                return .success(false)
-            }
             let result = kind == .request ? parseRequestLine(content) : parseStatusLine(content)
             if case .failure(let error) = result { return .failure(error) }
             startLine = content

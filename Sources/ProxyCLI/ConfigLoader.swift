@@ -1,0 +1,94 @@
+import Foundation
+import ProxyCore
+
+/// Finds, reads and validates proxy.conf and the files it names.
+struct ConfigLoader {
+    let environment: [String: String]
+
+    /// Where the configuration comes from, and whether its absence is an error.
+    enum Location: Equatable {
+        /// Named by `--config` or `$PROXYCTL_CONFIG`: must exist.
+        case explicit(String)
+        /// The XDG default: optional.
+        case standard(String)
+        /// No home directory to look in.
+        case none
+    }
+
+    func locate(flag: String?) -> Location {
+        if let flag { return .explicit(flag) }
+        if let path = environment["PROXYCTL_CONFIG"], !path.isEmpty { return .explicit(path) }
+        if let base = environment["XDG_CONFIG_HOME"], base.hasPrefix("/") {
+            return .standard(base + "/proxyctl/proxy.conf")
+        }
+        if let home = environment["HOME"], !home.isEmpty { return .standard(home + "/.config/proxyctl/proxy.conf") }
+        return .none
+    }
+
+    /// Loads the configuration. No file at the standard location means the built-in defaults (a pure
+    /// passthrough proxy on 127.0.0.1:8080).
+    func load(_ location: Location) throws -> Configuration {
+        let path: String
+        switch location {
+        case .none:
+            return Configuration()
+        case .standard(let standard):
+            guard FileManager.default.fileExists(atPath: standard) else { return Configuration() }
+            path = standard
+        case .explicit(let explicit):
+            path = explicit
+        }
+        let text = try readText(path, what: "configuration file")
+        let directory = (path as NSString).deletingLastPathComponent
+        let parser = ConfigParser(
+            homeDirectory: environment["HOME"], baseDirectory: directory.isEmpty ? "." : directory)
+        switch parser.parse(text, file: path) {
+        case .success(let configuration): return configuration
+        case .failure(let errors): throw CommandFailure(message: errors.description)
+        }
+    }
+
+    /// The users of `proxy_auth_file`; the file must not be readable by others.
+    func loadCredentials(_ settings: ProxySettings) throws -> ProxyCredentials? {
+        guard let path = settings.proxyAuthFile else { return nil }
+        let attributes = try? FileManager.default.attributesOfItem(atPath: path)
+        if let mode = (attributes?[.posixPermissions] as? NSNumber)?.intValue, mode & 0o077 != 0 {
+            throw CommandFailure(
+                message: "\(path): proxy_auth_file holds passwords but can be read by other users; run: chmod 600 \(path)")
+        }
+        let text = try readText(path, what: "proxy_auth_file")
+        switch ProxyCredentials.parse(text, file: path) {
+        case .success(let credentials): return credentials
+        case .failure(let error): throw CommandFailure(message: error.description)
+        }
+    }
+
+    /// Applies `--listen` and checks what depends on the final listener.
+    func finish(_ configuration: inout Configuration, listen: String?) throws {
+        if let listen {
+            guard let address = ListenAddress.parse(listen) else {
+                throw UsageError(
+                    message: "--listen expects HOST:PORT with an IP address, such as 127.0.0.1:8080, got '\(listen)'",
+                    command: ["proxyctl", "serve"])
+            }
+            configuration.proxy.listen = address
+        }
+        if !configuration.proxy.listen.isLoopback && configuration.proxy.proxyAuthFile == nil {
+            throw CommandFailure(
+                message:
+                    "refusing to listen on \(configuration.proxy.listen): other machines could use this proxy. Set proxy_auth_file in [proxy] so that clients must authenticate, or listen on 127.0.0.1"
+            )
+        }
+    }
+
+    private func readText(_ path: String, what: String) throws -> String {
+        guard let data = FileManager.default.contents(atPath: path) else {
+            let reason = FileManager.default.fileExists(atPath: path) ? "cannot be read" : "does not exist"
+            throw CommandFailure(message: "\(path): the \(what) \(reason)")
+        }
+        guard let text = String(data: data, encoding: .utf8) else {
+            throw CommandFailure(message: "\(path): the \(what) is not UTF-8 text")
+        }
+        return text
+    }
+}

@@ -1,0 +1,95 @@
+import Foundation
+import ProxyCore
+import ProxyIO
+
+enum ServeCommand {
+    static let spec = CommandSpec(
+        name: "serve",
+        abstract: "Run the forward proxy.",
+        discussion: """
+            Set it as HTTPS_PROXY and HTTP_PROXY for your tools. Traffic that is not for a protected origin \
+            passes through untouched: CONNECT becomes a blind tunnel, plain http:// requests are forwarded.
+            The configuration comes from --config, else $PROXYCTL_CONFIG, else \
+            $XDG_CONFIG_HOME/proxyctl/proxy.conf; with no file at all proxyctl is a pure passthrough proxy \
+            on 127.0.0.1:8080. SIGHUP reloads the configuration; SIGTERM and SIGINT let open transfers \
+            finish (shutdown_grace) and exit.
+            """,
+        options: [
+            .option("config", short: "c", value: "file", help: "The configuration file (proxy.conf)."),
+            .option("listen", value: "host:port", help: "Listen here instead of the configured address; port 0 picks a free port."),
+            .option("log-level", value: "level", help: "error, warn, info or debug (overrides log_level)."),
+            .flag("check", help: "Check the configuration and exit: 0 when it is valid, 1 with every error otherwise."),
+        ],
+        run: run
+    )
+
+    static func run(_ arguments: ParsedArguments, _ context: CommandContext) throws -> Int32 {
+        let loader = ConfigLoader(environment: context.environment)
+        let location = loader.locate(flag: arguments.value("config"))
+        var configuration = try loader.load(location)
+        if let level = arguments.value("log-level") {
+            guard let parsed = LogLevel(name: level) else {
+                throw UsageError(message: "--log-level expects error, warn, info or debug", command: ["proxyctl", "serve"])
+            }
+            configuration.proxy.logLevel = parsed
+        }
+        try loader.finish(&configuration, listen: arguments.value("listen"))
+        let credentials = try loader.loadCredentials(configuration.proxy)
+        if arguments.flag("check") {
+            context.out("\(configuration.source ?? "built-in defaults"): configuration is valid")
+            return ExitCode.success
+        }
+
+        let logger = Logger(level: configuration.proxy.logLevel)
+        switch location {
+        case .standard(let path) where configuration.source == nil:
+            logger.info("no configuration file at \(path); running as a passthrough proxy with defaults")
+        default:
+            break
+        }
+        raiseFileLimit(logger: logger, connections: configuration.proxy.maxConnections)
+
+        EventLoop.initializeLibraries()
+        let loop = EventLoop()
+        let overrides = (listen: arguments.value("listen"), level: arguments.value("log-level"))
+        let reload: () -> Result<(ProxySettings, ProxyCredentials?), any Error> = {
+            do {
+                var fresh = try loader.load(location)
+                if let level = overrides.level, let parsed = LogLevel(name: level) { fresh.proxy.logLevel = parsed }
+                try loader.finish(&fresh, listen: overrides.listen)
+                return .success((fresh.proxy, try loader.loadCredentials(fresh.proxy)))
+            } catch {
+                return .failure(error)
+            }
+        }
+        let server = ProxyServer(
+            loop: loop, logger: logger, settings: configuration.proxy, credentials: credentials, reload: reload)
+        let bound: ListenAddress
+        do {
+            bound = try server.start()
+        } catch {
+            throw CommandFailure(message: "\(error)")
+        }
+        let via = configuration.proxy.upstreamProxy.map { " via upstream proxy \($0)" } ?? ""
+        let auth = credentials.map { " (proxy authentication: \($0.count) user(s))" } ?? ""
+        logger.info("proxyctl \(Version.string) listening on http://\(bound)\(via)\(auth)")
+        loop.run()
+        return ExitCode.success
+    }
+
+    /// Each tunnel holds two descriptors: raise the soft limit to the hard one so `max_connections` fits.
+    static func raiseFileLimit(logger: Logger, connections: Int) {
+        var limit = rlimit()
+        guard getrlimit(Int32(RLIMIT_NOFILE.rawValue), &limit) == 0 else { return }
+        if limit.rlim_cur < limit.rlim_max {
+            limit.rlim_cur = limit.rlim_max
+            _ = setrlimit(Int32(RLIMIT_NOFILE.rawValue), &limit)
+        }
+        let needed = rlim_t(connections * 2 + 64)
+        if limit.rlim_cur < needed {
+            logger.warn(
+                "the open-file limit (\(limit.rlim_cur)) is below what max_connections = \(connections) needs (\(needed)); raise it with ulimit -n or lower max_connections"
+            )
+        }
+    }
+}

@@ -1,0 +1,76 @@
+import CLibevent
+import Foundation
+import ProxyCore
+import Synchronization
+
+/// Lines to standard error: `2026-11-30T08:40:40.123Z info message key=value ...`.
+///
+/// Callers pass only what may be seen: no credentials, tokens or field values. One `write` per line, so
+/// lines from several threads do not interleave.
+public final class Logger: @unchecked Sendable {
+    // @unchecked Sendable: `level` is an atomic; writes are single write(2) calls.
+
+    private let levelStorage: Atomic<Int>
+    private let fd: Int32
+
+    public init(level: LogLevel, fd: Int32 = 2) {
+        self.levelStorage = Atomic(level.rawValue)
+        self.fd = fd
+    }
+
+    public var level: LogLevel {
+        get { LogLevel(rawValue: levelStorage.load(ordering: .relaxed)) ?? .info }
+        set { levelStorage.store(newValue.rawValue, ordering: .relaxed) }
+    }
+
+    @inline(__always)
+    public func enabled(_ level: LogLevel) -> Bool { level.rawValue <= levelStorage.load(ordering: .relaxed) }
+
+    public func error(_ message: @autoclosure () -> String) { log(.error, message()) }
+    public func warn(_ message: @autoclosure () -> String) { log(.warn, message()) }
+    public func info(_ message: @autoclosure () -> String) { log(.info, message()) }
+    public func debug(_ message: @autoclosure () -> String) { log(.debug, message()) }
+
+    public func log(_ level: LogLevel, _ message: @autoclosure () -> String) {
+        guard enabled(level) else { return }
+        var line = Self.timestamp()
+        line += " "
+        line += level.description
+        line += " "
+        line += message()
+        line += "\n"
+        var bytes = Array(line.utf8)
+        bytes.withUnsafeMutableBytes { buffer in
+            var offset = 0
+            while offset < buffer.count {
+                let written = write(fd, buffer.baseAddress! + offset, buffer.count - offset)
+                if written <= 0 {
+                    if written < 0 && errno == EINTR { continue }
+                    return
+                }
+                offset += written
+            }
+        }
+    }
+
+    /// UTC, millisecond precision, without Foundation's formatter cost.
+    static func timestamp() -> String {
+        var now = timespec()
+        clock_gettime(CLOCK_REALTIME, &now)
+        var parts = tm()
+        var seconds = now.tv_sec
+        gmtime_r(&seconds, &parts)
+        func pad(_ value: Int32, _ width: Int) -> String {
+            String(value).leftPadding(to: width)
+        }
+        let millis = Int32(now.tv_nsec / 1_000_000)
+        return "\(pad(parts.tm_year + 1900, 4))-\(pad(parts.tm_mon + 1, 2))-\(pad(parts.tm_mday, 2))T"
+            + "\(pad(parts.tm_hour, 2)):\(pad(parts.tm_min, 2)):\(pad(parts.tm_sec, 2)).\(pad(millis, 3))Z"
+    }
+}
+
+extension String {
+    func leftPadding(to width: Int) -> String {
+        count >= width ? self : String(repeating: "0", count: width - count) + self
+    }
+}

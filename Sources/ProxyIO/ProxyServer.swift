@@ -1,0 +1,221 @@
+import CLibevent
+import Foundation
+import ProxyCore
+
+/// Why the server could not start.
+public struct ServerError: Error, CustomStringConvertible {
+    public let message: String
+    public var description: String { message }
+}
+
+/// The forward proxy: a listener, the connections it accepted, the signals that stop or reload it.
+///
+/// Lives on one loop thread. Connections are owned by `connections` and find the server through an unowned
+/// reference; the server outlives them all.
+public final class ProxyServer {
+    let loop: EventLoop
+    public let logger: Logger
+    private(set) var settings: ProxySettings
+    private(set) var frontDoor: FrontDoor
+    let resolver = Resolver()
+    /// Output buffered toward a slow receiver before its sender is paused.
+    let highWater = 256 * 1024
+
+    private var listener: OpaquePointer?
+    private var connections: [ObjectIdentifier: ClientConnection] = [:]
+    private var nextID: UInt64 = 0
+    private(set) var draining = false
+    private var listenerPaused = false
+    private var signalEvents: [OpaquePointer] = []
+    private var graceTimer: LoopTimer?
+    /// Loads the configuration again on SIGHUP; nil disables reloading.
+    private let reload: (() -> Result<(ProxySettings, ProxyCredentials?), any Error>)?
+    public private(set) var boundAddress: ListenAddress
+
+    public init(
+        loop: EventLoop, logger: Logger, settings: ProxySettings, credentials: ProxyCredentials?,
+        reload: (() -> Result<(ProxySettings, ProxyCredentials?), any Error>)? = nil
+    ) {
+        self.loop = loop
+        self.logger = logger
+        self.settings = settings
+        self.boundAddress = settings.listen
+        self.frontDoor = FrontDoor(settings: settings, credentials: credentials, boundAddress: settings.listen)
+        self.reload = reload
+    }
+
+    deinit {
+        if let listener { evconnlistener_free(listener) }
+        for event in signalEvents { event_free(event) }
+    }
+
+    /// Binds the listener and installs the signal handlers. Returns the bound address (the port may have
+    /// been 0).
+    @discardableResult
+    public func start() throws -> ListenAddress {
+        let bound = try bind(settings.listen)
+        boundAddress = bound
+        frontDoor.boundAddress = bound
+        installSignals()
+        return bound
+    }
+
+    private func bind(_ address: ListenAddress) throws -> ListenAddress {
+        guard let socketAddress = SocketAddress(ip: address.host, port: address.port) else {
+            throw ServerError(message: "cannot listen on \(address): not an IP address")
+        }
+        let flags = LEV_OPT_CLOSE_ON_FREE | LEV_OPT_REUSEABLE | LEV_OPT_CLOSE_ON_EXEC
+        let made = socketAddress.withSockaddr { pointer, length in
+            evconnlistener_new_bind(loop.base, nil, nil, UInt32(flags), 1024, pointer, Int32(length))
+        }
+        guard let made else {
+            let code = proxyctl_errno()
+            let hint = code == EADDRINUSE ? " (another program is using the port; choose another with --listen)" : ""
+            throw ServerError(message: "cannot listen on \(address): \(String(cString: strerror(code)))\(hint)")
+        }
+        if let listener { evconnlistener_free(listener) }
+        listener = made
+        evconnlistener_set_cb(made, acceptCallback, Unmanaged.passUnretained(self).toOpaque())
+        evconnlistener_set_error_cb(made, acceptErrorCallback)
+        var storage = sockaddr_storage()
+        var length = socklen_t(MemoryLayout<sockaddr_storage>.size)
+        let fd = evconnlistener_get_fd(made)
+        let actual = withUnsafeMutablePointer(to: &storage) { pointer in
+            pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { sockaddrPointer -> SocketAddress in
+                getsockname(fd, sockaddrPointer, &length)
+                return SocketAddress(sockaddrPointer, length: length)
+            }
+        }
+        return ListenAddress(host: address.host, port: actual.port, isIPv6: address.isIPv6)
+    }
+
+    /// Sets the per-bufferevent I/O sizes: large single reads and writes keep the syscall count per GiB low.
+    static func tune(_ bev: OpaquePointer?) {
+        bufferevent_set_max_single_read(bev, 256 * 1024)
+        bufferevent_set_max_single_write(bev, 256 * 1024)
+    }
+
+    // MARK: - Accepting
+
+    func accepted(fd: Int32, address: UnsafeMutablePointer<sockaddr>?, length: Int32) {
+        let peer = address.map { SocketAddress($0, length: socklen_t(length)).description } ?? "-"
+        if draining {
+            Glibc.close(fd)
+            return
+        }
+        nextID += 1
+        _ = evutil_make_socket_nonblocking(fd)
+        let connection = ClientConnection(server: self, id: nextID, fd: fd, peer: peer)
+        connections[ObjectIdentifier(connection)] = connection
+        if connections.count >= settings.maxConnections && !listenerPaused {
+            listenerPaused = true
+            evconnlistener_disable(listener)
+            logger.warn("max_connections (\(settings.maxConnections)) reached; new connections wait")
+        }
+    }
+
+    func connectionClosed(_ connection: ClientConnection) {
+        connections.removeValue(forKey: ObjectIdentifier(connection))
+        if listenerPaused && connections.count < settings.maxConnections && !draining {
+            listenerPaused = false
+            evconnlistener_enable(listener)
+        }
+        if draining && connections.isEmpty {
+            logger.info("all connections finished; exiting")
+            loop.stop()
+        }
+    }
+
+    /// Open client connections (for tests and status).
+    public var connectionCount: Int { connections.count }
+
+    // MARK: - Signals
+
+    private func installSignals() {
+        let context = Unmanaged.passUnretained(self).toOpaque()
+        for signalNumber in [SIGTERM, SIGINT, SIGHUP] {
+            guard let event = proxyctl_evsignal_new(loop.base, signalNumber, signalCallback, context) else { continue }
+            event_add(event, nil)
+            signalEvents.append(event)
+        }
+    }
+
+    func handleSignal(_ number: Int32) {
+        switch number {
+        case SIGHUP:
+            reloadConfiguration()
+        default:
+            if draining {
+                logger.info("second signal: exiting now with \(connections.count) connection(s) open")
+                loop.stop()
+                return
+            }
+            beginShutdown()
+        }
+    }
+
+    /// Stops accepting, closes idle connections, and lets the rest finish within the grace period.
+    public func beginShutdown() {
+        draining = true
+        if let listener {
+            evconnlistener_free(listener)
+            self.listener = nil
+        }
+        for connection in Array(connections.values) where connection.isIdle {
+            connection.close()
+        }
+        if connections.isEmpty {
+            logger.info("shutting down: no connections open")
+            loop.stop()
+            return
+        }
+        logger.info(
+            "shutting down: waiting up to \(ConfigValue.describeDuration(settings.shutdownGrace)) for \(connections.count) connection(s)")
+        let timer = LoopTimer(loop: loop) { [unowned self] in
+            logger.info("grace period over: closing \(connections.count) connection(s)")
+            for connection in Array(connections.values) { connection.abort("shutdown") }
+            loop.stop()
+        }
+        timer.schedule(milliseconds: settings.shutdownGrace)
+        graceTimer = timer
+    }
+
+    private func reloadConfiguration() {
+        guard let reload else {
+            logger.warn("SIGHUP: no configuration file to reload")
+            return
+        }
+        switch reload() {
+        case .failure(let error):
+            logger.error("SIGHUP: the new configuration has errors; still serving the old one:\n\(error)")
+        case .success(let (newSettings, credentials)):
+            if newSettings.listen != settings.listen {
+                do {
+                    boundAddress = try bind(newSettings.listen)
+                } catch {
+                    logger.error("SIGHUP: \(error); still serving the old configuration")
+                    return
+                }
+                logger.info("listening on http://\(boundAddress)")
+            }
+            settings = newSettings
+            frontDoor = FrontDoor(settings: newSettings, credentials: credentials, boundAddress: boundAddress)
+            logger.level = newSettings.logLevel
+            logger.info("SIGHUP: configuration reloaded")
+        }
+    }
+}
+
+// MARK: - libevent callbacks (context: the ProxyServer, unretained)
+
+private let acceptCallback: evconnlistener_cb = { _, fd, address, length, context in
+    Unmanaged<ProxyServer>.fromOpaque(context!).takeUnretainedValue().accepted(fd: fd, address: address, length: length)
+}
+
+private let acceptErrorCallback: evconnlistener_errorcb = { _, _ in
+    // EMFILE and the like: libevent retries on the next readiness; nothing to do but not crash.
+}
+
+private let signalCallback: event_callback_fn = { number, _, context in
+    Unmanaged<ProxyServer>.fromOpaque(context!).takeUnretainedValue().handleSignal(number)
+}
