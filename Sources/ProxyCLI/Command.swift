@@ -204,7 +204,8 @@ enum ArgumentParser {
         if !spec.subcommands.isEmpty {
             text += "\nSUBCOMMANDS:\n"
             for subcommand in spec.subcommands { text += row(subcommand.name, subcommand.abstract) }
-            text += "\n  See '\(path.first ?? "proxyctl") help \(path.dropFirst().map { $0 + " " }.joined())<subcommand>' for detailed help.\n"
+            text +=
+                "\n  See '\(path.first ?? "proxyctl") help \(path.dropFirst().map { $0 + " " }.joined())<subcommand>' for detailed help.\n"
         }
         return text
     }

@@ -54,7 +54,8 @@ struct ConfigLoader {
         let attributes = try? FileManager.default.attributesOfItem(atPath: path)
         if let mode = (attributes?[.posixPermissions] as? NSNumber)?.intValue, mode & 0o077 != 0 {
             throw CommandFailure(
-                message: "\(path): proxy_auth_file holds passwords but can be read by other users; run: chmod 600 \(path)")
+                message:
+                    "\(path): proxy_auth_file holds passwords but can be read by other users; run: chmod 600 \(path)")
         }
         let text = try readText(path, what: "proxy_auth_file")
         switch ProxyCredentials.parse(text, file: path) {

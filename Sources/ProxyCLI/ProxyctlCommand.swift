@@ -16,9 +16,11 @@ public enum ProxyctlCommand {
             """,
         subcommands: [
             ServeCommand.spec,
-            CommandSpec(name: "help", abstract: "Show subcommand help information.", arguments: [
-                ArgumentSpec(name: "subcommand", help: "The subcommand to describe.")
-            ]),
+            CommandSpec(
+                name: "help", abstract: "Show subcommand help information.",
+                arguments: [
+                    ArgumentSpec(name: "subcommand", help: "The subcommand to describe.")
+                ]),
         ]
     )
 

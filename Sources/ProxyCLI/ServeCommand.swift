@@ -16,7 +16,9 @@ enum ServeCommand {
             """,
         options: [
             .option("config", short: "c", value: "file", help: "The configuration file (proxy.conf)."),
-            .option("listen", value: "host:port", help: "Listen here instead of the configured address; port 0 picks a free port."),
+            .option(
+                "listen", value: "host:port",
+                help: "Listen here instead of the configured address; port 0 picks a free port."),
             .option("log-level", value: "level", help: "error, warn, info or debug (overrides log_level)."),
             .flag("check", help: "Check the configuration and exit: 0 when it is valid, 1 with every error otherwise."),
         ],
@@ -29,7 +31,8 @@ enum ServeCommand {
         var configuration = try loader.load(location)
         if let level = arguments.value("log-level") {
             guard let parsed = LogLevel(name: level) else {
-                throw UsageError(message: "--log-level expects error, warn, info or debug", command: ["proxyctl", "serve"])
+                throw UsageError(
+                    message: "--log-level expects error, warn, info or debug", command: ["proxyctl", "serve"])
             }
             configuration.proxy.logLevel = parsed
         }

@@ -30,7 +30,8 @@ enum Buffers {
             var position = evbuffer_ptr()
             var first = true
             while true {
-                let count = first
+                let count =
+                    first
                     ? evbuffer_peek(buffer, -1, nil, vectors.baseAddress, 16)
                     : evbuffer_peek(buffer, -1, &position, vectors.baseAddress, 16)
                 if count <= 0 { return }

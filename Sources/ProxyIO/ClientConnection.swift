@@ -195,7 +195,8 @@ final class ClientConnection {
                     ProxyResponse(
                         status: 408,
                         proxyStatus: ProxyStatus(error: .httpRequestError, details: "request head incomplete"),
-                        message: "proxyctl: the request head did not arrive within \(ConfigValue.describeDuration(server.settings.headerTimeout))",
+                        message:
+                            "proxyctl: the request head did not arrive within \(ConfigValue.describeDuration(server.settings.headerTimeout))",
                         close: true))
             } else {
                 close()
@@ -247,7 +248,8 @@ final class ClientConnection {
                 setClientReadTimeout(server.settings.headerTimeout)
                 return
             case .failed(let error):
-                server.logger.info("conn=\(id) client=\(peer) rejected status=\(error.status) reason=\"\(error.reason)\"")
+                server.logger.info(
+                    "conn=\(id) client=\(peer) rejected status=\(error.status) reason=\"\(error.reason)\"")
                 respond(FrontDoor.reject(error))
                 return
             case .complete(let head, _):
@@ -287,10 +289,7 @@ final class ClientConnection {
     private func respond(_ response: ProxyResponse, headRequest: Bool = false) {
         Buffers.append(response.serialized(headRequest: headRequest), to: bufferevent_get_output(client))
         if response.close || clientEOF || server.draining {
-            phase = .closing
-            bufferevent_disable(client, Int16(EV_READ))
-            dropUpstream()
-            if Buffers.length(bufferevent_get_output(client)) == 0 { close() }
+            closeAfterFlush()
         } else {
             phase = .readingHead
             bufferevent_enable(client, Int16(EV_READ))
@@ -313,7 +312,9 @@ final class ClientConnection {
                 guard phase == .connecting, addresses.isEmpty else { return }
                 connectFailed(
                     status: 504, error: .dnsTimeout, hop: target,
-                    message: "resolving \(target.host) took longer than \(ConfigValue.describeDuration(server.settings.connectTimeout))")
+                    message:
+                        "resolving \(target.host) took longer than \(ConfigValue.describeDuration(server.settings.connectTimeout))"
+                )
             }
             timer.schedule(milliseconds: server.settings.connectTimeout)
             resolveTimer = timer
@@ -362,16 +363,20 @@ final class ClientConnection {
             lastConnectError = proxyctl_errno()
             dropUpstream()
         }
-        if EventLoop.monotonicMilliseconds() >= connectDeadline {
+        if lastConnectError == ETIMEDOUT || EventLoop.monotonicMilliseconds() >= connectDeadline {
             connectFailed(
                 status: 504, error: .connectionTimeout, hop: target,
-                message: "connecting to \(target) took longer than \(ConfigValue.describeDuration(server.settings.connectTimeout))")
+                message:
+                    "connecting to \(target) took longer than \(ConfigValue.describeDuration(server.settings.connectTimeout))"
+            )
         } else if lastConnectError == ECONNREFUSED {
-            connectFailed(status: 502, error: .connectionRefused, hop: target, message: "\(target) refused the connection")
+            connectFailed(
+                status: 502, error: .connectionRefused, hop: target, message: "\(target) refused the connection")
         } else {
             let reason = lastConnectError == 0 ? "unreachable" : String(cString: strerror(lastConnectError))
             connectFailed(
-                status: 502, error: .destinationUnavailable, hop: target, message: "cannot connect to \(target): \(reason)")
+                status: 502, error: .destinationUnavailable, hop: target,
+                message: "cannot connect to \(target): \(reason)")
         }
     }
 
@@ -385,7 +390,8 @@ final class ClientConnection {
         }
         let text = viaProxy ? "upstream proxy: \(message)" : message
         let target = pendingTarget
-        server.logger.info("conn=\(id) client=\(peer) \(target) status=\(status) error=\(error.rawValue) reason=\"\(text)\"")
+        server.logger.info(
+            "conn=\(id) client=\(peer) \(target) status=\(status) error=\(error.rawValue) reason=\"\(text)\"")
         pending = nil
         tunnel = nil
         respond(
@@ -648,9 +654,6 @@ final class ClientConnection {
             bufferevent_disable(client, Int16(EV_READ))
             bufferevent_setwatermark(upstream, Int16(EV_WRITE), server.highWater / 2, 0)
         }
-        if exchange.requestDone && exchange.responseHeadDone && exchange.responseFramingDone {
-            finishExchange(exchange)
-        }
     }
 
     private func badRequestBody(_ error: HTTPParseError) {
@@ -700,7 +703,9 @@ final class ClientConnection {
             return
         }
         if phase == .connecting {
-            if what & Int32(BEV_EVENT_ERROR) != 0 {
+            if what & Int32(BEV_EVENT_TIMEOUT) != 0 {
+                lastConnectError = ETIMEDOUT
+            } else if what & Int32(BEV_EVENT_ERROR) != 0 {
                 lastConnectError = proxyctl_socket_error(bufferevent_getfd(upstream))
                 if lastConnectError == 0 { lastConnectError = proxyctl_errno() }
             }
@@ -750,7 +755,8 @@ final class ClientConnection {
                 respond(
                     ProxyResponse(
                         status: 502,
-                        proxyStatus: ProxyStatus(error: .httpResponseIncomplete, details: message, nextHop: hop.description),
+                        proxyStatus: ProxyStatus(
+                            error: .httpResponseIncomplete, details: message, nextHop: hop.description),
                         message: "proxyctl: \(message)",
                         close: true))
             } else {
@@ -761,7 +767,8 @@ final class ClientConnection {
             }
         case .upstreamHandshake:
             let hop = upstreamKey ?? HostPort(host: "-", port: 0, kind: .name)
-            connectFailed(status: 502, error: .connectionTerminated, hop: hop, message: "closed the connection during CONNECT")
+            connectFailed(
+                status: 502, error: .connectionTerminated, hop: hop, message: "closed the connection during CONNECT")
         default:
             // An idle kept-alive connection went away.
             dropUpstream()
@@ -785,13 +792,16 @@ final class ClientConnection {
                 let hop = exchange.forward.upstream?.address ?? exchange.forward.url.authority
                 dropUpstream()
                 self.exchange = nil
-                let message = "\(hop) sent no response within \(ConfigValue.describeDuration(server.settings.idleTimeout))"
+                let message =
+                    "\(hop) sent no response within \(ConfigValue.describeDuration(server.settings.idleTimeout))"
                 server.logger.info(
-                    "conn=\(id) client=\(peer) \(exchange.forward.method) \(LogText.url(exchange.forward.url)) status=504 error=http_response_timeout")
+                    "conn=\(id) client=\(peer) \(exchange.forward.method) \(LogText.url(exchange.forward.url)) status=504 error=http_response_timeout"
+                )
                 respond(
                     ProxyResponse(
                         status: 504,
-                        proxyStatus: ProxyStatus(error: .httpResponseTimeout, details: message, nextHop: hop.description),
+                        proxyStatus: ProxyStatus(
+                            error: .httpResponseTimeout, details: message, nextHop: hop.description),
                         message: "proxyctl: \(message)",
                         close: true))
             } else {
@@ -949,7 +959,8 @@ final class ClientConnection {
     private func badResponse(_ exchange: Exchange, _ error: HTTPParseError) {
         let hop = exchange.forward.upstream?.address ?? exchange.forward.url.authority
         server.logger.info(
-            "conn=\(id) client=\(peer) \(exchange.forward.method) \(LogText.url(exchange.forward.url)) status=502 error=http_protocol_error reason=\"\(error.reason)\"")
+            "conn=\(id) client=\(peer) \(exchange.forward.method) \(LogText.url(exchange.forward.url)) status=502 error=http_protocol_error reason=\"\(error.reason)\""
+        )
         dropUpstream()
         self.exchange = nil
         if exchange.clientSawResponse {
@@ -959,7 +970,8 @@ final class ClientConnection {
                 ProxyResponse(
                     status: 502,
                     proxyStatus: ProxyStatus(
-                        error: .httpProtocolError, details: "invalid response: \(error.reason)", nextHop: hop.description),
+                        error: .httpProtocolError, details: "invalid response: \(error.reason)",
+                        nextHop: hop.description),
                     message: "proxyctl: \(hop) sent an invalid response (\(error.reason))",
                     close: true))
         }

@@ -170,7 +170,8 @@ public final class ProxyServer {
             return
         }
         logger.info(
-            "shutting down: waiting up to \(ConfigValue.describeDuration(settings.shutdownGrace)) for \(connections.count) connection(s)")
+            "shutting down: waiting up to \(ConfigValue.describeDuration(settings.shutdownGrace)) for \(connections.count) connection(s)"
+        )
         let timer = LoopTimer(loop: loop) { [unowned self] in
             logger.info("grace period over: closing \(connections.count) connection(s)")
             for connection in Array(connections.values) { connection.abort("shutdown") }

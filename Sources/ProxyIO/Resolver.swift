@@ -104,7 +104,8 @@ public final class Resolver: Sendable {
 
     /// Resolves `host` for TCP to `port`. `completion` runs on `loop`.
     public func resolve(
-        _ host: HostPort, loop: EventLoop, completion: @escaping @Sendable (Result<[SocketAddress], ResolveError>) -> Void
+        _ host: HostPort, loop: EventLoop,
+        completion: @escaping @Sendable (Result<[SocketAddress], ResolveError>) -> Void
     ) {
         if host.kind != .name, let address = SocketAddress(ip: host.host, port: host.port) {
             completion(.success([address]))

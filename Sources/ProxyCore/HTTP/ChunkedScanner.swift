@@ -31,7 +31,9 @@ public struct ChunkedScanner: Sendable {
         case dataLF
         /// At the start of a trailer line or the final CRLF.
         case trailerLineStart
-        /// Inside a trailer field line, up to CR.
+        /// Inside a trailer field name, up to ":".
+        case trailerName
+        /// Inside a trailer field value, up to CR.
         case trailerLine
         /// Saw CR ending a trailer line (or the final line when `final`).
         case trailerLF(final: Bool)
@@ -131,7 +133,16 @@ public struct ChunkedScanner: Sendable {
             } else if byte == ASCII.space || byte == ASCII.tab || !ASCII.tchar[Int(byte)] {
                 return fail("malformed trailer field")
             } else {
+                state = .trailerName
+            }
+        case .trailerName:
+            // RFC 9112 §7.1.2, §5: a trailer line is a field line, `token ":"`; no whitespace before the colon.
+            trailerBytes += 1
+            guard trailerBytes <= Self.maxTrailers else { return fail("trailer section too large") }
+            if byte == ASCII.colon {
                 state = .trailerLine
+            } else if !ASCII.tchar[Int(byte)] {
+                return fail("malformed trailer field name")
             }
         case .trailerLine:
             trailerBytes += 1

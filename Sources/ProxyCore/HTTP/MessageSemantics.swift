@@ -89,7 +89,9 @@ public enum MessageSemantics {
         if case .absolute(let url) = target {
             if let hostIndex = hostIndices.first {
                 // RFC 9112 §3.2.2: the target wins; keep the received bytes when they name the same authority.
-                let sent = HostPort.parse(head.value(at: hostIndex)[...], defaultPort: url.authority.port)
+                // RFC 9110 §7.2: a Host without a port names the scheme's default port, not the target's port.
+                let schemePort = url.scheme == "https" ? 443 : 80
+                let sent = HostPort.parse(head.value(at: hostIndex)[...], defaultPort: schemePort)
                 if case .success(let authority) = sent, authority == url.authority {
                     // same authority: forwarded unchanged
                 } else {

@@ -1,0 +1,64 @@
+import ProxyCore
+
+/// How a scan of a whole input ended.
+private enum ChunkedResult: Equatable {
+    /// The body ended `end` bytes into the input.
+    case done(end: Int, dataBytes: UInt64)
+    case failed(HTTPParseError.Code)
+    /// The input ended inside the body.
+    case needMore(dataBytes: UInt64, pendingData: UInt64)
+}
+
+public func fuzzChunked(_ data: UnsafeBufferPointer<UInt8>) {
+    let input = Array(data)
+    let whole = scanChunked(input, split: .whole, skipByHand: false)
+    for (split, skip) in [(Split.mixed(salt: 1), false), (.tiny(salt: 2), false), (.mixed(salt: 3), true)] {
+        let other = scanChunked(input, split: split, skipByHand: skip)
+        invariant(
+            other == whole,
+            "chunked scan depends on how the input is split (\(split), skipData by hand: \(skip)):\n  whole: \(whole)\n  split: \(other)")
+    }
+    if case .done(let end, let dataBytes) = whole {
+        invariant(dataBytes <= UInt64(end), "more data bytes than bytes consumed")
+        // The body is exactly the bytes up to `end`: scanning just those ends at the same place.
+        invariant(
+            scanChunked(Array(input[..<end]), split: .whole, skipByHand: false) == whole,
+            "the body alone scans differently")
+    }
+}
+
+/// Scans `input` in the pieces `split` gives. With `skipByHand`, part of each run of chunk data is passed
+/// over with `skipData` first, the way a forwarder that moves data without looking at it would.
+private func scanChunked(_ input: [UInt8], split: Split, skipByHand: Bool) -> ChunkedResult {
+    var scanner = ChunkedScanner()
+    for piece in split.pieces(of: input) {
+        var offset = piece.lowerBound
+        if skipByHand && scanner.pendingData > 0 {
+            let available = piece.upperBound - offset
+            let skip = Int(min(scanner.pendingData, UInt64(available))) / 2
+            let before = scanner.pendingData
+            scanner.skipData(skip)
+            invariant(before - scanner.pendingData == UInt64(skip) || scanner.pendingData == 0, "skipData(\(skip)) took another amount")
+            offset += skip
+        }
+        let given = piece.upperBound - offset
+        switch input.withRawBytes(offset..<piece.upperBound, { scanner.scan($0) }) {
+        case .needMore:
+            invariant(!scanner.isFinished, "needMore from a finished scanner")
+        case .done(let consumed):
+            invariant(consumed >= 1 && consumed <= given, "consumed \(consumed) of the \(given) bytes given")
+            invariant(scanner.isFinished && scanner.pendingData == 0, "done, but the scanner is not finished")
+            return .done(end: offset + consumed, dataBytes: scanner.dataBytes)
+        case .failed(let error):
+            invariant(error.code == .badChunk, "chunked body failed with \(error.code)")
+            // A failed scanner stays failed.
+            guard case .failed = scanner.scan(Array("0\r\n\r\n".utf8)) else {
+                invariant(false, "the scanner recovered from an error")
+                return .failed(error.code)
+            }
+            return .failed(error.code)
+        }
+    }
+    invariant(!scanner.isFinished, "finished without saying done")
+    return .needMore(dataBytes: scanner.dataBytes, pendingData: scanner.pendingData)
+}

@@ -1,0 +1,129 @@
+import ProxyCore
+
+private let parser = ConfigParser(homeDirectory: "/home/fuzz", baseDirectory: "/etc/proxyctl")
+
+/// What a configuration parse decided, comparable across line endings.
+private enum ConfigSummary: Equatable {
+    case success(Configuration)
+    /// Each error's line and key.
+    case failure([ConfigError])
+}
+
+public func fuzzConfig(_ data: UnsafeBufferPointer<UInt8>) {
+    let raw = Array(data)
+    let config = text(raw)
+    let lineCount = config.utf8.filter { $0 == 0x0A }.count + 1
+
+    let summary = checkConfig(config, lineCount: lineCount)
+    checkINI(config, lineCount: lineCount)
+    let credentials = checkCredentials(config, lineCount: lineCount)
+
+    // The same file saved with CRLF line endings means the same thing.
+    if !config.utf8.contains(0x0D) {
+        let crlf = String(decoding: config.utf8.flatMap { $0 == 0x0A ? [0x0D, 0x0A] : [$0] }, as: UTF8.self)
+        let again = checkConfig(crlf, lineCount: lineCount)
+        invariant(again == summary, "proxy.conf means something else with CRLF line endings:\n  LF:   \(summary)\n  CRLF: \(again)")
+        let credentialsAgain = checkCredentials(crlf, lineCount: lineCount)
+        invariant(
+            credentialsAgain == credentials,
+            "the user file means something else with CRLF line endings:\n  LF:   \(credentials)\n  CRLF: \(credentialsAgain)")
+    }
+}
+
+private func checkConfig(_ config: String, lineCount: Int) -> ConfigSummary {
+    switch parser.parse(config, file: "fuzz.conf") {
+    case .success(let parsed):
+        invariant(parsed.source == "fuzz.conf", "configuration source")
+        let proxy = parsed.proxy
+        invariant(
+            ListenAddress.parse(proxy.listen.description) == proxy.listen,
+            "listen address \(proxy.listen) does not parse back")
+        invariant(proxy.listen.isLoopback || proxy.proxyAuthFile != nil, "reachable from other machines without authentication")
+        if let upstream = proxy.upstreamProxy {
+            checkAuthority(upstream.address)
+            switch UpstreamProxy.parse(upstream.description) {
+            case .success(let again):
+                invariant(again.address == upstream.address && again.username == nil, "upstream proxy \(upstream) does not parse back")
+            case .failure(let error):
+                invariant(false, "upstream proxy \(upstream) does not parse back: \(error)")
+            }
+        }
+        invariant(proxy.connectTimeout > 0 && proxy.idleTimeout > 0 && proxy.keepAliveTimeout > 0 && proxy.headerTimeout > 0, "a timeout of zero")
+        invariant(proxy.shutdownGrace >= 0, "negative shutdown grace")
+        invariant((256...(1 << 20)).contains(proxy.headLimits.maxStartLine), "max_request_line out of range")
+        invariant((1024...(16 << 20)).contains(proxy.headLimits.maxHeadBytes), "max_header_bytes out of range")
+        invariant((8...10_000).contains(proxy.headLimits.maxFields), "max_headers out of range")
+        invariant((1...1_000_000).contains(proxy.maxConnections), "max_connections out of range")
+        return .success(parsed)
+    case .failure(let errors):
+        invariant(!errors.errors.isEmpty, "failure without errors")
+        var previous = 0
+        for error in errors.errors {
+            invariant(error.file == "fuzz.conf", "error in file \(error.file)")
+            if let line = error.line {
+                invariant((1...lineCount).contains(line), "error on line \(line) of \(lineCount): \(error)")
+                invariant(line >= previous, "errors not in line order")
+                previous = line
+            }
+            invariant(!error.description.isEmpty, "empty error message")
+        }
+        return .failure(errors.errors)
+    }
+}
+
+private func checkINI(_ config: String, lineCount: Int) {
+    let (document, errors) = INIDocument.parse(config, file: "fuzz.conf")
+    var previous = 0
+    for section in document.sections {
+        invariant(section.line > previous && section.line <= lineCount, "section on line \(section.line)")
+        previous = section.line
+        var keys = Set<String>()
+        for entry in section.entries {
+            invariant(entry.line > previous && entry.line <= lineCount, "entry on line \(entry.line)")
+            previous = entry.line
+            invariant(keys.insert(entry.key).inserted, "key \(entry.key) twice in one section")
+            invariant(!entry.key.isEmpty && entry.key.allSatisfy(\.isASCII), "key \(entry.key.debugDescription)")
+        }
+    }
+    for error in errors {
+        invariant(error.line.map { (1...lineCount).contains($0) } ?? false, "syntax error without a line in range")
+    }
+}
+
+/// What a user file decided, comparable across line endings.
+private enum CredentialsSummary: Equatable {
+    case success(ProxyCredentials)
+    case failure(line: Int?)
+}
+
+/// `ProxyCredentials.parse` on the same text: errors name a line in range, and every user line it accepted
+/// lets that user in with that password (RFC 7617: the user ends at the first colon).
+private func checkCredentials(_ config: String, lineCount: Int) -> CredentialsSummary {
+    switch ProxyCredentials.parse(config, file: "users") {
+    case .failure(let error):
+        invariant(error.line.map { (1...lineCount).contains($0) } ?? true, "user file error on line \(error.line!) of \(lineCount)")
+        return .failure(line: error.line)
+    case .success(let credentials):
+        invariant(credentials.count >= 1, "no users")
+        var users = 0
+        for rawLine in Array(config.utf8).split(separator: 0x0A, omittingEmptySubsequences: false) {
+            var line = rawLine[...]
+            if line.last == 0x0D { line = line.dropLast() }
+            if line.allSatisfy({ $0 == 0x20 || $0 == 0x09 }) || line.first == UInt8(ascii: "#") { continue }
+            guard let colon = line.firstIndex(of: UInt8(ascii: ":")), colon > line.startIndex, colon + 1 < line.endIndex
+            else { continue }
+            users += 1
+            let user = text(Array(line[..<colon]))
+            let header = "Basic " + Base64.encode(line)
+            invariant(
+                credentials.check(header) == .allowed(user: user),
+                "user \(user.debugDescription) from the file is not let in: \(credentials.check(header))")
+            var wrong = Array(line)
+            wrong[wrong.count - 1] ^= 0x01
+            invariant(credentials.check("Basic " + Base64.encode(wrong)) != .allowed(user: user), "a wrong password lets \(user.debugDescription) in")
+        }
+        // Not equal: a line that starts with "#" and a combining mark is not a comment to the parser.
+        invariant(users <= credentials.count, "\(credentials.count) users parsed from \(users) user lines")
+        return .success(credentials)
+    }
+}
