@@ -30,14 +30,20 @@ let package = Package(
         .target(name: "ProxyCore"),
         // OpenSSL: CA, leaf certificates, ES256, hashing, randomness.
         .target(name: "ProxyTLS", dependencies: ["ProxyCore", "COpenSSL"]),
-        // The only module that touches file descriptors.
-        .target(name: "ProxyIO", dependencies: ["ProxyCore", "ProxyTLS", "CLibevent", "CCurl", "COpenSSL"]),
+        // Sign-in and tokens: discovery, PKCE, login flows, ID tokens, the token store, refresh. Decides; the
+        // HTTP requests it needs go through a transport that ProxyIO provides.
+        .target(name: "ProxyOAuth", dependencies: ["ProxyCore", "ProxyTLS"]),
+        // The only module that touches sockets.
+        .target(
+            name: "ProxyIO", dependencies: ["ProxyCore", "ProxyTLS", "ProxyOAuth", "CLibevent", "CCurl", "COpenSSL"]),
         // argv -> command, help text, exit codes.
-        .target(name: "ProxyCLI", dependencies: ["ProxyCore", "ProxyTLS", "ProxyIO"]),
+        .target(name: "ProxyCLI", dependencies: ["ProxyCore", "ProxyTLS", "ProxyOAuth", "ProxyIO"]),
         .executableTarget(name: "proxyctl", dependencies: ["ProxyCLI"]),
 
         .testTarget(name: "ProxyCoreTests", dependencies: ["ProxyCore"]),
-        .testTarget(name: "ProxyIOTests", dependencies: ["ProxyIO", "ProxyCore"]),
+        .testTarget(name: "ProxyTLSTests", dependencies: ["ProxyTLS", "ProxyCore"]),
+        .testTarget(name: "ProxyOAuthTests", dependencies: ["ProxyOAuth", "ProxyTLS", "ProxyCore"]),
+        .testTarget(name: "ProxyIOTests", dependencies: ["ProxyIO", "ProxyOAuth", "ProxyCore"]),
     ],
     swiftLanguageModes: [.v6]
 )

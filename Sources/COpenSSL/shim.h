@@ -14,6 +14,8 @@
 #include <openssl/ecdsa.h>
 #include <openssl/bn.h>
 #include <openssl/sha.h>
+#include <openssl/param_build.h>
+#include <openssl/rsa.h>
 
 // BIO_get_mem_data is a macro over BIO_ctrl.
 static inline long proxyctl_BIO_get_mem_data(BIO *bio, char **data) {
@@ -38,6 +40,17 @@ static inline int proxyctl_SSL_CTX_set_servername_callback(SSL_CTX *ctx, int (*c
 // SSL_set_tlsext_host_name is a macro over SSL_ctrl.
 static inline int proxyctl_SSL_set_tlsext_host_name(SSL *ssl, const char *name) {
     return (int)SSL_set_tlsext_host_name(ssl, name);
+}
+
+// EVP_PKEY_PUBLIC_KEY and EVP_PKEY_KEYPAIR are macro expressions.
+static inline int proxyctl_EVP_PKEY_PUBLIC_KEY(void) { return EVP_PKEY_PUBLIC_KEY; }
+static inline int proxyctl_EVP_PKEY_KEYPAIR(void) { return EVP_PKEY_KEYPAIR; }
+
+// ERR_get_error_all is fine, but the reason string needs ERR_error_string_n with a buffer: one helper.
+static inline unsigned long proxyctl_ERR_get_error_string(char *buffer, size_t length) {
+    unsigned long code = ERR_get_error();
+    if (code != 0) ERR_error_string_n(code, buffer, length);
+    return code;
 }
 
 #endif

@@ -12,10 +12,15 @@ public enum ProxyctlCommand {
         name: "proxyctl",
         abstract: "An authenticating HTTP forward proxy for APIs behind OAuth 2.0 and OpenID Connect.",
         discussion: """
-            Point your tools at it with HTTPS_PROXY and HTTP_PROXY. Everything passes through untouched.
+            Sign in once with `proxyctl login`, run `proxyctl serve`, and point your tools at it with HTTPS_PROXY \
+            and HTTP_PROXY. Everything that is not a protected origin passes through untouched.
             """,
         subcommands: [
             ServeCommand.spec,
+            LoginCommand.spec,
+            LogoutCommand.spec,
+            StatusCommand.spec,
+            TokenCommand.spec,
             CommandSpec(
                 name: "help", abstract: "Show subcommand help information.",
                 arguments: [

@@ -15,7 +15,8 @@ public final class EventLoop: @unchecked Sendable {
     let base: OpaquePointer
     private var wakeEvent: OpaquePointer?
     private let jobs = Mutex<[@Sendable () -> Void]>([])
-    private var thread: pthread_t?
+    /// The thread running the loop, 0 before `run`.
+    private let thread = Atomic<UInt>(0)
 
     /// Must run once, before any other thread starts and before the first loop is made.
     public static func initializeLibraries() {
@@ -44,7 +45,7 @@ public final class EventLoop: @unchecked Sendable {
 
     /// Runs the loop on the calling thread until `stop` or until nothing is left to do.
     public func run() {
-        thread = pthread_self()
+        thread.store(UInt(pthread_self()), ordering: .releasing)
         event_base_loop(base, 0)
     }
 
@@ -55,8 +56,8 @@ public final class EventLoop: @unchecked Sendable {
 
     /// Whether the caller is on this loop's thread.
     public var inLoopThread: Bool {
-        guard let thread else { return true }
-        return pthread_equal(thread, pthread_self()) != 0
+        let owner = thread.load(ordering: .acquiring)
+        return owner == 0 || owner == UInt(pthread_self())
     }
 
     /// Runs `job` on the loop thread soon. Safe from any thread.

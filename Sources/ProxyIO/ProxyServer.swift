@@ -114,6 +114,27 @@ public final class ProxyServer {
         }
     }
 
+    /// accept(2) failed. Out of descriptors (EMFILE, ENFILE) or memory, the listening socket stays readable
+    /// and the loop would spin: pause accepting for a moment instead.
+    func acceptFailed(errno code: Int32) {
+        guard code == EMFILE || code == ENFILE || code == ENOBUFS || code == ENOMEM else { return }
+        logger.warn(
+            "cannot accept connections: \(String(cString: strerror(code))); pausing for 1s (\(connections.count) open)")
+        guard !listenerPaused, let listener else { return }
+        listenerPaused = true
+        evconnlistener_disable(listener)
+        let timer = LoopTimer(loop: loop) { [unowned self] in
+            acceptRetryTimer = nil
+            guard listenerPaused, !draining, connections.count < settings.maxConnections else { return }
+            listenerPaused = false
+            evconnlistener_enable(self.listener)
+        }
+        timer.schedule(milliseconds: 1000)
+        acceptRetryTimer = timer
+    }
+
+    private var acceptRetryTimer: LoopTimer?
+
     func connectionClosed(_ connection: ClientConnection) {
         connections.removeValue(forKey: ObjectIdentifier(connection))
         if listenerPaused && connections.count < settings.maxConnections && !draining {
@@ -213,8 +234,8 @@ private let acceptCallback: evconnlistener_cb = { _, fd, address, length, contex
     Unmanaged<ProxyServer>.fromOpaque(context!).takeUnretainedValue().accepted(fd: fd, address: address, length: length)
 }
 
-private let acceptErrorCallback: evconnlistener_errorcb = { _, _ in
-    // EMFILE and the like: libevent retries on the next readiness; nothing to do but not crash.
+private let acceptErrorCallback: evconnlistener_errorcb = { _, context in
+    Unmanaged<ProxyServer>.fromOpaque(context!).takeUnretainedValue().acceptFailed(errno: proxyctl_errno())
 }
 
 private let signalCallback: event_callback_fn = { number, _, context in

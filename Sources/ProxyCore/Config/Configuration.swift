@@ -57,6 +57,8 @@ public struct ProxySettings: Sendable, Equatable {
 /// A whole configuration, validated.
 public struct Configuration: Sendable, Equatable {
     public var proxy = ProxySettings()
+    /// `[provider NAME]` sections, in file order.
+    public var providers: [ProviderConfig] = []
     /// Where it came from: a file path, or nil for the built-in defaults.
     public var source: String? = nil
 
@@ -81,8 +83,30 @@ public struct ConfigParser: Sendable {
         var config = Configuration()
         config.source = file
         var seenProxy: Int? = nil
+        var seenProviders: [String: Int] = [:]
         for section in document.sections {
             switch section.name {
+            case "provider":
+                guard let name = section.argument, ProviderConfig.isValidName(name) else {
+                    errors.append(
+                        ConfigError(
+                            file: file, line: section.line,
+                            "expected [provider NAME] with a name of letters, digits, '-', '_' or '.', such as [provider corp]"
+                        ))
+                    continue
+                }
+                if let first = seenProviders[name] {
+                    errors.append(
+                        ConfigError(
+                            file: file, line: section.line, section: section.label,
+                            "section appears twice (first on line \(first)); merge them"))
+                    continue
+                }
+                seenProviders[name] = section.line
+                var provider = ProviderConfig(name: name)
+                provider.line = section.line
+                applyProvider(section, file: file, into: &provider, errors: &errors)
+                config.providers.append(provider)
             case "proxy":
                 if let first = seenProxy {
                     errors.append(
@@ -101,7 +125,7 @@ public struct ConfigParser: Sendable {
                 errors.append(
                     ConfigError(
                         file: file, line: section.line,
-                        "unknown section [\(section.label)]; expected [proxy]"))
+                        "unknown section [\(section.label)]; expected [proxy] or [provider NAME]"))
             }
         }
         // Cross-key checks.

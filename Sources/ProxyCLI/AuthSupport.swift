@@ -1,0 +1,203 @@
+import Dispatch
+import Foundation
+import ProxyCore
+import ProxyIO
+import ProxyOAuth
+import Synchronization
+
+/// What the sign-in commands share: the configuration, the chosen provider, its store, client and loop.
+struct AuthEnvironment {
+    let configuration: Configuration
+    let provider: ProviderConfig
+    let store: TokenStore
+    let loopThread: LoopThread
+    let client: ProviderClient
+
+    static let configOption = OptionSpec.option("config", short: "c", value: "file", help: "The configuration file (proxy.conf).")
+    static let providerArgument = ArgumentSpec(
+        name: "provider", help: "The [provider NAME] section to use; may be omitted when only one is configured.")
+
+    /// Loads the configuration and picks the provider named on the command line (or the only one).
+    static func load(_ arguments: ParsedArguments, _ context: CommandContext, command: String) throws -> AuthEnvironment {
+        let loader = ConfigLoader(environment: context.environment)
+        let location = loader.locate(flag: arguments.value("config"))
+        let configuration = try loader.load(location)
+        let provider = try pick(configuration, name: arguments.positionals.first, location: location, command: command)
+        if let caFile = provider.caFile, !FileManager.default.isReadableFile(atPath: caFile) {
+            throw CommandFailure(message: "[provider \(provider.name)] ca_file \(caFile) cannot be read")
+        }
+        guard let stateDirectory = configuration.proxy.stateDir ?? TokenStore.defaultStateDirectory(environment: context.environment)
+        else {
+            throw CommandFailure(message: "no state directory: set HOME, XDG_STATE_HOME or state_dir in [proxy]")
+        }
+        let loopThread = LoopThread()
+        let transport = CurlTransport(
+            loop: loopThread.loop, upstreamProxy: configuration.proxy.upstreamProxy,
+            bypass: configuration.proxy.noUpstreamProxy)
+        return AuthEnvironment(
+            configuration: configuration, provider: provider, store: TokenStore(stateDirectory: stateDirectory),
+            loopThread: loopThread, client: ProviderClient(config: provider, transport: transport))
+    }
+
+    static func pick(
+        _ configuration: Configuration, name: String?, location: ConfigLoader.Location, command: String
+    ) throws -> ProviderConfig {
+        if let name {
+            guard let provider = configuration.providers.first(where: { $0.name == name }) else {
+                let known = configuration.providers.map(\.name)
+                throw CommandFailure(
+                    message: known.isEmpty
+                        ? "no provider named \(name): \(describe(location)) has no [provider NAME] section"
+                        : "no provider named \(name); configured: \(known.joined(separator: ", "))")
+            }
+            return provider
+        }
+        switch configuration.providers.count {
+        case 0:
+            throw CommandFailure(
+                message:
+                    "no provider is configured: add a [provider NAME] section with issuer and client_id to \(describe(location)) (see proxy.conf.example)"
+            )
+        case 1:
+            return configuration.providers[0]
+        default:
+            throw UsageError(
+                message:
+                    "several providers are configured (\(configuration.providers.map(\.name).joined(separator: ", "))); name one: proxyctl \(command) \(configuration.providers[0].name)",
+                command: ["proxyctl", command])
+        }
+    }
+
+    static func describe(_ location: ConfigLoader.Location) -> String {
+        switch location {
+        case .explicit(let path), .standard(let path): path
+        case .none: "the configuration"
+        }
+    }
+
+    func manager() -> TokenManager {
+        TokenManager(provider: provider, store: store, client: client)
+    }
+}
+
+/// Runs async work from a synchronous command and waits for it.
+func runBlocking<T: Sendable>(_ body: @escaping @Sendable () async throws -> T) throws -> T {
+    let outcome = Mutex<Result<T, any Error>?>(nil)
+    let done = DispatchSemaphore(value: 0)
+    Task {
+        do {
+            let value = try await body()
+            outcome.withLock { $0 = .success(value) }
+        } catch {
+            outcome.withLock { $0 = .failure(error) }
+        }
+        done.signal()
+    }
+    done.wait()
+    return try outcome.withLock { $0! }.get()
+}
+
+/// Prints login progress to standard error (standard output is kept for data, such as `proxyctl token`).
+struct StderrConsole: LoginConsole {
+    let context: CommandContext
+    func say(_ line: String) { context.err(line) }
+}
+
+extension AuthError {
+    /// The error as a command failure: what happened and what to do.
+    var commandFailure: CommandFailure {
+        switch self {
+        case .configuration(let reason): CommandFailure(message: "configuration problem: \(reason)")
+        case .recoverable(let reason, let retryAfter):
+            CommandFailure(message: retryAfter.map { "\(reason); try again in \($0)s" } ?? "\(reason); try again later")
+        default: CommandFailure(message: description)
+        }
+    }
+}
+
+/// Opens URLs in a browser, or says why it cannot.
+struct BrowserLauncher {
+    let environment: [String: String]
+    let interactive: Bool
+
+    /// Why no browser will be opened, or nil when one can be.
+    func unavailableReason(noBrowserFlag: Bool) -> String? {
+        if noBrowserFlag { return "--no-browser was given" }
+        if let browser = environment["BROWSER"], !browser.isEmpty { return nil }
+        // Non-interactive runs never open a browser unless $BROWSER says which.
+        if !interactive { return "this is not an interactive terminal and $BROWSER is not set" }
+        let hasDisplay = !(environment["DISPLAY"] ?? "").isEmpty || !(environment["WAYLAND_DISPLAY"] ?? "").isEmpty
+        if !hasDisplay {
+            let ssh = environment["SSH_CONNECTION"] != nil || environment["SSH_TTY"] != nil
+            return ssh ? "this is an SSH session without a display" : "there is no display"
+        }
+        if Self.which("xdg-open", path: environment["PATH"]) == nil { return "xdg-open is not installed" }
+        return nil
+    }
+
+    /// Starts the browser on `url` without waiting for it. `$BROWSER` may list several commands separated by
+    /// ":"; `%s` in one is replaced by the URL, else the URL is its last argument. No shell is involved.
+    func open(_ url: String) -> Bool {
+        var candidates: [[String]] = []
+        if let browser = environment["BROWSER"], !browser.isEmpty {
+            for command in browser.split(separator: ":") {
+                var words = command.split(separator: " ").map(String.init)
+                if words.contains(where: { $0.contains("%s") }) {
+                    words = words.map { $0.replacingOccurrences(of: "%s", with: url) }
+                } else {
+                    words.append(url)
+                }
+                candidates.append(words)
+            }
+        } else {
+            candidates.append(["xdg-open", url])
+        }
+        for words in candidates {
+            guard let first = words.first, let executable = Self.which(first, path: environment["PATH"]) else { continue }
+            let process = Process()
+            process.executableURL = URL(fileURLWithPath: executable)
+            process.arguments = Array(words.dropFirst())
+            process.standardInput = FileHandle.nullDevice
+            process.standardOutput = FileHandle.nullDevice
+            process.standardError = FileHandle.nullDevice
+            if (try? process.run()) != nil { return true }
+        }
+        return false
+    }
+
+    static func which(_ command: String, path: String?) -> String? {
+        if command.contains("/") { return FileManager.default.isExecutableFile(atPath: command) ? command : nil }
+        for directory in (path ?? "/usr/local/bin:/usr/bin:/bin").split(separator: ":") {
+            let candidate = "\(directory)/\(command)"
+            if FileManager.default.isExecutableFile(atPath: candidate) { return candidate }
+        }
+        return nil
+    }
+}
+
+/// Times for people: "2026-11-30 10:00:00 UTC (in 59 min)".
+enum HumanTime {
+    static func describe(_ epoch: Int64, now: Int64) -> String {
+        let date = Date(timeIntervalSince1970: TimeInterval(epoch))
+        let formatter = DateFormatter()
+        formatter.locale = Locale(identifier: "en_US_POSIX")
+        formatter.timeZone = TimeZone(identifier: "UTC")
+        formatter.dateFormat = "yyyy-MM-dd HH:mm:ss 'UTC'"
+        return "\(formatter.string(from: date)) (\(relative(epoch - now)))"
+    }
+
+    static func relative(_ seconds: Int64) -> String {
+        let magnitude = abs(seconds)
+        let text: String
+        if magnitude < 60 {
+            text = "\(magnitude)s"
+        } else if magnitude < 3600 {
+            text = "\(magnitude / 60) min"
+        } else if magnitude < 86400 {
+            text = "\(magnitude / 3600) h \(magnitude % 3600 / 60) min"
+        } else {
+            text = "\(magnitude / 86400) d"
+        }
+        return seconds >= 0 ? "in \(text)" : "\(text) ago"
+    }
+}

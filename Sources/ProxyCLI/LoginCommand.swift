@@ -1,0 +1,109 @@
+import Foundation
+import ProxyCore
+import ProxyIO
+import ProxyOAuth
+
+enum LoginCommand {
+    static let spec = CommandSpec(
+        name: "login",
+        abstract: "Sign in to an OpenID provider and keep the tokens.",
+        discussion: """
+            Opens the browser for Authorization Code + PKCE with a loopback redirect (RFC 8252), or shows a code \
+            to enter on another device with --device (RFC 8628). The URL is always printed too. Where no \
+            browser can be opened (no display, an SSH session, --no-browser, not a terminal) login says so \
+            and offers the device flow. Tokens are stored under state_dir, readable by you alone; a running \
+            proxyctl serve uses them without a restart.
+            """,
+        arguments: [AuthEnvironment.providerArgument],
+        options: [
+            AuthEnvironment.configOption,
+            .flag("device", help: "Use the device flow: enter a code on any device with a browser."),
+            .flag("no-browser", help: "Do not open a browser; print the URL (for ssh -L port forwarding)."),
+            .flag("create", help: "Ask the provider to create an account (prompt=create)."),
+            .option("acr-values", value: "values", help: "Authentication context class references to ask for (acr_values)."),
+            .option("max-age", value: "seconds", help: "Require a sign-in no older than this (max_age)."),
+            .option("login-hint", value: "hint", help: "Who is signing in (login_hint), e.g. an email address."),
+            OptionSpec(name: "scope", short: nil, valueName: "scope", help: "A scope to ask for instead of the configured ones (repeatable).", repeatable: true),
+        ],
+        run: run
+    )
+
+    static func run(_ arguments: ParsedArguments, _ context: CommandContext) throws -> Int32 {
+        var options = LoginOptions()
+        options.acrValues = arguments.value("acr-values")
+        options.loginHint = arguments.value("login-hint")
+        options.create = arguments.flag("create")
+        if let maxAge = arguments.value("max-age") {
+            guard let seconds = Int(maxAge), seconds >= 0 else {
+                throw UsageError(message: "--max-age expects a number of seconds", command: ["proxyctl", "login"])
+            }
+            options.maxAge = seconds
+        }
+        let scopes = arguments.all("scope").flatMap { $0.split(separator: " ").map(String.init) }
+        if !scopes.isEmpty { options.scopes = scopes }
+        if arguments.flag("device") && arguments.flag("no-browser") {
+            throw UsageError(message: "--device already opens no browser; give one of them", command: ["proxyctl", "login"])
+        }
+        let environment = try AuthEnvironment.load(arguments, context, command: "login")
+        defer { environment.loopThread.stop() }
+        let console = StderrConsole(context: context)
+        let flow = LoginFlow(client: environment.client, store: environment.store, console: console)
+        let launcher = BrowserLauncher(environment: context.environment, interactive: context.isInteractive)
+        let provider = environment.provider
+        let interactive = context.isInteractive
+        let useDeviceFlag = arguments.flag("device")
+        let loginOptions = options
+        let noBrowser = arguments.flag("no-browser")
+
+        let tokens: TokenSet
+        do {
+            tokens = try runBlocking {
+                if useDeviceFlag { return try await flow.deviceLogin(options: loginOptions) }
+                var browserReason = launcher.unavailableReason(noBrowserFlag: noBrowser)
+                if let reason = browserReason {
+                    let metadata = try await environment.client.discover()
+                    if metadata.deviceAuthorizationEndpoint != nil {
+                        console.say("No browser can be opened here: \(reason).")
+                        if interactive && Prompt.yesNo("Sign in with a code on another device instead? [Y/n] ", default: true) {
+                            return try await flow.deviceLogin(options: loginOptions)
+                        }
+                        console.say("Continuing with the browser flow; or run: proxyctl login --device \(provider.name)")
+                    } else {
+                        console.say("No browser can be opened here: \(reason). Open the URL below yourself.")
+                    }
+                    browserReason = reason
+                }
+                let receiver = try await LoopbackReceiver.start(
+                    loop: environment.loopThread.loop, port: provider.redirectPort, path: provider.redirectPath)
+                defer { receiver.close() }
+                let openBrowser = browserReason == nil
+                return try await flow.browserLogin(options: loginOptions, receiver: receiver) { url in
+                    openBrowser ? launcher.open(url) : true
+                }
+            }
+        } catch let error as AuthError {
+            throw error.commandFailure
+        } catch let error as StoreError {
+            throw CommandFailure(message: error.description)
+        }
+        let who = tokens.identity.map(StatusCommand.describeIdentity) ?? "(no identity)"
+        context.err("Signed in to \(provider.name) as \(who).")
+        if let expiresAt = tokens.expiresAt {
+            context.err(
+                "The access token is valid until \(HumanTime.describe(expiresAt, now: Int64(Date().timeIntervalSince1970)))"
+                    + (tokens.refreshToken != nil ? "; proxyctl refreshes it as needed." : "; there is no refresh token, so sign in again then."))
+        }
+        return ExitCode.success
+    }
+}
+
+enum Prompt {
+    /// Asks on the terminal; an empty answer takes the default.
+    static func yesNo(_ question: String, default defaultAnswer: Bool) -> Bool {
+        FileHandle.standardError.write(Data(question.utf8))
+        guard let line = readLine() else { return defaultAnswer }
+        let answer = line.trimmingCharacters(in: .whitespaces).lowercased()
+        if answer.isEmpty { return defaultAnswer }
+        return answer.hasPrefix("y")
+    }
+}

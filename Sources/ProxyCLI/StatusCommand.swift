@@ -1,0 +1,197 @@
+import Foundation
+import ProxyCore
+import ProxyOAuth
+
+enum StatusCommand {
+    static let spec = CommandSpec(
+        name: "status",
+        abstract: "Show whether you are signed in, as whom, and the state of the tokens.",
+        discussion: "Exit code 0 when signed in with a usable access token or a refresh token, 1 otherwise.",
+        arguments: [ArgumentSpec(name: "provider", help: "Show only this provider (default: all configured).")],
+        options: [AuthEnvironment.configOption, .flag("json", help: "Print JSON for scripts.")],
+        run: run
+    )
+
+    static func describeIdentity(_ identity: Identity) -> String {
+        var text = identity.name ?? identity.subject
+        if let email = identity.email { text += " <\(email)>" }
+        if identity.name != nil { text += " (sub \(identity.subject))" }
+        return text
+    }
+
+    static func run(_ arguments: ParsedArguments, _ context: CommandContext) throws -> Int32 {
+        let loader = ConfigLoader(environment: context.environment)
+        let location = loader.locate(flag: arguments.value("config"))
+        let configuration = try loader.load(location)
+        var providers = configuration.providers
+        if let name = arguments.positionals.first {
+            providers = [try AuthEnvironment.pick(configuration, name: name, location: location, command: "status")]
+        }
+        guard let stateDirectory = configuration.proxy.stateDir ?? TokenStore.defaultStateDirectory(environment: context.environment)
+        else { throw CommandFailure(message: "no state directory: set HOME, XDG_STATE_HOME or state_dir in [proxy]") }
+        let store = TokenStore(stateDirectory: stateDirectory)
+        let now = Int64(Date().timeIntervalSince1970)
+        var allUsable = !providers.isEmpty
+        var reports: [JSONValue] = []
+        var text: [String] = []
+        if providers.isEmpty {
+            text.append("No provider is configured. Add a [provider NAME] section to \(AuthEnvironment.describe(location)).")
+        }
+        for provider in providers {
+            let tokens: TokenSet?
+            var problem: String? = nil
+            do {
+                tokens = try store.load(provider.name)
+            } catch {
+                tokens = nil
+                problem = "\(error)"
+            }
+            let matches = tokens.map { $0.issuer == provider.issuer && $0.clientID == provider.clientID } ?? false
+            let usable = matches && tokens.map { !$0.isExpired(at: now) || $0.refreshToken != nil } ?? false
+            allUsable = allUsable && usable
+            var object = JSONObject()
+            object["provider"] = .string(provider.name)
+            object["issuer"] = .string(provider.issuer)
+            object["signed_in"] = .bool(usable)
+            guard let tokens else {
+                text.append("\(provider.name): not signed in (run: proxyctl login \(provider.name))")
+                if let problem { text.append("  problem:       \(problem)") }
+                if let problem { object["problem"] = .string(problem) }
+                reports.append(.object(object))
+                continue
+            }
+            if let identity = tokens.identity {
+                text.append("\(provider.name): \(usable ? "signed in" : "sign-in needed") as \(describeIdentity(identity))")
+                var who = JSONObject()
+                who["sub"] = .string(identity.subject)
+                if let name = identity.name { who["name"] = .string(name) }
+                if let email = identity.email { who["email"] = .string(email) }
+                object["identity"] = .object(who)
+            } else {
+                text.append("\(provider.name): \(usable ? "signed in" : "sign-in needed")")
+            }
+            if !matches {
+                text.append("  problem:       the tokens were issued for another issuer or client; run: proxyctl login \(provider.name)")
+            }
+            text.append("  issuer:        \(provider.issuer)")
+            if let scope = tokens.scope {
+                text.append("  scopes:        \(scope)")
+                object["scopes"] = .array(scope.split(separator: " ").map { .string(String($0)) })
+            }
+            text.append("  token type:    \(tokens.tokenType)")
+            object["token_type"] = .string(tokens.tokenType)
+            if let expiresAt = tokens.expiresAt {
+                let state = tokens.isExpired(at: now) ? "expired" : "valid until"
+                text.append("  access token:  \(state) \(HumanTime.describe(expiresAt, now: now))")
+                object["access_token_expires_at"] = .int(expiresAt)
+            } else {
+                text.append("  access token:  no expiry given")
+            }
+            object["access_token_expired"] = .bool(tokens.isExpired(at: now))
+            text.append("  refresh token: \(tokens.refreshToken != nil ? "held" : "none")")
+            object["refresh_token"] = .bool(tokens.refreshToken != nil)
+            if let record = tokens.lastRefresh {
+                let outcome = record.outcome == "ok" ? "ok" : "failed (\(record.outcome): \(record.reason ?? "-"))"
+                text.append("  last refresh:  \(outcome), \(HumanTime.describe(record.at, now: now))")
+                var refresh = JSONObject()
+                refresh["at"] = .int(record.at)
+                refresh["outcome"] = .string(record.outcome)
+                if let reason = record.reason { refresh["reason"] = .string(reason) }
+                object["last_refresh"] = .object(refresh)
+            }
+            if !usable { text.append("  next step:     proxyctl login \(provider.name)") }
+            reports.append(.object(object))
+        }
+        if arguments.flag("json") {
+            context.out(JSON.serialize(.object(JSONObject([("providers", .array(reports))]))))
+        } else {
+            context.out(text.joined(separator: "\n"))
+        }
+        return allUsable ? ExitCode.success : ExitCode.failure
+    }
+}
+
+enum TokenCommand {
+    static let spec = CommandSpec(
+        name: "token",
+        abstract: "Print a fresh access token, for HTTP stacks that cannot use the proxy.",
+        discussion: """
+            Refreshes the token first when needed. The token is a secret: anything that receives it can use \
+            it until it expires, and programs often log what they are given.
+            """,
+        arguments: [AuthEnvironment.providerArgument],
+        options: [AuthEnvironment.configOption],
+        run: run
+    )
+
+    static func run(_ arguments: ParsedArguments, _ context: CommandContext) throws -> Int32 {
+        let environment = try AuthEnvironment.load(arguments, context, command: "token")
+        defer { environment.loopThread.stop() }
+        let manager = environment.manager()
+        let tokens: TokenSet
+        do {
+            tokens = try runBlocking { try await manager.currentTokens() }
+        } catch let error as AuthError {
+            throw error.commandFailure
+        }
+        context.err(
+            "proxyctl: printing the \(environment.provider.name) access token; it is a secret, and a program handed it may log it")
+        context.out(tokens.accessToken)
+        return ExitCode.success
+    }
+}
+
+enum LogoutCommand {
+    static let spec = CommandSpec(
+        name: "logout",
+        abstract: "Revoke the refresh token where the provider allows it, and delete the local tokens.",
+        arguments: [AuthEnvironment.providerArgument],
+        options: [AuthEnvironment.configOption],
+        run: run
+    )
+
+    static func run(_ arguments: ParsedArguments, _ context: CommandContext) throws -> Int32 {
+        let environment = try AuthEnvironment.load(arguments, context, command: "logout")
+        defer { environment.loopThread.stop() }
+        let name = environment.provider.name
+        guard let tokens = try? environment.store.load(name) else {
+            context.err("Not signed in to \(name); nothing to do.")
+            _ = try? environment.store.delete(name)
+            return ExitCode.success
+        }
+        let client = environment.client
+        let clientID = environment.provider.clientID
+        let message: String = (try? runBlocking { () -> String in
+            let metadata: ProviderMetadata
+            do {
+                metadata = try await client.discover()
+            } catch {
+                return "Could not reach the provider to revoke the tokens (\(error)); they stay valid until they expire."
+            }
+            guard let endpoint = metadata.revocationEndpoint else {
+                return "The provider offers no revocation endpoint; the tokens stay valid until they expire."
+            }
+            let (token, hint) = tokens.refreshToken.map { ($0, "refresh_token") } ?? (tokens.accessToken, "access_token")
+            // RFC 7009 §2.1: a public client identifies itself with client_id.
+            let response: HTTPResponse
+            do {
+                response = try await client.postForm(endpoint, [("token", token), ("token_type_hint", hint), ("client_id", clientID)])
+            } catch {
+                return "Could not revoke the \(hint.replacingOccurrences(of: "_", with: " ")) (\(error)); it stays valid until it expires."
+            }
+            if response.status == 200 {
+                return "Revoked the \(hint.replacingOccurrences(of: "_", with: " ")) at the provider."
+            }
+            let detail = response.jsonObject?["error"]?.string.map { OAuthErrorResponse(error: $0, description: nil).summary } ?? "HTTP \(response.status)"
+            return "The provider did not revoke the \(hint.replacingOccurrences(of: "_", with: " ")) (\(detail)); many providers do not let public clients revoke, and it stays valid until it expires."
+        }) ?? "Could not revoke the tokens."
+        context.err(message)
+        do {
+            try environment.store.delete(name)
+        } catch {
+            throw CommandFailure(message: "\(error)")
+        }
+        context.err("Deleted the local tokens for \(name).")
+        return ExitCode.success
+    }
+}

@@ -1,0 +1,205 @@
+/// How a provider's tokens are bound to the client (`token_binding`).
+public enum TokenBinding: String, Sendable, Equatable {
+    /// Plain Bearer tokens (RFC 6750).
+    case bearer
+    /// Sender-constrained tokens with DPoP proofs (RFC 9449).
+    case dpop
+}
+
+/// When to push the authorization request first (RFC 9126, `use_par`).
+public enum PARPolicy: String, Sendable, Equatable {
+    /// When the provider requires it (`require_pushed_authorization_requests`).
+    case auto
+    /// Whenever the provider offers it; an error when it does not.
+    case always
+    /// Never; an error when the provider requires it.
+    case never
+}
+
+/// A `[provider NAME]` section: an OpenID provider that proxyctl signs in to as a public client.
+public struct ProviderConfig: Sendable, Equatable {
+    public let name: String
+    /// The issuer identifier; endpoints come from its discovery document.
+    public var issuer: String = ""
+    public var clientID: String = ""
+    /// Requested scopes; `openid` is always first, nothing else is added.
+    public var scopes: [String] = ["openid"]
+    /// Loopback port for the redirect; 0 means any free port (RFC 8252 §7.3).
+    public var redirectPort: Int = 0
+    public var redirectPath: String = "/callback"
+    public var acrValues: String? = nil
+    public var loginHint: String? = nil
+    /// Resource indicators (RFC 8707).
+    public var resources: [String] = []
+    /// Extra authorization request parameters (`param.NAME = value`).
+    public var extraParameters: [(name: String, value: String)] = []
+    public var usePAR: PARPolicy = .auto
+    /// A CA bundle to trust for this provider instead of the system roots.
+    public var caFile: String? = nil
+    public var tokenBinding: TokenBinding = .bearer
+    /// With `token_binding = dpop`: fail instead of falling back to Bearer.
+    public var dpopRequired: Bool = false
+    /// How long a login waits for the browser or the device code.
+    public var loginTimeout: Int = 300_000
+    /// Line of the section header, for messages.
+    public var line: Int = 0
+
+    public init(name: String) { self.name = name }
+
+    public static func == (lhs: Self, rhs: Self) -> Bool {
+        lhs.name == rhs.name && lhs.issuer == rhs.issuer && lhs.clientID == rhs.clientID && lhs.scopes == rhs.scopes
+            && lhs.redirectPort == rhs.redirectPort && lhs.redirectPath == rhs.redirectPath
+            && lhs.acrValues == rhs.acrValues && lhs.loginHint == rhs.loginHint && lhs.resources == rhs.resources
+            && lhs.extraParameters.map(\.name) == rhs.extraParameters.map(\.name)
+            && lhs.extraParameters.map(\.value) == rhs.extraParameters.map(\.value) && lhs.usePAR == rhs.usePAR
+            && lhs.caFile == rhs.caFile && lhs.tokenBinding == rhs.tokenBinding
+            && lhs.dpopRequired == rhs.dpopRequired && lhs.loginTimeout == rhs.loginTimeout
+    }
+
+    /// Every key of `[provider NAME]`, in the order of proxy.conf.example.
+    public static let keys = [
+        "issuer", "client_id", "scopes", "redirect_port", "redirect_path", "acr_values", "login_hint", "resource",
+        "param.NAME", "use_par", "ca_file", "token_binding", "dpop_required", "login_timeout",
+    ]
+
+    /// Authorization parameters proxyctl sets itself; `param.` cannot override them.
+    static let reservedParameters: Set<String> = [
+        "client_id", "response_type", "redirect_uri", "scope", "state", "nonce", "code_challenge",
+        "code_challenge_method", "request_uri", "dpop_jkt", "client_secret",
+    ]
+
+    /// Whether a provider name is usable on the command line and as a file name.
+    static func isValidName(_ name: String) -> Bool {
+        !name.isEmpty && name.count <= 64
+            && name.utf8.allSatisfy {
+                ASCII.isDigit($0) || ($0 | 0x20 >= 0x61 && $0 | 0x20 <= 0x7A) || $0 == 0x2D || $0 == 0x5F || $0 == 0x2E
+            } && !name.hasPrefix(".")
+    }
+
+    /// Checks an issuer: https, or http for a loopback host (a provider on this machine); no query or fragment.
+    public static func checkIssuer(_ text: String) -> String? {
+        guard case .success(let url) = AbsoluteURL.parse(text) else {
+            return "expected an https:// URL such as https://login.example.com/realms/dev"
+        }
+        if text.contains("?") || text.contains("#") { return "an issuer has no query or fragment (RFC 8414 §2)" }
+        if url.scheme == "http" {
+            let host = url.authority.host
+            let loopback = host == "localhost" || (IPAddress.parse(host)?.isLoopback ?? false)
+            if !loopback { return "an issuer must use https:// (http:// is accepted only for loopback hosts)" }
+        }
+        return nil
+    }
+}
+
+extension ConfigParser {
+    func applyProvider(
+        _ section: INIDocument.Section, file: String, into provider: inout ProviderConfig, errors: inout [ConfigError]
+    ) {
+        let label = section.label
+        for entry in section.entries {
+            func fail(_ message: String) {
+                errors.append(ConfigError(file: file, line: entry.line, section: label, key: entry.key, message))
+            }
+            func got() -> String { "got \"\(INIDocument.clip(entry.value))\"" }
+            if entry.key.hasPrefix("param.") {
+                let name = String(entry.key.dropFirst("param.".count))
+                guard !name.isEmpty, name.utf8.allSatisfy({ ASCII.tchar[Int($0)] }) else {
+                    fail("expected param.NAME with a parameter name, such as param.audience")
+                    continue
+                }
+                guard !ProviderConfig.reservedParameters.contains(name) else {
+                    fail("\(name) is set by proxyctl itself and cannot be overridden")
+                    continue
+                }
+                provider.extraParameters.append((name, entry.value))
+                continue
+            }
+            switch entry.key {
+            case "issuer":
+                if let problem = ProviderConfig.checkIssuer(entry.value) { fail("\(problem), \(got())") }
+                provider.issuer = entry.value
+            case "client_id":
+                guard !entry.value.isEmpty else {
+                    fail("expected the client ID registered with the provider")
+                    continue
+                }
+                provider.clientID = entry.value
+            case "scopes":
+                var scopes = ["openid"]
+                for scope in entry.value.split(whereSeparator: { $0 == " " || $0 == "," }) where !scopes.contains(String(scope)) {
+                    scopes.append(String(scope))
+                }
+                provider.scopes = scopes
+            case "redirect_port":
+                guard let port = Int(entry.value), (0...65535).contains(port) else {
+                    fail("expected a port from 1 to 65535, or 0 for any free port, \(got())")
+                    continue
+                }
+                provider.redirectPort = port
+            case "redirect_path":
+                guard entry.value.hasPrefix("/"), !entry.value.contains("?"), !entry.value.contains("#"),
+                    entry.value.utf8.allSatisfy({ $0 > 0x20 && $0 < 0x7F })
+                else {
+                    fail("expected a path starting with /, such as /callback, \(got())")
+                    continue
+                }
+                provider.redirectPath = entry.value
+            case "acr_values":
+                provider.acrValues = entry.value.isEmpty ? nil : entry.value
+            case "login_hint":
+                provider.loginHint = entry.value.isEmpty ? nil : entry.value
+            case "resource":
+                provider.resources = entry.value.split(separator: " ").map(String.init)
+                for resource in provider.resources where !resource.contains("://") {
+                    fail("expected absolute URIs separated by spaces (RFC 8707), \(got())")
+                }
+            case "use_par":
+                guard let policy = PARPolicy(rawValue: entry.value.lowercased()) else {
+                    fail("expected auto, always or never, \(got())")
+                    continue
+                }
+                provider.usePAR = policy
+            case "ca_file":
+                guard !entry.value.isEmpty else {
+                    fail("expected the path of a PEM file of CA certificates")
+                    continue
+                }
+                provider.caFile = resolvePath(entry.value)
+            case "token_binding":
+                guard let binding = TokenBinding(rawValue: entry.value.lowercased()) else {
+                    fail("expected bearer or dpop, \(got())")
+                    continue
+                }
+                provider.tokenBinding = binding
+            case "dpop_required":
+                guard let flag = ConfigValue.bool(entry.value) else {
+                    fail("expected true or false, \(got())")
+                    continue
+                }
+                provider.dpopRequired = flag
+            case "login_timeout":
+                guard let value = ConfigValue.duration(entry.value), value > 0 else {
+                    fail("expected a duration such as 5m, \(got())")
+                    continue
+                }
+                provider.loginTimeout = value
+            default:
+                fail("unknown key; expected one of \(ProviderConfig.keys.joined(separator: ", "))")
+            }
+        }
+        for (key, present) in [("issuer", !provider.issuer.isEmpty), ("client_id", !provider.clientID.isEmpty)]
+        where !present && !section.entries.contains(where: { $0.key == key }) {
+            errors.append(
+                ConfigError(
+                    file: file, line: section.line, section: label, key: key,
+                    "missing; every provider needs an issuer and a client_id"))
+        }
+        if provider.dpopRequired && provider.tokenBinding != .dpop {
+            let line = section.entries.first { $0.key == "dpop_required" }?.line ?? section.line
+            errors.append(
+                ConfigError(
+                    file: file, line: line, section: label, key: "dpop_required",
+                    "only meaningful with token_binding = dpop"))
+        }
+    }
+}

@@ -1,0 +1,319 @@
+import CCurl
+import CLibevent
+import Foundation
+import ProxyCore
+
+/// libcurl's multi interface driven by a libevent loop (the pattern of curl's hiperfifo.c).
+///
+/// curl tells us which sockets to watch (`CURLMOPT_SOCKETFUNCTION`) and when to call it back
+/// (`CURLMOPT_TIMERFUNCTION`); libevent watches them; readiness goes back to curl through
+/// `curl_multi_socket_action`; finished transfers come out of `curl_multi_info_read`. Loop thread only.
+final class CurlMulti {
+    let loop: EventLoop
+    private let multi: UnsafeMutableRawPointer
+    private var timer: LoopTimer?
+    /// Transfers in progress, by easy handle; the table keeps them alive while curl holds them.
+    private var transfers: [UnsafeMutableRawPointer: CurlTransfer] = [:]
+
+    /// Must be called once per process before any thread starts (with `EventLoop.initializeLibraries`).
+    static func initializeLibrary() {
+        curl_global_init(Int(CURL_GLOBAL_DEFAULT))
+    }
+
+    init(loop: EventLoop) {
+        self.loop = loop
+        guard let multi = curl_multi_init() else { fatalError("curl_multi_init failed") }
+        self.multi = multi
+        let context = Unmanaged.passUnretained(self).toOpaque()
+        _ = proxyctl_multi_setopt_socket_cb(multi, curlSocketCallback)
+        _ = proxyctl_multi_setopt_ptr(multi, CURLMOPT_SOCKETDATA, context)
+        _ = proxyctl_multi_setopt_timer_cb(multi, curlTimerCallback)
+        _ = proxyctl_multi_setopt_ptr(multi, CURLMOPT_TIMERDATA, context)
+        timer = LoopTimer(loop: loop) { [unowned self] in
+            var running: Int32 = 0
+            curl_multi_socket_action(self.multi, -1, 0, &running)
+            self.collectFinished()
+        }
+    }
+
+    deinit {
+        for (easy, transfer) in transfers {
+            curl_multi_remove_handle(multi, easy)
+            transfer.finish(CURLE_ABORTED_BY_CALLBACK)
+        }
+        curl_multi_cleanup(multi)
+    }
+
+    func add(_ transfer: CurlTransfer) {
+        transfers[transfer.easy] = transfer
+        let status = curl_multi_add_handle(multi, transfer.easy)
+        if status != CURLM_OK {
+            transfers.removeValue(forKey: transfer.easy)
+            transfer.finish(CURLE_FAILED_INIT)
+        }
+    }
+
+    /// Stops a transfer early; its completion is not called.
+    func cancel(_ transfer: CurlTransfer) {
+        guard transfers.removeValue(forKey: transfer.easy) != nil else { return }
+        curl_multi_remove_handle(multi, transfer.easy)
+    }
+
+    /// Lets curl continue a paused transfer (after CURL_WRITEFUNC_PAUSE or CURL_READFUNC_PAUSE).
+    func resume(_ transfer: CurlTransfer) {
+        curl_easy_pause(transfer.easy, CURLPAUSE_CONT)
+        collectFinished()
+    }
+
+    // CURLMOPT_SOCKETFUNCTION: watch `socket` for `what`; CURL_POLL_REMOVE stops watching.
+    fileprivate func socketChanged(_ socket: curl_socket_t, what: Int32, watcher: UnsafeMutableRawPointer?) {
+        if what == CURL_POLL_REMOVE {
+            if let watcher {
+                Unmanaged<SocketWatcher>.fromOpaque(watcher).release()
+                curl_multi_assign(multi, socket, nil)
+            }
+            return
+        }
+        let events = Int16(EV_PERSIST) | (what & CURL_POLL_IN != 0 ? Int16(EV_READ) : 0)
+            | (what & CURL_POLL_OUT != 0 ? Int16(EV_WRITE) : 0)
+        if let watcher {
+            Unmanaged<SocketWatcher>.fromOpaque(watcher).takeUnretainedValue().watch(events)
+        } else {
+            let fresh = SocketWatcher(multi: self, socket: socket)
+            fresh.watch(events)
+            curl_multi_assign(multi, socket, Unmanaged.passRetained(fresh).toOpaque())
+        }
+    }
+
+    // CURLMOPT_TIMERFUNCTION: -1 deletes the timer; 0 means "as soon as possible" (never call curl from here).
+    fileprivate func timerChanged(_ milliseconds: Int) {
+        if milliseconds < 0 {
+            timer?.cancel()
+        } else {
+            timer?.schedule(milliseconds: milliseconds)
+        }
+    }
+
+    fileprivate func socketReady(_ socket: curl_socket_t, events: Int16) {
+        var flags: Int32 = 0
+        if Int32(events) & EV_READ != 0 { flags |= CURL_CSELECT_IN }
+        if Int32(events) & EV_WRITE != 0 { flags |= CURL_CSELECT_OUT }
+        var running: Int32 = 0
+        curl_multi_socket_action(multi, socket, flags, &running)
+        collectFinished()
+    }
+
+    private func collectFinished() {
+        var remaining: Int32 = 0
+        while let message = curl_multi_info_read(multi, &remaining) {
+            guard message.pointee.msg == CURLMSG_DONE, let easy = message.pointee.easy_handle else { continue }
+            let result = message.pointee.data.result
+            curl_multi_remove_handle(multi, easy)
+            if let transfer = transfers.removeValue(forKey: easy) {
+                transfer.finish(result)
+            }
+        }
+    }
+}
+
+/// One libevent event for a socket curl asked us to watch.
+private final class SocketWatcher {
+    unowned let multi: CurlMulti
+    let socket: curl_socket_t
+    private var event: OpaquePointer?
+
+    init(multi: CurlMulti, socket: curl_socket_t) {
+        self.multi = multi
+        self.socket = socket
+    }
+
+    deinit { if let event { event_free(event) } }
+
+    func watch(_ events: Int16) {
+        if let event { event_free(event) }
+        event = event_new(
+            multi.loop.base, socket, events,
+            { fd, what, context in
+                let watcher = Unmanaged<SocketWatcher>.fromOpaque(context!).takeUnretainedValue()
+                watcher.multi.socketReady(fd, events: what)
+            }, Unmanaged.passUnretained(self).toOpaque())
+        event_add(event, nil)
+    }
+}
+
+private let curlSocketCallback: @convention(c) (UnsafeMutableRawPointer?, curl_socket_t, Int32, UnsafeMutableRawPointer?, UnsafeMutableRawPointer?) -> Int32 = {
+    _, socket, what, context, watcher in
+    Unmanaged<CurlMulti>.fromOpaque(context!).takeUnretainedValue().socketChanged(socket, what: what, watcher: watcher)
+    return 0
+}
+
+private let curlTimerCallback: @convention(c) (UnsafeMutableRawPointer?, Int, UnsafeMutableRawPointer?) -> Int32 = {
+    _, milliseconds, context in
+    Unmanaged<CurlMulti>.fromOpaque(context!).takeUnretainedValue().timerChanged(milliseconds)
+    return 0
+}
+
+/// One easy handle and what happens to its bytes. Subclasses decide where the response goes.
+class CurlTransfer {
+    let easy: UnsafeMutableRawPointer
+    private var headerList: UnsafeMutablePointer<curl_slist>? = nil
+    let errorBuffer = UnsafeMutablePointer<CChar>.allocate(capacity: Int(CURL_ERROR_SIZE))
+
+    init() {
+        guard let easy = curl_easy_init() else { fatalError("curl_easy_init failed") }
+        self.easy = easy
+        errorBuffer.initialize(repeating: 0, count: Int(CURL_ERROR_SIZE))
+        let context = Unmanaged.passUnretained(self).toOpaque()
+        _ = proxyctl_easy_setopt_ptr(easy, CURLOPT_ERRORBUFFER, errorBuffer)
+        _ = proxyctl_easy_setopt_long(easy, CURLOPT_NOSIGNAL, 1)
+        _ = proxyctl_easy_setopt_string(easy, CURLOPT_PROTOCOLS_STR, "http,https")
+        _ = proxyctl_easy_setopt_string(easy, CURLOPT_USERAGENT, "proxyctl")
+        _ = proxyctl_easy_setopt_header_cb(easy, curlHeaderCallback)
+        _ = proxyctl_easy_setopt_ptr(easy, CURLOPT_HEADERDATA, context)
+        _ = proxyctl_easy_setopt_write_cb(easy, curlWriteCallback)
+        _ = proxyctl_easy_setopt_ptr(easy, CURLOPT_WRITEDATA, context)
+    }
+
+    deinit {
+        curl_easy_cleanup(easy)
+        if let headerList { curl_slist_free_all(headerList) }
+        errorBuffer.deallocate()
+    }
+
+    func setURL(_ url: String) { _ = proxyctl_easy_setopt_string(easy, CURLOPT_URL, url) }
+
+    func setHeaders(_ headers: [(name: String, value: String)]) {
+        if let headerList { curl_slist_free_all(headerList) }
+        headerList = nil
+        for (name, value) in headers {
+            headerList = curl_slist_append(headerList, "\(name): \(value)")
+        }
+        _ = proxyctl_easy_setopt_ptr(easy, CURLOPT_HTTPHEADER, headerList)
+    }
+
+    func setMethod(_ method: String, body: [UInt8]) {
+        let requestBody = body
+        switch method {
+        case "GET":
+            _ = proxyctl_easy_setopt_long(easy, CURLOPT_HTTPGET, 1)
+        case "HEAD":
+            _ = proxyctl_easy_setopt_long(easy, CURLOPT_NOBODY, 1)
+        default:
+            _ = proxyctl_easy_setopt_long(easy, CURLOPT_POST, 1)
+            _ = proxyctl_easy_setopt_off(easy, CURLOPT_POSTFIELDSIZE_LARGE, curl_off_t(body.count))
+            if body.isEmpty {
+                // NULL post fields would make curl read the body from stdin.
+                _ = proxyctl_easy_setopt_string(easy, CURLOPT_COPYPOSTFIELDS, "")
+            } else {
+                // COPYPOSTFIELDS copies at once: the pointer only has to live for the call.
+                requestBody.withUnsafeBytes { raw in
+                    _ = proxyctl_easy_setopt_ptr(easy, CURLOPT_COPYPOSTFIELDS, UnsafeMutableRawPointer(mutating: raw.baseAddress))
+                }
+            }
+            if method != "POST" { _ = proxyctl_easy_setopt_string(easy, CURLOPT_CUSTOMREQUEST, method) }
+        }
+    }
+
+    /// The libcurl error text for the last failure.
+    var errorText: String {
+        let text = String(cString: errorBuffer)
+        return text.isEmpty ? "" : text
+    }
+
+    // Overridden by subclasses.
+    func header(_ line: UnsafeRawBufferPointer) -> Bool { true }
+    func body(_ data: UnsafeRawBufferPointer) -> Int { data.count }
+    func finish(_ code: CURLcode) {}
+}
+
+// CURLOPT_HEADERFUNCTION: one header line (with its CRLF) per call; returning less than size aborts.
+private let curlHeaderCallback: @convention(c) (UnsafeMutablePointer<CChar>?, Int, Int, UnsafeMutableRawPointer?) -> Int = {
+    data, size, count, context in
+    let transfer = Unmanaged<CurlTransfer>.fromOpaque(context!).takeUnretainedValue()
+    let ok = transfer.header(UnsafeRawBufferPointer(start: data, count: size * count))
+    return ok ? size * count : 0
+}
+
+// CURLOPT_WRITEFUNCTION: body bytes; returning CURL_WRITEFUNC_PAUSE pauses the transfer.
+private let curlWriteCallback: @convention(c) (UnsafeMutablePointer<CChar>?, Int, Int, UnsafeMutableRawPointer?) -> Int = {
+    data, size, count, context in
+    let transfer = Unmanaged<CurlTransfer>.fromOpaque(context!).takeUnretainedValue()
+    return transfer.body(UnsafeRawBufferPointer(start: data, count: size * count))
+}
+
+/// A transfer whose whole response is kept in memory (provider endpoints: small JSON answers).
+final class BufferedTransfer: CurlTransfer {
+    private var status = 0
+    private var headers: [(name: String, value: String)] = []
+    private var data: [UInt8] = []
+    private let limit: Int
+    private var tooLarge = false
+    private let completion: (Result<HTTPResponseData, TransportErrorData>) -> Void
+    private let target: String
+
+    struct HTTPResponseData {
+        let status: Int
+        let headers: [(name: String, value: String)]
+        let body: [UInt8]
+    }
+
+    enum TransportErrorData: Error {
+        case unreachable(String)
+        case timeout(String)
+        case certificate(String)
+    }
+
+    init(
+        target: String, limit: Int = 1 << 20, completion: @escaping (Result<HTTPResponseData, TransportErrorData>) -> Void
+    ) {
+        self.limit = limit
+        self.completion = completion
+        self.target = target
+        super.init()
+    }
+
+    override func header(_ line: UnsafeRawBufferPointer) -> Bool {
+        var text = String(decoding: line, as: UTF8.self)
+        while text.hasSuffix("\n") || text.hasSuffix("\r") { text.removeLast() }
+        if text.hasPrefix("HTTP/") {
+            // A new status line (after 100 Continue, say): start over.
+            let parts = text.split(separator: " ", maxSplits: 2)
+            status = parts.count > 1 ? Int(parts[1]) ?? 0 : 0
+            headers.removeAll()
+            return true
+        }
+        if let colon = text.firstIndex(of: ":") {
+            let name = String(text[..<colon])
+            let value = text[text.index(after: colon)...].trimmingCharacters(in: .whitespaces)
+            headers.append((name, value))
+        }
+        return true
+    }
+
+    override func body(_ bytes: UnsafeRawBufferPointer) -> Int {
+        if data.count + bytes.count > limit {
+            tooLarge = true
+            return 0
+        }
+        data.append(contentsOf: bytes)
+        return bytes.count
+    }
+
+    override func finish(_ code: CURLcode) {
+        if code == CURLE_OK {
+            completion(.success(HTTPResponseData(status: status, headers: headers, body: data)))
+            return
+        }
+        let detail = errorText.isEmpty ? String(cString: curl_easy_strerror(code)) : errorText
+        switch code {
+        case CURLE_OPERATION_TIMEDOUT:
+            completion(.failure(.timeout("\(target): \(detail)")))
+        case CURLE_PEER_FAILED_VERIFICATION, CURLE_SSL_CACERT_BADFILE, CURLE_SSL_CERTPROBLEM:
+            completion(.failure(.certificate("\(target): \(detail)")))
+        case CURLE_WRITE_ERROR where tooLarge:
+            completion(.failure(.unreachable("\(target): the answer is larger than \(limit) bytes")))
+        default:
+            completion(.failure(.unreachable("\(target): \(detail)")))
+        }
+    }
+}

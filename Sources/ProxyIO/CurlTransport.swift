@@ -1,0 +1,98 @@
+import CCurl
+import Foundation
+import ProxyCore
+import ProxyOAuth
+
+/// `HTTPTransport` for provider endpoints, on libcurl's multi interface in a loop.
+///
+/// Requests go through the configured upstream proxy unless the host is in `no_upstream_proxy`. TLS is
+/// verified against the system roots or the request's `caFile`; redirects are not followed.
+public final class CurlTransport: HTTPTransport {
+    private let loop: EventLoop
+    private let multi: LoopBound<CurlMulti>
+    private let upstreamProxy: UpstreamProxy?
+    private let bypass: BypassList
+
+    /// Must be created on `loop`'s thread (or before the loop runs).
+    public init(loop: EventLoop, upstreamProxy: UpstreamProxy?, bypass: BypassList) {
+        self.loop = loop
+        self.multi = LoopBound(CurlMulti(loop: loop), loop: loop)
+        self.upstreamProxy = upstreamProxy
+        self.bypass = bypass
+    }
+
+    public func send(_ request: HTTPRequest) async throws -> HTTPResponse {
+        let proxy = proxyURL(for: request.url)
+        let target = Self.describe(request.url)
+        return try await withCheckedThrowingContinuation { continuation in
+            loop.post { [multi] in
+                let transfer = BufferedTransfer(target: target) { result in
+                    switch result {
+                    case .success(let data):
+                        continuation.resume(returning: HTTPResponse(status: data.status, headers: data.headers, body: data.body))
+                    case .failure(.timeout(let reason)):
+                        continuation.resume(throwing: TransportError.timeout(reason))
+                    case .failure(.certificate(let reason)):
+                        continuation.resume(throwing: TransportError.certificate(reason))
+                    case .failure(.unreachable(let reason)):
+                        continuation.resume(throwing: TransportError.unreachable(reason))
+                    }
+                }
+                transfer.setURL(request.url)
+                transfer.setHeaders(request.headers + [("Expect", "")])
+                transfer.setMethod(request.method, body: request.body)
+                _ = proxyctl_easy_setopt_long(transfer.easy, CURLOPT_TIMEOUT_MS, request.timeout)
+                _ = proxyctl_easy_setopt_long(transfer.easy, CURLOPT_CONNECTTIMEOUT_MS, min(request.timeout, 10_000))
+                if let caFile = request.caFile { _ = proxyctl_easy_setopt_string(transfer.easy, CURLOPT_CAINFO, caFile) }
+                if let proxy {
+                    _ = proxyctl_easy_setopt_string(transfer.easy, CURLOPT_PROXY, proxy.url)
+                    if let credentials = proxy.credentials {
+                        _ = proxyctl_easy_setopt_string(transfer.easy, CURLOPT_PROXYUSERPWD, credentials)
+                    }
+                } else {
+                    // Never pick up HTTPS_PROXY from the environment: that may be this very proxy.
+                    _ = proxyctl_easy_setopt_string(transfer.easy, CURLOPT_PROXY, "")
+                }
+                multi.value.add(transfer)
+            }
+        }
+    }
+
+    private func proxyURL(for url: String) -> (url: String, credentials: String?)? {
+        guard let upstreamProxy, case .success(let parsed) = AbsoluteURL.parse(url), !bypass.matches(parsed.authority)
+        else { return nil }
+        let credentials = upstreamProxy.username.map { user in
+            "\(FormEncoding.percentEncode(user)):\(FormEncoding.percentEncode(upstreamProxy.password ?? ""))"
+        }
+        return ("http://\(upstreamProxy.address)", credentials)
+    }
+
+    /// The URL without its query, for error messages.
+    static func describe(_ url: String) -> String {
+        String(url.split(separator: "?", maxSplits: 1).first ?? "")
+    }
+}
+
+/// A loop running on a thread of its own, for commands that need I/O (login, token, logout).
+public final class LoopThread: Sendable {
+    public let loop: EventLoop
+    private let keepAlive: LoopBound<LoopTimer>
+
+    public init() {
+        EventLoop.initializeLibraries()
+        CurlMulti.initializeLibrary()
+        let loop = EventLoop()
+        self.loop = loop
+        // A repeating timer keeps event_base_loop from returning while idle.
+        let timer = LoopTimer(loop: loop) {}
+        timer.schedule(milliseconds: 86_400_000)
+        keepAlive = LoopBound(timer, loop: loop)
+        let thread = Thread { loop.run() }
+        thread.name = "proxyctl-loop"
+        thread.start()
+    }
+
+    public func stop() {
+        loop.post { [loop] in loop.stop() }
+    }
+}

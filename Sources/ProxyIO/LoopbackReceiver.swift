@@ -1,0 +1,256 @@
+import CLibevent
+import Foundation
+import ProxyCore
+import ProxyOAuth
+import Synchronization
+
+/// The loopback HTTP listener that receives the browser's redirect after sign-in (RFC 8252 §7.3).
+///
+/// Listens on 127.0.0.1 only. Answers every request with a short page and closes the connection; the first
+/// request to the redirect path carrying the expected `state` is handed to the waiting login. The query is
+/// never logged: it holds the authorization code.
+public final class LoopbackReceiver: RedirectReceiver {
+    public let redirectURI: String
+    private let loop: EventLoop
+    private let server: LoopBound<Listener>
+
+    /// Binds 127.0.0.1:`port` (0: any free port) for `path`.
+    public static func start(loop: EventLoop, port: Int, path: String) async throws -> LoopbackReceiver {
+        try await withCheckedThrowingContinuation { continuation in
+            loop.post {
+                do {
+                    let listener = try Listener(loop: loop, port: port, path: path)
+                    continuation.resume(returning: LoopbackReceiver(loop: loop, listener: listener))
+                } catch {
+                    continuation.resume(throwing: error)
+                }
+            }
+        }
+    }
+
+    private init(loop: EventLoop, listener: Listener) {
+        self.loop = loop
+        self.redirectURI = "http://127.0.0.1:\(listener.port)\(listener.path)"
+        self.server = LoopBound(listener, loop: loop)
+    }
+
+    public func expect(state: String) async {
+        await withCheckedContinuation { continuation in
+            loop.post { [server] in
+                server.value.expect(state: state)
+                continuation.resume()
+            }
+        }
+    }
+
+    public func waitForResponse(timeout: Int) async throws -> [(String, String)] {
+        try await withCheckedThrowingContinuation { continuation in
+            loop.post { [server] in
+                server.value.wait(timeout: timeout) { result in continuation.resume(with: result) }
+            }
+        }
+    }
+
+    public func close() {
+        loop.post { [server] in server.value.shutdown() }
+    }
+
+    /// The listener and its connections, on the loop thread.
+    final class Listener {
+        let loop: EventLoop
+        let path: String
+        private(set) var port = 0
+        private var listener: OpaquePointer?
+        private var connections: [ObjectIdentifier: Connection] = [:]
+        private var expectedState: String?
+        private var completion: ((Result<[(String, String)], any Error>) -> Void)?
+        private var timer: LoopTimer?
+        /// An answer that arrived before anyone waited for it.
+        private var result: Result<[(String, String)], any Error>?
+
+        init(loop: EventLoop, port: Int, path: String) throws {
+            self.loop = loop
+            self.path = path
+            guard let address = SocketAddress(ip: "127.0.0.1", port: port) else { throw AuthError.configuration(reason: "bad port") }
+            let flags = LEV_OPT_CLOSE_ON_FREE | LEV_OPT_REUSEABLE | LEV_OPT_CLOSE_ON_EXEC
+            listener = address.withSockaddr { pointer, length in
+                evconnlistener_new_bind(loop.base, nil, nil, UInt32(flags), 16, pointer, Int32(length))
+            }
+            guard let listener else {
+                let reason = String(cString: strerror(proxyctl_errno()))
+                throw AuthError.configuration(
+                    reason:
+                        "cannot listen on 127.0.0.1:\(port) for the sign-in redirect: \(reason)\(port == 0 ? "" : " (is another login running? change redirect_port)")"
+                )
+            }
+            var storage = sockaddr_storage()
+            var length = socklen_t(MemoryLayout<sockaddr_storage>.size)
+            let fd = evconnlistener_get_fd(listener)
+            self.port = withUnsafeMutablePointer(to: &storage) { pointer in
+                pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { raw in
+                    getsockname(fd, raw, &length)
+                    return SocketAddress(raw, length: length).port
+                }
+            }
+            evconnlistener_set_cb(
+                listener,
+                { _, fd, _, _, context in
+                    Unmanaged<Listener>.fromOpaque(context!).takeUnretainedValue().accepted(fd)
+                }, Unmanaged.passUnretained(self).toOpaque())
+        }
+
+        deinit { if let listener { evconnlistener_free(listener) } }
+
+        func expect(state: String) {
+            expectedState = state
+            result = nil
+        }
+
+        func wait(timeout: Int, completion: @escaping (Result<[(String, String)], any Error>) -> Void) {
+            if let result {
+                self.result = nil
+                completion(result)
+                return
+            }
+            self.completion = completion
+            let timer = LoopTimer(loop: loop) { [unowned self] in
+                self.deliver(
+                    .failure(
+                        AuthError.cancelled(
+                            reason: "nobody finished the sign-in within \(ConfigValue.describeDuration(timeout)); run the login again"
+                        )))
+            }
+            timer.schedule(milliseconds: timeout)
+            self.timer = timer
+        }
+
+        func shutdown() {
+            if let listener { evconnlistener_free(listener) }
+            listener = nil
+            for connection in connections.values { connection.close() }
+            deliver(.failure(AuthError.cancelled(reason: "the sign-in was stopped")))
+        }
+
+        /// Hands the answer to the waiting login, or keeps it until the login waits.
+        private func deliver(_ outcome: Result<[(String, String)], any Error>) {
+            timer = nil
+            expectedState = nil
+            if let completion {
+                self.completion = nil
+                completion(outcome)
+            } else {
+                result = outcome
+            }
+        }
+
+        private func accepted(_ fd: Int32) {
+            let connection = Connection(listener: self, fd: fd)
+            connections[ObjectIdentifier(connection)] = connection
+        }
+
+        func closed(_ connection: Connection) {
+            connections.removeValue(forKey: ObjectIdentifier(connection))
+        }
+
+        /// Decides the answer to one request and hands a matching redirect to the login.
+        func handle(_ head: HTTPHead) -> (status: Int, page: String) {
+            let target = head.target
+            let pathPart = String(target.split(separator: "?", maxSplits: 1, omittingEmptySubsequences: false)[0])
+            guard head.method == "GET", pathPart == path else {
+                return (404, Page.render(title: "Not found", message: "This address only receives the sign-in answer for proxyctl."))
+            }
+            let query = target.contains("?") ? String(target[target.index(after: target.firstIndex(of: "?")!)...]) : ""
+            guard let parameters = FormEncoding.decode(query) else {
+                return (400, Page.render(title: "Bad request", message: "The sign-in answer could not be read."))
+            }
+            let state = parameters.first { $0.0 == "state" }?.1
+            guard let expectedState, state == expectedState else {
+                return (
+                    400,
+                    Page.render(
+                        title: "Unknown sign-in",
+                        message: "This answer does not belong to the sign-in proxyctl is waiting for. Start the login again.")
+                )
+            }
+            let failed = parameters.contains { $0.0 == "error" }
+            deliver(.success(parameters))
+            return failed
+                ? (200, Page.render(title: "Sign-in failed", message: "The provider did not sign you in. The terminal says why."))
+                : (200, Page.render(title: "Signed in", message: "proxyctl received your sign-in. You can close this window."))
+        }
+    }
+
+    /// One browser connection: read a head, answer, close.
+    final class Connection {
+        unowned let listener: Listener
+        private var bev: OpaquePointer?
+        private var parser = HTTPHeadParser(kind: .request, limits: HTTPHeadLimits(maxStartLine: 8192, maxHeadBytes: 32768, maxFields: 100))
+        private var answered = false
+
+        init(listener: Listener, fd: Int32) {
+            self.listener = listener
+            bev = bufferevent_socket_new(listener.loop.base, fd, Int32(BEV_OPT_CLOSE_ON_FREE.rawValue))
+            let context = Unmanaged.passUnretained(self).toOpaque()
+            bufferevent_setcb(
+                bev,
+                { _, context in Unmanaged<Connection>.fromOpaque(context!).takeUnretainedValue().readable() },
+                { _, context in Unmanaged<Connection>.fromOpaque(context!).takeUnretainedValue().writable() },
+                { _, _, context in Unmanaged<Connection>.fromOpaque(context!).takeUnretainedValue().close() },
+                context)
+            var timeout = timeval(milliseconds: 30_000)
+            bufferevent_set_timeouts(bev, &timeout, &timeout)
+            bufferevent_enable(bev, Int16(EV_READ | EV_WRITE))
+        }
+
+        func readable() {
+            guard !answered else { return }
+            let input = bufferevent_get_input(bev)
+            var outcome = HTTPHeadParser.Outcome.needMore
+            Buffers.forEachSegment(input) { segment in
+                outcome = parser.parse(segment)
+                if case .needMore = outcome { return true }
+                return false
+            }
+            evbuffer_drain(input, Buffers.length(input))
+            switch outcome {
+            case .needMore:
+                return
+            case .failed:
+                answer(400, Page.render(title: "Bad request", message: "proxyctl could not read this request."))
+            case .complete(let head, _):
+                let (status, page) = listener.handle(head)
+                answer(status, page)
+            }
+        }
+
+        private func answer(_ status: Int, _ page: String) {
+            answered = true
+            let body = Array(page.utf8)
+            let head =
+                "HTTP/1.1 \(status) \(ProxyResponse.reasonPhrase(status))\r\nContent-Type: text/html; charset=utf-8\r\n"
+                + "Content-Length: \(body.count)\r\nCache-Control: no-store\r\nReferrer-Policy: no-referrer\r\n"
+                + "Connection: close\r\n\r\n"
+            Buffers.append(Array(head.utf8) + body, to: bufferevent_get_output(bev))
+        }
+
+        func writable() {
+            if answered && Buffers.length(bufferevent_get_output(bev)) == 0 { close() }
+        }
+
+        func close() {
+            if let bev { bufferevent_free(bev) }
+            bev = nil
+            listener.closed(self)
+        }
+    }
+
+    enum Page {
+        static func render(title: String, message: String) -> String {
+            """
+            <!doctype html><html><head><meta charset="utf-8"><title>proxyctl: \(title)</title>
+            <style>body{font-family:system-ui,sans-serif;max-width:32em;margin:4em auto;color:#222}</style>
+            </head><body><h1>\(title)</h1><p>\(message)</p></body></html>
+            """
+        }
+    }
+}

@@ -1,0 +1,364 @@
+import Foundation
+import ProxyCore
+import ProxyTLS
+
+/// Receives the authorization response on a loopback redirect URI (RFC 8252 §7.3).
+public protocol RedirectReceiver: Sendable {
+    /// `http://127.0.0.1:PORT/PATH`.
+    var redirectURI: String { get }
+    /// Starts accepting the answer carrying `state`; call before the browser opens. Requests with another
+    /// state are answered with an error page and ignored.
+    func expect(state: String) async
+    /// Waits for the browser's request to the redirect path that carries the expected state, and returns
+    /// its query. Throws `AuthError.cancelled` after `timeout` milliseconds.
+    func waitForResponse(timeout: Int) async throws -> [(String, String)]
+    func close()
+}
+
+/// Where a login talks to the person: progress and the URL to open.
+public protocol LoginConsole: Sendable {
+    func say(_ line: String)
+}
+
+/// What the person asked for on the command line.
+public struct LoginOptions: Sendable, Equatable {
+    public var scopes: [String]? = nil
+    public var acrValues: String? = nil
+    public var maxAge: Int? = nil
+    public var loginHint: String? = nil
+    /// Ask the provider for enrolment (`prompt=create`).
+    public var create = false
+
+    public init() {}
+}
+
+/// Builds the authorization request and checks the response: the pure parts of the code flow.
+public struct AuthorizationRequest: Sendable {
+    public let provider: ProviderConfig
+    public let options: LoginOptions
+    public let redirectURI: String
+    public let state: String
+    public let nonce: String
+    public let pkce: PKCE
+
+    public init(provider: ProviderConfig, options: LoginOptions, redirectURI: String, pkce: PKCE = PKCE()) {
+        self.provider = provider
+        self.options = options
+        self.redirectURI = redirectURI
+        self.state = Crypto.randomToken()
+        self.nonce = Crypto.randomToken()
+        self.pkce = pkce
+    }
+
+    /// The scopes to ask for: `openid` first, then the configured or requested ones; nothing is added.
+    public var scopes: [String] {
+        var result = ["openid"]
+        for scope in options.scopes ?? provider.scopes where !result.contains(scope) { result.append(scope) }
+        return result
+    }
+
+    /// The authorization request parameters (RFC 6749 §4.1.1, RFC 7636 §4.3, OpenID Connect Core §3.1.2.1).
+    public var parameters: [(String, String)] {
+        var parameters: [(String, String)] = [
+            ("response_type", "code"), ("client_id", provider.clientID), ("redirect_uri", redirectURI),
+            ("scope", scopes.joined(separator: " ")), ("state", state), ("nonce", nonce),
+            ("code_challenge", pkce.challenge), ("code_challenge_method", "S256"),
+        ]
+        if let acr = options.acrValues ?? provider.acrValues { parameters.append(("acr_values", acr)) }
+        if let maxAge = options.maxAge { parameters.append(("max_age", String(maxAge))) }
+        if let hint = options.loginHint ?? provider.loginHint { parameters.append(("login_hint", hint)) }
+        if options.create { parameters.append(("prompt", "create")) }
+        for resource in provider.resources { parameters.append(("resource", resource)) }
+        for (name, value) in provider.extraParameters { parameters.append((name, value)) }
+        return parameters
+    }
+
+    /// What came back to the redirect URI.
+    public enum Response: Sendable, Equatable {
+        case code(String)
+        case error(OAuthErrorResponse)
+    }
+
+    /// Checks the redirect's query: state (already matched by the receiver, checked again), `iss` (RFC 9207),
+    /// then a code or an error.
+    public func check(_ query: [(String, String)], metadata: ProviderMetadata) -> Result<Response, AuthError> {
+        func value(_ name: String) -> String? { query.first { $0.0 == name }?.1 }
+        guard value("state") == state else {
+            return .failure(.cancelled(reason: "the browser returned an answer for another sign-in (state mismatch)"))
+        }
+        if let iss = value("iss") {
+            guard iss == metadata.issuer else {
+                return .failure(
+                    .configuration(
+                        reason:
+                            "the answer came from issuer \(AuthText.clip(iss)), not \(metadata.issuer) (RFC 9207 mix-up protection); nothing was stored"
+                    ))
+            }
+        } else if metadata.issParameterSupported {
+            return .failure(
+                .configuration(reason: "the provider promises an iss parameter (RFC 9207) but the answer has none"))
+        }
+        if let error = value("error") {
+            return .success(.error(OAuthErrorResponse(error: error, description: value("error_description"), uri: value("error_uri"))))
+        }
+        guard let code = value("code"), !code.isEmpty else {
+            return .failure(.cancelled(reason: "the answer carries neither a code nor an error"))
+        }
+        return .success(.code(code))
+    }
+}
+
+/// PKCE (RFC 7636): a random verifier and its S256 challenge.
+public struct PKCE: Sendable, Equatable {
+    public let verifier: String
+    public let challenge: String
+
+    /// 32 random bytes: a 43-character verifier (RFC 7636 §4.1).
+    public init() {
+        self.init(verifier: Crypto.randomToken(bytes: 32))
+    }
+
+    /// BASE64URL(SHA256(ASCII(verifier))) (RFC 7636 §4.2).
+    public init(verifier: String) {
+        self.verifier = verifier
+        self.challenge = Base64.urlEncode(Crypto.sha256(verifier))
+    }
+}
+
+/// Runs logins for one provider and stores the result.
+public struct LoginFlow: Sendable {
+    public let client: ProviderClient
+    public let store: TokenStore
+    public let console: any LoginConsole
+    public var now: @Sendable () -> Int64 = { Int64(Date().timeIntervalSince1970) }
+
+    public init(client: ProviderClient, store: TokenStore, console: any LoginConsole) {
+        self.client = client
+        self.store = store
+        self.console = console
+    }
+
+    var provider: ProviderConfig { client.config }
+
+    /// Authorization Code + PKCE in the browser. `openBrowser` returns false when no browser could be started
+    /// (the URL is printed either way).
+    public func browserLogin(
+        options: LoginOptions, receiver: any RedirectReceiver, openBrowser: @Sendable (String) -> Bool
+    ) async throws -> TokenSet {
+        let metadata = try await client.discover()
+        guard let authorizationEndpoint = metadata.authorizationEndpoint else {
+            throw AuthError.configuration(reason: "the provider has no authorization endpoint; use: proxyctl login --device \(provider.name)")
+        }
+        guard metadata.supportsS256 else {
+            throw AuthError.configuration(reason: "the provider does not support PKCE with S256, which a public client needs")
+        }
+        var currentOptions = options
+        var enrolmentTried = options.create
+        while true {
+            let request = AuthorizationRequest(provider: provider, options: currentOptions, redirectURI: receiver.redirectURI)
+            let url = try await authorizationURL(request, endpoint: authorizationEndpoint, metadata: metadata)
+            await receiver.expect(state: request.state)
+            console.say("Opening the browser to sign in to \(provider.name). If it does not open, visit:")
+            console.say("")
+            console.say("    \(url)")
+            console.say("")
+            if !openBrowser(url) {
+                console.say("(No browser could be started here; open the URL on any device that can reach this one.)")
+            }
+            let query = try await receiver.waitForResponse(timeout: provider.loginTimeout)
+            switch request.check(query, metadata: metadata) {
+            case .failure(let error):
+                throw error
+            case .success(.error(let error)):
+                // OpenID Connect Prompt Create 1.0: a user who is not registered can enrol, once.
+                let notRegistered =
+                    error.error == "access_denied"
+                    && (error.description?.contains("user_not_registered") ?? false)
+                if notRegistered && !enrolmentTried {
+                    enrolmentTried = true
+                    currentOptions.create = true
+                    console.say("The provider says you are not registered yet; starting enrolment (prompt=create).")
+                    continue
+                }
+                throw Self.describe(error, provider: provider)
+            case .success(.code(let code)):
+                console.say("Received the authorization code; exchanging it for tokens.")
+                let parameters: [(String, String)] = [
+                    ("grant_type", "authorization_code"), ("code", code), ("redirect_uri", request.redirectURI),
+                    ("client_id", provider.clientID), ("code_verifier", request.pkce.verifier),
+                ]
+                let response = try await exchange(parameters, what: "the authorization code")
+                return try await store(response, nonce: request.nonce, maxAge: currentOptions.maxAge, scopes: request.scopes)
+            }
+        }
+    }
+
+    /// The URL to open: the request itself, or a PAR `request_uri` (RFC 9126) when pushing is required or asked.
+    func authorizationURL(_ request: AuthorizationRequest, endpoint: String, metadata: ProviderMetadata) async throws -> String {
+        let usePAR: Bool
+        switch provider.usePAR {
+        case .always:
+            guard metadata.pushedAuthorizationRequestEndpoint != nil else {
+                throw AuthError.configuration(
+                    reason: "use_par = always, but the provider offers no pushed authorization request endpoint")
+            }
+            usePAR = true
+        case .never:
+            if metadata.requirePushedAuthorizationRequests {
+                throw AuthError.configuration(reason: "the provider requires pushed authorization requests; set use_par = auto")
+            }
+            usePAR = false
+        case .auto:
+            usePAR = metadata.requirePushedAuthorizationRequests && metadata.pushedAuthorizationRequestEndpoint != nil
+        }
+        let separator = endpoint.contains("?") ? "&" : "?"
+        guard usePAR, let parEndpoint = metadata.pushedAuthorizationRequestEndpoint else {
+            return endpoint + separator + FormEncoding.encode(request.parameters)
+        }
+        let response = try await client.postForm(parEndpoint, request.parameters)
+        guard response.status == 201 || response.status == 200, let object = response.jsonObject,
+            let requestURI = object["request_uri"]?.string
+        else {
+            if let object = response.jsonObject, let error = object["error"]?.string {
+                throw AuthError.configuration(
+                    reason:
+                        "the provider refused the pushed authorization request: \(OAuthErrorResponse(error: error, description: object["error_description"]?.string).summary)"
+                )
+            }
+            throw AuthError.recoverable(reason: "the pushed authorization request failed (HTTP \(response.status))", retryAfter: nil)
+        }
+        return endpoint + separator + FormEncoding.encode([("client_id", provider.clientID), ("request_uri", requestURI)])
+    }
+
+    /// The device authorization grant (RFC 8628).
+    public func deviceLogin(options: LoginOptions) async throws -> TokenSet {
+        let metadata = try await client.discover()
+        guard let endpoint = metadata.deviceAuthorizationEndpoint else {
+            throw AuthError.configuration(reason: "the provider does not offer the device flow (no device_authorization_endpoint)")
+        }
+        let request = AuthorizationRequest(provider: provider, options: options, redirectURI: "")
+        var parameters: [(String, String)] = [("client_id", provider.clientID), ("scope", request.scopes.joined(separator: " "))]
+        if let acr = options.acrValues ?? provider.acrValues { parameters.append(("acr_values", acr)) }
+        for resource in provider.resources { parameters.append(("resource", resource)) }
+        let response = try await client.postForm(endpoint, parameters)
+        guard response.status == 200, let object = response.jsonObject, let deviceCode = object["device_code"]?.string,
+            let userCode = object["user_code"]?.string, let verificationURI = object["verification_uri"]?.string
+        else {
+            if let object = response.jsonObject, let error = object["error"]?.string {
+                throw Self.describe(OAuthErrorResponse(error: error, description: object["error_description"]?.string), provider: provider)
+            }
+            throw AuthError.recoverable(reason: "the device authorization request failed (HTTP \(response.status))", retryAfter: nil)
+        }
+        let expiresIn = object["expires_in"]?.int.map(Int.init) ?? 600
+        var interval = max(1, object["interval"]?.int.map(Int.init) ?? 5)
+        console.say("To sign in to \(provider.name), visit")
+        console.say("")
+        console.say("    \(AuthText.clip(verificationURI, 300))")
+        console.say("")
+        console.say("and enter the code  \(AuthText.clip(userCode, 40))")
+        if let complete = object["verification_uri_complete"]?.string {
+            console.say("(or open \(AuthText.clip(complete, 300)) directly)")
+        }
+        console.say("Waiting for you to finish (the code expires in \(expiresIn / 60) min)...")
+        let deadline = now() + Int64(min(expiresIn, provider.loginTimeout / 1000 + 1))
+        while true {
+            try await Task.sleep(for: .seconds(interval))
+            let outcome = try await client.postToken([
+                ("grant_type", "urn:ietf:params:oauth:grant-type:device_code"), ("device_code", deviceCode),
+                ("client_id", provider.clientID),
+            ])
+            switch outcome {
+            case .success(let tokens):
+                return try await store(tokens, nonce: nil, maxAge: options.maxAge, scopes: request.scopes)
+            case .failure(.oauth(let error, _, _)):
+                switch error.error {
+                case "authorization_pending":
+                    break
+                case "slow_down":
+                    // RFC 8628 §3.5: add 5 seconds to the interval from now on.
+                    interval += 5
+                case "expired_token":
+                    throw AuthError.cancelled(reason: "the code expired before the sign-in was finished; run the login again")
+                case "access_denied":
+                    throw AuthError.cancelled(reason: "the sign-in was declined")
+                default:
+                    throw Self.describe(error, provider: provider)
+                }
+            case .failure(.unavailable(let status, let retryAfter)):
+                throw AuthError.recoverable(reason: "the provider is unavailable (HTTP \(status))", retryAfter: retryAfter)
+            case .failure(.malformed(let reason)):
+                throw AuthError.recoverable(reason: reason, retryAfter: nil)
+            }
+            if now() >= deadline {
+                throw AuthError.cancelled(reason: "nobody finished the sign-in in time; run the login again")
+            }
+        }
+    }
+
+    func exchange(_ parameters: [(String, String)], what: String) async throws -> TokenResponse {
+        switch try await client.postToken(parameters) {
+        case .success(let response):
+            return response
+        case .failure(.oauth(let error, let status, _)):
+            // glewlwyd answers a bad code or verifier with 403 invalid_code.
+            throw AuthError.cancelled(
+                reason: "the provider did not accept \(what) (\(error.summary), HTTP \(status)); run the login again")
+        case .failure(.unavailable(let status, let retryAfter)):
+            throw AuthError.recoverable(reason: "the provider is unavailable (HTTP \(status))", retryAfter: retryAfter)
+        case .failure(.malformed(let reason)):
+            throw AuthError.recoverable(reason: reason, retryAfter: nil)
+        }
+    }
+
+    /// Validates the ID token, then replaces the stored tokens (under the provider's lock).
+    func store(_ response: TokenResponse, nonce: String?, maxAge: Int?, scopes: [String]) async throws -> TokenSet {
+        guard let type = TokenEndpoint.normalizedType(response.tokenType) else {
+            throw AuthError.configuration(reason: "the provider issued an unsupported token type \(AuthText.clip(response.tokenType, 20))")
+        }
+        var identity: Identity? = nil
+        if scopes.contains("openid") {
+            guard let idToken = response.idToken else {
+                throw AuthError.configuration(reason: "the provider returned no ID token for an openid sign-in")
+            }
+            let validator = IDTokenValidator(
+                issuer: provider.issuer, clientID: provider.clientID, nonce: nonce, maxAge: maxAge, now: now())
+            identity = try await validator.validate(idToken) { refresh in try await client.jwks(refresh: refresh) }
+        }
+        let issuedAt = now()
+        let store = self.store
+        let providerName = provider.name
+        let issuer = provider.issuer
+        let clientID = provider.clientID
+        let finalIdentity = identity
+        return try await store.withLock(providerName) {
+            let previous = try? store.load(providerName)
+            let tokens = TokenSet(
+                provider: providerName, issuer: issuer, clientID: clientID, accessToken: response.accessToken,
+                tokenType: type, issuedAt: issuedAt, expiresAt: response.expiresIn.map { issuedAt + Int64($0) },
+                refreshToken: response.refreshToken, idToken: response.idToken,
+                scope: response.scope ?? scopes.joined(separator: " "), identity: finalIdentity,
+                generation: ((previous ?? nil)?.generation ?? 0) + 1)
+            try store.save(tokens)
+            return tokens
+        }
+    }
+
+    /// An error from the authorization or device endpoint, in plain words.
+    static func describe(_ error: OAuthErrorResponse, provider: ProviderConfig) -> AuthError {
+        switch error.error {
+        case "access_denied":
+            return .cancelled(reason: "the sign-in was declined (\(error.summary))")
+        case "invalid_scope":
+            return .configuration(reason: "the provider refused the requested scopes (\(error.summary)); check scopes in [provider \(provider.name)]")
+        case "unauthorized_client", "invalid_client", "invalid_request", "unsupported_response_type":
+            return .configuration(
+                reason: "the provider refused the request from client \(provider.clientID) (\(error.summary)); check the client's registration (redirect URIs, grant types, public client)")
+        case "login_required", "interaction_required", "consent_required", "account_selection_required":
+            return .cancelled(reason: "the provider needs you to interact (\(error.summary)); run the login again in a browser")
+        case "temporarily_unavailable", "server_error":
+            return .recoverable(reason: "the provider could not sign you in right now (\(error.summary))", retryAfter: nil)
+        default:
+            return .cancelled(reason: "the provider ended the sign-in (\(error.summary))")
+        }
+    }
+}

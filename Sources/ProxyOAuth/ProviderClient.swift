@@ -1,0 +1,134 @@
+import Foundation
+import ProxyCore
+
+/// Talks to one provider's endpoints: discovery, JWKS, token, PAR, device authorization, revocation.
+/// Caches the metadata and the key set. Retries only where retrying is safe (see `postToken`).
+public actor ProviderClient {
+    public nonisolated let config: ProviderConfig
+    let transport: any HTTPTransport
+    private var metadata: ProviderMetadata?
+    private var keys: JWKSet?
+    /// Retries of 5xx, 429 and network errors at the token endpoint, and the longest wait between them.
+    public var retryBudget = 2
+    public var maxRetryWait = 5
+    /// Sleeps between retries; tests shorten it.
+    var sleep: @Sendable (Int) async throws -> Void = { seconds in try await Task.sleep(for: .seconds(seconds)) }
+
+    public init(config: ProviderConfig, transport: any HTTPTransport) {
+        self.config = config
+        self.transport = transport
+    }
+
+    func setSleep(_ sleep: @escaping @Sendable (Int) async throws -> Void) { self.sleep = sleep }
+
+    /// The provider's metadata, fetched once (OpenID Connect Discovery, then RFC 8414).
+    public func discover() async throws -> ProviderMetadata {
+        if let metadata { return metadata }
+        var lastProblem = "no discovery document"
+        for url in ProviderMetadata.discoveryURLs(issuer: config.issuer) {
+            let response: HTTPResponse
+            do {
+                response = try await transport.send(HTTPRequest(url: url, headers: [("Accept", "application/json")], caFile: config.caFile))
+            } catch let error as TransportError {
+                throw Self.unreachable(error, what: "the provider \(config.issuer)")
+            }
+            if response.status == 404 || response.status == 405 {
+                lastProblem = "\(url) answered \(response.status)"
+                continue
+            }
+            guard response.status == 200, let document = response.jsonObject else {
+                if response.status == 429 || response.status >= 500 {
+                    throw AuthError.recoverable(
+                        reason: "the provider's discovery document is unavailable (\(response.status))",
+                        retryAfter: TokenEndpoint.retryAfter(response.header("Retry-After"), now: Date()))
+                }
+                throw AuthError.configuration(reason: "\(url) answered \(response.status) without a discovery document")
+            }
+            switch ProviderMetadata.parse(document, expectedIssuer: config.issuer) {
+            case .failure(let error): throw error
+            case .success(let parsed):
+                metadata = parsed
+                return parsed
+            }
+        }
+        throw AuthError.configuration(
+            reason: "\(config.issuer) has no discovery document (\(lastProblem)); check issuer in [provider \(config.name)]")
+    }
+
+    /// The provider's key set; `refresh` fetches it again (after an unknown kid).
+    public func jwks(refresh: Bool) async throws -> JWKSet {
+        if let keys, !refresh { return keys }
+        let metadata = try await discover()
+        guard let uri = metadata.jwksURI else {
+            throw AuthError.configuration(reason: "the provider publishes no jwks_uri; ID tokens cannot be verified")
+        }
+        let response: HTTPResponse
+        do {
+            response = try await transport.send(HTTPRequest(url: uri, headers: [("Accept", "application/json")], caFile: config.caFile))
+        } catch let error as TransportError {
+            throw Self.unreachable(error, what: "the provider's keys")
+        }
+        guard response.status == 200, let document = response.jsonObject, case .success(let set) = JWKSet.parse(document)
+        else {
+            throw AuthError.recoverable(reason: "the provider's key set is unavailable (\(response.status))", retryAfter: nil)
+        }
+        keys = set
+        return set
+    }
+
+    /// POSTs to the token endpoint. 5xx, 429 and network errors are retried within the budget, honouring
+    /// Retry-After up to `maxRetryWait`; then they become `AuthError.recoverable` with the remaining wait.
+    /// `extraHeaders` is called before each attempt (a DPoP proof must be fresh for each one).
+    public func postToken(
+        _ parameters: [(String, String)], extraHeaders: @Sendable () throws -> [(name: String, value: String)] = { [] }
+    ) async throws -> Result<TokenResponse, TokenEndpointError> {
+        let metadata = try await discover()
+        var attempt = 0
+        while true {
+            let request = HTTPRequest.form(metadata.tokenEndpoint, parameters, caFile: config.caFile, headers: try extraHeaders())
+            let outcome: Result<TokenResponse, TokenEndpointError>
+            do {
+                outcome = TokenEndpoint.parse(try await transport.send(request))
+            } catch let error as TransportError {
+                if case .certificate = error { throw Self.unreachable(error, what: "the token endpoint") }
+                guard attempt < retryBudget else { throw Self.unreachable(error, what: "the token endpoint") }
+                attempt += 1
+                try await sleep(min(1 << (attempt - 1), maxRetryWait))
+                continue
+            }
+            if case .failure(.unavailable(let status, let retryAfter)) = outcome {
+                let wait = retryAfter ?? (1 << attempt)
+                guard attempt < retryBudget, wait <= maxRetryWait else {
+                    throw AuthError.recoverable(
+                        reason: "the provider's token endpoint is unavailable (HTTP \(status))", retryAfter: retryAfter)
+                }
+                attempt += 1
+                try await sleep(wait)
+                continue
+            }
+            return outcome
+        }
+    }
+
+    /// POSTs a form to another endpoint (PAR, device authorization, revocation); no retries.
+    public func postForm(_ url: String, _ parameters: [(String, String)], headers: [(name: String, value: String)] = [])
+        async throws -> HTTPResponse
+    {
+        do {
+            return try await transport.send(HTTPRequest.form(url, parameters, caFile: config.caFile, headers: headers))
+        } catch let error as TransportError {
+            throw Self.unreachable(error, what: url)
+        }
+    }
+
+    static func unreachable(_ error: TransportError, what: String) -> AuthError {
+        switch error {
+        case .certificate(let reason):
+            .configuration(reason: "cannot verify the TLS certificate of \(what): \(reason) (set ca_file for a private CA)")
+        case .timeout(let reason):
+            .recoverable(reason: "\(what) did not answer in time: \(reason)", retryAfter: nil)
+        case .unreachable(let reason):
+            .recoverable(reason: "cannot reach \(what): \(reason)", retryAfter: nil)
+        }
+    }
+}

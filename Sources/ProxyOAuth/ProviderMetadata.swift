@@ -1,0 +1,100 @@
+import ProxyCore
+
+/// The endpoints and capabilities of a provider, from its discovery document (OpenID Connect Discovery 1.0
+/// §3, RFC 8414 §2).
+public struct ProviderMetadata: Sendable, Equatable {
+    public var issuer: String
+    public var authorizationEndpoint: String?
+    public var tokenEndpoint: String
+    public var deviceAuthorizationEndpoint: String?
+    public var pushedAuthorizationRequestEndpoint: String?
+    public var requirePushedAuthorizationRequests = false
+    public var revocationEndpoint: String?
+    public var userinfoEndpoint: String?
+    public var jwksURI: String?
+    public var endSessionEndpoint: String?
+    public var codeChallengeMethods: [String]?
+    public var dpopSigningAlgorithms: [String]?
+    public var issParameterSupported = false
+    public var idTokenSigningAlgorithms: [String]?
+    public var grantTypes: [String]?
+    public var scopesSupported: [String]?
+    public var promptValues: [String]?
+
+    public init(issuer: String, tokenEndpoint: String) {
+        self.issuer = issuer
+        self.tokenEndpoint = tokenEndpoint
+    }
+
+    /// The discovery URLs to try, in order: OpenID Connect Discovery (issuer + path), then RFC 8414
+    /// (well-known inserted between host and path).
+    public static func discoveryURLs(issuer: String) -> [String] {
+        var trimmed = issuer
+        while trimmed.hasSuffix("/") { trimmed.removeLast() }
+        var urls = [trimmed + "/.well-known/openid-configuration"]
+        if case .success(let url) = AbsoluteURL.parse(issuer) {
+            var path = url.pathAndQuery
+            if path == "/" { path = "" }
+            while path.hasSuffix("/") { path.removeLast() }
+            let origin = "\(url.scheme)://\(url.hostFieldValue)"
+            urls.append(origin + "/.well-known/oauth-authorization-server" + path)
+        }
+        return urls
+    }
+
+    /// Parses and checks a discovery document for `expectedIssuer`.
+    public static func parse(_ document: JSONObject, expectedIssuer: String) -> Result<ProviderMetadata, AuthError> {
+        guard let issuer = document["issuer"]?.string else {
+            return .failure(.configuration(reason: "the discovery document has no issuer"))
+        }
+        // OpenID Connect Discovery §4.3, RFC 8414 §3.3: the issuer must be exactly the one asked for.
+        guard issuer == expectedIssuer else {
+            return .failure(
+                .configuration(
+                    reason:
+                        "the provider says its issuer is \(AuthText.clip(issuer)), but proxy.conf has \(expectedIssuer); set issuer to exactly the provider's value"
+                ))
+        }
+        guard let token = document["token_endpoint"]?.string else {
+            return .failure(.configuration(reason: "the discovery document has no token_endpoint"))
+        }
+        var metadata = ProviderMetadata(issuer: issuer, tokenEndpoint: token)
+        metadata.authorizationEndpoint = document["authorization_endpoint"]?.string
+        metadata.deviceAuthorizationEndpoint = document["device_authorization_endpoint"]?.string
+        metadata.pushedAuthorizationRequestEndpoint = document["pushed_authorization_request_endpoint"]?.string
+        metadata.requirePushedAuthorizationRequests = document["require_pushed_authorization_requests"]?.bool ?? false
+        metadata.revocationEndpoint = document["revocation_endpoint"]?.string
+        metadata.userinfoEndpoint = document["userinfo_endpoint"]?.string
+        metadata.jwksURI = document["jwks_uri"]?.string
+        metadata.endSessionEndpoint = document["end_session_endpoint"]?.string
+        metadata.codeChallengeMethods = document["code_challenge_methods_supported"]?.stringList
+        metadata.dpopSigningAlgorithms = document["dpop_signing_alg_values_supported"]?.stringList
+        metadata.issParameterSupported = document["authorization_response_iss_parameter_supported"]?.bool ?? false
+        metadata.idTokenSigningAlgorithms = document["id_token_signing_alg_values_supported"]?.stringList
+        metadata.grantTypes = document["grant_types_supported"]?.stringList
+        metadata.scopesSupported = document["scopes_supported"]?.stringList
+        metadata.promptValues = document["prompt_values_supported"]?.stringList
+        for (name, value) in [
+            ("token_endpoint", Optional(token)), ("authorization_endpoint", metadata.authorizationEndpoint),
+            ("device_authorization_endpoint", metadata.deviceAuthorizationEndpoint),
+            ("pushed_authorization_request_endpoint", metadata.pushedAuthorizationRequestEndpoint),
+            ("revocation_endpoint", metadata.revocationEndpoint), ("jwks_uri", metadata.jwksURI),
+        ] {
+            guard let value else { continue }
+            if let problem = ProviderConfig.checkIssuer(value.split(separator: "?").first.map(String.init) ?? value) {
+                return .failure(.configuration(reason: "the provider's \(name) is not usable: \(problem)"))
+            }
+        }
+        return .success(metadata)
+    }
+
+    /// Whether the provider accepts PKCE S256. Providers that do not advertise methods are given the
+    /// benefit of the doubt (many support S256 without saying so).
+    public var supportsS256: Bool { codeChallengeMethods?.contains("S256") ?? true }
+}
+
+enum AuthText {
+    static func clip(_ text: String, _ limit: Int = 120) -> String {
+        OAuthErrorResponse.sanitize(text, limit: limit)
+    }
+}

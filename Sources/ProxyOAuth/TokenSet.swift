@@ -1,0 +1,136 @@
+import ProxyCore
+
+/// The tokens held for one provider, as stored on disk.
+public struct TokenSet: Sendable, Equatable {
+    public var provider: String
+    public var issuer: String
+    public var clientID: String
+    public var accessToken: String
+    /// "Bearer" or "DPoP".
+    public var tokenType: String
+    public var issuedAt: Int64
+    public var expiresAt: Int64?
+    public var refreshToken: String?
+    public var idToken: String?
+    public var scope: String?
+    public var identity: Identity?
+    /// Grows by one each time the tokens change; lets a caller tell whether someone refreshed since it looked.
+    public var generation: Int64
+    public var lastRefresh: RefreshRecord?
+
+    /// The outcome of the last refresh, for `proxyctl status`.
+    public struct RefreshRecord: Sendable, Equatable {
+        public var at: Int64
+        /// "ok", or the error category.
+        public var outcome: String
+        public var reason: String?
+
+        public init(at: Int64, outcome: String, reason: String? = nil) {
+            self.at = at
+            self.outcome = outcome
+            self.reason = reason
+        }
+    }
+
+    public init(
+        provider: String, issuer: String, clientID: String, accessToken: String, tokenType: String, issuedAt: Int64,
+        expiresAt: Int64?, refreshToken: String?, idToken: String?, scope: String?, identity: Identity?,
+        generation: Int64
+    ) {
+        self.provider = provider
+        self.issuer = issuer
+        self.clientID = clientID
+        self.accessToken = accessToken
+        self.tokenType = tokenType
+        self.issuedAt = issuedAt
+        self.expiresAt = expiresAt
+        self.refreshToken = refreshToken
+        self.idToken = idToken
+        self.scope = scope
+        self.identity = identity
+        self.generation = generation
+    }
+
+    /// When to refresh: 60 s before expiry, or at 80 % of the lifetime for short-lived tokens.
+    public var refreshAt: Int64? {
+        guard let expiresAt else { return nil }
+        let lifetime = max(0, expiresAt - issuedAt)
+        return expiresAt - min(60, lifetime / 5)
+    }
+
+    /// Whether the access token can be used at `now` without refreshing first.
+    public func isFresh(at now: Int64) -> Bool {
+        guard let refreshAt else { return true }
+        return now < refreshAt
+    }
+
+    /// Whether the access token has expired at `now`.
+    public func isExpired(at now: Int64) -> Bool {
+        guard let expiresAt else { return false }
+        return now >= expiresAt
+    }
+
+    // MARK: - JSON
+
+    public var json: JSONValue {
+        var object = JSONObject()
+        object["version"] = 1
+        object["provider"] = .string(provider)
+        object["issuer"] = .string(issuer)
+        object["client_id"] = .string(clientID)
+        object["token_type"] = .string(tokenType)
+        object["access_token"] = .string(accessToken)
+        object["issued_at"] = .int(issuedAt)
+        if let expiresAt { object["expires_at"] = .int(expiresAt) }
+        if let refreshToken { object["refresh_token"] = .string(refreshToken) }
+        if let idToken { object["id_token"] = .string(idToken) }
+        if let scope { object["scope"] = .string(scope) }
+        if let identity {
+            var who = JSONObject()
+            who["sub"] = .string(identity.subject)
+            if let name = identity.name { who["name"] = .string(name) }
+            if let email = identity.email { who["email"] = .string(email) }
+            if let authTime = identity.authTime { who["auth_time"] = .int(authTime) }
+            if let acr = identity.acr { who["acr"] = .string(acr) }
+            if let amr = identity.amr { who["amr"] = .array(amr.map { .string($0) }) }
+            object["identity"] = .object(who)
+        }
+        object["generation"] = .int(generation)
+        if let lastRefresh {
+            var record = JSONObject()
+            record["at"] = .int(lastRefresh.at)
+            record["outcome"] = .string(lastRefresh.outcome)
+            if let reason = lastRefresh.reason { record["reason"] = .string(reason) }
+            object["last_refresh"] = .object(record)
+        }
+        return .object(object)
+    }
+
+    public init?(json: JSONValue) {
+        guard let object = json.object, object["version"]?.int == 1, let provider = object["provider"]?.string,
+            let issuer = object["issuer"]?.string, let clientID = object["client_id"]?.string,
+            let accessToken = object["access_token"]?.string, let tokenType = object["token_type"]?.string,
+            let issuedAt = object["issued_at"]?.int, let generation = object["generation"]?.int
+        else { return nil }
+        var identity: Identity? = nil
+        if let who = object["identity"]?.object, let subject = who["sub"]?.string {
+            var parsed = Identity(subject: subject)
+            parsed.name = who["name"]?.string
+            parsed.email = who["email"]?.string
+            parsed.authTime = who["auth_time"]?.int
+            parsed.acr = who["acr"]?.string
+            parsed.amr = who["amr"]?.stringList
+            identity = parsed
+        }
+        self.init(
+            provider: provider, issuer: issuer, clientID: clientID, accessToken: accessToken, tokenType: tokenType,
+            issuedAt: issuedAt, expiresAt: object["expires_at"]?.int, refreshToken: object["refresh_token"]?.string,
+            idToken: object["id_token"]?.string, scope: object["scope"]?.string, identity: identity,
+            generation: generation)
+        if let record = object["last_refresh"]?.object, let at = record["at"]?.int,
+            let outcome = record["outcome"]?.string
+        {
+            lastRefresh = RefreshRecord(at: at, outcome: outcome, reason: record["reason"]?.string)
+        }
+    }
+}
