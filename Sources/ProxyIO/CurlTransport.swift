@@ -80,7 +80,6 @@ public final class LoopThread: Sendable {
 
     public init() {
         EventLoop.initializeLibraries()
-        CurlMulti.initializeLibrary()
         let loop = EventLoop()
         self.loop = loop
         // A repeating timer keeps event_base_loop from returning while idle.

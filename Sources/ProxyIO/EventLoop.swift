@@ -18,12 +18,18 @@ public final class EventLoop: @unchecked Sendable {
     /// The thread running the loop, 0 before `run`.
     private let thread = Atomic<UInt>(0)
 
-    /// Must run once, before any other thread starts and before the first loop is made.
+    /// Must run before any other thread starts and before the first loop is made; later calls do nothing.
     public static func initializeLibraries() {
+        _ = librariesInitialized
+    }
+
+    private static let librariesInitialized: Bool = {
         _ = evthread_use_pthreads()
+        CurlMulti.initializeLibrary()
         // Writes to a closed socket must fail with EPIPE, not kill the process.
         signal(SIGPIPE, SIG_IGN)
-    }
+        return true
+    }()
 
     public init() {
         // libevent keeps timeouts on a monotonic clock: clock changes do not disturb them.

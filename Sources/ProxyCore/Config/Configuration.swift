@@ -173,7 +173,7 @@ public struct ConfigParser: Sendable {
                 apply(value)
             }
             func count(_ minimum: Int, _ maximum: Int, _ apply: (Int) -> Void) {
-                guard let value = Int(entry.value), value >= minimum, value <= maximum else {
+                guard let value = ConfigValue.digits(entry.value), value >= minimum, value <= maximum else {
                     return fail("expected a number from \(minimum) to \(maximum), \(got())")
                 }
                 apply(value)

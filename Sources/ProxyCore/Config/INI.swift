@@ -78,7 +78,9 @@ public struct INIDocument: Sendable {
         var document = INIDocument(file: file)
         var errors: [ConfigError] = []
         var seenKeys: [String: Int] = [:]
-        let lines = text.split(separator: "\n", omittingEmptySubsequences: false)
+        var insideBrokenSection = false
+        // "\r\n" is one Character in Swift, so splitting on "\n" alone would leave a CRLF file as one line.
+        let lines = text.split(omittingEmptySubsequences: false, whereSeparator: { $0 == "\n" || $0 == "\r\n" })
         for (offset, rawLine) in lines.enumerated() {
             let number = offset + 1
             var line = Substring(rawLine)
@@ -88,23 +90,30 @@ public struct INIDocument: Sendable {
             if trimmed.hasPrefix("[") {
                 guard trimmed.hasSuffix("]") else {
                     errors.append(ConfigError(file: file, line: number, "section header must end with \"]\""))
+                    insideBrokenSection = true
                     continue
                 }
                 let inner = trimmed.dropFirst().dropLast().trimmingOWS()
                 let parts = inner.split(separator: " ", maxSplits: 1)
                 guard let name = parts.first, !name.isEmpty else {
                     errors.append(ConfigError(file: file, line: number, "empty section name"))
+                    insideBrokenSection = true
                     continue
                 }
                 let argument = parts.count > 1 ? parts[1].trimmingOWS() : nil
                 document.sections.append(
                     Section(name: name.lowercased(), argument: argument, line: number, entries: []))
                 seenKeys = [:]
+                insideBrokenSection = false
                 continue
             }
             guard let equals = trimmed.firstIndex(of: "=") else {
+                // Only the first word: the line may be a mistyped `upstream_proxy: http://user:password@host`.
+                let word = String(trimmed.prefix { !$0.isWhitespace && $0 != ":" })
+                let shown = clip(word) + (word.count < trimmed.count ? "..." : "")
                 errors.append(
-                    ConfigError(file: file, line: number, "expected \"key = value\" or \"[section]\", got \"\(clip(trimmed))\""))
+                    ConfigError(
+                        file: file, line: number, "expected \"key = value\" or \"[section]\", got \"\(shown)\""))
                 continue
             }
             let key = trimmed[..<equals].trimmingOWS()
@@ -114,6 +123,8 @@ public struct INIDocument: Sendable {
                 errors.append(ConfigError(file: file, line: number, "invalid key \"\(clip(key))\""))
                 continue
             }
+            // Keys under a broken header belong to no section; the header's error covers them.
+            if insideBrokenSection { continue }
             guard var section = document.sections.popLast() else {
                 errors.append(
                     ConfigError(file: file, line: number, key: key, "key outside a section; put it under [proxy]"))

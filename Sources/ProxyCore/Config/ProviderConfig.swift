@@ -131,7 +131,7 @@ extension ConfigParser {
                 }
                 provider.scopes = scopes
             case "redirect_port":
-                guard let port = Int(entry.value), (0...65535).contains(port) else {
+                guard let port = ConfigValue.digits(entry.value), (0...65535).contains(port) else {
                     fail("expected a port from 1 to 65535, or 0 for any free port, \(got())")
                     continue
                 }

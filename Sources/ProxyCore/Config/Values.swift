@@ -1,16 +1,24 @@
 /// Parsers for the value types of proxy.conf. Each returns nil on bad input; the caller names the key and
 /// what was expected.
 public enum ConfigValue {
+    /// A non-negative decimal integer: ASCII digits only (no sign, no spaces), at most 18 of them.
+    public static func digits(_ text: some StringProtocol) -> Int? {
+        guard !text.isEmpty, text.utf8.count <= 18, text.utf8.allSatisfy({ $0 >= 0x30 && $0 <= 0x39 }) else {
+            return nil
+        }
+        return Int(text)
+    }
+
     /// `10s`, `500ms`, `5m`, `1h`, or a bare number of seconds. Returns milliseconds.
     public static func duration(_ text: String) -> Int? {
         let units: [(String, Int)] = [("ms", 1), ("s", 1000), ("m", 60_000), ("h", 3_600_000)]
         for (suffix, factor) in units where text.hasSuffix(suffix) {
             let number = text.dropLast(suffix.count).trimmingOWS()
             // "5ms" must not be read as "5m" followed by "s": the longer suffix is tried first.
-            guard let value = Int(number), value >= 0, value <= Int.max / factor else { return nil }
+            guard let value = digits(number), value <= Int.max / factor else { return nil }
             return value * factor
         }
-        guard let seconds = Int(text), seconds >= 0, seconds <= Int.max / 1000 else { return nil }
+        guard let seconds = digits(text), seconds <= Int.max / 1000 else { return nil }
         return seconds * 1000
     }
 
@@ -22,10 +30,10 @@ public enum ConfigValue {
         ]
         for (suffix, factor) in units where text.hasSuffix(suffix) {
             let number = text.dropLast(suffix.count).trimmingOWS()
-            guard let value = Int(number), value >= 0, value <= Int.max / factor else { return nil }
+            guard let value = digits(number), value <= Int.max / factor else { return nil }
             return value * factor
         }
-        guard let value = Int(text), value >= 0 else { return nil }
+        guard let value = digits(text) else { return nil }
         return value
     }
 
@@ -88,7 +96,7 @@ public struct ListenAddress: Sendable, Equatable, CustomStringConvertible {
         case .v4: if isIPv6 { return nil }
         case .v6: if !isIPv6 { return nil }
         }
-        guard let port = Int(portText), (0...65535).contains(port), portText.allSatisfy(\.isNumber) else {
+        guard let port = ConfigValue.digits(portText), (0...65535).contains(port) else {
             return nil
         }
         return ListenAddress(host: String(host), port: port, isIPv6: isIPv6)

@@ -21,6 +21,8 @@ public struct ChunkedScanner: Sendable {
     private enum State: Sendable, Equatable {
         /// Reading hex digits; goes to `.extensions` on ";", SP or HTAB, to `.sizeLF` on CR.
         case size(digits: Int, value: UInt64)
+        /// Whitespace after the size; goes to `.extensions` on ";", to `.sizeLF` on CR.
+        case sizeSpace(value: UInt64)
         /// Reading chunk extensions up to CR.
         case extensions(value: UInt64)
         /// Saw CR after the size line; LF goes to `.data` (or `.trailerLineStart` for the last chunk).
@@ -99,11 +101,24 @@ public struct ChunkedScanner: Sendable {
                 state = .size(digits: digits + 1, value: value << 4 | UInt64(hex))
             } else if digits == 0 {
                 return fail("chunk size is not hexadecimal")
-            } else if byte == UInt8(ascii: ";") || byte == ASCII.space || byte == ASCII.tab {
+            } else if byte == UInt8(ascii: ";") {
                 state = .extensions(value: value)
+            } else if byte == ASCII.space || byte == ASCII.tab {
+                state = .sizeSpace(value: value)
             } else if byte == ASCII.cr {
                 state = .sizeLF(value: value)
             } else {
+                return fail("chunk size is not hexadecimal")
+            }
+        case .sizeSpace(let value):
+            // chunk-ext = *( BWS ";" BWS ... ): whitespace after the size must lead to ";" or the line end.
+            lineLength += 1
+            guard lineLength <= Self.maxLine else { return fail("chunk size line too long") }
+            if byte == UInt8(ascii: ";") {
+                state = .extensions(value: value)
+            } else if byte == ASCII.cr {
+                state = .sizeLF(value: value)
+            } else if byte != ASCII.space && byte != ASCII.tab {
                 return fail("chunk size is not hexadecimal")
             }
         case .extensions(let value):

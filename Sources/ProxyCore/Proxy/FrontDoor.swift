@@ -127,11 +127,13 @@ public struct FrontDoor: Sendable {
     /// A request whose target is this proxy itself would come back to us forever.
     func isLoop(_ target: HostPort) -> Bool {
         guard target.port == boundAddress.port else { return false }
-        if target.host == boundAddress.host { return true }
         let listenAddress = IPAddress.parse(boundAddress.host)
+        let targetAddress = IPAddress.parse(target.host)
+        if let targetAddress, targetAddress == listenAddress { return true }
         let listensEverywhere = listenAddress == .v4(0) || listenAddress == .v6(0, 0)
-        let targetIsLocal = target.host == "localhost" || (IPAddress.parse(target.host)?.isLoopback ?? false)
-        return targetIsLocal && (listensEverywhere || (listenAddress?.isLoopback ?? false))
+        if target.host == "localhost" { return listensEverywhere || (listenAddress?.isLoopback ?? false) }
+        // Listening on every address: any loopback address of this machine reaches us.
+        return listensEverywhere && (targetAddress?.isLoopback ?? false)
     }
 
     private func loopResponse(_ target: HostPort) -> ProxyResponse {

@@ -1,0 +1,180 @@
+/// Why no token could be attached, as the exchange needs to know it.
+public enum TokenFailure: Sendable, Equatable {
+    /// No tokens, or the provider rejected the refresh token: the user must run `proxyctl login`.
+    case signInNeeded(reason: String)
+    /// The provider is unreachable or overloaded; retry after `retryAfter` seconds.
+    case unavailable(reason: String, retryAfter: Int?)
+    /// proxy.conf or the provider's registration is wrong.
+    case configuration(reason: String)
+}
+
+/// The per-request authentication exchange with a protected origin: attach the token, classify the
+/// response, refresh once and replay once on a 401, retry once on a DPoP nonce challenge, surface step-up
+/// challenges, never loop.
+///
+/// Pure: events in, actions out. The I/O layer sends what `.send` says and reports what came back. Every
+/// reachable sequence is covered by `AuthExchangeTests`.
+public struct AuthExchange: Sendable {
+    public enum Event: Sendable, Equatable {
+        /// Usable tokens are available (from the store or a proactive refresh).
+        case tokens(generation: Int64)
+        case tokensFailed(TokenFailure)
+        /// The origin answered. `challenges` come from every `WWW-Authenticate` line (`ChallengeParser`);
+        /// `dpopNonce` from the `DPoP-Nonce` field.
+        case response(status: Int, challenges: [Challenge], dpopNonce: String?)
+        /// The refresh after a 401 succeeded with tokens of `generation`.
+        case refreshed(generation: Int64)
+        case refreshFailed(TokenFailure)
+    }
+
+    public enum Action: Sendable, Equatable {
+        /// Get usable tokens for the provider (refreshing proactively when they are stale).
+        case getTokens
+        /// Send the request with the tokens of `generation`; with DPoP, a fresh proof carrying `nonce`.
+        case send(generation: Int64, nonce: String?)
+        /// Refresh because the tokens of `replacing` were rejected (single-flight; may reuse newer tokens).
+        case refresh(replacing: Int64)
+        /// Pass the origin's response to the client, with `proxyStatus` added when set.
+        case deliver(proxyStatus: ProxyStatus?)
+        /// Answer the client ourselves; the origin is not contacted (again).
+        case respond(ProxyResponse)
+    }
+
+    /// Where the exchange is.
+    enum State: Sendable, Equatable {
+        /// Nothing done yet. -> `.waitingForTokens`
+        case idle
+        /// `.getTokens` issued. -> `.waitingForResponse` or `.done`
+        case waitingForTokens
+        /// `.send` issued. -> `.done`, `.waitingForResponse` (nonce retry), `.refreshing`
+        case waitingForResponse
+        /// `.refresh` issued after a 401. -> `.waitingForResponse` (replay) or `.done`
+        case refreshing
+        /// A final action was issued; further events are programming errors.
+        case done
+    }
+
+    public let origin: String
+    public let provider: String
+    /// The request body was kept, so the request can be sent again.
+    public let replayable: Bool
+    private(set) var state = State.idle
+    private(set) var nonceRetried = false
+    private(set) var refreshed = false
+    private var generation: Int64 = 0
+    private var nonce: String?
+
+    /// - Parameter knownNonce: the last DPoP nonce seen from this origin, used on the first proof.
+    public init(origin: String, provider: String, replayable: Bool, knownNonce: String? = nil) {
+        self.origin = origin
+        self.provider = provider
+        self.replayable = replayable
+        self.nonce = knownNonce
+    }
+
+    public mutating func start() -> Action {
+        precondition(state == .idle, "start() called twice")
+        state = .waitingForTokens
+        return .getTokens
+    }
+
+    public mutating func handle(_ event: Event) -> Action {
+        switch (state, event) {
+        case (.waitingForTokens, .tokens(let generation)):
+            self.generation = generation
+            state = .waitingForResponse
+            return .send(generation: generation, nonce: nonce)
+
+        case (.waitingForTokens, .tokensFailed(let failure)), (.refreshing, .refreshFailed(let failure)):
+            state = .done
+            return .respond(answer(for: failure))
+
+        case (.waitingForResponse, .response(let status, let challenges, let dpopNonce)):
+            if let dpopNonce { nonce = dpopNonce }
+            guard status == 401 else {
+                state = .done
+                return .deliver(proxyStatus: nil)
+            }
+            // RFC 9470 §3: a step-up challenge cannot be answered by refreshing; the user must sign in again
+            // with a stronger method. Pass it on, say what to run.
+            if let stepUp = challenges.first(where: { $0["error"] == "insufficient_user_authentication" }) {
+                state = .done
+                var wanted: [String] = []
+                if let acr = stepUp["acr_values"] { wanted.append("acr_values \(acr)") }
+                if let maxAge = stepUp["max_age"] { wanted.append("max_age \(maxAge)") }
+                let detail = wanted.isEmpty ? "" : " (\(wanted.joined(separator: ", ")))"
+                return .deliver(
+                    proxyStatus: ProxyStatus(
+                        details: "step-up required\(detail): run proxyctl step-up \(origin)", receivedStatus: 401))
+            }
+            // RFC 9449 §9: when the only challenge is DPoP use_dpop_nonce with a nonce, retry once with it.
+            let onlyNonceChallenge =
+                challenges.count == 1 && challenges[0].scheme == "dpop" && challenges[0]["error"] == "use_dpop_nonce"
+            if onlyNonceChallenge && dpopNonce != nil && !nonceRetried {
+                nonceRetried = true
+                guard replayable else { return deliverUnreplayable(retry: "with the DPoP nonce it asked for") }
+                return .send(generation: generation, nonce: nonce)
+            }
+            if onlyNonceChallenge {
+                state = .done
+                return .deliver(
+                    proxyStatus: ProxyStatus(
+                        details: nonceRetried
+                            ? "the origin asked for a DPoP nonce again after a retry with one; not retried twice"
+                            : "the origin asked for a DPoP nonce without sending one",
+                        receivedStatus: 401))
+            }
+            if refreshed {
+                state = .done
+                return .deliver(
+                    proxyStatus: ProxyStatus(
+                        details: "the origin refused a freshly refreshed token; not retried again (check the token's scopes or audience)",
+                        receivedStatus: 401))
+            }
+            guard replayable else { return deliverUnreplayable(retry: "after a token refresh") }
+            refreshed = true
+            state = .refreshing
+            return .refresh(replacing: generation)
+
+        case (.refreshing, .refreshed(let generation)):
+            self.generation = generation
+            state = .waitingForResponse
+            return .send(generation: generation, nonce: nonce)
+
+        default:
+            preconditionFailure("AuthExchange: \(event) in state \(state)")
+        }
+    }
+
+    private mutating func deliverUnreplayable(retry: String) -> Action {
+        state = .done
+        return .deliver(
+            proxyStatus: ProxyStatus(
+                details: "the request body was too large to keep, so the request was not sent again \(retry); retry it",
+                receivedStatus: 401))
+    }
+
+    /// The proxy's own answer when no token can be attached.
+    func answer(for failure: TokenFailure) -> ProxyResponse {
+        switch failure {
+        case .signInNeeded(let reason):
+            return ProxyResponse(
+                status: 401,
+                proxyStatus: ProxyStatus(error: .httpRequestDenied, details: "sign-in needed: run proxyctl login \(provider)"),
+                message: "proxyctl: \(reason)")
+        case .unavailable(let reason, let retryAfter):
+            let wait = max(1, retryAfter ?? 5)
+            return ProxyResponse(
+                status: 503,
+                proxyStatus: ProxyStatus(
+                    error: .proxyInternalResponse, details: "the identity provider is unavailable; retry in \(wait)s"),
+                message: "proxyctl: cannot get a token for \(origin): \(reason); retry in \(wait)s",
+                extraFields: [("Retry-After", String(wait))])
+        case .configuration(let reason):
+            return ProxyResponse(
+                status: 500,
+                proxyStatus: ProxyStatus(error: .proxyConfigurationError, details: "provider \(provider) is misconfigured"),
+                message: "proxyctl: cannot get a token for \(origin): \(reason)")
+        }
+    }
+}
