@@ -75,7 +75,7 @@ enum ServeCommand {
         }
         let via = configuration.proxy.upstreamProxy.map { " via upstream proxy \($0)" } ?? ""
         let auth = credentials.map { " (proxy authentication: \($0.count) user(s))" } ?? ""
-        logger.info("proxyctl \(Version.string) listening on http://\(bound)\(via)\(auth)")
+        logger.always("proxyctl \(Version.string) listening on http://\(bound)\(via)\(auth)")
         loop.run()
         return ExitCode.success
     }

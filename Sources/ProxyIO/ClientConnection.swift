@@ -380,7 +380,9 @@ final class ClientConnection {
         }
     }
 
-    private func connectFailed(status: Int, error: ProxyStatus.ErrorType, hop: HostPort, message: String) {
+    private func connectFailed(
+        status: Int, error: ProxyStatus.ErrorType, hop: HostPort, message: String, receivedStatus: Int? = nil
+    ) {
         dropUpstream()
         let viaProxy: Bool
         switch pending {
@@ -397,7 +399,8 @@ final class ClientConnection {
         respond(
             ProxyResponse(
                 status: status,
-                proxyStatus: ProxyStatus(error: error, details: text, nextHop: hop.description),
+                proxyStatus: ProxyStatus(
+                    error: error, details: text, receivedStatus: receivedStatus, nextHop: hop.description),
                 message: "proxyctl: \(text)",
                 close: true))
     }
@@ -472,12 +475,18 @@ final class ClientConnection {
             if (200..<300).contains(head.status) {
                 Buffers.append(Self.connectEstablished, to: bufferevent_get_output(client))
                 startTunnel()
+            } else if head.status == 407 {
+                let hasCredentials = { if case .tunnel(_, let proxy?) = pending { return proxy.username != nil } else { return false } }()
+                connectFailed(
+                    status: 502, error: .proxyConfigurationError, hop: hop,
+                    message: hasCredentials
+                        ? "refused the credentials in upstream_proxy (407)"
+                        : "requires credentials (407); add user:password to upstream_proxy",
+                    receivedStatus: 407)
             } else {
-                let detail =
-                    head.status == 407
-                    ? "answered 407: the credentials in upstream_proxy were refused"
-                    : "answered \(head.status) to CONNECT"
-                connectFailed(status: 502, error: .connectionRefused, hop: hop, message: detail)
+                connectFailed(
+                    status: 502, error: .connectionRefused, hop: hop, message: "answered \(head.status) to CONNECT",
+                    receivedStatus: head.status)
             }
         }
     }
@@ -856,6 +865,11 @@ final class ClientConnection {
                     return badResponse(exchange, error)
                 case .success(let semantics):
                     exchange.status = head.status
+                    if head.status == 407, let proxy = exchange.forward.upstream {
+                        // The upstream proxy wants credentials: that is our configuration's problem, and
+                        // passing its Proxy-Authenticate on would make the client think we asked.
+                        return upstreamRefused(exchange, proxy: proxy)
+                    }
                     if semantics.isInterim {
                         // 1xx (100 Continue, 103 Early Hints): pass on, then read the final response.
                         Buffers.append(head.serialized(drop: { semantics.dropped.contains($0) }), to: output)
@@ -956,6 +970,26 @@ final class ClientConnection {
         }
     }
 
+    private func upstreamRefused(_ exchange: Exchange, proxy: UpstreamProxy) {
+        let detail =
+            proxy.username == nil
+            ? "the upstream proxy requires credentials; add user:password to upstream_proxy"
+            : "the upstream proxy refused the credentials in upstream_proxy"
+        server.logger.info(
+            "conn=\(id) client=\(peer) \(exchange.forward.method) \(LogText.url(exchange.forward.url)) status=502 error=proxy_configuration_error reason=\"\(detail)\""
+        )
+        dropUpstream()
+        self.exchange = nil
+        respond(
+            ProxyResponse(
+                status: 502,
+                proxyStatus: ProxyStatus(
+                    error: .proxyConfigurationError, details: detail, receivedStatus: 407,
+                    nextHop: proxy.address.description),
+                message: "proxyctl: \(detail)",
+                close: true))
+    }
+
     private func badResponse(_ exchange: Exchange, _ error: HTTPParseError) {
         let hop = exchange.forward.upstream?.address ?? exchange.forward.url.authority
         server.logger.info(
@@ -992,6 +1026,8 @@ final class ClientConnection {
     private func finishExchange(_ exchange: Exchange) {
         logExchange(exchange, note: nil)
         self.exchange = nil
+        // Shutting down: a connection that finished its exchange is not kept for another one.
+        if server.draining { exchange.closeAfter = true }
         if exchange.serverCloses || upstream == nil {
             dropUpstream()
         } else if let bev = upstream {

@@ -31,13 +31,22 @@ public final class Logger: @unchecked Sendable {
     public func info(_ message: @autoclosure () -> String) { log(.info, message()) }
     public func debug(_ message: @autoclosure () -> String) { log(.debug, message()) }
 
+    /// A line printed whatever the level (start-up facts such as the listening address), labelled info.
+    public func always(_ message: @autoclosure () -> String) {
+        emit(.info, message())
+    }
+
     public func log(_ level: LogLevel, _ message: @autoclosure () -> String) {
         guard enabled(level) else { return }
+        emit(level, message())
+    }
+
+    private func emit(_ level: LogLevel, _ message: String) {
         var line = Self.timestamp()
         line += " "
         line += level.description
         line += " "
-        line += message()
+        line += message
         line += "\n"
         var bytes = Array(line.utf8)
         bytes.withUnsafeMutableBytes { buffer in

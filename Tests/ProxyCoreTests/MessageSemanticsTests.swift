@@ -2,16 +2,16 @@ import Testing
 
 @testable import ProxyCore
 
-private func checkRequest(_ lines: String..., sourceLocation: SourceLocation = #_sourceLocation) throws -> Result<
-    RequestSemantics, HTTPParseError
-> {
+private func checkRequest(
+    _ lines: String..., sourceLocation: SourceLocation = #_sourceLocation
+) throws -> Result<RequestSemantics, HTTPParseError> {
     MessageSemantics.request(try parseHead(crlfHead(lines), sourceLocation: sourceLocation))
 }
 
 /// The semantics of a request that must pass; records an issue and throws when it fails.
-private func acceptedRequest(_ lines: String..., sourceLocation: SourceLocation = #_sourceLocation) throws
-    -> (RequestSemantics, HTTPHead)
-{
+private func acceptedRequest(
+    _ lines: String..., sourceLocation: SourceLocation = #_sourceLocation
+) throws -> (RequestSemantics, HTTPHead) {
     let head = try parseHead(crlfHead(lines), sourceLocation: sourceLocation)
     switch MessageSemantics.request(head) {
     case .success(let semantics):
@@ -23,9 +23,9 @@ private func acceptedRequest(_ lines: String..., sourceLocation: SourceLocation 
 }
 
 /// The error code of a request that must fail, or nil when it passed.
-private func refusal(_ lines: [String], sourceLocation: SourceLocation = #_sourceLocation) throws
-    -> HTTPParseError.Code?
-{
+private func refusal(
+    _ lines: [String], sourceLocation: SourceLocation = #_sourceLocation
+) throws -> HTTPParseError.Code? {
     let head = try parseHead(crlfHead(lines), sourceLocation: sourceLocation)
     if case .failure(let error) = MessageSemantics.request(head) { return error.code }
     return nil
@@ -261,9 +261,10 @@ private func droppedNames(_ semantics: RequestSemantics, _ head: HTTPHead) -> [S
             "GET http://a/ HTTP/1.1", "Host: a", "Connection: keep-alive", "Proxy-Connection: keep-alive",
             "Keep-Alive: timeout=5", "TE: trailers", "Upgrade: h2c", "Proxy-Authorization: Basic eDp5",
             "Accept: */*")
-        #expect(droppedNames(semantics, head) == [
-            "Connection", "Proxy-Connection", "Keep-Alive", "TE", "Upgrade", "Proxy-Authorization",
-        ])
+        #expect(
+            droppedNames(semantics, head) == [
+                "Connection", "Proxy-Connection", "Keep-Alive", "TE", "Upgrade", "Proxy-Authorization",
+            ])
         #expect(semantics.proxyAuthorization == 6)
         #expect(!semantics.upgrade)
     }

@@ -50,7 +50,10 @@ public struct HostPort: Sendable, Hashable, CustomStringConvertible {
                 return .failure(HTTPParseError(.malformed, "invalid character in host name"))
             }
         }
-        if kind == .name && hostBytes.last == UInt8(ascii: ".") { hostBytes = hostBytes.dropLast() }
+        // Every trailing dot, so that a normalised host parses to itself ("a.." is "a", not "a."), and the kind
+        // describes the host that is left ("1.2.3.4." is the address 1.2.3.4).
+        while kind == .name && hostBytes.last == UInt8(ascii: ".") { hostBytes = hostBytes.dropLast() }
+        if kind == .name && IPAddress.parseIPv4(hostBytes) != nil { kind = .ipv4 }
         guard !hostBytes.isEmpty else { return .failure(HTTPParseError(.malformed, "empty host in authority")) }
         var port: Int
         if rest.isEmpty {

@@ -82,9 +82,13 @@ public struct HTTPHead: Sendable {
     public func listElements(named lowercaseName: StaticString) -> [String] {
         var elements: [String] = []
         for index in indices(named: lowercaseName) {
-            for element in value(at: index).split(separator: ",", omittingEmptySubsequences: true) {
-                let trimmed = element.trimmingOWS()
-                if !trimmed.isEmpty { elements.append(trimmed.lowercased()) }
+            // Bytes, not Characters, and ASCII case folding only, as the next hop reads them: "," followed by a
+            // combining mark is one Character, and Unicode lower-cases "chun\u{212A}ed" (KELVIN SIGN) to "chunked".
+            for element in valueBytes(at: index).split(separator: UInt8(ascii: ","), omittingEmptySubsequences: true) {
+                var trimmed = element[...]
+                while let first = trimmed.first, first == ASCII.space || first == ASCII.tab { trimmed.removeFirst() }
+                while let last = trimmed.last, last == ASCII.space || last == ASCII.tab { trimmed.removeLast() }
+                if !trimmed.isEmpty { elements.append(String(decoding: trimmed.map(ASCII.lower), as: UTF8.self)) }
             }
         }
         return elements

@@ -52,9 +52,10 @@ public enum IPAddress: Sendable, Hashable {
             if index == bytes.endIndex { return (0, 0) }
         }
         while index < bytes.endIndex {
-            // A trailing IPv4 part takes two groups.
+            // A trailing IPv4 part takes two groups. It is the last part, so it has no colon after it; a group
+            // before it ("::ffff:1.2.3.4") is read as hex first.
             let rest = bytes[index...]
-            if rest.contains(UInt8(ascii: ".")) {
+            if rest.contains(UInt8(ascii: ".")) && !rest.contains(ASCII.colon) {
                 guard let v4 = parseIPv4(rest) else { return nil }
                 groups.append(UInt16(v4 >> 16))
                 groups.append(UInt16(v4 & 0xFFFF))
@@ -120,7 +121,7 @@ public struct CIDR: Sendable, Hashable {
         }
         var prefix = maxPrefix
         if parts.count == 2 {
-            guard let parsed = Int(parts[1]), (0...maxPrefix).contains(parsed) else { return nil }
+            guard let parsed = ConfigValue.digits(parts[1]), (0...maxPrefix).contains(parsed) else { return nil }
             prefix = parsed
         }
         return CIDR(address: address, prefix: prefix)

@@ -220,12 +220,15 @@ public enum MessageSemantics {
             dropped = dropped.filter { !head.field($0, isNamed: "connection") }
         }
         let interim = head.status < 200 && !switches
+        if !head.indices(named: "transfer-encoding").isEmpty {
+            // RFC 9112 §6.3 item 3: Transfer-Encoding overrides Content-Length, which must not be forwarded, also
+            // in a response without a body (to HEAD, 1xx, 204, 304).
+            for index in head.indices(named: "content-length") { dropped.insert(index) }
+        }
         let framing: BodyFraming
         if head.status < 200 || head.status == 204 || head.status == 304 || requestMethod == "HEAD" {
             framing = .none
         } else if !head.indices(named: "transfer-encoding").isEmpty {
-            // RFC 9112 §6.3 item 3: Transfer-Encoding overrides Content-Length, which must not be forwarded.
-            for index in head.indices(named: "content-length") { dropped.insert(index) }
             framing = head.listElements(named: "transfer-encoding").last == "chunked" ? .chunked : .untilClose
         } else {
             switch contentLength(head, head.indices(named: "content-length")) {

@@ -12,7 +12,9 @@ public struct ProxyCredentials: Sendable, Equatable {
     /// never echo a password.
     public static func parse(_ text: String, file: String) -> Result<ProxyCredentials, ConfigError> {
         var credentials = ProxyCredentials()
-        for (offset, raw) in text.split(separator: "\n", omittingEmptySubsequences: false).enumerated() {
+        // "\r\n" is one Character in Swift: split on it too, or a CRLF file is a single line.
+        let lines = text.split(omittingEmptySubsequences: false, whereSeparator: { $0 == "\n" || $0 == "\r\n" })
+        for (offset, raw) in lines.enumerated() {
             var line = Substring(raw)
             if line.last == "\r" { line = line.dropLast() }
             if line.trimmingOWS().isEmpty || line.hasPrefix("#") { continue }
@@ -59,7 +61,9 @@ public struct ProxyCredentials: Sendable, Equatable {
     }
 
     static func constantTimeEqual(_ a: [UInt8], _ b: [UInt8]) -> Bool {
-        var difference = UInt8(truncatingIfNeeded: a.count ^ b.count)
+        // Not `UInt8(truncatingIfNeeded: a.count ^ b.count)`: lengths 256 apart would look equal, and a password
+        // followed by 256 NUL bytes would pass.
+        var difference: UInt8 = a.count == b.count ? 0 : 1
         for index in 0..<max(a.count, b.count) {
             let x = index < a.count ? a[index] : 0
             let y = index < b.count ? b[index] : 0

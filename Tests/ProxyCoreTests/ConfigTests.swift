@@ -1,0 +1,354 @@
+import Testing
+
+@testable import ProxyCore
+
+private let parser = ConfigParser(homeDirectory: "/home/ada", baseDirectory: "/etc/proxyctl")
+
+/// Parses a configuration that must be valid.
+private func config(_ text: String, sourceLocation: SourceLocation = #_sourceLocation) throws -> Configuration {
+    switch parser.parse(text, file: "proxy.conf") {
+    case .success(let configuration):
+        return configuration
+    case .failure(let errors):
+        Issue.record("configuration was refused: \(errors)", sourceLocation: sourceLocation)
+        throw errors
+    }
+}
+
+/// The errors of a configuration that must be refused (empty when it was accepted).
+private func errors(_ text: String) -> [ConfigError] {
+    switch parser.parse(text, file: "proxy.conf") {
+    case .success: []
+    case .failure(let errors): errors.errors
+    }
+}
+
+private func error(line: Int?, section: String? = nil, key: String? = nil) -> ConfigError {
+    ConfigError(file: "proxy.conf", line: line, section: section, key: key, "")
+}
+
+/// proxy.conf: the INI syntax, the `[proxy]` keys, and errors that name the file, the line, the section and
+/// the key.
+@Suite struct ConfigTests {
+    @Test func emptyFileGivesDefaults() throws {
+        let configuration = try config("")
+        #expect(configuration.proxy == ProxySettings())
+        #expect(configuration.source == "proxy.conf")
+        #expect(configuration.proxy.listen == ListenAddress(host: "127.0.0.1", port: 8080, isIPv6: false))
+        #expect(configuration.proxy.upstreamProxy == nil)
+        #expect(configuration.proxy.proxyAuthFile == nil)
+        #expect(configuration.proxy.connectTimeout == 10_000)
+        #expect(configuration.proxy.idleTimeout == 300_000)
+        #expect(configuration.proxy.keepAliveTimeout == 60_000)
+        #expect(configuration.proxy.headerTimeout == 30_000)
+        #expect(configuration.proxy.shutdownGrace == 10_000)
+        #expect(configuration.proxy.headLimits == HTTPHeadLimits())
+        #expect(configuration.proxy.maxConnections == 4096)
+        #expect(configuration.proxy.logLevel == .info)
+        #expect(configuration.proxy.stateDir == nil)
+    }
+
+    @Test func everyProxyKeyParses() throws {
+        let text = """
+            # proxyctl configuration
+            [proxy]
+            listen = 127.0.0.1:3128
+            upstream_proxy = http://corp%5Cada:p%40ss:word@proxy.corp.example:3128
+            no_upstream_proxy = localhost, .internal.example 10.0.0.0/8
+            proxy_auth_file = users.txt
+            connect_timeout = 5s
+            idle_timeout = 10m
+            keepalive_timeout = 90
+            header_timeout = 500ms
+            shutdown_grace = 0
+            max_request_line = 16KiB
+            max_header_bytes = 1MiB
+            max_headers = 200
+            max_connections = 100
+            log_level = debug
+            state_dir = ~/state
+            """
+        let proxy = try config(text).proxy
+        #expect(proxy.listen == ListenAddress(host: "127.0.0.1", port: 3128, isIPv6: false))
+        let upstream = try #require(proxy.upstreamProxy)
+        #expect(upstream.address == HostPort(host: "proxy.corp.example", port: 3128, kind: .name))
+        #expect(upstream.username == "corp\\ada")
+        #expect(upstream.password == "p@ss:word")
+        #expect(proxy.noUpstreamProxy.domains == ["localhost", "internal.example"])
+        #expect(proxy.noUpstreamProxy.ranges == [CIDR.parse("10.0.0.0/8")!])
+        #expect(proxy.proxyAuthFile == "/etc/proxyctl/users.txt")
+        #expect(proxy.connectTimeout == 5000)
+        #expect(proxy.idleTimeout == 600_000)
+        #expect(proxy.keepAliveTimeout == 90_000)
+        #expect(proxy.headerTimeout == 500)
+        #expect(proxy.shutdownGrace == 0)
+        #expect(proxy.headLimits == HTTPHeadLimits(maxStartLine: 16384, maxHeadBytes: 1 << 20, maxFields: 200))
+        #expect(proxy.maxConnections == 100)
+        #expect(proxy.logLevel == .debug)
+        #expect(proxy.stateDir == "/home/ada/state")
+        #expect(ConfigParser.proxyKeys.count == 15)
+        for key in ConfigParser.proxyKeys {
+            #expect(text.contains("\n\(key) = "), "\(key) is not covered")
+        }
+    }
+
+    @Test func pathsAreResolved() throws {
+        #expect(parser.resolvePath("/abs/users") == "/abs/users")
+        #expect(parser.resolvePath("rel/users") == "/etc/proxyctl/rel/users")
+        #expect(parser.resolvePath("~/users") == "/home/ada/users")
+        #expect(parser.resolvePath("~user/x") == "/etc/proxyctl/~user/x")
+        let bare = ConfigParser(homeDirectory: nil, baseDirectory: nil)
+        #expect(bare.resolvePath("~/users") == "~/users")
+        #expect(bare.resolvePath("users") == "users")
+    }
+
+    @Test func upstreamProxyNoneClearsIt() throws {
+        #expect(try config("[proxy]\nupstream_proxy = none\n").proxy.upstreamProxy == nil)
+        #expect(try config("[proxy]\nupstream_proxy = NONE\n").proxy.upstreamProxy == nil)
+        #expect(try config("[proxy]\nupstream_proxy =\n").proxy.upstreamProxy == nil)
+    }
+
+    @Test(arguments: [
+        ("error", LogLevel.error), ("warn", .warn), ("warning", .warn), ("info", .info), ("debug", .debug),
+        ("DEBUG", .debug), ("Info", .info),
+    ])
+    func logLevels(name: String, expected: LogLevel) throws {
+        #expect(try config("[proxy]\nlog_level = \(name)\n").proxy.logLevel == expected)
+        #expect(LogLevel(name: expected.description) == expected)
+    }
+
+    @Test func logLevelsAreOrdered() {
+        #expect(LogLevel.error < .warn)
+        #expect(LogLevel.warn < .info)
+        #expect(LogLevel.info < .debug)
+        #expect(LogLevel.allCases.count == 4)
+    }
+
+    // MARK: - Bad values: each names its line, section and key
+
+    @Test(arguments: [
+        ("listen", "8080"),
+        ("listen", "example.com:8080"),
+        ("listen", "127.0.0.1"),
+        ("listen", "127.0.0.1:99999"),
+        ("listen", "127.0.0.1:-1"),
+        ("listen", "127.0.0.1:+80"),
+        ("listen", "127.0.0.1:"),
+        ("listen", "[::1]"),
+        ("listen", "[::1]:"),
+        ("listen", "::1:8080"),
+        ("listen", "[127.0.0.1]:8080"),
+        ("listen", "01.0.0.1:8080"),
+        ("listen", ""),
+        ("upstream_proxy", "proxy.corp:3128"),
+        ("upstream_proxy", "https://proxy.corp:3128"),
+        ("upstream_proxy", "socks5://proxy.corp:1080"),
+        ("upstream_proxy", "http://proxy.corp:0"),
+        ("upstream_proxy", "http://proxy.corp:3128/path"),
+        ("upstream_proxy", "http://:3128"),
+        ("upstream_proxy", "http://"),
+        ("upstream_proxy", "http://%zz:pass@proxy:1"),
+        ("upstream_proxy", "http://:pass@proxy:1"),
+        ("no_upstream_proxy", "exa@mple.com"),
+        ("no_upstream_proxy", "10.0.0.0/33"),
+        ("no_upstream_proxy", "."),
+        ("no_upstream_proxy", "a%20b"),
+        ("proxy_auth_file", ""),
+        ("connect_timeout", "5x"),
+        ("connect_timeout", "0"),
+        ("connect_timeout", "-1s"),
+        ("connect_timeout", "1.5s"),
+        ("connect_timeout", ""),
+        ("idle_timeout", "forever"),
+        ("keepalive_timeout", "0ms"),
+        ("header_timeout", "s"),
+        ("shutdown_grace", "5x"),
+        ("shutdown_grace", "-1"),
+        ("max_request_line", "100"),
+        ("max_request_line", "2MiB"),
+        ("max_request_line", "8KB"),
+        ("max_request_line", "lots"),
+        ("max_header_bytes", "512"),
+        ("max_header_bytes", "17MiB"),
+        ("max_headers", "7"),
+        ("max_headers", "10001"),
+        ("max_headers", "ten"),
+        ("max_headers", "8k"),
+        ("max_connections", "0"),
+        ("max_connections", "1000001"),
+        ("max_connections", "-5"),
+        ("log_level", "verbose"),
+        ("log_level", ""),
+        ("state_dir", ""),
+    ])
+    func badValueNamesItsLocation(key: String, value: String) {
+        let found = errors("# comment\n[proxy]\n\n\(key) = \(value)\n")
+        #expect(found == [error(line: 4, section: "proxy", key: key)])
+        #expect(found.first?.message.isEmpty == false)
+        #expect(found.first?.description.hasPrefix("proxy.conf:4: [proxy] \(key): ") == true)
+    }
+
+    @Test func messagesSayWhatIsExpected() {
+        let found = errors("[proxy]\nconnect_timeout = 5x\n")
+        #expect(
+            found.first?.description
+                == "proxy.conf:2: [proxy] connect_timeout: expected a duration such as 10s, 500ms or 5m, got \"5x\"")
+    }
+
+    @Test func unknownKey() throws {
+        let found = errors("[proxy]\nlisten_addr = 127.0.0.1:80\n")
+        #expect(found == [error(line: 2, section: "proxy", key: "listen_addr")])
+        #expect(found[0].message.contains("listen"))
+    }
+
+    @Test func keysAreCaseSensitive() {
+        #expect(errors("[proxy]\nListen = 127.0.0.1:80\n") == [error(line: 2, section: "proxy", key: "Listen")])
+    }
+
+    @Test func duplicateKeyNamesTheFirstLine() throws {
+        let found = errors("[proxy]\nlog_level = info\n# again\nlog_level = debug\n")
+        #expect(found == [error(line: 4, section: "proxy", key: "log_level")])
+        #expect(found[0].message.contains("line 2"))
+    }
+
+    @Test func duplicateProxySectionNamesTheFirstLine() throws {
+        let found = errors("[proxy]\nlog_level = info\n\n[proxy]\nmax_headers = 10\n")
+        #expect(found == [error(line: 4, section: "proxy")])
+        #expect(found[0].message.contains("line 1"))
+    }
+
+    @Test func keyOutsideASection() {
+        let found = errors("listen = 127.0.0.1:8080\n[proxy]\n")
+        #expect(found == [error(line: 1, key: "listen")])
+        #expect(found[0].message.contains("[proxy]"))
+    }
+
+    @Test func unknownSection() {
+        let found = errors("[proxy]\n[origin https://api.example.com]\nprovider = corp\n")
+        #expect(found == [error(line: 2)])
+        #expect(found[0].message.contains("origin https://api.example.com"))
+        #expect(errors("[Proxy]\nlog_level = debug\n").isEmpty)  // section names are case-insensitive
+    }
+
+    @Test func proxySectionTakesNoName() {
+        #expect(errors("[proxy main]\n") == [error(line: 1)])
+    }
+
+    @Test(arguments: ["[proxy", "[]", "[ ]", "just some words", "= value", "bad key = 1", "k$y = 1"])
+    func syntaxErrors(line: String) {
+        #expect(errors("[proxy]\n\(line)\n") == [error(line: 2)])
+    }
+
+    @Test func commentsAndBlankLinesAreIgnored() throws {
+        let text = """
+            # full-line comment
+            ; another comment style
+               # indented comment
+
+            [proxy]
+            \t; indented comment in a section
+            log_level=debug
+              max_headers   =   50\t
+            upstream_proxy = http://proxy.example:3128/#not-a-comment
+            """
+        let found = errors(text)
+        // "#" is not a comment inside a value: the URL is refused for its path, not truncated.
+        #expect(found == [error(line: 9, section: "proxy", key: "upstream_proxy")])
+        let proxy = try config(text.replacingOccurrences(of: "/#not-a-comment", with: "")).proxy
+        #expect(proxy.logLevel == .debug)
+        #expect(proxy.headLimits.maxFields == 50)
+        #expect(proxy.upstreamProxy?.address == HostPort(host: "proxy.example", port: 3128, kind: .name))
+    }
+
+    @Test func crlfLineEndings() throws {
+        let text = "# c\r\n[proxy]\r\nlog_level = debug\r\nmax_headers = 20\r\n\r\nstate_dir = /var/lib/p\r\n"
+        let proxy = try config(text).proxy
+        #expect(proxy.logLevel == .debug)
+        #expect(proxy.headLimits.maxFields == 20)
+        #expect(proxy.stateDir == "/var/lib/p")
+        #expect(
+            errors("[proxy]\r\nlog_level = debug\r\nmax_headers = x\r\n") == [
+                error(line: 3, section: "proxy", key: "max_headers")
+            ])
+    }
+
+    @Test func everyErrorIsReportedInLineOrder() {
+        let text = """
+            stray = 1
+            [proxy]
+            connect_timeout = never
+            log_level = loud
+            log_level = info
+            [other]
+            """
+        #expect(
+            errors(text) == [
+                error(line: 1, key: "stray"), error(line: 3, section: "proxy", key: "connect_timeout"),
+                error(line: 4, section: "proxy", key: "log_level"), error(line: 5, section: "proxy", key: "log_level"),
+                error(line: 6),
+            ])
+    }
+
+    // MARK: - Cross-key checks
+
+    @Test(arguments: ["0.0.0.0:8080", "[::]:8080", "192.168.1.10:3128", "[2001:db8::1]:3128"])
+    func nonLoopbackListenNeedsProxyAuth(listen: String) throws {
+        let found = errors("[proxy]\nlog_level = info\nlisten = \(listen)\n")
+        #expect(found == [error(line: 3, section: "proxy", key: "listen")])
+        #expect(found[0].message.contains("proxy_auth_file"))
+        let proxy = try config("[proxy]\nlisten = \(listen)\nproxy_auth_file = /etc/users\n").proxy
+        #expect(proxy.proxyAuthFile == "/etc/users")
+        #expect(!proxy.listen.isLoopback)
+    }
+
+    @Test(arguments: ["127.0.0.1:8080", "127.1.2.3:80", "[::1]:8080", "localhost:9000", "127.0.0.1:0"])
+    func loopbackListenNeedsNoProxyAuth(listen: String) throws {
+        let proxy = try config("[proxy]\nlisten = \(listen)\n").proxy
+        #expect(proxy.listen.isLoopback)
+        #expect(proxy.proxyAuthFile == nil)
+    }
+
+    // MARK: - Secrets
+
+    @Test(arguments: [
+        "http://ada:hunter2secret@bad host:3128",
+        "ftp://ada:hunter2secret@proxy:3128",
+        "https://ada:hunter2secret@proxy:3128",
+        "ada:hunter2secret@proxy:3128",
+        "http://ada:hunter2secret@proxy:99999",
+        "http://ada:hunter2secret@proxy:3128/path",
+        "http://ada:hunter2secret%zz@proxy:3128",
+        "http://ada:hunter2secret@",
+        "http://ada:hunter2secret@[::1:3128",
+    ])
+    func badUpstreamURLNeverEchoesThePassword(value: String) {
+        switch parser.parse("[proxy]\nupstream_proxy = \(value)\n", file: "proxy.conf") {
+        case .success:
+            Issue.record("a bad upstream proxy URL was accepted")
+        case .failure(let errors):
+            #expect(errors.errors == [error(line: 2, section: "proxy", key: "upstream_proxy")])
+            #expect(!errors.description.contains("hunter2"))
+        }
+    }
+
+    @Test(arguments: [
+        "upstream_proxy: http://ada:hunter2secret@proxy:3128", "upstream_proxy http://ada:hunter2secret@p",
+    ])
+    func lineWithoutEqualsNeverEchoesAPassword(line: String) {
+        let found = errors("[proxy]\n\(line)\n")
+        #expect(found == [error(line: 2)])
+        #expect(found.first?.message.contains("upstream_proxy") == true)
+        #expect(found.first?.description.contains("hunter2") == false)
+    }
+
+    @Test func configErrorEquality() {
+        let a = ConfigError(file: "f", line: 1, section: "proxy", key: "k", "one message")
+        #expect(a == ConfigError(file: "f", line: 1, section: "proxy", key: "k", "another message"))
+        #expect(a != ConfigError(file: "g", line: 1, section: "proxy", key: "k", "one message"))
+        #expect(a != ConfigError(file: "f", line: 2, section: "proxy", key: "k", "one message"))
+        #expect(a != ConfigError(file: "f", line: 1, section: nil, key: "k", "one message"))
+        #expect(a != ConfigError(file: "f", line: 1, section: "proxy", key: nil, "one message"))
+        #expect(a.description == "f:1: [proxy] k: one message")
+        #expect(ConfigError(file: "f", line: nil, "m").description == "f: m")
+    }
+}
