@@ -42,6 +42,18 @@ static inline int proxyctl_SSL_set_tlsext_host_name(SSL *ssl, const char *name) 
     return (int)SSL_set_tlsext_host_name(ssl, name);
 }
 
+// XN_FLAG_RFC2253 is a macro expression.
+static inline unsigned long proxyctl_XN_FLAG_RFC2253(void) { return XN_FLAG_RFC2253; }
+
+// X509V3_set_ctx_nodb is a macro.
+static inline void proxyctl_X509V3_set_ctx_nodb(X509V3_CTX *ctx) { X509V3_set_ctx_nodb(ctx); }
+
+// SSL_CTX_set_session_cache_mode and SSL_CTX_set_mode/options are macros over SSL_CTX_ctrl.
+static inline long proxyctl_SSL_CTX_set_session_cache_mode(SSL_CTX *ctx, long mode) {
+    return SSL_CTX_set_session_cache_mode(ctx, mode);
+}
+static inline long proxyctl_SSL_CTX_set_mode(SSL_CTX *ctx, long mode) { return SSL_CTX_set_mode(ctx, mode); }
+
 // EVP_PKEY_PUBLIC_KEY and EVP_PKEY_KEYPAIR are macro expressions.
 static inline int proxyctl_EVP_PKEY_PUBLIC_KEY(void) { return EVP_PKEY_PUBLIC_KEY; }
 static inline int proxyctl_EVP_PKEY_KEYPAIR(void) { return EVP_PKEY_KEYPAIR; }

@@ -1,0 +1,88 @@
+import COpenSSL
+import ProxyCore
+
+/// An EC P-256 private key: the local CA's key, leaf keys, DPoP keys.
+public final class PrivateKey: @unchecked Sendable {
+    // @unchecked Sendable: the EVP_PKEY is not changed after creation; OpenSSL 3 allows concurrent use.
+    let pkey: OpaquePointer
+
+    init(_ pkey: OpaquePointer) { self.pkey = pkey }
+
+    deinit { EVP_PKEY_free(pkey) }
+
+    /// A new P-256 key.
+    public static func generateP256() throws -> PrivateKey {
+        guard let context = EVP_PKEY_CTX_new_from_name(nil, "EC", nil) else { throw CryptoError("EVP_PKEY_CTX_new_from_name") }
+        defer { EVP_PKEY_CTX_free(context) }
+        var key: OpaquePointer? = nil
+        guard EVP_PKEY_keygen_init(context) == 1, EVP_PKEY_CTX_set_group_name(context, "P-256") == 1,
+            EVP_PKEY_generate(context, &key) == 1, let key
+        else { throw CryptoError("generating a P-256 key") }
+        return PrivateKey(key)
+    }
+
+    /// Reads a PEM private key (PKCS#8 or traditional).
+    public static func fromPEM(_ pem: [UInt8]) throws -> PrivateKey {
+        let bio = pem.withUnsafeBytes { BIO_new_mem_buf($0.baseAddress, Int32($0.count)) }
+        guard let bio else { throw CryptoError("BIO_new_mem_buf") }
+        defer { BIO_free(bio) }
+        guard let key = PEM_read_bio_PrivateKey(bio, nil, nil, nil) else { throw CryptoError("reading a PEM private key") }
+        return PrivateKey(key)
+    }
+
+    /// PKCS#8 PEM, unencrypted (the file's permissions protect it).
+    public func pem() throws -> [UInt8] {
+        guard let bio = BIO_new(BIO_s_mem()) else { throw CryptoError("BIO_new") }
+        defer { BIO_free(bio) }
+        guard PEM_write_bio_PrivateKey(bio, pkey, nil, nil, 0, nil, nil) == 1 else { throw CryptoError("writing a PEM key") }
+        return Self.drain(bio)
+    }
+
+    static func drain(_ bio: OpaquePointer) -> [UInt8] {
+        var pointer: UnsafeMutablePointer<CChar>? = nil
+        let length = proxyctl_BIO_get_mem_data(bio, &pointer)
+        guard length > 0, let pointer else { return [] }
+        return Array(UnsafeRawBufferPointer(start: pointer, count: length))
+    }
+
+    /// The public point's coordinates (32 bytes each) for a JWK.
+    public func publicCoordinates() throws -> (x: [UInt8], y: [UInt8]) {
+        var buffer = [UInt8](repeating: 0, count: 65)
+        var length = 0
+        guard EVP_PKEY_get_octet_string_param(pkey, "pub", &buffer, buffer.count, &length) == 1, length == 65,
+            buffer[0] == 0x04
+        else { throw CryptoError("reading the public key") }
+        return (Array(buffer[1..<33]), Array(buffer[33..<65]))
+    }
+
+    /// The public key as a JWK (RFC 7518 §6.2), members in the RFC 7638 order.
+    public func publicJWK() throws -> JSONObject {
+        let (x, y) = try publicCoordinates()
+        return JSONObject([
+            ("crv", "P-256"), ("kty", "EC"), ("x", .string(Base64.urlEncode(x))), ("y", .string(Base64.urlEncode(y))),
+        ])
+    }
+
+    /// The JWK thumbprint (RFC 7638): base64url(SHA-256 of the required members in lexical order, no spaces).
+    public func thumbprint() throws -> String {
+        let (x, y) = try publicCoordinates()
+        let canonical = #"{"crv":"P-256","kty":"EC","x":""# + Base64.urlEncode(x) + #"","y":""# + Base64.urlEncode(y) + #""}"#
+        return Base64.urlEncode(Crypto.sha256(canonical))
+    }
+
+    /// An ES256 signature over `message` in JWS form: raw r||s, 64 bytes (RFC 7518 §3.4).
+    public func signES256(_ message: [UInt8]) throws -> [UInt8] {
+        guard let context = EVP_MD_CTX_new() else { throw CryptoError("EVP_MD_CTX_new") }
+        defer { EVP_MD_CTX_free(context) }
+        guard EVP_DigestSignInit_ex(context, nil, "SHA256", nil, nil, pkey, nil) == 1 else {
+            throw CryptoError("EVP_DigestSignInit_ex")
+        }
+        var der = [UInt8](repeating: 0, count: 80)
+        var length = der.count
+        guard EVP_DigestSign(context, &der, &length, message, message.count) == 1 else { throw CryptoError("EVP_DigestSign") }
+        guard let raw = ECDSASignature.derToRaw(Array(der[0..<length]), coordinateSize: 32) else {
+            throw CryptoError("converting an ECDSA signature")
+        }
+        return raw
+    }
+}
