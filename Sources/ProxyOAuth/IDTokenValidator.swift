@@ -82,6 +82,9 @@ public struct IDTokenValidator: Sendable {
         }
         guard let subject = claims["sub"]?.string, !subject.isEmpty else { throw invalid("has no sub") }
         let authTime = claims["auth_time"]?.int
+        // OpenID Connect Core §3.1.2.1: with max_age, auth_time is required. glewlwyd sends 0 when it does
+        // not know the time; that is accepted as "unknown" rather than failing every such sign-in.
+        if maxAge != nil && authTime == nil { throw invalid("has no auth_time although max_age was requested") }
         if let maxAge, let authTime, authTime > 0, authTime + Int64(maxAge) + clockSkew < now {
             throw invalid("reports a sign-in older than max_age \(maxAge)s")
         }

@@ -79,9 +79,12 @@ public enum TokenEndpoint {
         let formatter = DateFormatter()
         formatter.locale = Locale(identifier: "en_US_POSIX")
         formatter.timeZone = TimeZone(identifier: "GMT")
-        formatter.dateFormat = "EEE, dd MMM yyyy HH:mm:ss 'GMT'"
-        guard let date = formatter.date(from: value) else { return nil }
-        return max(0, Int(date.timeIntervalSince(now).rounded(.up)))
+        // RFC 9110 §5.6.7: a recipient must accept the IMF-fixdate and the obsolete RFC 850 and asctime forms.
+        for format in ["EEE, dd MMM yyyy HH:mm:ss 'GMT'", "EEEE, dd-MMM-yy HH:mm:ss 'GMT'", "EEE MMM d HH:mm:ss yyyy"] {
+            formatter.dateFormat = format
+            if let date = formatter.date(from: value) { return max(0, Int(date.timeIntervalSince(now).rounded(.up))) }
+        }
+        return nil
     }
 
     /// The token type, normalised: "Bearer" or "DPoP" (RFC 6749 §7.1: case-insensitive); nil when unknown.

@@ -103,15 +103,17 @@ public final class CryptoKey: @unchecked Sendable {
             guard let n = jwk["n"]?.string.flatMap(Base64.decode), let e = jwk["e"]?.string.flatMap(Base64.decode),
                 !n.isEmpty, !e.isEmpty
             else { throw CryptoError("RSA JWK without valid n and e") }
+            // OSSL_PARAM_BLD_push_BN keeps references to the name and the number, not copies: both must outlive
+            // OSSL_PARAM_BLD_to_param and EVP_PKEY_fromdata, which run inside fromData.
+            let modulus = BN_bin2bn(n, Int32(n.count), nil)
+            let exponent = BN_bin2bn(e, Int32(e.count), nil)
+            defer {
+                BN_free(modulus)
+                BN_free(exponent)
+            }
             return try fromData(type: "RSA") { builder in
-                let modulus = BN_bin2bn(n, Int32(n.count), nil)
-                let exponent = BN_bin2bn(e, Int32(e.count), nil)
-                defer {
-                    BN_free(modulus)
-                    BN_free(exponent)
-                }
-                return OSSL_PARAM_BLD_push_BN(builder, "n", modulus) == 1
-                    && OSSL_PARAM_BLD_push_BN(builder, "e", exponent) == 1
+                OSSL_PARAM_BLD_push_BN(builder, cString("n"), modulus) == 1
+                    && OSSL_PARAM_BLD_push_BN(builder, cString("e"), exponent) == 1
             }
         case "EC":
             let size: Int
@@ -124,28 +126,39 @@ public final class CryptoKey: @unchecked Sendable {
                 x.count == size, y.count == size
             else { throw CryptoError("EC JWK without valid x and y") }
             let point = [0x04] + x + y
-            let group = size == 32 ? "P-256" : "P-384"
-            return try fromData(type: "EC") { builder in
-                group.withCString { name in
-                    OSSL_PARAM_BLD_push_utf8_string(builder, "group", name, 0) == 1
+            let group: StaticString = size == 32 ? "P-256" : "P-384"
+            // The builder keeps references to the names, the group and the point (not copies), so the point's
+            // pointer must stay valid around the whole of fromData.
+            return try point.withUnsafeBytes { raw in
+                try fromData(type: "EC") { builder in
+                    OSSL_PARAM_BLD_push_utf8_string(builder, cString("group"), cString(group), 0) == 1
+                        && OSSL_PARAM_BLD_push_octet_string(builder, cString("pub"), raw.baseAddress, raw.count) == 1
                 }
-                    && point.withUnsafeBytes { raw in
-                        OSSL_PARAM_BLD_push_octet_string(builder, "pub", raw.baseAddress, raw.count) == 1
-                    }
             }
         default:
             throw CryptoError("JWK with an unsupported key type")
         }
     }
 
-    private static func fromData(type: String, _ fill: (OpaquePointer?) -> Bool) throws -> CryptoKey {
+    /// A NUL-terminated C string in static storage. OSSL_PARAM_BLD and EVP_PKEY_CTX_new_from_name keep the
+    /// pointers they are given instead of copying the text; a Swift String bridged for the call (small strings
+    /// live on the stack) would dangle by the time OpenSSL reads it.
+    /// A pointer to a string literal's static storage: OpenSSL keeps some names by pointer (the key type in
+    /// an EVP_PKEY_CTX, parameter names in OSSL_PARAM_BLD), so temporary Swift string bridges must not be used.
+    static func cString(_ text: StaticString) -> UnsafePointer<CChar> {
+        UnsafeRawPointer(text.utf8Start).assumingMemoryBound(to: CChar.self)
+    }
+
+    private static func fromData(type: StaticString, _ fill: (OpaquePointer?) -> Bool) throws -> CryptoKey {
         guard let builder = OSSL_PARAM_BLD_new() else { throw CryptoError("OSSL_PARAM_BLD_new") }
         defer { OSSL_PARAM_BLD_free(builder) }
         guard fill(builder), let params = OSSL_PARAM_BLD_to_param(builder) else {
             throw CryptoError("building \(type) key parameters")
         }
         defer { OSSL_PARAM_free(params) }
-        guard let context = EVP_PKEY_CTX_new_from_name(nil, type, nil) else { throw CryptoError("EVP_PKEY_CTX_new") }
+        guard let context = EVP_PKEY_CTX_new_from_name(nil, cString(type), nil) else {
+            throw CryptoError("EVP_PKEY_CTX_new")
+        }
         defer { EVP_PKEY_CTX_free(context) }
         var key: OpaquePointer? = nil
         guard EVP_PKEY_fromdata_init(context) == 1,

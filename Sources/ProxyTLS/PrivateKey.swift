@@ -12,10 +12,10 @@ public final class PrivateKey: @unchecked Sendable {
 
     /// A new P-256 key.
     public static func generateP256() throws -> PrivateKey {
-        guard let context = EVP_PKEY_CTX_new_from_name(nil, "EC", nil) else { throw CryptoError("EVP_PKEY_CTX_new_from_name") }
+        guard let context = EVP_PKEY_CTX_new_from_name(nil, CryptoKey.cString("EC"), nil) else { throw CryptoError("EVP_PKEY_CTX_new_from_name") }
         defer { EVP_PKEY_CTX_free(context) }
         var key: OpaquePointer? = nil
-        guard EVP_PKEY_keygen_init(context) == 1, EVP_PKEY_CTX_set_group_name(context, "P-256") == 1,
+        guard EVP_PKEY_keygen_init(context) == 1, EVP_PKEY_CTX_set_group_name(context, CryptoKey.cString("P-256")) == 1,
             EVP_PKEY_generate(context, &key) == 1, let key
         else { throw CryptoError("generating a P-256 key") }
         return PrivateKey(key)
@@ -49,7 +49,7 @@ public final class PrivateKey: @unchecked Sendable {
     public func publicCoordinates() throws -> (x: [UInt8], y: [UInt8]) {
         var buffer = [UInt8](repeating: 0, count: 65)
         var length = 0
-        guard EVP_PKEY_get_octet_string_param(pkey, "pub", &buffer, buffer.count, &length) == 1, length == 65,
+        guard EVP_PKEY_get_octet_string_param(pkey, CryptoKey.cString("pub"), &buffer, buffer.count, &length) == 1, length == 65,
             buffer[0] == 0x04
         else { throw CryptoError("reading the public key") }
         return (Array(buffer[1..<33]), Array(buffer[33..<65]))
@@ -74,7 +74,7 @@ public final class PrivateKey: @unchecked Sendable {
     public func signES256(_ message: [UInt8]) throws -> [UInt8] {
         guard let context = EVP_MD_CTX_new() else { throw CryptoError("EVP_MD_CTX_new") }
         defer { EVP_MD_CTX_free(context) }
-        guard EVP_DigestSignInit_ex(context, nil, "SHA256", nil, nil, pkey, nil) == 1 else {
+        guard EVP_DigestSignInit_ex(context, nil, CryptoKey.cString("SHA256"), nil, nil, pkey, nil) == 1 else {
             throw CryptoError("EVP_DigestSignInit_ex")
         }
         var der = [UInt8](repeating: 0, count: 80)

@@ -34,7 +34,9 @@ private func rejection(_ text: String, sourceLocation: SourceLocation = #_source
         #expect(parsed("{}") == .object(JSONObject()))
     }
 
-    @Test(arguments: ["0", "-0", "7", "-12", "1.5", "0.25", "1e10", "1E+2", "-1.0e-3", "123456789012345678901234567890"])
+    @Test(arguments: [
+        "0", "-0", "7", "-12", "1.5", "0.25", "1e10", "1E+2", "-1.0e-3", "123456789012345678901234567890",
+    ])
     func numbersKeepTheirText(_ text: String) {
         #expect(parsed(text) == .number(text))
         #expect(parsed("[\(text)]") == .array([.number(text)]))
@@ -66,7 +68,9 @@ private func rejection(_ text: String, sourceLocation: SourceLocation = #_source
         // The outermost value is at depth 0, so maxDepth brackets are the most that are accepted.
         let deepest = String(repeating: "[", count: JSON.maxDepth) + String(repeating: "]", count: JSON.maxDepth)
         #expect(parsed(deepest) != nil)
-        let objects = String(repeating: #"{"a":"#, count: JSON.maxDepth - 1) + "1" + String(repeating: "}", count: JSON.maxDepth - 1)
+        let objects =
+            String(repeating: #"{"a":"#, count: JSON.maxDepth - 1) + "1"
+            + String(repeating: "}", count: JSON.maxDepth - 1)
         #expect(parsed(objects) != nil)
     }
 }
@@ -127,7 +131,8 @@ private func rejection(_ text: String, sourceLocation: SourceLocation = #_source
     }
 
     @Test func nestingBeyondTheLimit() {
-        let tooDeep = String(repeating: "[", count: JSON.maxDepth + 1) + String(repeating: "]", count: JSON.maxDepth + 1)
+        let tooDeep =
+            String(repeating: "[", count: JSON.maxDepth + 1) + String(repeating: "]", count: JSON.maxDepth + 1)
         #expect(rejection(tooDeep)?.reason == "nested too deeply")
         let objects =
             String(repeating: #"{"a":"#, count: JSON.maxDepth) + "1" + String(repeating: "}", count: JSON.maxDepth)
@@ -136,15 +141,16 @@ private func rejection(_ text: String, sourceLocation: SourceLocation = #_source
         #expect(rejection(String(repeating: "[", count: 100_000)) != nil)
     }
 
-    @Test(arguments: [
-        [0x22, 0xFF, 0x22],  // never valid in UTF-8
-        [0x22, 0xC0, 0xAF, 0x22],  // overlong "/"
-        [0x22, 0xED, 0xA0, 0x80, 0x22],  // an encoded surrogate
-        [0x22, 0xE2, 0x82, 0x22],  // truncated sequence
-        [0x22, 0x80, 0x22],  // lone continuation byte
-        [0x22, 0xF4, 0x90, 0x80, 0x80, 0x22],  // beyond U+10FFFF
-        [0x22, 0x5C, 0x6E, 0xFF, 0x22],  // after an escape
-    ] as [[UInt8]])
+    @Test(
+        arguments: [
+            [0x22, 0xFF, 0x22],  // never valid in UTF-8
+            [0x22, 0xC0, 0xAF, 0x22],  // overlong "/"
+            [0x22, 0xED, 0xA0, 0x80, 0x22],  // an encoded surrogate
+            [0x22, 0xE2, 0x82, 0x22],  // truncated sequence
+            [0x22, 0x80, 0x22],  // lone continuation byte
+            [0x22, 0xF4, 0x90, 0x80, 0x80, 0x22],  // beyond U+10FFFF
+            [0x22, 0x5C, 0x6E, 0xFF, 0x22],  // after an escape
+        ] as [[UInt8]])
     func invalidUTF8(_ bytes: [UInt8]) {
         #expect(rejection(bytes)?.reason == "invalid UTF-8 in string")
     }
