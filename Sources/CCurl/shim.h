@@ -26,6 +26,13 @@ static inline CURLcode proxyctl_easy_setopt_header_cb(CURL *h, size_t (*cb)(char
 static inline CURLcode proxyctl_easy_setopt_read_cb(CURL *h, size_t (*cb)(char *, size_t, size_t, void *)) {
     return curl_easy_setopt(h, CURLOPT_READFUNCTION, cb);
 }
+static inline CURLcode proxyctl_easy_setopt_seek_cb(CURL *h, int (*cb)(void *, curl_off_t, int)) {
+    return curl_easy_setopt(h, CURLOPT_SEEKFUNCTION, cb);
+}
+// CURL_WRITEFUNC_PAUSE and CURL_READFUNC_PAUSE are macros of size_t values Swift does not import.
+static inline size_t proxyctl_writefunc_pause(void) { return CURL_WRITEFUNC_PAUSE; }
+static inline size_t proxyctl_readfunc_pause(void) { return CURL_READFUNC_PAUSE; }
+static inline size_t proxyctl_readfunc_abort(void) { return CURL_READFUNC_ABORT; }
 static inline CURLcode proxyctl_easy_getinfo_long(CURL *h, CURLINFO i, long *v) {
     return curl_easy_getinfo(h, i, v);
 }

@@ -33,7 +33,8 @@ struct AuthEnvironment {
         let loopThread = LoopThread()
         let transport = CurlTransport(
             loop: loopThread.loop, upstreamProxy: configuration.proxy.upstreamProxy,
-            bypass: configuration.proxy.noUpstreamProxy)
+            bypass: configuration.proxy.noUpstreamProxy,
+                resolve: configuration.proxy.resolve)
         return AuthEnvironment(
             configuration: configuration, provider: provider, store: TokenStore(stateDirectory: stateDirectory),
             loopThread: loopThread, client: ProviderClient(config: provider, transport: transport))

@@ -21,6 +21,8 @@ public enum ProxyctlCommand {
             LogoutCommand.spec,
             StatusCommand.spec,
             TokenCommand.spec,
+            CACommand.spec,
+            EnvCommand.spec,
             CommandSpec(
                 name: "help", abstract: "Show subcommand help information.",
                 arguments: [

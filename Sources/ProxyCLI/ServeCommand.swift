@@ -1,6 +1,8 @@
 import Foundation
 import ProxyCore
 import ProxyIO
+import ProxyOAuth
+import ProxyTLS
 
 enum ServeCommand {
     static let spec = CommandSpec(
@@ -38,6 +40,8 @@ enum ServeCommand {
         }
         try loader.finish(&configuration, listen: arguments.value("listen"))
         let credentials = try loader.loadCredentials(configuration.proxy)
+        let stateDirectory = configuration.proxy.stateDir ?? TokenStore.defaultStateDirectory(environment: context.environment)
+        let ca = try loadLocalCA(configuration, stateDirectory: stateDirectory)
         if arguments.flag("check") {
             context.out("\(configuration.source ?? "built-in defaults"): configuration is valid")
             return ExitCode.success
@@ -55,18 +59,42 @@ enum ServeCommand {
         EventLoop.initializeLibraries()
         let loop = EventLoop()
         let overrides = (listen: arguments.value("listen"), level: arguments.value("log-level"))
+        let startedWith = configuration
         let reload: () -> Result<(ProxySettings, ProxyCredentials?), any Error> = {
             do {
                 var fresh = try loader.load(location)
                 if let level = overrides.level, let parsed = LogLevel(name: level) { fresh.proxy.logLevel = parsed }
                 try loader.finish(&fresh, listen: overrides.listen)
+                if fresh.origins != startedWith.origins || fresh.providers != startedWith.providers {
+                    logger.warn(
+                        "SIGHUP: [origin] and [provider] sections changed; restart proxyctl serve to apply them (the rest is reloaded)")
+                }
                 return .success((fresh.proxy, try loader.loadCredentials(fresh.proxy)))
             } catch {
                 return .failure(error)
             }
         }
-        let server = ProxyServer(
-            loop: loop, logger: logger, settings: configuration.proxy, credentials: credentials, reload: reload)
+        var interception: Interception? = nil
+        if !configuration.origins.isEmpty, let stateDirectory {
+            let transport = CurlTransport(
+                loop: loop, upstreamProxy: configuration.proxy.upstreamProxy, bypass: configuration.proxy.noUpstreamProxy,
+                resolve: configuration.proxy.resolve)
+            let store = TokenStore(stateDirectory: stateDirectory)
+            var managers: [String: TokenManager] = [:]
+            for provider in configuration.providers where configuration.origins.origins.contains(where: { $0.provider == provider.name }) {
+                managers[provider.name] = TokenManager(
+                    provider: provider, store: store, client: ProviderClient(config: provider, transport: transport))
+            }
+            interception = Interception(ca: ca, managers: managers, spoolDirectory: stateDirectory + "/spool")
+        }
+        let server: ProxyServer
+        do {
+            server = try ProxyServer(
+                loop: loop, logger: logger, settings: configuration.proxy, credentials: credentials,
+                origins: configuration.origins, interception: interception, reload: reload)
+        } catch {
+            throw CommandFailure(message: "cannot set up interception: \(error)")
+        }
         let bound: ListenAddress
         do {
             bound = try server.start()
@@ -76,8 +104,51 @@ enum ServeCommand {
         let via = configuration.proxy.upstreamProxy.map { " via upstream proxy \($0)" } ?? ""
         let auth = credentials.map { " (proxy authentication: \($0.count) user(s))" } ?? ""
         logger.always("proxyctl \(Version.string) listening on http://\(bound)\(via)\(auth)")
+        for origin in configuration.origins.origins {
+            logger.info("protected origin \(origin.url): tokens from provider \(origin.provider)")
+        }
         loop.run()
         return ExitCode.success
+    }
+
+    /// The local CA for the protected https hosts; an error naming the fix when it is missing or was made for
+    /// another set of hosts.
+    static func loadLocalCA(_ configuration: Configuration, stateDirectory: String?) throws -> LocalCA? {
+        let hosts = configuration.origins.tlsHosts
+        guard !hosts.isEmpty else { return nil }
+        guard let stateDirectory else {
+            throw CommandFailure(message: "no state directory for the local CA: set HOME, XDG_STATE_HOME or state_dir")
+        }
+        let files = LocalCA.Files(stateDirectory: stateDirectory)
+        let ca: LocalCA
+        do {
+            guard let loaded = try LocalCA.load(files) else {
+                throw CommandFailure(
+                    message:
+                        "protected origins need the local CA, and there is none yet: run proxyctl ca init, then make your tools trust it with eval \"$(proxyctl env)\""
+                )
+            }
+            ca = loaded
+        } catch let failure as CommandFailure {
+            throw failure
+        } catch {
+            throw CommandFailure(message: "cannot read the local CA: \(error)")
+        }
+        if ca.hosts != hosts {
+            let added = Set(hosts).subtracting(ca.hosts).sorted()
+            let removed = Set(ca.hosts).subtracting(hosts).sorted()
+            var change: [String] = []
+            if !added.isEmpty { change.append("added \(added.joined(separator: ", "))") }
+            if !removed.isEmpty { change.append("removed \(removed.joined(separator: ", "))") }
+            throw CommandFailure(
+                message:
+                    "the protected hosts changed since the local CA was made (\(change.joined(separator: "; "))); its name constraints must name exactly them: run proxyctl ca init to reissue it, then restart the tools that trust it"
+            )
+        }
+        if ca.certificate.notAfter < Int64(time(nil)) + 7 * 86400 {
+            throw CommandFailure(message: "the local CA expires within a week: run proxyctl ca init to reissue it")
+        }
+        return ca
     }
 
     /// Each tunnel holds two descriptors: raise the soft limit to the hard one so `max_connections` fits.

@@ -1,12 +1,13 @@
 import CLibevent
 import ProxyCore
+import ProxyTLS
 
 /// One client connection: reads request heads, asks the front door what to do, and runs the answer
 /// (a response of its own, a blind tunnel, or a forwarded exchange).
 ///
 /// Owned by `ProxyServer.connections` from accept to close; libevent reaches it through `Unmanaged` contexts
 /// on its bufferevents. Lives on the loop thread only.
-final class ClientConnection {
+final class ClientConnection: ServerConnection, InterceptOwner {
     /// Where the connection is in its life. Transitions are noted on each case.
     enum Phase {
         /// Waiting for or parsing a request head. -> `.connecting` (tunnel or forward), `.forwarding` (reused
@@ -20,6 +21,8 @@ final class ClientConnection {
         case tunnel
         /// A request and its response in flight. -> `.readingHead` (keep-alive), `.closing`, `.tunnel` (101).
         case forwarding
+        /// A request to a protected http:// origin in flight (`intercepted`). -> `.readingHead`, `.closing`.
+        case intercepting
         /// Flushing the last bytes to the client, then closed.
         case closing
         case closed
@@ -50,6 +53,11 @@ final class ClientConnection {
     private var lastConnectError: Int32 = 0
     private var connectDeadline: Int64 = 0
     private var clientEOF = false
+    private var intercepted: InterceptedExchange?
+
+    // InterceptOwner
+    var clientBufferevent: OpaquePointer? { client }
+    var connectionID: UInt64 { id }
 
     /// Per-request state of a forwarded exchange.
     final class Exchange {
@@ -137,6 +145,8 @@ final class ClientConnection {
                 // Pipelined requests wait until the current response is done; do not buffer without bound.
                 bufferevent_disable(client, Int16(EV_READ))
             }
+        case .intercepting:
+            if let intercepted, !intercepted.finished { intercepted.pumpBody() }
         case .connecting, .upstreamHandshake:
             bufferevent_disable(client, Int16(EV_READ))
         case .closing, .closed:
@@ -153,6 +163,8 @@ final class ClientConnection {
         case .forwarding:
             // The client caught up: let the response flow again.
             if let upstream { bufferevent_enable(upstream, Int16(EV_READ)) }
+        case .intercepting:
+            intercepted?.clientDrained()
         default:
             break
         }
@@ -175,6 +187,8 @@ final class ClientConnection {
                 if let exchange, !exchange.requestDone { abort("client closed during the request body") }
             case .readingHead:
                 close()
+            case .intercepting:
+                if let intercepted, !intercepted.body.complete { abort("client closed during the request body") }
             case .connecting, .upstreamHandshake:
                 // The answer can still be delivered when the client only half-closed.
                 break
@@ -269,6 +283,15 @@ final class ClientConnection {
             pending = .tunnel(target: target, upstream: upstream)
             tunnel = TunnelState(target: target.description)
             startConnect(to: upstream?.address ?? target)
+        case .interceptTunnel(let origin):
+            startInterception(origin)
+        case .interceptRequest(let origin, let request):
+            phase = .intercepting
+            var idle = timeval(milliseconds: server.settings.idleTimeout)
+            bufferevent_set_timeouts(client, &idle, &idle)
+            let exchange = InterceptedExchange(owner: self, server: server, request: request, origin: origin)
+            intercepted = exchange
+            exchange.start()
         case .forward(let forward):
             pending = .forward(forward)
             let key = forward.upstream?.address ?? forward.url.authority
@@ -294,6 +317,75 @@ final class ClientConnection {
             phase = .readingHead
             bufferevent_enable(client, Int16(EV_READ))
             setClientReadTimeout(server.settings.keepAliveTimeout)
+        }
+    }
+
+    // MARK: - Interception
+
+    /// The intercepted exchange is over.
+    func exchangeFinished(close: Bool) {
+        intercepted = nil
+        if close || clientEOF || server.draining {
+            closeAfterFlush()
+            return
+        }
+        phase = .readingHead
+        bufferevent_setwatermark(client, Int16(EV_WRITE), 0, 0)
+        bufferevent_enable(client, Int16(EV_READ))
+        setClientReadTimeout(server.settings.keepAliveTimeout)
+        if Buffers.length(bufferevent_get_input(client)) > 0 { readHeads() }
+    }
+
+    /// CONNECT to a protected origin: answer 200, then hand the socket to an `InterceptSession`, which
+    /// terminates TLS with a leaf from the local CA.
+    private func startInterception(_ origin: OriginConfig) {
+        guard let contexts = server.tlsContexts, let bev = client else {
+            return respond(
+                ProxyResponse(
+                    status: 502,
+                    proxyStatus: ProxyStatus(error: .proxyConfigurationError, details: "no local CA"),
+                    message: "proxyctl: \(origin.url) is protected but there is no local CA; run proxyctl ca init",
+                    close: true))
+        }
+        let ssl: OpaquePointer
+        do {
+            ssl = try contexts.makeSSL(for: origin.authority.host)
+        } catch {
+            server.logger.error("conn=\(id) cannot set up TLS for \(origin.url): \(error)")
+            return respond(
+                ProxyResponse(
+                    status: 502, proxyStatus: ProxyStatus(error: .proxyInternalError, details: "TLS set-up failed"),
+                    message: "proxyctl: cannot set up TLS for \(origin.url): \(error)", close: true))
+        }
+        dropUpstream()
+        let session: InterceptSession
+        let fd = bufferevent_getfd(bev)
+        if Buffers.length(bufferevent_get_input(bev)) == 0 && Buffers.length(bufferevent_get_output(bev)) == 0
+            && Self.sendAll(fd, Self.connectEstablished)
+        {
+            // The usual case: TLS directly on the socket. The bufferevent lets go of the descriptor.
+            bufferevent_setfd(bev, -1)
+            bufferevent_free(bev)
+            client = nil
+            session = InterceptSession(server: server, id: id, peer: peer, origin: origin, fd: fd, ssl: ssl)
+        } else {
+            // The client sent bytes before our answer: TLS as a filter over the existing bufferevent, which
+            // keeps them (and sends the 200 first).
+            Buffers.append(Self.connectEstablished, to: bufferevent_get_output(bev))
+            bufferevent_setcb(bev, nil, nil, nil, nil)
+            client = nil
+            session = InterceptSession(server: server, id: id, peer: peer, origin: origin, underlying: bev, ssl: ssl)
+        }
+        server.adopt(session)
+        phase = .closed
+        server.connectionClosed(self)
+    }
+
+    /// Writes a short answer straight to a fresh socket; false if it did not all go out at once.
+    private static func sendAll(_ fd: Int32, _ bytes: [UInt8]) -> Bool {
+        bytes.withUnsafeBytes { raw in
+            let sent = send(fd, raw.baseAddress, raw.count, Int32(MSG_NOSIGNAL))
+            return sent == raw.count
         }
     }
 
@@ -1086,6 +1178,10 @@ final class ClientConnection {
 
     /// Ends the connection at once; `reason` is logged when an exchange or a tunnel was in progress.
     func abort(_ reason: String?) {
+        if let intercepted {
+            intercepted.abort()
+            self.intercepted = nil
+        }
         if let exchange {
             logExchange(exchange, note: reason ?? "aborted")
         } else if tunnel != nil {
@@ -1101,6 +1197,8 @@ final class ClientConnection {
     func close() {
         guard phase != .closed else { return }
         phase = .closed
+        intercepted?.abort()
+        intercepted = nil
         resolveTimer = nil
         dropUpstream()
         if let client {

@@ -157,6 +157,7 @@ private let curlTimerCallback: @convention(c) (UnsafeMutableRawPointer?, Int, Un
 class CurlTransfer {
     let easy: UnsafeMutableRawPointer
     private var headerList: UnsafeMutablePointer<curl_slist>? = nil
+    private var resolveList: UnsafeMutablePointer<curl_slist>? = nil
     let errorBuffer = UnsafeMutablePointer<CChar>.allocate(capacity: Int(CURL_ERROR_SIZE))
 
     init() {
@@ -177,6 +178,7 @@ class CurlTransfer {
     deinit {
         curl_easy_cleanup(easy)
         if let headerList { curl_slist_free_all(headerList) }
+        if let resolveList { curl_slist_free_all(resolveList) }
         errorBuffer.deallocate()
     }
 
@@ -189,6 +191,14 @@ class CurlTransfer {
             headerList = curl_slist_append(headerList, "\(name): \(value)")
         }
         _ = proxyctl_easy_setopt_ptr(easy, CURLOPT_HTTPHEADER, headerList)
+    }
+
+    /// CURLOPT_RESOLVE: "host:port:address" entries that bypass DNS.
+    func setResolve(_ entries: [String]) {
+        if let resolveList { curl_slist_free_all(resolveList) }
+        resolveList = nil
+        for entry in entries { resolveList = curl_slist_append(resolveList, entry) }
+        _ = proxyctl_easy_setopt_ptr(easy, CURLOPT_RESOLVE, resolveList)
     }
 
     func setMethod(_ method: String, body: [UInt8]) {
@@ -214,10 +224,10 @@ class CurlTransfer {
         }
     }
 
-    /// The libcurl error text for the last failure.
-    var errorText: String {
+    /// The libcurl error text for the last failure (the error buffer, else the code's description).
+    func errorText(_ code: CURLcode) -> String {
         let text = String(cString: errorBuffer)
-        return text.isEmpty ? "" : text
+        return text.isEmpty ? String(cString: curl_easy_strerror(code)) : text
     }
 
     // Overridden by subclasses.
@@ -273,8 +283,10 @@ final class BufferedTransfer: CurlTransfer {
     }
 
     override func header(_ line: UnsafeRawBufferPointer) -> Bool {
-        var text = String(decoding: line, as: UTF8.self)
-        while text.hasSuffix("\n") || text.hasSuffix("\r") { text.removeLast() }
+        // "\r\n" is one Character in Swift: trim the bytes, not the string.
+        var end = line.count
+        while end > 0 && (line[end - 1] == 0x0A || line[end - 1] == 0x0D) { end -= 1 }
+        let text = String(decoding: UnsafeRawBufferPointer(rebasing: line[0..<end]), as: UTF8.self)
         if text.hasPrefix("HTTP/") {
             // A new status line (after 100 Continue, say): start over.
             let parts = text.split(separator: " ", maxSplits: 2)
@@ -304,7 +316,7 @@ final class BufferedTransfer: CurlTransfer {
             completion(.success(HTTPResponseData(status: status, headers: headers, body: data)))
             return
         }
-        let detail = errorText.isEmpty ? String(cString: curl_easy_strerror(code)) : errorText
+        let detail = errorText(code)
         switch code {
         case CURLE_OPERATION_TIMEDOUT:
             completion(.failure(.timeout("\(target): \(detail)")))

@@ -12,20 +12,22 @@ public final class CurlTransport: HTTPTransport {
     private let multi: LoopBound<CurlMulti>
     private let upstreamProxy: UpstreamProxy?
     private let bypass: BypassList
+    private let resolve: [String: String]
 
     /// Must be created on `loop`'s thread (or before the loop runs).
-    public init(loop: EventLoop, upstreamProxy: UpstreamProxy?, bypass: BypassList) {
+    public init(loop: EventLoop, upstreamProxy: UpstreamProxy?, bypass: BypassList, resolve: [String: String] = [:]) {
         self.loop = loop
         self.multi = LoopBound(CurlMulti(loop: loop), loop: loop)
         self.upstreamProxy = upstreamProxy
         self.bypass = bypass
+        self.resolve = resolve
     }
 
     public func send(_ request: HTTPRequest) async throws -> HTTPResponse {
         let proxy = proxyURL(for: request.url)
         let target = Self.describe(request.url)
         return try await withCheckedThrowingContinuation { continuation in
-            loop.post { [multi] in
+            loop.post { [multi, resolve] in
                 let transfer = BufferedTransfer(target: target) { result in
                     switch result {
                     case .success(let data):
@@ -44,6 +46,9 @@ public final class CurlTransport: HTTPTransport {
                 _ = proxyctl_easy_setopt_long(transfer.easy, CURLOPT_TIMEOUT_MS, request.timeout)
                 _ = proxyctl_easy_setopt_long(transfer.easy, CURLOPT_CONNECTTIMEOUT_MS, min(request.timeout, 10_000))
                 if let caFile = request.caFile { _ = proxyctl_easy_setopt_string(transfer.easy, CURLOPT_CAINFO, caFile) }
+                if let url = try? AbsoluteURL.parse(request.url).get(), let fixed = resolve[url.authority.host] {
+                    transfer.setResolve(["\(url.authority.host):\(url.authority.port):\(fixed)"])
+                }
                 if let proxy {
                     _ = proxyctl_easy_setopt_string(transfer.easy, CURLOPT_PROXY, proxy.url)
                     if let credentials = proxy.credentials {

@@ -1,11 +1,35 @@
 import CLibevent
 import Foundation
 import ProxyCore
+import ProxyOAuth
+import ProxyTLS
 
 /// Why the server could not start.
 public struct ServerError: Error, CustomStringConvertible {
     public let message: String
     public var description: String { message }
+}
+
+/// A connection the server keeps track of: a client connection, or an intercepted tunnel.
+protocol ServerConnection: AnyObject {
+    /// Nothing in flight: waiting for the next request.
+    var isIdle: Bool { get }
+    func close()
+    func abort(_ reason: String?)
+}
+
+/// What protected origins need at run time: the local CA, a token manager per provider, and where request
+/// bodies are spooled.
+public struct Interception: Sendable {
+    public var ca: LocalCA?
+    public var managers: [String: TokenManager]
+    public var spoolDirectory: String
+
+    public init(ca: LocalCA?, managers: [String: TokenManager], spoolDirectory: String) {
+        self.ca = ca
+        self.managers = managers
+        self.spoolDirectory = spoolDirectory
+    }
 }
 
 /// The forward proxy: a listener, the connections it accepted, the signals that stop or reload it.
@@ -17,12 +41,19 @@ public final class ProxyServer {
     public let logger: Logger
     private(set) var settings: ProxySettings
     private(set) var frontDoor: FrontDoor
-    let resolver = Resolver()
+    private(set) var resolver: Resolver
     /// Output buffered toward a slow receiver before its sender is paused.
     let highWater = 256 * 1024
 
     private var listener: OpaquePointer?
-    private var connections: [ObjectIdentifier: ClientConnection] = [:]
+    private var connections: [ObjectIdentifier: any ServerConnection] = [:]
+    /// libcurl's multi handle for requests to protected origins (connection reuse, HTTP/2).
+    private(set) lazy var curl = CurlMulti(loop: loop)
+    /// Tokens for protected origins.
+    private(set) var tokens: TokenBroker
+    /// TLS contexts with leaves from the local CA; nil without protected https origins.
+    private(set) var tlsContexts: TLSServerContexts?
+    private(set) var spoolDirectory: String
     private var nextID: UInt64 = 0
     private(set) var draining = false
     private var listenerPaused = false
@@ -34,14 +65,20 @@ public final class ProxyServer {
 
     public init(
         loop: EventLoop, logger: Logger, settings: ProxySettings, credentials: ProxyCredentials?,
+        origins: OriginTable = OriginTable(), interception: Interception? = nil,
         reload: (() -> Result<(ProxySettings, ProxyCredentials?), any Error>)? = nil
-    ) {
+    ) throws {
         self.loop = loop
         self.logger = logger
         self.settings = settings
         self.boundAddress = settings.listen
-        self.frontDoor = FrontDoor(settings: settings, credentials: credentials, boundAddress: settings.listen)
+        self.frontDoor = FrontDoor(
+            settings: settings, credentials: credentials, boundAddress: settings.listen, origins: origins)
         self.reload = reload
+        self.resolver = Resolver(overrides: settings.resolve)
+        self.tokens = TokenBroker(loop: loop, managers: interception?.managers ?? [:])
+        self.tlsContexts = try interception?.ca.map { try TLSServerContexts(ca: $0) }
+        self.spoolDirectory = interception?.spoolDirectory ?? NSTemporaryDirectory()
     }
 
     deinit {
@@ -135,7 +172,12 @@ public final class ProxyServer {
 
     private var acceptRetryTimer: LoopTimer?
 
-    func connectionClosed(_ connection: ClientConnection) {
+    /// Tracks a connection made by another one (an intercepted tunnel takes over a client connection).
+    func adopt(_ connection: any ServerConnection) {
+        connections[ObjectIdentifier(connection)] = connection
+    }
+
+    func connectionClosed(_ connection: any ServerConnection) {
         connections.removeValue(forKey: ObjectIdentifier(connection))
         if listenerPaused && connections.count < settings.maxConnections && !draining {
             listenerPaused = false
@@ -221,7 +263,9 @@ public final class ProxyServer {
                 logger.info("listening on http://\(boundAddress)")
             }
             settings = newSettings
-            frontDoor = FrontDoor(settings: newSettings, credentials: credentials, boundAddress: boundAddress)
+            resolver = Resolver(overrides: newSettings.resolve)
+            frontDoor = FrontDoor(
+                settings: newSettings, credentials: credentials, boundAddress: boundAddress, origins: frontDoor.origins)
             logger.level = newSettings.logLevel
             logger.info("SIGHUP: configuration reloaded")
         }

@@ -99,14 +99,22 @@ public enum ResolveError: Error, Sendable, Equatable {
 /// thread entirely. The answer comes back on the loop through `EventLoop.post`.
 public final class Resolver: Sendable {
     private let queue = DispatchQueue(label: "proxyctl.resolver", attributes: .concurrent)
+    /// Names answered without DNS (`resolve` in proxy.conf).
+    private let overrides: [String: String]
 
-    public init() {}
+    public init(overrides: [String: String] = [:]) {
+        self.overrides = overrides
+    }
 
     /// Resolves `host` for TCP to `port`. `completion` runs on `loop`.
     public func resolve(
         _ host: HostPort, loop: EventLoop,
         completion: @escaping @Sendable (Result<[SocketAddress], ResolveError>) -> Void
     ) {
+        if host.kind == .name, let fixed = overrides[host.host], let address = SocketAddress(ip: fixed, port: host.port) {
+            completion(.success([address]))
+            return
+        }
         if host.kind != .name, let address = SocketAddress(ip: host.host, port: host.port) {
             completion(.success([address]))
             return

@@ -48,6 +48,14 @@ public struct ProxySettings: Sendable, Equatable {
     /// Most client connections open at once; further connections wait in the kernel's backlog.
     public var maxConnections = 4096
     public var logLevel = LogLevel.info
+    /// Request bodies to protected origins are kept in memory up to this size so they can be replayed.
+    public var replayMemory = 1 << 20
+    /// Beyond `replayMemory`, bodies are spooled to a 0600 file up to this size; larger ones are forwarded
+    /// without the possibility of a replay.
+    public var replaySpool = 64 << 20
+    /// Host names answered without DNS (`resolve = api.test=127.0.0.1`), like curl's --resolve: for
+    /// development setups and sidecars.
+    public var resolve: [String: String] = [:]
     /// Where tokens, keys and the local CA live; nil means the platform default.
     public var stateDir: String? = nil
 
@@ -59,6 +67,8 @@ public struct Configuration: Sendable, Equatable {
     public var proxy = ProxySettings()
     /// `[provider NAME]` sections, in file order.
     public var providers: [ProviderConfig] = []
+    /// `[origin URL]` sections: the protected origins.
+    public var origins = OriginTable()
     /// Where it came from: a file path, or nil for the built-in defaults.
     public var source: String? = nil
 
@@ -84,8 +94,39 @@ public struct ConfigParser: Sendable {
         config.source = file
         var seenProxy: Int? = nil
         var seenProviders: [String: Int] = [:]
+        var seenOrigins: [String: Int] = [:]
+        var origins: [OriginConfig] = []
         for section in document.sections {
             switch section.name {
+            case "origin":
+                guard let argument = section.argument else {
+                    errors.append(
+                        ConfigError(
+                            file: file, line: section.line,
+                            "expected [origin URL], such as [origin https://api.example.com]"))
+                    continue
+                }
+                var origin: OriginConfig
+                switch OriginConfig.parseURL(argument) {
+                case .failure(let error):
+                    errors.append(ConfigError(file: file, line: section.line, section: section.label, error.message))
+                    continue
+                case .success(let parsed):
+                    origin = parsed
+                }
+                origin.line = section.line
+                let key = OriginTable.key(origin.scheme, origin.authority)
+                if let first = seenOrigins[key] {
+                    errors.append(
+                        ConfigError(
+                            file: file, line: section.line, section: section.label,
+                            "the same origin as the section on line \(first) (after normalising case, trailing dot and default port); merge them"
+                        ))
+                    continue
+                }
+                seenOrigins[key] = section.line
+                applyOrigin(section, file: file, into: &origin, errors: &errors)
+                origins.append(origin)
             case "provider":
                 guard let name = section.argument, ProviderConfig.isValidName(name) else {
                     errors.append(
@@ -125,9 +166,21 @@ public struct ConfigParser: Sendable {
                 errors.append(
                     ConfigError(
                         file: file, line: section.line,
-                        "unknown section [\(section.label)]; expected [proxy] or [provider NAME]"))
+                        "unknown section [\(section.label)]; expected [proxy], [provider NAME] or [origin URL]"))
             }
         }
+        // Cross-section checks: every origin names a configured provider.
+        for origin in origins where !origin.provider.isEmpty {
+            if !config.providers.contains(where: { $0.name == origin.provider }) {
+                let line = document.sections.first { $0.line == origin.line }?.entries.first { $0.key == "provider" }?.line
+                errors.append(
+                    ConfigError(
+                        file: file, line: line ?? origin.line, section: "origin \(origin.url)", key: "provider",
+                        "no [provider \(origin.provider)] section; configured: \(config.providers.isEmpty ? "none" : config.providers.map(\.name).joined(separator: ", "))"
+                    ))
+            }
+        }
+        config.origins = OriginTable(origins)
         // Cross-key checks.
         if !config.proxy.listen.isLoopback && config.proxy.proxyAuthFile == nil {
             let line = document.sections.first { $0.name == "proxy" }?.entries.first { $0.key == "listen" }?.line
@@ -211,6 +264,20 @@ public struct ConfigParser: Sendable {
             case "max_header_bytes": size(1024, 16 << 20) { settings.headLimits.maxHeadBytes = $0 }
             case "max_headers": count(8, 10_000) { settings.headLimits.maxFields = $0 }
             case "max_connections": count(1, 1_000_000) { settings.maxConnections = $0 }
+            case "replay_memory": size(0, 1 << 30) { settings.replayMemory = $0 }
+            case "replay_spool": size(0, 1 << 40) { settings.replaySpool = $0 }
+            case "resolve":
+                var map: [String: String] = [:]
+                for pair in entry.value.split(whereSeparator: { $0 == "," || $0 == " " }) {
+                    let parts = pair.split(separator: "=", maxSplits: 1)
+                    guard parts.count == 2, case .success(let host) = HostPort.parse(parts[0], defaultPort: 1),
+                        host.kind == .name, IPAddress.parse(parts[1]) != nil
+                    else {
+                        return fail("expected HOST=ADDRESS pairs separated by commas, such as api.test=127.0.0.1, \(got())")
+                    }
+                    map[host.host] = String(parts[1])
+                }
+                settings.resolve = map
             case "log_level":
                 guard let level = LogLevel(name: entry.value) else {
                     return fail("expected one of error, warn, info, debug, \(got())")
@@ -229,6 +296,6 @@ public struct ConfigParser: Sendable {
     public static let proxyKeys = [
         "listen", "upstream_proxy", "no_upstream_proxy", "proxy_auth_file", "connect_timeout", "idle_timeout",
         "keepalive_timeout", "header_timeout", "shutdown_grace", "max_request_line", "max_header_bytes",
-        "max_headers", "max_connections", "log_level", "state_dir",
+        "max_headers", "max_connections", "replay_memory", "replay_spool", "resolve", "log_level", "state_dir",
     ]
 }

@@ -87,6 +87,18 @@ public struct ChunkedScanner: Sendable {
         return .needMore
     }
 
+    /// Scans framing bytes only, for a reader that decodes the body: stops as soon as chunk data starts
+    /// (`pendingData > 0`) or the body ends. Returns the framing bytes taken.
+    public mutating func scanFraming(_ input: UnsafeRawBufferPointer) -> (consumed: Int, outcome: Outcome) {
+        var index = 0
+        while index < input.count && state != .finished && pendingData == 0 {
+            let byte = input[index]
+            index += 1
+            if let error = step(byte) { return (index, .failed(error)) }
+        }
+        return (index, state == .finished ? .done(consumed: index) : .needMore)
+    }
+
     public mutating func scan(_ bytes: [UInt8]) -> Outcome {
         bytes.withUnsafeBytes { scan($0) }
     }

@@ -130,7 +130,7 @@ public struct HTTPHead: Sendable {
 
 extension StringProtocol {
     /// The string without leading and trailing optional whitespace (SP and HTAB, RFC 9110 §5.6.3).
-    func trimmingOWS() -> String {
+    public func trimmingOWS() -> String {
         var scalars = Substring(self).unicodeScalars[...]
         while let first = scalars.first, first == " " || first == "\t" { scalars.removeFirst() }
         while let last = scalars.last, last == " " || last == "\t" { scalars.removeLast() }

@@ -6,6 +6,10 @@ public enum FrontDoorDecision: Sendable, Equatable {
     case tunnel(target: HostPort, upstream: UpstreamProxy?)
     /// Forward the request: connect to `target` (or `upstream`) and send `head`, then the body.
     case forward(Forward)
+    /// CONNECT to a protected origin: terminate TLS with the local CA and handle each request.
+    case interceptTunnel(OriginConfig)
+    /// An absolute-form request to a protected `http://` origin (loopback only): handle it with the token.
+    case interceptRequest(OriginConfig, InterceptedRequest)
 
     public struct Forward: Sendable, Equatable {
         public let url: AbsoluteURL
@@ -26,11 +30,17 @@ public struct FrontDoor: Sendable {
     public var credentials: ProxyCredentials?
     /// The address the listener actually bound (the port may have been 0 in the settings).
     public var boundAddress: ListenAddress
+    /// The protected origins: the only traffic that is intercepted.
+    public var origins: OriginTable
 
-    public init(settings: ProxySettings, credentials: ProxyCredentials?, boundAddress: ListenAddress) {
+    public init(
+        settings: ProxySettings, credentials: ProxyCredentials?, boundAddress: ListenAddress,
+        origins: OriginTable = OriginTable()
+    ) {
         self.settings = settings
         self.credentials = credentials
         self.boundAddress = boundAddress
+        self.origins = origins
     }
 
     /// The answer for a head that could not be parsed.
@@ -81,6 +91,7 @@ public struct FrontDoor: Sendable {
                 ))
         case .connect(let target):
             if isLoop(target) { return .respond(loopResponse(target)) }
+            if let origin = origins.match(scheme: "https", authority: target) { return .interceptTunnel(origin) }
             return .tunnel(target: target, upstream: upstream(for: target))
         case .absolute(let url):
             guard url.scheme == "http" else {
@@ -94,6 +105,15 @@ public struct FrontDoor: Sendable {
                     ))
             }
             if isLoop(url.authority) { return .respond(loopResponse(url.authority)) }
+            if let origin = origins.match(scheme: "http", authority: url.authority) {
+                let checked = MessageSemantics.interceptedRequest(head, scheme: "http", origin: url.authority) { hasOwn in
+                    origin.clientAuthorization == .replace || !hasOwn
+                }
+                switch checked {
+                case .failure(let refusal): return .respond(refusal.response)
+                case .success(let request): return .interceptRequest(origin, request)
+                }
+            }
             let upstream = upstream(for: url.authority)
             var extra: [(name: String, value: String)] = []
             if let replacement = semantics.replacementHost { extra.append(("Host", replacement)) }

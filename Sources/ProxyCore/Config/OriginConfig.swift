@@ -1,0 +1,128 @@
+/// What to do with an `Authorization` field the client sent itself (`client_authorization`).
+public enum ClientAuthorizationPolicy: String, Sendable, Equatable {
+    /// Leave the client's credentials alone and attach nothing (the client knows best).
+    case keep
+    /// Remove the client's credentials and attach the provider's token.
+    case replace
+}
+
+/// An `[origin URL]` section: a protected origin, the only kind of traffic proxyctl intercepts.
+public struct OriginConfig: Sendable, Equatable {
+    /// The normalised origin: lower-case scheme and host, no trailing dot, the port always explicit.
+    public let scheme: String
+    public let authority: HostPort
+    /// The provider whose tokens are attached.
+    public var provider: String = ""
+    public var clientAuthorization: ClientAuthorizationPolicy = .keep
+    /// PEM bundle to trust for the origin's TLS instead of the system roots.
+    public var caFile: String? = nil
+    public var line: Int = 0
+
+    public init(scheme: String, authority: HostPort) {
+        self.scheme = scheme
+        self.authority = authority
+    }
+
+    /// `https://api.example.com` or `http://127.0.0.1:8000`: the default port is left out.
+    public var url: String {
+        let defaultPort = scheme == "https" ? 443 : 80
+        return authority.port == defaultPort
+            ? "\(scheme)://\(authority.hostForURL)" : "\(scheme)://\(authority.hostForURL):\(authority.port)"
+    }
+
+    public static let keys = ["provider", "client_authorization", "ca_file"]
+
+    /// Parses the section argument: scheme, host and optional port; nothing else.
+    public static func parseURL(_ text: String) -> Result<OriginConfig, ValueError> {
+        guard case .success(let url) = AbsoluteURL.parse(text) else {
+            return .failure("expected [origin https://HOST] or [origin https://HOST:PORT], such as [origin https://api.example.com]")
+        }
+        var path = url.pathAndQuery
+        if text.hasSuffix("/") == false && path == "/" { path = "" }
+        guard path.isEmpty || path == "/" else {
+            return .failure("an origin is a scheme, a host and a port: remove the path \"\(INIDocument.clip(path))\"")
+        }
+        if url.scheme == "https" && url.authority.kind != .name {
+            return .failure("an https origin must be named by a host name: the local CA never signs for IP addresses")
+        }
+        if url.scheme == "http" {
+            let host = url.authority.host
+            let loopback = host == "localhost" || (IPAddress.parse(host)?.isLoopback ?? false)
+            if !loopback {
+                return .failure(
+                    "http:// origins are accepted only on loopback hosts (a token is never sent in cleartext over a network); use https://")
+            }
+        }
+        return .success(OriginConfig(scheme: url.scheme, authority: url.authority))
+    }
+}
+
+/// The protected origins, looked up by scheme and authority after normalisation (lower case, no trailing
+/// dot, explicit port). Lookups are exact: no subdomains, no other ports, no prefixes or suffixes.
+public struct OriginTable: Sendable, Equatable {
+    private var byKey: [String: OriginConfig] = [:]
+    public private(set) var origins: [OriginConfig] = []
+
+    public init(_ origins: [OriginConfig] = []) {
+        for origin in origins {
+            byKey[Self.key(origin.scheme, origin.authority)] = origin
+            self.origins.append(origin)
+        }
+    }
+
+    static func key(_ scheme: String, _ authority: HostPort) -> String {
+        "\(scheme)://\(authority.host):\(authority.port)"
+    }
+
+    public var isEmpty: Bool { origins.isEmpty }
+
+    /// The protected origin for `scheme` and `authority`, if any.
+    public func match(scheme: String, authority: HostPort) -> OriginConfig? {
+        byKey[Self.key(scheme, authority)]
+    }
+
+    /// Host names the local CA must cover: those of the https origins.
+    public var tlsHosts: [String] {
+        Array(Set(origins.filter { $0.scheme == "https" }.map(\.authority.host))).sorted()
+    }
+}
+
+extension ConfigParser {
+    func applyOrigin(
+        _ section: INIDocument.Section, file: String, into origin: inout OriginConfig, errors: inout [ConfigError]
+    ) {
+        for entry in section.entries {
+            func fail(_ message: String) {
+                errors.append(ConfigError(file: file, line: entry.line, section: section.label, key: entry.key, message))
+            }
+            switch entry.key {
+            case "provider":
+                guard !entry.value.isEmpty else {
+                    fail("expected the name of a [provider NAME] section")
+                    continue
+                }
+                origin.provider = entry.value
+            case "client_authorization":
+                guard let policy = ClientAuthorizationPolicy(rawValue: entry.value.lowercased()) else {
+                    fail("expected keep or replace, got \"\(INIDocument.clip(entry.value))\"")
+                    continue
+                }
+                origin.clientAuthorization = policy
+            case "ca_file":
+                guard !entry.value.isEmpty else {
+                    fail("expected the path of a PEM file of CA certificates")
+                    continue
+                }
+                origin.caFile = resolvePath(entry.value)
+            default:
+                fail("unknown key; expected one of \(OriginConfig.keys.joined(separator: ", "))")
+            }
+        }
+        if origin.provider.isEmpty && !section.entries.contains(where: { $0.key == "provider" }) {
+            errors.append(
+                ConfigError(
+                    file: file, line: section.line, section: section.label, key: "provider",
+                    "missing; every origin needs the provider whose tokens it gets"))
+        }
+    }
+}

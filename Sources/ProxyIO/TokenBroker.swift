@@ -1,0 +1,98 @@
+import Foundation
+import ProxyCore
+import ProxyOAuth
+
+/// Gives connections on the loop the tokens of each provider, through the providers' `TokenManager`s.
+///
+/// Usable tokens are cached on the loop for up to a second, so most requests get their token without
+/// leaving the loop thread; the cache is refreshed through the manager, which notices tokens written by
+/// `proxyctl login` in another process and refreshes proactively before expiry.
+final class TokenBroker {
+    let loop: EventLoop
+    private let managers: [String: TokenManager]
+    private var snapshots: [String: (tokens: TokenSet, checkedAt: Int64)] = [:]
+    /// How long a cached snapshot is trusted without asking the manager (milliseconds).
+    let snapshotLifetime: Int64 = 1000
+
+    init(loop: EventLoop, managers: [String: TokenManager]) {
+        self.loop = loop
+        self.managers = managers
+    }
+
+    var providers: [String] { Array(managers.keys) }
+
+    /// Tokens usable right now without any I/O, if the cache has them.
+    func cachedTokens(_ provider: String) -> TokenSet? {
+        guard let snapshot = snapshots[provider] else { return nil }
+        let now = EventLoop.monotonicMilliseconds()
+        guard now - snapshot.checkedAt < snapshotLifetime,
+            snapshot.tokens.isFresh(at: Int64(Date().timeIntervalSince1970))
+        else { return nil }
+        return snapshot.tokens
+    }
+
+    /// Usable tokens for `provider`; `completion` runs on the loop.
+    func tokens(_ provider: String, completion: @escaping (Result<TokenSet, AuthError>) -> Void) {
+        if let cached = cachedTokens(provider) {
+            completion(.success(cached))
+            return
+        }
+        run(provider, completion: completion) { manager in try await manager.currentTokens() }
+    }
+
+    /// Refreshes because the tokens of `generation` were rejected; newer tokens are reused when someone
+    /// already refreshed. `completion` runs on the loop.
+    func refresh(
+        _ provider: String, replacing generation: Int64, completion: @escaping (Result<TokenSet, AuthError>) -> Void
+    ) {
+        if let snapshot = snapshots[provider], snapshot.tokens.generation > generation,
+            !snapshot.tokens.isExpired(at: Int64(Date().timeIntervalSince1970))
+        {
+            completion(.success(snapshot.tokens))
+            return
+        }
+        snapshots.removeValue(forKey: provider)
+        run(provider, completion: completion) { manager in try await manager.refresh(replacing: generation) }
+    }
+
+    private func run(
+        _ provider: String, completion: @escaping (Result<TokenSet, AuthError>) -> Void,
+        _ work: @escaping @Sendable (TokenManager) async throws -> TokenSet
+    ) {
+        guard let manager = managers[provider] else {
+            completion(.failure(.configuration(reason: "no provider named \(provider)")))
+            return
+        }
+        let callback = LoopBound(completion, loop: loop)
+        let broker = LoopBound(self, loop: loop)
+        let loop = self.loop
+        Task {
+            let result: Result<TokenSet, AuthError>
+            do {
+                result = .success(try await work(manager))
+            } catch let error as AuthError {
+                result = .failure(error)
+            } catch {
+                result = .failure(.recoverable(reason: "\(error)", retryAfter: nil))
+            }
+            loop.post {
+                if case .success(let tokens) = result {
+                    broker.value.snapshots[provider] = (tokens, EventLoop.monotonicMilliseconds())
+                }
+                callback.value(result)
+            }
+        }
+    }
+}
+
+extension AuthError {
+    /// What the per-request exchange needs to know.
+    var tokenFailure: TokenFailure {
+        switch self {
+        case .reauthenticate(let reason), .cancelled(let reason): .signInNeeded(reason: reason)
+        case .stepUp(_, _, let reason): .signInNeeded(reason: reason)
+        case .recoverable(let reason, let retryAfter): .unavailable(reason: reason, retryAfter: retryAfter)
+        case .configuration(let reason): .configuration(reason: reason)
+        }
+    }
+}
