@@ -65,10 +65,16 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
             max_header_bytes = 1MiB
             max_headers = 200
             max_connections = 100
+            replay_memory = 2MiB
+            replay_spool = 16MiB
+            resolve = api.test=127.0.0.1, Git.Test.=::1
             log_level = debug
             state_dir = ~/state
             """
         let proxy = try config(text).proxy
+        #expect(proxy.replayMemory == 2 << 20)
+        #expect(proxy.replaySpool == 16 << 20)
+        #expect(proxy.resolve == ["api.test": "127.0.0.1", "git.test": "::1"])
         #expect(proxy.listen == ListenAddress(host: "127.0.0.1", port: 3128, isIPv6: false))
         let upstream = try #require(proxy.upstreamProxy)
         #expect(upstream.address == HostPort(host: "proxy.corp.example", port: 3128, kind: .name))
@@ -86,7 +92,7 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(proxy.maxConnections == 100)
         #expect(proxy.logLevel == .debug)
         #expect(proxy.stateDir == "/home/ada/state")
-        #expect(ConfigParser.proxyKeys.count == 15)
+        #expect(ConfigParser.proxyKeys.count == 18)
         for key in ConfigParser.proxyKeys {
             #expect(text.contains("\n\(key) = "), "\(key) is not covered")
         }
@@ -224,9 +230,10 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
     }
 
     @Test func unknownSection() {
-        let found = errors("[proxy]\n[origin https://api.example.com]\nprovider = corp\n")
+        let found = errors("[proxy]\n[frobnicate https://api.example.com]\nprovider = corp\n")
         #expect(found == [error(line: 2)])
-        #expect(found[0].message.contains("origin https://api.example.com"))
+        #expect(found[0].message.contains("frobnicate https://api.example.com"))
+        #expect(found[0].message.contains("[origin URL]"))
         #expect(errors("[Proxy]\nlog_level = debug\n").isEmpty)  // section names are case-insensitive
     }
 
