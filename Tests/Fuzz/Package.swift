@@ -14,14 +14,14 @@ let package = Package(
     name: "ProxyCoreFuzz",
     products: fuzzTargets.map { .executable(name: $0, targets: [$0]) },
     dependencies: [
-        .package(path: "../.."),
+        .package(path: "../..")
     ],
     targets: [
         // The harnesses: invariants and the deterministic input splitting they share.
         .target(
             name: "FuzzSupport",
             dependencies: [.product(name: "ProxyCore", package: rootIdentity)]
-        ),
+        )
     ] + fuzzTargets.map { .executableTarget(name: $0, dependencies: ["FuzzSupport"]) },
     swiftLanguageModes: [.v6]
 )

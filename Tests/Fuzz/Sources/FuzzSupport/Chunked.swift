@@ -16,7 +16,8 @@ public func fuzzChunked(_ data: UnsafeBufferPointer<UInt8>) {
         let other = scanChunked(input, split: split, skipByHand: skip)
         invariant(
             other == whole,
-            "chunked scan depends on how the input is split (\(split), skipData by hand: \(skip)):\n  whole: \(whole)\n  split: \(other)")
+            "chunked scan depends on how the input is split (\(split), skipData by hand: \(skip)):\n  whole: \(whole)\n  split: \(other)"
+        )
     }
     if case .done(let end, let dataBytes) = whole {
         invariant(dataBytes <= UInt64(end), "more data bytes than bytes consumed")
@@ -38,7 +39,9 @@ private func scanChunked(_ input: [UInt8], split: Split, skipByHand: Bool) -> Ch
             let skip = Int(min(scanner.pendingData, UInt64(available))) / 2
             let before = scanner.pendingData
             scanner.skipData(skip)
-            invariant(before - scanner.pendingData == UInt64(skip) || scanner.pendingData == 0, "skipData(\(skip)) took another amount")
+            invariant(
+                before - scanner.pendingData == UInt64(skip) || scanner.pendingData == 0,
+                "skipData(\(skip)) took another amount")
             offset += skip
         }
         let given = piece.upperBound - offset

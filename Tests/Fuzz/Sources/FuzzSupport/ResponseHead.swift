@@ -22,7 +22,9 @@ public func fuzzHTTPResponseHead(_ data: UnsafeBufferPointer<UInt8>) {
 }
 
 private func checkResponse(_ head: HTTPHead, method: String, upgradeRequested: Bool) {
-    guard case .success(let semantics) = MessageSemantics.response(head, requestMethod: method, upgradeRequested: upgradeRequested)
+    guard
+        case .success(let semantics) = MessageSemantics.response(
+            head, requestMethod: method, upgradeRequested: upgradeRequested)
     else { return }
     invariant(semantics.dropped.allSatisfy(head.fields.indices.contains), "dropped index out of range")
     invariant(semantics.switchesProtocols == (head.status == 101), "switchesProtocols for \(head.status)")
@@ -36,7 +38,9 @@ private func checkResponse(_ head: HTTPHead, method: String, upgradeRequested: B
     let codings = rawListElements(head, "transfer-encoding")
     switch semantics.framing {
     case .chunked:
-        invariant(codings.last == bytes("chunked"), "chunked framing, but the last coding on the wire is \(codings.last.map(text) ?? "none")")
+        invariant(
+            codings.last == bytes("chunked"),
+            "chunked framing, but the last coding on the wire is \(codings.last.map(text) ?? "none")")
     case .contentLength(let length):
         invariant(length > 0, "Content-Length framing of zero bytes")
         invariant(head.indices(named: "transfer-encoding").isEmpty, "Content-Length framing with a Transfer-Encoding")
@@ -68,8 +72,12 @@ private func checkResponse(_ head: HTTPHead, method: String, upgradeRequested: B
         "forwarded \(sent.fields.count) fields of \(head.fields.count) with \(semantics.dropped.count) dropped")
     switch MessageSemantics.response(sent, requestMethod: method, upgradeRequested: upgradeRequested) {
     case .success(let again):
-        invariant(again.framing == semantics.framing, "the forwarded response has framing \(again.framing), not \(semantics.framing)")
-        invariant(again.isInterim == semantics.isInterim && again.switchesProtocols == semantics.switchesProtocols, "forwarded response changed kind")
+        invariant(
+            again.framing == semantics.framing,
+            "the forwarded response has framing \(again.framing), not \(semantics.framing)")
+        invariant(
+            again.isInterim == semantics.isInterim && again.switchesProtocols == semantics.switchesProtocols,
+            "forwarded response changed kind")
     case .failure(let error):
         invariant(false, "the forwarded response head is invalid: \(error)")
     }
