@@ -13,12 +13,14 @@ struct AuthEnvironment {
     let loopThread: LoopThread
     let client: ProviderClient
 
-    static let configOption = OptionSpec.option("config", short: "c", value: "file", help: "The configuration file (proxy.conf).")
+    static let configOption = OptionSpec.option(
+        "config", short: "c", value: "file", help: "The configuration file (proxy.conf).")
     static let providerArgument = ArgumentSpec(
         name: "provider", help: "The [provider NAME] section to use; may be omitted when only one is configured.")
 
     /// Loads the configuration and picks the provider named on the command line (or the only one).
-    static func load(_ arguments: ParsedArguments, _ context: CommandContext, command: String) throws -> AuthEnvironment {
+    static func load(_ arguments: ParsedArguments, _ context: CommandContext, command: String) throws -> AuthEnvironment
+    {
         let loader = ConfigLoader(environment: context.environment)
         let location = loader.locate(flag: arguments.value("config"))
         let configuration = try loader.load(location)
@@ -26,7 +28,9 @@ struct AuthEnvironment {
         if let caFile = provider.caFile, !FileManager.default.isReadableFile(atPath: caFile) {
             throw CommandFailure(message: "[provider \(provider.name)] ca_file \(caFile) cannot be read")
         }
-        guard let stateDirectory = configuration.proxy.stateDir ?? TokenStore.defaultStateDirectory(environment: context.environment)
+        guard
+            let stateDirectory = configuration.proxy.stateDir
+                ?? TokenStore.defaultStateDirectory(environment: context.environment)
         else {
             throw CommandFailure(message: "no state directory: set HOME, XDG_STATE_HOME or state_dir in [proxy]")
         }
@@ -34,7 +38,7 @@ struct AuthEnvironment {
         let transport = CurlTransport(
             loop: loopThread.loop, upstreamProxy: configuration.proxy.upstreamProxy,
             bypass: configuration.proxy.noUpstreamProxy,
-                resolve: configuration.proxy.resolve)
+            resolve: configuration.proxy.resolve)
         return AuthEnvironment(
             configuration: configuration, provider: provider, store: TokenStore(stateDirectory: stateDirectory),
             loopThread: loopThread, client: ProviderClient(config: provider, transport: transport))
@@ -154,7 +158,9 @@ struct BrowserLauncher {
             candidates.append(["xdg-open", url])
         }
         for words in candidates {
-            guard let first = words.first, let executable = Self.which(first, path: environment["PATH"]) else { continue }
+            guard let first = words.first, let executable = Self.which(first, path: environment["PATH"]) else {
+                continue
+            }
             let process = Process()
             process.executableURL = URL(fileURLWithPath: executable)
             process.arguments = Array(words.dropFirst())

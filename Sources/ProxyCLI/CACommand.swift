@@ -15,7 +15,8 @@ enum CACommand {
             """,
         subcommands: [
             CommandSpec(
-                name: "init", abstract: "Make the local CA for the protected hosts in proxy.conf (reissue it when they changed).",
+                name: "init",
+                abstract: "Make the local CA for the protected hosts in proxy.conf (reissue it when they changed).",
                 options: [
                     AuthEnvironment.configOption,
                     .flag("force", help: "Make a new CA even when the current one is still right."),
@@ -32,10 +33,13 @@ enum CACommand {
         ]
     )
 
-    static func files(_ arguments: ParsedArguments, _ context: CommandContext) throws -> (Configuration, LocalCA.Files) {
+    static func files(_ arguments: ParsedArguments, _ context: CommandContext) throws -> (Configuration, LocalCA.Files)
+    {
         let loader = ConfigLoader(environment: context.environment)
         let configuration = try loader.load(loader.locate(flag: arguments.value("config")))
-        guard let stateDirectory = configuration.proxy.stateDir ?? TokenStore.defaultStateDirectory(environment: context.environment)
+        guard
+            let stateDirectory = configuration.proxy.stateDir
+                ?? TokenStore.defaultStateDirectory(environment: context.environment)
         else { throw CommandFailure(message: "no state directory: set HOME, XDG_STATE_HOME or state_dir in [proxy]") }
         return (configuration, LocalCA.Files(stateDirectory: stateDirectory))
     }
@@ -45,13 +49,17 @@ enum CACommand {
         let hosts = configuration.origins.tlsHosts
         guard !hosts.isEmpty else {
             throw CommandFailure(
-                message: "no https origin is configured: add an [origin https://HOST] section first (see proxy.conf.example)")
+                message:
+                    "no https origin is configured: add an [origin https://HOST] section first (see proxy.conf.example)"
+            )
         }
         let existing = try? LocalCA.load(files)
         if let existing, existing.hosts == hosts, !arguments.flag("force"),
             existing.certificate.notAfter > Int64(time(nil)) + 30 * 86400
         {
-            context.err("The local CA already covers exactly \(hosts.joined(separator: ", ")); nothing to do (--force makes a new one).")
+            context.err(
+                "The local CA already covers exactly \(hosts.joined(separator: ", ")); nothing to do (--force makes a new one)."
+            )
             context.err("CA certificate: \(files.certificate)")
             return ExitCode.success
         }
@@ -64,7 +72,11 @@ enum CACommand {
         } catch {
             throw CommandFailure(message: "cannot make the local CA: \(error)")
         }
-        context.err(existing == nil ? "Made the local CA for: \(hosts.joined(separator: ", "))." : "Reissued the local CA for: \(hosts.joined(separator: ", ")). Tools that trusted the old one must trust this one instead.")
+        context.err(
+            existing == nil
+                ? "Made the local CA for: \(hosts.joined(separator: ", "))."
+                : "Reissued the local CA for: \(hosts.joined(separator: ", ")). Tools that trusted the old one must trust this one instead."
+        )
         context.err("  certificate: \(files.certificate)  (SHA-256 \(ca.certificate.fingerprint))")
         context.err("  key:         \(files.key)  (readable by you alone)")
         context.err("  bundle:      \(files.bundle)  (the system roots plus this CA)")
@@ -88,7 +100,9 @@ enum CACommand {
         context.out("  bundle:      \(files.bundle)")
         let wanted = configuration.origins.tlsHosts
         if wanted != ca.hosts {
-            context.out("  The protected hosts in proxy.conf are now: \(wanted.joined(separator: ", ")); run proxyctl ca init to reissue.")
+            context.out(
+                "  The protected hosts in proxy.conf are now: \(wanted.joined(separator: ", ")); run proxyctl ca init to reissue."
+            )
             return ExitCode.failure
         }
         return ExitCode.success
@@ -96,7 +110,9 @@ enum CACommand {
 
     static func export(_ arguments: ParsedArguments, _ context: CommandContext) throws -> Int32 {
         let (_, files) = try files(arguments, context)
-        guard let ca = try LocalCA.load(files) else { throw CommandFailure(message: "no local CA yet; run: proxyctl ca init") }
+        guard let ca = try LocalCA.load(files) else {
+            throw CommandFailure(message: "no local CA yet; run: proxyctl ca init")
+        }
         if arguments.flag("bundle") {
             try ca.save(files, systemRoots: LocalCA.systemRootsPath())
             guard let data = FileManager.default.contents(atPath: files.bundle) else {
@@ -155,9 +171,13 @@ enum EnvCommand {
         ]
         var notes: [String] = []
         if configuration.proxy.proxyAuthFile != nil {
-            notes.append("This proxy requires a user name and password: put them in the URL yourself (http://USER:PASSWORD@\(host):\(listen.port)).")
+            notes.append(
+                "This proxy requires a user name and password: put them in the URL yourself (http://USER:PASSWORD@\(host):\(listen.port))."
+            )
         }
-        if let stateDirectory = configuration.proxy.stateDir ?? TokenStore.defaultStateDirectory(environment: context.environment) {
+        if let stateDirectory = configuration.proxy.stateDir
+            ?? TokenStore.defaultStateDirectory(environment: context.environment)
+        {
             let files = LocalCA.Files(stateDirectory: stateDirectory)
             if let ca = try? LocalCA.load(files) {
                 // Rewrite the bundle so that it carries the system's current roots.

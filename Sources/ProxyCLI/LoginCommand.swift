@@ -20,10 +20,13 @@ enum LoginCommand {
             .flag("device", help: "Use the device flow: enter a code on any device with a browser."),
             .flag("no-browser", help: "Do not open a browser; print the URL (for ssh -L port forwarding)."),
             .flag("create", help: "Ask the provider to create an account (prompt=create)."),
-            .option("acr-values", value: "values", help: "Authentication context class references to ask for (acr_values)."),
+            .option(
+                "acr-values", value: "values", help: "Authentication context class references to ask for (acr_values)."),
             .option("max-age", value: "seconds", help: "Require a sign-in no older than this (max_age)."),
             .option("login-hint", value: "hint", help: "Who is signing in (login_hint), e.g. an email address."),
-            OptionSpec(name: "scope", short: nil, valueName: "scope", help: "A scope to ask for instead of the configured ones (repeatable).", repeatable: true),
+            OptionSpec(
+                name: "scope", short: nil, valueName: "scope",
+                help: "A scope to ask for instead of the configured ones (repeatable).", repeatable: true),
         ],
         run: run
     )
@@ -42,7 +45,8 @@ enum LoginCommand {
         let scopes = arguments.all("scope").flatMap { $0.split(separator: " ").map(String.init) }
         if !scopes.isEmpty { options.scopes = scopes }
         if arguments.flag("device") && arguments.flag("no-browser") {
-            throw UsageError(message: "--device already opens no browser; give one of them", command: ["proxyctl", "login"])
+            throw UsageError(
+                message: "--device already opens no browser; give one of them", command: ["proxyctl", "login"])
         }
         let environment = try AuthEnvironment.load(arguments, context, command: "login")
         defer { environment.loopThread.stop() }
@@ -64,10 +68,13 @@ enum LoginCommand {
                     let metadata = try await environment.client.discover()
                     if metadata.deviceAuthorizationEndpoint != nil {
                         console.say("No browser can be opened here: \(reason).")
-                        if interactive && Prompt.yesNo("Sign in with a code on another device instead? [Y/n] ", default: true) {
+                        if interactive
+                            && Prompt.yesNo("Sign in with a code on another device instead? [Y/n] ", default: true)
+                        {
                             return try await flow.deviceLogin(options: loginOptions)
                         }
-                        console.say("Continuing with the browser flow; or run: proxyctl login --device \(provider.name)")
+                        console.say(
+                            "Continuing with the browser flow; or run: proxyctl login --device \(provider.name)")
                     } else {
                         console.say("No browser can be opened here: \(reason). Open the URL below yourself.")
                     }
@@ -91,7 +98,8 @@ enum LoginCommand {
         if let expiresAt = tokens.expiresAt {
             context.err(
                 "The access token is valid until \(HumanTime.describe(expiresAt, now: Int64(Date().timeIntervalSince1970)))"
-                    + (tokens.refreshToken != nil ? "; proxyctl refreshes it as needed." : "; there is no refresh token, so sign in again then."))
+                    + (tokens.refreshToken != nil
+                        ? "; proxyctl refreshes it as needed." : "; there is no refresh token, so sign in again then."))
         }
         return ExitCode.success
     }

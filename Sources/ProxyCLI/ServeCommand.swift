@@ -40,7 +40,8 @@ enum ServeCommand {
         }
         try loader.finish(&configuration, listen: arguments.value("listen"))
         let credentials = try loader.loadCredentials(configuration.proxy)
-        let stateDirectory = configuration.proxy.stateDir ?? TokenStore.defaultStateDirectory(environment: context.environment)
+        let stateDirectory =
+            configuration.proxy.stateDir ?? TokenStore.defaultStateDirectory(environment: context.environment)
         let ca = try loadLocalCA(configuration, stateDirectory: stateDirectory)
         if arguments.flag("check") {
             context.out("\(configuration.source ?? "built-in defaults"): configuration is valid")
@@ -67,7 +68,8 @@ enum ServeCommand {
                 try loader.finish(&fresh, listen: overrides.listen)
                 if fresh.origins != startedWith.origins || fresh.providers != startedWith.providers {
                     logger.warn(
-                        "SIGHUP: [origin] and [provider] sections changed; restart proxyctl serve to apply them (the rest is reloaded)")
+                        "SIGHUP: [origin] and [provider] sections changed; restart proxyctl serve to apply them (the rest is reloaded)"
+                    )
                 }
                 return .success((fresh.proxy, try loader.loadCredentials(fresh.proxy)))
             } catch {
@@ -77,11 +79,13 @@ enum ServeCommand {
         var interception: Interception? = nil
         if !configuration.origins.isEmpty, let stateDirectory {
             let transport = CurlTransport(
-                loop: loop, upstreamProxy: configuration.proxy.upstreamProxy, bypass: configuration.proxy.noUpstreamProxy,
+                loop: loop, upstreamProxy: configuration.proxy.upstreamProxy,
+                bypass: configuration.proxy.noUpstreamProxy,
                 resolve: configuration.proxy.resolve)
             let store = TokenStore(stateDirectory: stateDirectory)
             var managers: [String: TokenManager] = [:]
-            for provider in configuration.providers where configuration.origins.origins.contains(where: { $0.provider == provider.name }) {
+            for provider in configuration.providers
+            where configuration.origins.origins.contains(where: { $0.provider == provider.name }) {
                 managers[provider.name] = TokenManager(
                     provider: provider, store: store, client: ProviderClient(config: provider, transport: transport))
             }

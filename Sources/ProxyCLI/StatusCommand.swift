@@ -27,7 +27,9 @@ enum StatusCommand {
         if let name = arguments.positionals.first {
             providers = [try AuthEnvironment.pick(configuration, name: name, location: location, command: "status")]
         }
-        guard let stateDirectory = configuration.proxy.stateDir ?? TokenStore.defaultStateDirectory(environment: context.environment)
+        guard
+            let stateDirectory = configuration.proxy.stateDir
+                ?? TokenStore.defaultStateDirectory(environment: context.environment)
         else { throw CommandFailure(message: "no state directory: set HOME, XDG_STATE_HOME or state_dir in [proxy]") }
         let store = TokenStore(stateDirectory: stateDirectory)
         let now = Int64(Date().timeIntervalSince1970)
@@ -35,7 +37,8 @@ enum StatusCommand {
         var reports: [JSONValue] = []
         var text: [String] = []
         if providers.isEmpty {
-            text.append("No provider is configured. Add a [provider NAME] section to \(AuthEnvironment.describe(location)).")
+            text.append(
+                "No provider is configured. Add a [provider NAME] section to \(AuthEnvironment.describe(location)).")
         }
         for provider in providers {
             let tokens: TokenSet?
@@ -61,7 +64,8 @@ enum StatusCommand {
                 continue
             }
             if let identity = tokens.identity {
-                text.append("\(provider.name): \(usable ? "signed in" : "sign-in needed") as \(describeIdentity(identity))")
+                text.append(
+                    "\(provider.name): \(usable ? "signed in" : "sign-in needed") as \(describeIdentity(identity))")
                 var who = JSONObject()
                 who["sub"] = .string(identity.subject)
                 if let name = identity.name { who["name"] = .string(name) }
@@ -71,7 +75,9 @@ enum StatusCommand {
                 text.append("\(provider.name): \(usable ? "signed in" : "sign-in needed")")
             }
             if !matches {
-                text.append("  problem:       the tokens were issued for another issuer or client; run: proxyctl login \(provider.name)")
+                text.append(
+                    "  problem:       the tokens were issued for another issuer or client; run: proxyctl login \(provider.name)"
+                )
             }
             text.append("  issuer:        \(provider.issuer)")
             if let scope = tokens.scope {
@@ -135,7 +141,8 @@ enum TokenCommand {
             throw error.commandFailure
         }
         context.err(
-            "proxyctl: printing the \(environment.provider.name) access token; it is a secret, and a program handed it may log it")
+            "proxyctl: printing the \(environment.provider.name) access token; it is a secret, and a program handed it may log it"
+        )
         context.out(tokens.accessToken)
         return ExitCode.success
     }
@@ -161,30 +168,39 @@ enum LogoutCommand {
         }
         let client = environment.client
         let clientID = environment.provider.clientID
-        let message: String = (try? runBlocking { () -> String in
-            let metadata: ProviderMetadata
-            do {
-                metadata = try await client.discover()
-            } catch {
-                return "Could not reach the provider to revoke the tokens (\(error)); they stay valid until they expire."
-            }
-            guard let endpoint = metadata.revocationEndpoint else {
-                return "The provider offers no revocation endpoint; the tokens stay valid until they expire."
-            }
-            let (token, hint) = tokens.refreshToken.map { ($0, "refresh_token") } ?? (tokens.accessToken, "access_token")
-            // RFC 7009 §2.1: a public client identifies itself with client_id.
-            let response: HTTPResponse
-            do {
-                response = try await client.postForm(endpoint, [("token", token), ("token_type_hint", hint), ("client_id", clientID)])
-            } catch {
-                return "Could not revoke the \(hint.replacingOccurrences(of: "_", with: " ")) (\(error)); it stays valid until it expires."
-            }
-            if response.status == 200 {
-                return "Revoked the \(hint.replacingOccurrences(of: "_", with: " ")) at the provider."
-            }
-            let detail = response.jsonObject?["error"]?.string.map { OAuthErrorResponse(error: $0, description: nil).summary } ?? "HTTP \(response.status)"
-            return "The provider did not revoke the \(hint.replacingOccurrences(of: "_", with: " ")) (\(detail)); many providers do not let public clients revoke, and it stays valid until it expires."
-        }) ?? "Could not revoke the tokens."
+        let message: String =
+            (try? runBlocking { () -> String in
+                let metadata: ProviderMetadata
+                do {
+                    metadata = try await client.discover()
+                } catch {
+                    return
+                        "Could not reach the provider to revoke the tokens (\(error)); they stay valid until they expire."
+                }
+                guard let endpoint = metadata.revocationEndpoint else {
+                    return "The provider offers no revocation endpoint; the tokens stay valid until they expire."
+                }
+                let (token, hint) =
+                    tokens.refreshToken.map { ($0, "refresh_token") } ?? (tokens.accessToken, "access_token")
+                // RFC 7009 §2.1: a public client identifies itself with client_id.
+                let response: HTTPResponse
+                do {
+                    response = try await client.postForm(
+                        endpoint, [("token", token), ("token_type_hint", hint), ("client_id", clientID)])
+                } catch {
+                    return
+                        "Could not revoke the \(hint.replacingOccurrences(of: "_", with: " ")) (\(error)); it stays valid until it expires."
+                }
+                if response.status == 200 {
+                    return "Revoked the \(hint.replacingOccurrences(of: "_", with: " ")) at the provider."
+                }
+                let detail =
+                    response.jsonObject?["error"]?.string.map {
+                        OAuthErrorResponse(error: $0, description: nil).summary
+                    } ?? "HTTP \(response.status)"
+                return
+                    "The provider did not revoke the \(hint.replacingOccurrences(of: "_", with: " ")) (\(detail)); many providers do not let public clients revoke, and it stays valid until it expires."
+            }) ?? "Could not revoke the tokens."
         context.err(message)
         do {
             try environment.store.delete(name)

@@ -568,7 +568,9 @@ final class ClientConnection: ServerConnection, InterceptOwner {
                 Buffers.append(Self.connectEstablished, to: bufferevent_get_output(client))
                 startTunnel()
             } else if head.status == 407 {
-                let hasCredentials = { if case .tunnel(_, let proxy?) = pending { return proxy.username != nil } else { return false } }()
+                let hasCredentials = {
+                    if case .tunnel(_, let proxy?) = pending { return proxy.username != nil } else { return false }
+                }()
                 connectFailed(
                     status: 502, error: .proxyConfigurationError, hop: hop,
                     message: hasCredentials

@@ -74,7 +74,8 @@ final class CurlMulti {
             }
             return
         }
-        let events = Int16(EV_PERSIST) | (what & CURL_POLL_IN != 0 ? Int16(EV_READ) : 0)
+        let events =
+            Int16(EV_PERSIST) | (what & CURL_POLL_IN != 0 ? Int16(EV_READ) : 0)
             | (what & CURL_POLL_OUT != 0 ? Int16(EV_WRITE) : 0)
         if let watcher {
             Unmanaged<SocketWatcher>.fromOpaque(watcher).takeUnretainedValue().watch(events)
@@ -141,11 +142,14 @@ private final class SocketWatcher {
     }
 }
 
-private let curlSocketCallback: @convention(c) (UnsafeMutableRawPointer?, curl_socket_t, Int32, UnsafeMutableRawPointer?, UnsafeMutableRawPointer?) -> Int32 = {
-    _, socket, what, context, watcher in
-    Unmanaged<CurlMulti>.fromOpaque(context!).takeUnretainedValue().socketChanged(socket, what: what, watcher: watcher)
-    return 0
-}
+private let curlSocketCallback:
+    @convention(c) (UnsafeMutableRawPointer?, curl_socket_t, Int32, UnsafeMutableRawPointer?, UnsafeMutableRawPointer?)
+        -> Int32 = {
+            _, socket, what, context, watcher in
+            Unmanaged<CurlMulti>.fromOpaque(context!).takeUnretainedValue().socketChanged(
+                socket, what: what, watcher: watcher)
+            return 0
+        }
 
 private let curlTimerCallback: @convention(c) (UnsafeMutableRawPointer?, Int, UnsafeMutableRawPointer?) -> Int32 = {
     _, milliseconds, context in
@@ -217,7 +221,8 @@ class CurlTransfer {
             } else {
                 // COPYPOSTFIELDS copies at once: the pointer only has to live for the call.
                 requestBody.withUnsafeBytes { raw in
-                    _ = proxyctl_easy_setopt_ptr(easy, CURLOPT_COPYPOSTFIELDS, UnsafeMutableRawPointer(mutating: raw.baseAddress))
+                    _ = proxyctl_easy_setopt_ptr(
+                        easy, CURLOPT_COPYPOSTFIELDS, UnsafeMutableRawPointer(mutating: raw.baseAddress))
                 }
             }
             if method != "POST" { _ = proxyctl_easy_setopt_string(easy, CURLOPT_CUSTOMREQUEST, method) }
@@ -237,19 +242,21 @@ class CurlTransfer {
 }
 
 // CURLOPT_HEADERFUNCTION: one header line (with its CRLF) per call; returning less than size aborts.
-private let curlHeaderCallback: @convention(c) (UnsafeMutablePointer<CChar>?, Int, Int, UnsafeMutableRawPointer?) -> Int = {
-    data, size, count, context in
-    let transfer = Unmanaged<CurlTransfer>.fromOpaque(context!).takeUnretainedValue()
-    let ok = transfer.header(UnsafeRawBufferPointer(start: data, count: size * count))
-    return ok ? size * count : 0
-}
+private let curlHeaderCallback:
+    @convention(c) (UnsafeMutablePointer<CChar>?, Int, Int, UnsafeMutableRawPointer?) -> Int = {
+        data, size, count, context in
+        let transfer = Unmanaged<CurlTransfer>.fromOpaque(context!).takeUnretainedValue()
+        let ok = transfer.header(UnsafeRawBufferPointer(start: data, count: size * count))
+        return ok ? size * count : 0
+    }
 
 // CURLOPT_WRITEFUNCTION: body bytes; returning CURL_WRITEFUNC_PAUSE pauses the transfer.
-private let curlWriteCallback: @convention(c) (UnsafeMutablePointer<CChar>?, Int, Int, UnsafeMutableRawPointer?) -> Int = {
-    data, size, count, context in
-    let transfer = Unmanaged<CurlTransfer>.fromOpaque(context!).takeUnretainedValue()
-    return transfer.body(UnsafeRawBufferPointer(start: data, count: size * count))
-}
+private let curlWriteCallback:
+    @convention(c) (UnsafeMutablePointer<CChar>?, Int, Int, UnsafeMutableRawPointer?) -> Int = {
+        data, size, count, context in
+        let transfer = Unmanaged<CurlTransfer>.fromOpaque(context!).takeUnretainedValue()
+        return transfer.body(UnsafeRawBufferPointer(start: data, count: size * count))
+    }
 
 /// A transfer whose whole response is kept in memory (provider endpoints: small JSON answers).
 final class BufferedTransfer: CurlTransfer {
@@ -274,7 +281,8 @@ final class BufferedTransfer: CurlTransfer {
     }
 
     init(
-        target: String, limit: Int = 1 << 20, completion: @escaping (Result<HTTPResponseData, TransportErrorData>) -> Void
+        target: String, limit: Int = 1 << 20,
+        completion: @escaping (Result<HTTPResponseData, TransportErrorData>) -> Void
     ) {
         self.limit = limit
         self.completion = completion

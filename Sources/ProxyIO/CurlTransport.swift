@@ -31,7 +31,8 @@ public final class CurlTransport: HTTPTransport {
                 let transfer = BufferedTransfer(target: target) { result in
                     switch result {
                     case .success(let data):
-                        continuation.resume(returning: HTTPResponse(status: data.status, headers: data.headers, body: data.body))
+                        continuation.resume(
+                            returning: HTTPResponse(status: data.status, headers: data.headers, body: data.body))
                     case .failure(.timeout(let reason)):
                         continuation.resume(throwing: TransportError.timeout(reason))
                     case .failure(.certificate(let reason)):
@@ -45,7 +46,9 @@ public final class CurlTransport: HTTPTransport {
                 transfer.setMethod(request.method, body: request.body)
                 _ = proxyctl_easy_setopt_long(transfer.easy, CURLOPT_TIMEOUT_MS, request.timeout)
                 _ = proxyctl_easy_setopt_long(transfer.easy, CURLOPT_CONNECTTIMEOUT_MS, min(request.timeout, 10_000))
-                if let caFile = request.caFile { _ = proxyctl_easy_setopt_string(transfer.easy, CURLOPT_CAINFO, caFile) }
+                if let caFile = request.caFile {
+                    _ = proxyctl_easy_setopt_string(transfer.easy, CURLOPT_CAINFO, caFile)
+                }
                 if let url = try? AbsoluteURL.parse(request.url).get(), let fixed = resolve[url.authority.host] {
                     transfer.setResolve(["\(url.authority.host):\(url.authority.port):\(fixed)"])
                 }

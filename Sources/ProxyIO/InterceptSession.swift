@@ -42,7 +42,10 @@ final class InterceptSession: ServerConnection, InterceptOwner {
     }
 
     /// TLS as a filter over a bufferevent that already holds bytes from the client.
-    init(server: ProxyServer, id: UInt64, peer: String, origin: OriginConfig, underlying: OpaquePointer, ssl: OpaquePointer) {
+    init(
+        server: ProxyServer, id: UInt64, peer: String, origin: OriginConfig, underlying: OpaquePointer,
+        ssl: OpaquePointer
+    ) {
         self.server = server
         self.connectionID = id
         self.peer = peer
@@ -68,7 +71,8 @@ final class InterceptSession: ServerConnection, InterceptOwner {
             client,
             { _, context in Unmanaged<InterceptSession>.fromOpaque(context!).takeUnretainedValue().readable() },
             { _, context in Unmanaged<InterceptSession>.fromOpaque(context!).takeUnretainedValue().writable() },
-            { _, events, context in Unmanaged<InterceptSession>.fromOpaque(context!).takeUnretainedValue().event(events) },
+            { _, events, context in Unmanaged<InterceptSession>.fromOpaque(context!).takeUnretainedValue().event(events)
+            },
             context)
         var handshake = timeval(milliseconds: server.settings.headerTimeout)
         bufferevent_set_timeouts(client, &handshake, &handshake)
@@ -85,9 +89,11 @@ final class InterceptSession: ServerConnection, InterceptOwner {
             handshakeDone = true
             // RFC 6066 §3: the SNI names the host the client means; it must be the CONNECT authority.
             if let name = tlsServerName(ssl) {
-                let normalized = name.lowercased().hasSuffix(".") ? String(name.lowercased().dropLast()) : name.lowercased()
+                let normalized =
+                    name.lowercased().hasSuffix(".") ? String(name.lowercased().dropLast()) : name.lowercased()
                 if normalized != origin.authority.host {
-                    misdirected = "the TLS server name \(ASCIIText.clip(name)) does not match the tunnel's \(origin.authority.host)"
+                    misdirected =
+                        "the TLS server name \(ASCIIText.clip(name)) does not match the tunnel's \(origin.authority.host)"
                 }
             }
             var idle = timeval(milliseconds: server.settings.keepAliveTimeout)
@@ -104,7 +110,8 @@ final class InterceptSession: ServerConnection, InterceptOwner {
             if parser.hasPartialHead {
                 respond(
                     ProxyResponse(
-                        status: 408, proxyStatus: ProxyStatus(error: .httpRequestError, details: "request head incomplete"),
+                        status: 408,
+                        proxyStatus: ProxyStatus(error: .httpRequestError, details: "request head incomplete"),
                         message: "proxyctl: the request head did not arrive in time", close: true))
                 return
             }
@@ -202,7 +209,8 @@ final class InterceptSession: ServerConnection, InterceptOwner {
             refuse(head, refusal)
         case .success(let request):
             if request.upgrade {
-                return refuse(head, .unsupported("protocol upgrades (WebSocket) to protected origins are not supported"))
+                return refuse(
+                    head, .unsupported("protocol upgrades (WebSocket) to protected origins are not supported"))
             }
             var idle = timeval(milliseconds: server.settings.idleTimeout)
             bufferevent_set_timeouts(client, &idle, &idle)

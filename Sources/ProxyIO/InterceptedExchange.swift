@@ -146,7 +146,8 @@ final class InterceptedExchange {
         if failed {
             fail(
                 ProxyResponse(
-                    status: 500, proxyStatus: ProxyStatus(error: .proxyInternalError, details: "cannot keep the request body"),
+                    status: 500,
+                    proxyStatus: ProxyStatus(error: .proxyInternalError, details: "cannot keep the request body"),
                     message: "proxyctl: cannot write the request body to \(server.spoolDirectory)", close: true))
             return false
         }
@@ -406,7 +407,8 @@ final class InterceptedExchange {
     func upstreamFinished(_ code: CURLcode, errorText: String) {
         transfer = nil
         server.logger.debug(
-            "conn=\(owner.connectionID) upstream transfer ended: code=\(code.rawValue) status=\(status) headDone=\(headDone) delivering=\(delivering) discarding=\(discarding)")
+            "conn=\(owner.connectionID) upstream transfer ended: code=\(code.rawValue) status=\(status) headDone=\(headDone) delivering=\(delivering) discarding=\(discarding)"
+        )
         if discarding, let action = pendingAction {
             pendingAction = nil
             perform(action)
@@ -414,7 +416,9 @@ final class InterceptedExchange {
         }
         if delivering {
             if code == CURLE_OK {
-                if clientFraming == .chunked, let client { evbuffer_add(bufferevent_get_output(client), "0\r\n\r\n", 5) }
+                if clientFraming == .chunked, let client {
+                    evbuffer_add(bufferevent_get_output(client), "0\r\n\r\n", 5)
+                }
                 complete(close: !request.keepAlive || server.draining, note: nil)
             } else {
                 // The response is cut short: the client sees the connection close before its end.
@@ -430,14 +434,17 @@ final class InterceptedExchange {
         let hop = origin.authority.description
         let (status, type, what): (Int, ProxyStatus.ErrorType, String)
         switch code {
-        case CURLE_COULDNT_RESOLVE_HOST: (status, type, what) = (502, .dnsError, "cannot resolve \(origin.authority.host)")
+        case CURLE_COULDNT_RESOLVE_HOST:
+            (status, type, what) = (502, .dnsError, "cannot resolve \(origin.authority.host)")
         case CURLE_COULDNT_CONNECT: (status, type, what) = (502, .connectionRefused, "cannot connect to \(hop)")
         case CURLE_OPERATION_TIMEDOUT: (status, type, what) = (504, .connectionTimeout, "\(hop) did not answer in time")
         case CURLE_PEER_FAILED_VERIFICATION, CURLE_SSL_CACERT_BADFILE:
             (status, type, what) = (502, .tlsCertificateError, "the certificate of \(hop) does not verify")
         case CURLE_SSL_CONNECT_ERROR: (status, type, what) = (502, .tlsProtocolError, "TLS with \(hop) failed")
         case CURLE_GOT_NOTHING, CURLE_RECV_ERROR, CURLE_SEND_ERROR, CURLE_PARTIAL_FILE:
-            (status, type, what) = (502, .httpResponseIncomplete, "\(hop) closed the connection without a complete response")
+            (status, type, what) = (
+                502, .httpResponseIncomplete, "\(hop) closed the connection without a complete response"
+            )
         case CURLE_COULDNT_RESOLVE_PROXY, CURLE_PROXY:
             (status, type, what) = (502, .proxyConfigurationError, "the upstream proxy failed")
         default:
@@ -526,11 +533,12 @@ final class UpstreamTransfer: CurlTransfer {
 }
 
 // CURLOPT_READFUNCTION: fill the buffer with request body bytes; CURL_READFUNC_PAUSE when none are there yet.
-private let upstreamReadCallback: @convention(c) (UnsafeMutablePointer<CChar>?, Int, Int, UnsafeMutableRawPointer?) -> Int = {
-    buffer, size, count, context in
-    let transfer = Unmanaged<UpstreamTransfer>.fromOpaque(context!).takeUnretainedValue()
-    return transfer.exchange.upstreamRead(UnsafeMutableRawBufferPointer(start: buffer, count: size * count))
-}
+private let upstreamReadCallback:
+    @convention(c) (UnsafeMutablePointer<CChar>?, Int, Int, UnsafeMutableRawPointer?) -> Int = {
+        buffer, size, count, context in
+        let transfer = Unmanaged<UpstreamTransfer>.fromOpaque(context!).takeUnretainedValue()
+        return transfer.exchange.upstreamRead(UnsafeMutableRawBufferPointer(start: buffer, count: size * count))
+    }
 
 // CURLOPT_SEEKFUNCTION: 0 = done, 2 = cannot seek (the body streamed and is gone).
 private let upstreamSeekCallback: @convention(c) (UnsafeMutableRawPointer?, curl_off_t, Int32) -> Int32 = {

@@ -71,7 +71,9 @@ public final class LoopbackReceiver: RedirectReceiver {
         init(loop: EventLoop, port: Int, path: String) throws {
             self.loop = loop
             self.path = path
-            guard let address = SocketAddress(ip: "127.0.0.1", port: port) else { throw AuthError.configuration(reason: "bad port") }
+            guard let address = SocketAddress(ip: "127.0.0.1", port: port) else {
+                throw AuthError.configuration(reason: "bad port")
+            }
             let flags = LEV_OPT_CLOSE_ON_FREE | LEV_OPT_REUSEABLE | LEV_OPT_CLOSE_ON_EXEC
             listener = address.withSockaddr { pointer, length in
                 evconnlistener_new_bind(loop.base, nil, nil, UInt32(flags), 16, pointer, Int32(length))
@@ -117,7 +119,8 @@ public final class LoopbackReceiver: RedirectReceiver {
                 self.deliver(
                     .failure(
                         AuthError.cancelled(
-                            reason: "nobody finished the sign-in within \(ConfigValue.describeDuration(timeout)); run the login again"
+                            reason:
+                                "nobody finished the sign-in within \(ConfigValue.describeDuration(timeout)); run the login again"
                         )))
             }
             timer.schedule(milliseconds: timeout)
@@ -157,7 +160,11 @@ public final class LoopbackReceiver: RedirectReceiver {
             let target = head.target
             let pathPart = String(target.split(separator: "?", maxSplits: 1, omittingEmptySubsequences: false)[0])
             guard head.method == "GET", pathPart == path else {
-                return (404, Page.render(title: "Not found", message: "This address only receives the sign-in answer for proxyctl."))
+                return (
+                    404,
+                    Page.render(
+                        title: "Not found", message: "This address only receives the sign-in answer for proxyctl.")
+                )
             }
             let query = target.contains("?") ? String(target[target.index(after: target.firstIndex(of: "?")!)...]) : ""
             guard let parameters = FormEncoding.decode(query) else {
@@ -169,14 +176,24 @@ public final class LoopbackReceiver: RedirectReceiver {
                     400,
                     Page.render(
                         title: "Unknown sign-in",
-                        message: "This answer does not belong to the sign-in proxyctl is waiting for. Start the login again.")
+                        message:
+                            "This answer does not belong to the sign-in proxyctl is waiting for. Start the login again."
+                    )
                 )
             }
             let failed = parameters.contains { $0.0 == "error" }
             deliver(.success(parameters))
             return failed
-                ? (200, Page.render(title: "Sign-in failed", message: "The provider did not sign you in. The terminal says why."))
-                : (200, Page.render(title: "Signed in", message: "proxyctl received your sign-in. You can close this window."))
+                ? (
+                    200,
+                    Page.render(
+                        title: "Sign-in failed", message: "The provider did not sign you in. The terminal says why.")
+                )
+                : (
+                    200,
+                    Page.render(
+                        title: "Signed in", message: "proxyctl received your sign-in. You can close this window.")
+                )
         }
     }
 
@@ -184,7 +201,8 @@ public final class LoopbackReceiver: RedirectReceiver {
     final class Connection {
         unowned let listener: Listener
         private var bev: OpaquePointer?
-        private var parser = HTTPHeadParser(kind: .request, limits: HTTPHeadLimits(maxStartLine: 8192, maxHeadBytes: 32768, maxFields: 100))
+        private var parser = HTTPHeadParser(
+            kind: .request, limits: HTTPHeadLimits(maxStartLine: 8192, maxHeadBytes: 32768, maxFields: 100))
         private var answered = false
 
         init(listener: Listener, fd: Int32) {

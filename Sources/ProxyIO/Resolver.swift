@@ -111,7 +111,8 @@ public final class Resolver: Sendable {
         _ host: HostPort, loop: EventLoop,
         completion: @escaping @Sendable (Result<[SocketAddress], ResolveError>) -> Void
     ) {
-        if host.kind == .name, let fixed = overrides[host.host], let address = SocketAddress(ip: fixed, port: host.port) {
+        if host.kind == .name, let fixed = overrides[host.host], let address = SocketAddress(ip: fixed, port: host.port)
+        {
             completion(.success([address]))
             return
         }

@@ -50,7 +50,9 @@ public struct IDTokenValidator: Sendable {
         }
         switch outcome {
         case .valid: break
-        case .unknownKey: throw invalid("is signed with a key (kid \(AuthText.clip(jwt.keyID ?? "none", 60))) the provider does not publish")
+        case .unknownKey:
+            throw invalid(
+                "is signed with a key (kid \(AuthText.clip(jwt.keyID ?? "none", 60))) the provider does not publish")
         case .invalid(let reason): throw invalid(reason)
         }
         return try checkClaims(jwt.claims)

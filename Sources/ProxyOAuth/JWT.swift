@@ -72,7 +72,8 @@ public struct JWKSet: Sendable {
         var keys: [Key] = []
         for value in array {
             guard let jwk = value.object, let kty = jwk["kty"]?.string else { continue }
-            keys.append(Key(kid: jwk["kid"]?.string, kty: kty, alg: jwk["alg"]?.string, use: jwk["use"]?.string, jwk: jwk))
+            keys.append(
+                Key(kid: jwk["kid"]?.string, kty: kty, alg: jwk["alg"]?.string, use: jwk["use"]?.string, jwk: jwk))
         }
         return .success(JWKSet(keys: keys))
     }
@@ -96,7 +97,9 @@ public enum JWSVerifier {
         case invalid(String)
     }
 
-    public static func verify(_ jwt: JWT, keys: JWKSet, allowed: Set<JWSAlgorithm> = Set(JWSAlgorithm.allCases)) -> Outcome {
+    public static func verify(
+        _ jwt: JWT, keys: JWKSet, allowed: Set<JWSAlgorithm> = Set(JWSAlgorithm.allCases)
+    ) -> Outcome {
         // "none" and HMAC algorithms are never accepted: a public client has no shared secret.
         guard let algorithm = JWSAlgorithm(rawValue: jwt.algorithm), allowed.contains(algorithm) else {
             return .invalid("signed with \(AuthText.clip(jwt.algorithm, 20)), which is not accepted")

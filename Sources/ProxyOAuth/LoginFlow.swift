@@ -40,14 +40,20 @@ public struct AuthorizationRequest: Sendable {
     public let state: String
     public let nonce: String
     public let pkce: PKCE
+    /// With DPoP: the key's thumbprint, sent as `dpop_jkt` to bind the code to the key (RFC 9449 §10).
+    public let dpopThumbprint: String?
 
-    public init(provider: ProviderConfig, options: LoginOptions, redirectURI: String, pkce: PKCE = PKCE()) {
+    public init(
+        provider: ProviderConfig, options: LoginOptions, redirectURI: String, pkce: PKCE = PKCE(),
+        dpopThumbprint: String? = nil
+    ) {
         self.provider = provider
         self.options = options
         self.redirectURI = redirectURI
         self.state = Crypto.randomToken()
         self.nonce = Crypto.randomToken()
         self.pkce = pkce
+        self.dpopThumbprint = dpopThumbprint
     }
 
     /// The scopes to ask for: `openid` first, then the configured or requested ones; nothing is added.
@@ -68,6 +74,7 @@ public struct AuthorizationRequest: Sendable {
         if let maxAge = options.maxAge { parameters.append(("max_age", String(maxAge))) }
         if let hint = options.loginHint ?? provider.loginHint { parameters.append(("login_hint", hint)) }
         if options.create { parameters.append(("prompt", "create")) }
+        if let dpopThumbprint { parameters.append(("dpop_jkt", dpopThumbprint)) }
         for resource in provider.resources { parameters.append(("resource", resource)) }
         for (name, value) in provider.extraParameters { parameters.append((name, value)) }
         return parameters
@@ -99,7 +106,9 @@ public struct AuthorizationRequest: Sendable {
                 .configuration(reason: "the provider promises an iss parameter (RFC 9207) but the answer has none"))
         }
         if let error = value("error") {
-            return .success(.error(OAuthErrorResponse(error: error, description: value("error_description"), uri: value("error_uri"))))
+            return .success(
+                .error(
+                    OAuthErrorResponse(error: error, description: value("error_description"), uri: value("error_uri"))))
         }
         guard let code = value("code"), !code.isEmpty else {
             return .failure(.cancelled(reason: "the answer carries neither a code nor an error"))
@@ -147,15 +156,19 @@ public struct LoginFlow: Sendable {
     ) async throws -> TokenSet {
         let metadata = try await client.discover()
         guard let authorizationEndpoint = metadata.authorizationEndpoint else {
-            throw AuthError.configuration(reason: "the provider has no authorization endpoint; use: proxyctl login --device \(provider.name)")
+            throw AuthError.configuration(
+                reason: "the provider has no authorization endpoint; use: proxyctl login --device \(provider.name)")
         }
         guard metadata.supportsS256 else {
-            throw AuthError.configuration(reason: "the provider does not support PKCE with S256, which a public client needs")
+            throw AuthError.configuration(
+                reason: "the provider does not support PKCE with S256, which a public client needs")
         }
         var currentOptions = options
         var enrolmentTried = options.create
         while true {
-            let request = AuthorizationRequest(provider: provider, options: currentOptions, redirectURI: receiver.redirectURI)
+            let request = AuthorizationRequest(
+                provider: provider, options: currentOptions, redirectURI: receiver.redirectURI,
+                dpopThumbprint: await client.dpopKey?.thumbprint)
             let url = try await authorizationURL(request, endpoint: authorizationEndpoint, metadata: metadata)
             await receiver.expect(state: request.state)
             console.say("Opening the browser to sign in to \(provider.name). If it does not open, visit:")
@@ -188,13 +201,16 @@ public struct LoginFlow: Sendable {
                     ("client_id", provider.clientID), ("code_verifier", request.pkce.verifier),
                 ]
                 let response = try await exchange(parameters, what: "the authorization code")
-                return try await store(response, nonce: request.nonce, maxAge: currentOptions.maxAge, scopes: request.scopes)
+                return try await store(
+                    response, nonce: request.nonce, maxAge: currentOptions.maxAge, scopes: request.scopes)
             }
         }
     }
 
     /// The URL to open: the request itself, or a PAR `request_uri` (RFC 9126) when pushing is required or asked.
-    func authorizationURL(_ request: AuthorizationRequest, endpoint: String, metadata: ProviderMetadata) async throws -> String {
+    func authorizationURL(
+        _ request: AuthorizationRequest, endpoint: String, metadata: ProviderMetadata
+    ) async throws -> String {
         let usePAR: Bool
         switch provider.usePAR {
         case .always:
@@ -205,7 +221,8 @@ public struct LoginFlow: Sendable {
             usePAR = true
         case .never:
             if metadata.requirePushedAuthorizationRequests {
-                throw AuthError.configuration(reason: "the provider requires pushed authorization requests; set use_par = auto")
+                throw AuthError.configuration(
+                    reason: "the provider requires pushed authorization requests; set use_par = auto")
             }
             usePAR = false
         case .auto:
@@ -225,19 +242,24 @@ public struct LoginFlow: Sendable {
                         "the provider refused the pushed authorization request: \(OAuthErrorResponse(error: error, description: object["error_description"]?.string).summary)"
                 )
             }
-            throw AuthError.recoverable(reason: "the pushed authorization request failed (HTTP \(response.status))", retryAfter: nil)
+            throw AuthError.recoverable(
+                reason: "the pushed authorization request failed (HTTP \(response.status))", retryAfter: nil)
         }
-        return endpoint + separator + FormEncoding.encode([("client_id", provider.clientID), ("request_uri", requestURI)])
+        return endpoint + separator
+            + FormEncoding.encode([("client_id", provider.clientID), ("request_uri", requestURI)])
     }
 
     /// The device authorization grant (RFC 8628).
     public func deviceLogin(options: LoginOptions) async throws -> TokenSet {
         let metadata = try await client.discover()
         guard let endpoint = metadata.deviceAuthorizationEndpoint else {
-            throw AuthError.configuration(reason: "the provider does not offer the device flow (no device_authorization_endpoint)")
+            throw AuthError.configuration(
+                reason: "the provider does not offer the device flow (no device_authorization_endpoint)")
         }
         let request = AuthorizationRequest(provider: provider, options: options, redirectURI: "")
-        var parameters: [(String, String)] = [("client_id", provider.clientID), ("scope", request.scopes.joined(separator: " "))]
+        var parameters: [(String, String)] = [
+            ("client_id", provider.clientID), ("scope", request.scopes.joined(separator: " ")),
+        ]
         if let acr = options.acrValues ?? provider.acrValues { parameters.append(("acr_values", acr)) }
         for resource in provider.resources { parameters.append(("resource", resource)) }
         let response = try await client.postForm(endpoint, parameters)
@@ -245,9 +267,12 @@ public struct LoginFlow: Sendable {
             let userCode = object["user_code"]?.string, let verificationURI = object["verification_uri"]?.string
         else {
             if let object = response.jsonObject, let error = object["error"]?.string {
-                throw Self.describe(OAuthErrorResponse(error: error, description: object["error_description"]?.string), provider: provider)
+                throw Self.describe(
+                    OAuthErrorResponse(error: error, description: object["error_description"]?.string),
+                    provider: provider)
             }
-            throw AuthError.recoverable(reason: "the device authorization request failed (HTTP \(response.status))", retryAfter: nil)
+            throw AuthError.recoverable(
+                reason: "the device authorization request failed (HTTP \(response.status))", retryAfter: nil)
         }
         let expiresIn = object["expires_in"]?.int.map(Int.init) ?? 600
         var interval = max(1, object["interval"]?.int.map(Int.init) ?? 5)
@@ -278,14 +303,16 @@ public struct LoginFlow: Sendable {
                     // RFC 8628 §3.5: add 5 seconds to the interval from now on.
                     interval += 5
                 case "expired_token":
-                    throw AuthError.cancelled(reason: "the code expired before the sign-in was finished; run the login again")
+                    throw AuthError.cancelled(
+                        reason: "the code expired before the sign-in was finished; run the login again")
                 case "access_denied":
                     throw AuthError.cancelled(reason: "the sign-in was declined")
                 default:
                     throw Self.describe(error, provider: provider)
                 }
             case .failure(.unavailable(let status, let retryAfter)):
-                throw AuthError.recoverable(reason: "the provider is unavailable (HTTP \(status))", retryAfter: retryAfter)
+                throw AuthError.recoverable(
+                    reason: "the provider is unavailable (HTTP \(status))", retryAfter: retryAfter)
             case .failure(.malformed(let reason)):
                 throw AuthError.recoverable(reason: reason, retryAfter: nil)
             }
@@ -313,8 +340,22 @@ public struct LoginFlow: Sendable {
     /// Validates the ID token, then replaces the stored tokens (under the provider's lock).
     func store(_ response: TokenResponse, nonce: String?, maxAge: Int?, scopes: [String]) async throws -> TokenSet {
         guard let type = TokenEndpoint.normalizedType(response.tokenType) else {
-            throw AuthError.configuration(reason: "the provider issued an unsupported token type \(AuthText.clip(response.tokenType, 20))")
+            throw AuthError.configuration(
+                reason: "the provider issued an unsupported token type \(AuthText.clip(response.tokenType, 20))")
         }
+        let dpopKey = await client.dpopKey
+        if dpopKey != nil && type != "DPoP" {
+            // RFC 9449 §5: a provider that ignores the proof answers with a Bearer token.
+            if provider.dpopRequired {
+                throw AuthError.configuration(
+                    reason:
+                        "the provider answered a DPoP token request with a \(type) token, and dpop_required = true in [provider \(provider.name)]"
+                )
+            }
+            console.say(
+                "Warning: the provider issued a \(type) token although DPoP was asked for; using it as \(type).")
+        }
+        let thumbprint = type == "DPoP" ? dpopKey?.thumbprint : nil
         var identity: Identity? = nil
         if scopes.contains("openid") {
             guard let idToken = response.idToken else {
@@ -332,12 +373,13 @@ public struct LoginFlow: Sendable {
         let finalIdentity = identity
         return try await store.withLock(providerName) {
             let previous = try? store.load(providerName)
-            let tokens = TokenSet(
+            var tokens = TokenSet(
                 provider: providerName, issuer: issuer, clientID: clientID, accessToken: response.accessToken,
                 tokenType: type, issuedAt: issuedAt, expiresAt: response.expiresIn.map { issuedAt + Int64($0) },
                 refreshToken: response.refreshToken, idToken: response.idToken,
                 scope: response.scope ?? scopes.joined(separator: " "), identity: finalIdentity,
                 generation: ((previous ?? nil)?.generation ?? 0) + 1)
+            tokens.dpopThumbprint = thumbprint
             try store.save(tokens)
             return tokens
         }
@@ -349,14 +391,21 @@ public struct LoginFlow: Sendable {
         case "access_denied":
             return .cancelled(reason: "the sign-in was declined (\(error.summary))")
         case "invalid_scope":
-            return .configuration(reason: "the provider refused the requested scopes (\(error.summary)); check scopes in [provider \(provider.name)]")
+            return .configuration(
+                reason:
+                    "the provider refused the requested scopes (\(error.summary)); check scopes in [provider \(provider.name)]"
+            )
         case "unauthorized_client", "invalid_client", "invalid_request", "unsupported_response_type":
             return .configuration(
-                reason: "the provider refused the request from client \(provider.clientID) (\(error.summary)); check the client's registration (redirect URIs, grant types, public client)")
+                reason:
+                    "the provider refused the request from client \(provider.clientID) (\(error.summary)); check the client's registration (redirect URIs, grant types, public client)"
+            )
         case "login_required", "interaction_required", "consent_required", "account_selection_required":
-            return .cancelled(reason: "the provider needs you to interact (\(error.summary)); run the login again in a browser")
+            return .cancelled(
+                reason: "the provider needs you to interact (\(error.summary)); run the login again in a browser")
         case "temporarily_unavailable", "server_error":
-            return .recoverable(reason: "the provider could not sign you in right now (\(error.summary))", retryAfter: nil)
+            return .recoverable(
+                reason: "the provider could not sign you in right now (\(error.summary))", retryAfter: nil)
         default:
             return .cancelled(reason: "the provider ended the sign-in (\(error.summary))")
         }

@@ -11,13 +11,20 @@ public actor ProviderClient {
     /// Retries of 5xx, 429 and network errors at the token endpoint, and the longest wait between them.
     public var retryBudget = 2
     public var maxRetryWait = 5
+    /// With DPoP: the key that signs proofs for token requests (RFC 9449 §5).
+    public private(set) var dpopKey: DPoPKey?
+    /// DPoP nonces of the authorization server, from every response.
+    public nonisolated let nonces: DPoPNonces
     /// Sleeps between retries; tests shorten it.
     var sleep: @Sendable (Int) async throws -> Void = { seconds in try await Task.sleep(for: .seconds(seconds)) }
 
-    public init(config: ProviderConfig, transport: any HTTPTransport) {
+    public init(config: ProviderConfig, transport: any HTTPTransport, nonces: DPoPNonces = DPoPNonces()) {
         self.config = config
         self.transport = transport
+        self.nonces = nonces
     }
+
+    public func setDPoPKey(_ key: DPoPKey?) { dpopKey = key }
 
     func setSleep(_ sleep: @escaping @Sendable (Int) async throws -> Void) { self.sleep = sleep }
 
@@ -28,7 +35,8 @@ public actor ProviderClient {
         for url in ProviderMetadata.discoveryURLs(issuer: config.issuer) {
             let response: HTTPResponse
             do {
-                response = try await transport.send(HTTPRequest(url: url, headers: [("Accept", "application/json")], caFile: config.caFile))
+                response = try await transport.send(
+                    HTTPRequest(url: url, headers: [("Accept", "application/json")], caFile: config.caFile))
             } catch let error as TransportError {
                 throw Self.unreachable(error, what: "the provider \(config.issuer)")
             }
@@ -52,7 +60,9 @@ public actor ProviderClient {
             }
         }
         throw AuthError.configuration(
-            reason: "\(config.issuer) has no discovery document (\(lastProblem)); check issuer in [provider \(config.name)]")
+            reason:
+                "\(config.issuer) has no discovery document (\(lastProblem)); check issuer in [provider \(config.name)]"
+        )
     }
 
     /// The provider's key set; `refresh` fetches it again (after an unknown kid).
@@ -64,13 +74,16 @@ public actor ProviderClient {
         }
         let response: HTTPResponse
         do {
-            response = try await transport.send(HTTPRequest(url: uri, headers: [("Accept", "application/json")], caFile: config.caFile))
+            response = try await transport.send(
+                HTTPRequest(url: uri, headers: [("Accept", "application/json")], caFile: config.caFile))
         } catch let error as TransportError {
             throw Self.unreachable(error, what: "the provider's keys")
         }
-        guard response.status == 200, let document = response.jsonObject, case .success(let set) = JWKSet.parse(document)
+        guard response.status == 200, let document = response.jsonObject,
+            case .success(let set) = JWKSet.parse(document)
         else {
-            throw AuthError.recoverable(reason: "the provider's key set is unavailable (\(response.status))", retryAfter: nil)
+            throw AuthError.recoverable(
+                reason: "the provider's key set is unavailable (\(response.status))", retryAfter: nil)
         }
         keys = set
         return set
@@ -78,22 +91,41 @@ public actor ProviderClient {
 
     /// POSTs to the token endpoint. 5xx, 429 and network errors are retried within the budget, honouring
     /// Retry-After up to `maxRetryWait`; then they become `AuthError.recoverable` with the remaining wait.
-    /// `extraHeaders` is called before each attempt (a DPoP proof must be fresh for each one).
-    public func postToken(
-        _ parameters: [(String, String)], extraHeaders: @Sendable () throws -> [(name: String, value: String)] = { [] }
-    ) async throws -> Result<TokenResponse, TokenEndpointError> {
+    /// With a DPoP key, every attempt carries a fresh proof with the server's latest nonce, and a
+    /// `use_dpop_nonce` answer is retried once with the nonce it brought (RFC 9449 §8).
+    public func postToken(_ parameters: [(String, String)]) async throws -> Result<TokenResponse, TokenEndpointError> {
         let metadata = try await discover()
         var attempt = 0
+        var nonceRetried = false
         while true {
-            let request = HTTPRequest.form(metadata.tokenEndpoint, parameters, caFile: config.caFile, headers: try extraHeaders())
+            var headers: [(name: String, value: String)] = []
+            if let dpopKey {
+                do {
+                    let proof = try dpopKey.proof(
+                        method: "POST", url: metadata.tokenEndpoint, nonce: nonces.nonce(for: metadata.tokenEndpoint),
+                        now: Int64(Date().timeIntervalSince1970))
+                    headers.append(("DPoP", proof))
+                } catch {
+                    throw AuthError.configuration(reason: "cannot sign a DPoP proof: \(error)")
+                }
+            }
+            let request = HTTPRequest.form(metadata.tokenEndpoint, parameters, caFile: config.caFile, headers: headers)
             let outcome: Result<TokenResponse, TokenEndpointError>
             do {
-                outcome = TokenEndpoint.parse(try await transport.send(request))
+                let response = try await transport.send(request)
+                nonces.remember(response.header("DPoP-Nonce"), for: metadata.tokenEndpoint)
+                outcome = TokenEndpoint.parse(response)
             } catch let error as TransportError {
                 if case .certificate = error { throw Self.unreachable(error, what: "the token endpoint") }
                 guard attempt < retryBudget else { throw Self.unreachable(error, what: "the token endpoint") }
                 attempt += 1
                 try await sleep(min(1 << (attempt - 1), maxRetryWait))
+                continue
+            }
+            if dpopKey != nil, !nonceRetried, case .failure(.oauth(let error, _, let nonce)) = outcome,
+                error.error == "use_dpop_nonce", nonce != nil
+            {
+                nonceRetried = true
                 continue
             }
             if case .failure(.unavailable(let status, let retryAfter)) = outcome {
@@ -111,7 +143,9 @@ public actor ProviderClient {
     }
 
     /// POSTs a form to another endpoint (PAR, device authorization, revocation); no retries.
-    public func postForm(_ url: String, _ parameters: [(String, String)], headers: [(name: String, value: String)] = [])
+    public func postForm(
+        _ url: String, _ parameters: [(String, String)], headers: [(name: String, value: String)] = []
+    )
         async throws -> HTTPResponse
     {
         do {
@@ -124,7 +158,8 @@ public actor ProviderClient {
     static func unreachable(_ error: TransportError, what: String) -> AuthError {
         switch error {
         case .certificate(let reason):
-            .configuration(reason: "cannot verify the TLS certificate of \(what): \(reason) (set ca_file for a private CA)")
+            .configuration(
+                reason: "cannot verify the TLS certificate of \(what): \(reason) (set ca_file for a private CA)")
         case .timeout(let reason):
             .recoverable(reason: "\(what) did not answer in time: \(reason)", retryAfter: nil)
         case .unreachable(let reason):

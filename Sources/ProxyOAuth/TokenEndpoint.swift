@@ -24,7 +24,8 @@ public enum TokenEndpointError: Error, Sendable, Equatable {
 
 public enum TokenEndpoint {
     /// Reads a token endpoint answer.
-    public static func parse(_ response: HTTPResponse, now: Date = Date()) -> Result<TokenResponse, TokenEndpointError> {
+    public static func parse(_ response: HTTPResponse, now: Date = Date()) -> Result<TokenResponse, TokenEndpointError>
+    {
         if response.status == 429 || response.status >= 500 {
             return .failure(
                 .unavailable(
@@ -44,7 +45,8 @@ public enum TokenEndpoint {
                 // No error code: report the status; callers decide what an empty rejection means.
                 return .failure(
                     .oauth(
-                        OAuthErrorResponse(error: "http_\(response.status)", description: "no error details in the answer"),
+                        OAuthErrorResponse(
+                            error: "http_\(response.status)", description: "no error details in the answer"),
                         status: response.status, dpopNonce: response.header("DPoP-Nonce")))
             }
             return .failure(.malformed("the token endpoint answered \(response.status)"))

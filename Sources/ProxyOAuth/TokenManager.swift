@@ -15,8 +15,6 @@ public actor TokenManager {
     private var clock: @Sendable () -> Int64
     /// Token requests made by this manager (for tests and status).
     public private(set) var refreshCount = 0
-    /// Extra token-request parameters and headers (the DPoP issue adds proofs here).
-    var tokenRequestDecorator: (@Sendable () throws -> [(name: String, value: String)])?
 
     public init(
         provider: ProviderConfig, store: TokenStore, client: ProviderClient,
@@ -75,6 +73,12 @@ public actor TokenManager {
             try checkBelongsToProvider(onDisk)
             remember(onDisk)
             if onDisk.generation > generation && onDisk.isFresh(at: clock()) { return onDisk }
+            if let bound = onDisk.dpopThumbprint, await client.dpopKey?.thumbprint != bound {
+                throw AuthError.reauthenticate(
+                    reason:
+                        "the tokens for \(provider.name) are bound to a DPoP key that is no longer there; run: proxyctl login \(provider.name)"
+                )
+            }
             guard let refreshToken = onDisk.refreshToken else {
                 throw AuthError.reauthenticate(
                     reason:
@@ -87,7 +91,7 @@ public actor TokenManager {
             ]
             let outcome: Result<TokenResponse, TokenEndpointError>
             do {
-                outcome = try await client.postToken(parameters, extraHeaders: tokenRequestDecorator ?? { [] })
+                outcome = try await client.postToken(parameters)
             } catch let error as AuthError {
                 try record(onDisk, failure: error)
                 throw error
@@ -119,7 +123,14 @@ public actor TokenManager {
     /// Stores the refreshed tokens (the rotated refresh token first of all), then returns them.
     private func adopt(_ response: TokenResponse, previous: TokenSet) async throws -> TokenSet {
         guard let type = TokenEndpoint.normalizedType(response.tokenType) else {
-            throw AuthError.configuration(reason: "the provider issued an unsupported token type \(AuthText.clip(response.tokenType, 20))")
+            throw AuthError.configuration(
+                reason: "the provider issued an unsupported token type \(AuthText.clip(response.tokenType, 20))")
+        }
+        if previous.dpopThumbprint != nil && type != "DPoP" && provider.dpopRequired {
+            throw AuthError.configuration(
+                reason:
+                    "the provider refreshed DPoP tokens as \(type) tokens, and dpop_required = true in [provider \(provider.name)]"
+            )
         }
         let now = clock()
         var updated = previous
@@ -140,6 +151,7 @@ public actor TokenManager {
             updated.idToken = idToken
             updated.identity = identity
         }
+        updated.dpopThumbprint = type == "DPoP" ? previous.dpopThumbprint : nil
         updated.generation = previous.generation + 1
         updated.lastRefresh = TokenSet.RefreshRecord(at: now, outcome: "ok")
         try store.save(updated)
@@ -149,7 +161,8 @@ public actor TokenManager {
 
     private func record(_ tokens: TokenSet, failure: AuthError) throws {
         var updated = tokens
-        updated.lastRefresh = TokenSet.RefreshRecord(at: clock(), outcome: failure.category, reason: failure.description)
+        updated.lastRefresh = TokenSet.RefreshRecord(
+            at: clock(), outcome: failure.category, reason: failure.description)
         try store.save(updated)
         remember(updated)
     }
@@ -185,7 +198,8 @@ public actor TokenManager {
                         "the provider refused the refresh for client \(provider.clientID) (\(error.summary), HTTP \(status)); check its registration"
                 )
             case "invalid_scope":
-                return .reauthenticate(reason: "the provider refused the scopes on refresh (\(error.summary)); sign in again")
+                return .reauthenticate(
+                    reason: "the provider refused the scopes on refresh (\(error.summary)); sign in again")
             default:
                 return .recoverable(reason: "the provider refused the refresh (\(error.summary))", retryAfter: nil)
             }

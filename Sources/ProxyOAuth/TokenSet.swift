@@ -17,6 +17,8 @@ public struct TokenSet: Sendable, Equatable {
     /// Grows by one each time the tokens change; lets a caller tell whether someone refreshed since it looked.
     public var generation: Int64
     public var lastRefresh: RefreshRecord?
+    /// With DPoP: the thumbprint of the key the tokens are bound to (RFC 9449 `cnf.jkt`).
+    public var dpopThumbprint: String?
 
     /// The outcome of the last refresh, for `proxyctl status`.
     public struct RefreshRecord: Sendable, Equatable {
@@ -96,6 +98,7 @@ public struct TokenSet: Sendable, Equatable {
             object["identity"] = .object(who)
         }
         object["generation"] = .int(generation)
+        if let dpopThumbprint { object["dpop_jkt"] = .string(dpopThumbprint) }
         if let lastRefresh {
             var record = JSONObject()
             record["at"] = .int(lastRefresh.at)
@@ -127,6 +130,7 @@ public struct TokenSet: Sendable, Equatable {
             issuedAt: issuedAt, expiresAt: object["expires_at"]?.int, refreshToken: object["refresh_token"]?.string,
             idToken: object["id_token"]?.string, scope: object["scope"]?.string, identity: identity,
             generation: generation)
+        dpopThumbprint = object["dpop_jkt"]?.string
         if let record = object["last_refresh"]?.object, let at = record["at"]?.int,
             let outcome = record["outcome"]?.string
         {

@@ -48,7 +48,8 @@ public struct TokenStore: Sendable {
         }
         guard info.st_mode & S_IFMT == S_IFDIR else { throw StoreError(path: directory, "is not a directory") }
         guard info.st_uid == getuid() else {
-            throw StoreError(path: directory, "belongs to another user; proxyctl keeps secrets only in its own directories")
+            throw StoreError(
+                path: directory, "belongs to another user; proxyctl keeps secrets only in its own directories")
         }
         if info.st_mode & 0o077 != 0 {
             guard chmod(directory, 0o700) == 0 else {
@@ -95,7 +96,9 @@ public struct TokenStore: Sendable {
         let temporary = "\(tokensDirectory)/.\(tokens.provider).\(getpid()).\(UInt32.random(in: 0...UInt32.max)).tmp"
         let bytes = Array(JSON.serialize(tokens.json).utf8) + [0x0A]
         let fd = open(temporary, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0o600)
-        guard fd >= 0 else { throw StoreError(path: temporary, "cannot be created: \(String(cString: strerror(errno)))") }
+        guard fd >= 0 else {
+            throw StoreError(path: temporary, "cannot be created: \(String(cString: strerror(errno)))")
+        }
         var written = 0
         var failure: String? = nil
         while written < bytes.count {

@@ -195,7 +195,8 @@ public final class CryptoKey: @unchecked Sendable {
         default:
             break
         }
-        let result = EVP_DigestVerify(context, signatureToCheck, signatureToCheck.count, signingInput, signingInput.count)
+        let result = EVP_DigestVerify(
+            context, signatureToCheck, signatureToCheck.count, signingInput, signingInput.count)
         _ = CryptoError.drainQueue()
         return result == 1
     }
@@ -208,7 +209,10 @@ public enum ECDSASignature {
         guard raw.count == coordinateSize * 2, let signature = ECDSA_SIG_new() else { return nil }
         defer { ECDSA_SIG_free(signature) }
         guard let r = BN_bin2bn(raw, Int32(coordinateSize), nil) else { return nil }
-        guard let s = raw.withUnsafeBufferPointer({ BN_bin2bn($0.baseAddress! + coordinateSize, Int32(coordinateSize), nil) })
+        guard
+            let s = raw.withUnsafeBufferPointer({
+                BN_bin2bn($0.baseAddress! + coordinateSize, Int32(coordinateSize), nil)
+            })
         else {
             BN_free(r)
             return nil

@@ -60,7 +60,8 @@ public final class LocalCA: @unchecked Sendable {
     /// A leaf certificate for `host`, carrying `leafKey`'s public key.
     public func issueLeaf(host: String, leafKey: PrivateKey, now: Int64 = Int64(time(nil))) throws -> Certificate {
         try CertificateBuilder.build(
-            subject: .init(commonName: host, organization: nil), subjectKey: leafKey, issuer: certificate, issuerKey: key,
+            subject: .init(commonName: host, organization: nil), subjectKey: leafKey, issuer: certificate,
+            issuerKey: key,
             notBefore: now - Self.backdate, notAfter: now + Self.leafValidity,
             extensions: [
                 (NID_basic_constraints, "critical,CA:FALSE"),
@@ -92,7 +93,8 @@ public final class LocalCA: @unchecked Sendable {
         guard let keyPEM = FileManager.default.contents(atPath: files.key) else {
             throw CryptoError("\(files.key) is missing; run proxyctl ca init to make a new CA")
         }
-        let hosts = (try? String(contentsOfFile: files.hosts, encoding: .utf8))?
+        let hosts =
+            (try? String(contentsOfFile: files.hosts, encoding: .utf8))?
             .split(separator: "\n").map(String.init).filter { !$0.isEmpty } ?? []
         return LocalCA(
             certificate: try Certificate.fromPEM(Array(certificatePEM)), key: try PrivateKey.fromPEM(Array(keyPEM)),
@@ -144,7 +146,8 @@ public enum SecureFile {
     /// fsyncs the directory.
     public static func write(_ bytes: [UInt8], to path: String, mode: mode_t) throws {
         let directory = (path as NSString).deletingLastPathComponent
-        let temporary = "\(directory)/.\((path as NSString).lastPathComponent).\(getpid()).\(UInt32.random(in: 0...UInt32.max)).tmp"
+        let temporary =
+            "\(directory)/.\((path as NSString).lastPathComponent).\(getpid()).\(UInt32.random(in: 0...UInt32.max)).tmp"
         let fd = open(temporary, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, mode)
         guard fd >= 0 else { throw CryptoError("\(temporary) cannot be created: \(String(cString: strerror(errno)))") }
         var written = 0

@@ -12,7 +12,9 @@ public final class PrivateKey: @unchecked Sendable {
 
     /// A new P-256 key.
     public static func generateP256() throws -> PrivateKey {
-        guard let context = EVP_PKEY_CTX_new_from_name(nil, CryptoKey.cString("EC"), nil) else { throw CryptoError("EVP_PKEY_CTX_new_from_name") }
+        guard let context = EVP_PKEY_CTX_new_from_name(nil, CryptoKey.cString("EC"), nil) else {
+            throw CryptoError("EVP_PKEY_CTX_new_from_name")
+        }
         defer { EVP_PKEY_CTX_free(context) }
         var key: OpaquePointer? = nil
         guard EVP_PKEY_keygen_init(context) == 1, EVP_PKEY_CTX_set_group_name(context, CryptoKey.cString("P-256")) == 1,
@@ -26,7 +28,9 @@ public final class PrivateKey: @unchecked Sendable {
         let bio = pem.withUnsafeBytes { BIO_new_mem_buf($0.baseAddress, Int32($0.count)) }
         guard let bio else { throw CryptoError("BIO_new_mem_buf") }
         defer { BIO_free(bio) }
-        guard let key = PEM_read_bio_PrivateKey(bio, nil, nil, nil) else { throw CryptoError("reading a PEM private key") }
+        guard let key = PEM_read_bio_PrivateKey(bio, nil, nil, nil) else {
+            throw CryptoError("reading a PEM private key")
+        }
         return PrivateKey(key)
     }
 
@@ -34,7 +38,9 @@ public final class PrivateKey: @unchecked Sendable {
     public func pem() throws -> [UInt8] {
         guard let bio = BIO_new(BIO_s_mem()) else { throw CryptoError("BIO_new") }
         defer { BIO_free(bio) }
-        guard PEM_write_bio_PrivateKey(bio, pkey, nil, nil, 0, nil, nil) == 1 else { throw CryptoError("writing a PEM key") }
+        guard PEM_write_bio_PrivateKey(bio, pkey, nil, nil, 0, nil, nil) == 1 else {
+            throw CryptoError("writing a PEM key")
+        }
         return Self.drain(bio)
     }
 
@@ -49,7 +55,8 @@ public final class PrivateKey: @unchecked Sendable {
     public func publicCoordinates() throws -> (x: [UInt8], y: [UInt8]) {
         var buffer = [UInt8](repeating: 0, count: 65)
         var length = 0
-        guard EVP_PKEY_get_octet_string_param(pkey, CryptoKey.cString("pub"), &buffer, buffer.count, &length) == 1, length == 65,
+        guard EVP_PKEY_get_octet_string_param(pkey, CryptoKey.cString("pub"), &buffer, buffer.count, &length) == 1,
+            length == 65,
             buffer[0] == 0x04
         else { throw CryptoError("reading the public key") }
         return (Array(buffer[1..<33]), Array(buffer[33..<65]))
@@ -66,7 +73,8 @@ public final class PrivateKey: @unchecked Sendable {
     /// The JWK thumbprint (RFC 7638): base64url(SHA-256 of the required members in lexical order, no spaces).
     public func thumbprint() throws -> String {
         let (x, y) = try publicCoordinates()
-        let canonical = #"{"crv":"P-256","kty":"EC","x":""# + Base64.urlEncode(x) + #"","y":""# + Base64.urlEncode(y) + #""}"#
+        let canonical =
+            #"{"crv":"P-256","kty":"EC","x":""# + Base64.urlEncode(x) + #"","y":""# + Base64.urlEncode(y) + #""}"#
         return Base64.urlEncode(Crypto.sha256(canonical))
     }
 
@@ -79,7 +87,9 @@ public final class PrivateKey: @unchecked Sendable {
         }
         var der = [UInt8](repeating: 0, count: 80)
         var length = der.count
-        guard EVP_DigestSign(context, &der, &length, message, message.count) == 1 else { throw CryptoError("EVP_DigestSign") }
+        guard EVP_DigestSign(context, &der, &length, message, message.count) == 1 else {
+            throw CryptoError("EVP_DigestSign")
+        }
         guard let raw = ECDSASignature.derToRaw(Array(der[0..<length]), coordinateSize: 32) else {
             throw CryptoError("converting an ECDSA signature")
         }

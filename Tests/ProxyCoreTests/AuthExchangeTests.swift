@@ -6,10 +6,12 @@ import Testing
 /// exhaustive walk over every sequence of origin answers.
 @Suite struct AuthExchangeTests {
     static let plain401 = AuthExchange.Event.response(
-        status: 401, challenges: [Challenge(scheme: "Bearer", parameters: [("error", "invalid_token")])], dpopNonce: nil)
+        status: 401, challenges: [Challenge(scheme: "Bearer", parameters: [("error", "invalid_token")])], dpopNonce: nil
+    )
     static let bare401 = AuthExchange.Event.response(status: 401, challenges: [], dpopNonce: nil)
     static let nonce401 = AuthExchange.Event.response(
-        status: 401, challenges: [Challenge(scheme: "DPoP", parameters: [("error", "use_dpop_nonce")])], dpopNonce: "n-1")
+        status: 401, challenges: [Challenge(scheme: "DPoP", parameters: [("error", "use_dpop_nonce")])],
+        dpopNonce: "n-1")
     static let nonce401WithoutNonce = AuthExchange.Event.response(
         status: 401, challenges: [Challenge(scheme: "DPoP", parameters: [("error", "use_dpop_nonce")])], dpopNonce: nil)
     static let stepUp401 = AuthExchange.Event.response(
@@ -17,7 +19,9 @@ import Testing
         challenges: [
             Challenge(
                 scheme: "Bearer",
-                parameters: [("error", "insufficient_user_authentication"), ("acr_values", "urn:mfa"), ("max_age", "300")])
+                parameters: [
+                    ("error", "insufficient_user_authentication"), ("acr_values", "urn:mfa"), ("max_age", "300"),
+                ])
         ], dpopNonce: nil)
     static let ok200 = AuthExchange.Event.response(status: 200, challenges: [], dpopNonce: "n-2")
 
@@ -111,7 +115,8 @@ import Testing
     @Test func notSignedInIsAnsweredByTheProxy() {
         var machine = exchange()
         _ = machine.start()
-        guard case .respond(let response) = machine.handle(.tokensFailed(.signInNeeded(reason: "not signed in to corp")))
+        guard
+            case .respond(let response) = machine.handle(.tokensFailed(.signInNeeded(reason: "not signed in to corp")))
         else {
             Issue.record("expected an answer of our own")
             return
@@ -139,7 +144,9 @@ import Testing
     /// at most once, and never refreshes or replays on a step-up challenge.
     @Test(arguments: [true, false])
     func exhaustiveSequencesNeverLoop(replayable: Bool) {
-        let answers: [AuthExchange.Event] = [Self.ok200, Self.plain401, Self.bare401, Self.nonce401, Self.nonce401WithoutNonce, Self.stepUp401]
+        let answers: [AuthExchange.Event] = [
+            Self.ok200, Self.plain401, Self.bare401, Self.nonce401, Self.nonce401WithoutNonce, Self.stepUp401,
+        ]
         let refreshOutcomes: [AuthExchange.Event] = [
             .refreshed(generation: 9), .refreshFailed(.signInNeeded(reason: "x")),
             .refreshFailed(.unavailable(reason: "x", retryAfter: nil)),
@@ -167,7 +174,9 @@ import Testing
                         if case .deliver = result {} else { Issue.record("step-up not delivered: \(trace)") }
                     }
                     if !replayable, case .send = result { Issue.record("replayed an unreplayable body: \(trace)") }
-                    if !replayable, case .refresh = result { Issue.record("refreshed for an unreplayable body: \(trace)") }
+                    if !replayable, case .refresh = result {
+                        Issue.record("refreshed for an unreplayable body: \(trace)")
+                    }
                     walk(next, result, sends: sends + 1, refreshes: refreshes, trace: trace + ["\(answer)"])
                 }
             case .refresh:
@@ -188,7 +197,8 @@ import Testing
 
 @Suite struct ChallengeParserTests {
     @Test func bearerWithParameters() {
-        let parsed = ChallengeParser.parse(#"Bearer realm="api", error="invalid_token", error_description="The token expired""#)
+        let parsed = ChallengeParser.parse(
+            #"Bearer realm="api", error="invalid_token", error_description="The token expired""#)
         #expect(parsed.count == 1)
         #expect(parsed[0].scheme == "bearer")
         #expect(parsed[0]["realm"] == "api")
@@ -219,7 +229,10 @@ import Testing
     }
 
     @Test func garbageDoesNotCrash() {
-        for input in ["", ",,,", "=", "Bearer =", #"Bearer a="unterminated"#, "Bearer a=b c=d", "\u{0}\u{1}", "Bearer realm=\"x\" junk"] {
+        for input in [
+            "", ",,,", "=", "Bearer =", #"Bearer a="unterminated"#, "Bearer a=b c=d", "\u{0}\u{1}",
+            "Bearer realm=\"x\" junk",
+        ] {
             _ = ChallengeParser.parse(input)
         }
         #expect(ChallengeParser.parse("Bearer").map(\.scheme) == ["bearer"])

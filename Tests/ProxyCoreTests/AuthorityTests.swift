@@ -165,7 +165,7 @@ import Testing
         ("[2001:DB8::A]:443", nil, "2001:db8::a", 443, .ipv6),
         ("[::1]", 80, "::1", 80, .ipv6),
         ("xn--nxasmq6b.example:443", nil, "xn--nxasmq6b.example", 443, .name),
-        ("01.2.3.4:80", nil, "01.2.3.4", 80, .name),  // not an IPv4 literal: a name
+        ("1.2.3.4.5.example:80", nil, "1.2.3.4.5.example", 80, .name),  // numeric labels, but a name
     ])
     func parse(text: String, defaultPort: Int?, host: String, port: Int, kind: HostPort.Kind) throws {
         let parsed = try HostPort.parse(text[...], defaultPort: defaultPort).get()
@@ -177,6 +177,8 @@ import Testing
         "[::1:443", "[zz::1]:443", "[]:443", "example.com:0", "example.com:65536", "example.com:123456",
         "example.com:+80", "example.com:8 0", "exa mple.com:80", "exa/mple.com:80", "::1:443", "a:b:443",
         ".:443",
+        // Numeric forms inet_aton would read as addresses (octal, hex, short, one number).
+        "01.2.3.4:80", "127.1:80", "0x7f.0.0.1:80", "2130706433:80", "0x7f000001:80", "1.2.3.4.5:80",
     ])
     func invalid(text: String) {
         #expect(throws: HTTPParseError.self) { try HostPort.parse(text[...], defaultPort: nil).get() }

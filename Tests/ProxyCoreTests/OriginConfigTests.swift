@@ -14,11 +14,14 @@ import Testing
                 + "[origin http://127.0.0.1:8000]\nprovider = corp\n"
         ).get()
         #expect(config.origins.origins.count == 2)
-        let api = try #require(config.origins.match(scheme: "https", authority: HostPort(host: "api.example.com", port: 443, kind: .name)))
+        let api = try #require(
+            config.origins.match(scheme: "https", authority: HostPort(host: "api.example.com", port: 443, kind: .name)))
         #expect(api.url == "https://api.example.com")
         #expect(api.clientAuthorization == .replace)
         #expect(config.origins.tlsHosts == ["api.example.com"])
-        #expect(config.origins.match(scheme: "http", authority: HostPort(host: "127.0.0.1", port: 8000, kind: .ipv4)) != nil)
+        #expect(
+            config.origins.match(scheme: "http", authority: HostPort(host: "127.0.0.1", port: 8000, kind: .ipv4)) != nil
+        )
     }
 
     @Test(arguments: [
@@ -43,8 +46,11 @@ import Testing
     }
 
     @Test func duplicateOriginsAfterNormalisation() throws {
-        guard case .failure(let errors) = parse(
-            provider + "[origin https://api.example.com]\nprovider = corp\n[origin https://API.example.com.:443/]\nprovider = corp\n")
+        guard
+            case .failure(let errors) = parse(
+                provider
+                    + "[origin https://api.example.com]\nprovider = corp\n[origin https://API.example.com.:443/]\nprovider = corp\n"
+            )
         else {
             Issue.record("duplicates accepted")
             return
@@ -54,7 +60,8 @@ import Testing
     }
 
     @Test func originNeedsAKnownProvider() {
-        guard case .failure(let errors) = parse(provider + "[origin https://api.example.com]\nprovider = other\n") else {
+        guard case .failure(let errors) = parse(provider + "[origin https://api.example.com]\nprovider = other\n")
+        else {
             Issue.record("unknown provider accepted")
             return
         }
@@ -69,8 +76,9 @@ import Testing
     }
 
     @Test func badClientAuthorization() {
-        guard case .failure(let errors) = parse(
-            provider + "[origin https://api.example.com]\nprovider = corp\nclient_authorization = merge\n")
+        guard
+            case .failure(let errors) = parse(
+                provider + "[origin https://api.example.com]\nprovider = corp\nclient_authorization = merge\n")
         else {
             Issue.record("accepted")
             return

@@ -128,7 +128,8 @@ public struct AuthExchange: Sendable {
                 state = .done
                 return .deliver(
                     proxyStatus: ProxyStatus(
-                        details: "the origin refused a freshly refreshed token; not retried again (check the token's scopes or audience)",
+                        details:
+                            "the origin refused a freshly refreshed token; not retried again (check the token's scopes or audience)",
                         receivedStatus: 401))
             }
             guard replayable else { return deliverUnreplayable(retry: "after a token refresh") }
@@ -160,7 +161,8 @@ public struct AuthExchange: Sendable {
         case .signInNeeded(let reason):
             return ProxyResponse(
                 status: 401,
-                proxyStatus: ProxyStatus(error: .httpRequestDenied, details: "sign-in needed: run proxyctl login \(provider)"),
+                proxyStatus: ProxyStatus(
+                    error: .httpRequestDenied, details: "sign-in needed: run proxyctl login \(provider)"),
                 message: "proxyctl: \(reason)")
         case .unavailable(let reason, let retryAfter):
             let wait = max(1, retryAfter ?? 5)
@@ -173,7 +175,8 @@ public struct AuthExchange: Sendable {
         case .configuration(let reason):
             return ProxyResponse(
                 status: 500,
-                proxyStatus: ProxyStatus(error: .proxyConfigurationError, details: "provider \(provider) is misconfigured"),
+                proxyStatus: ProxyStatus(
+                    error: .proxyConfigurationError, details: "provider \(provider) is misconfigured"),
                 message: "proxyctl: cannot get a token for \(origin): \(reason)")
         }
     }

@@ -20,7 +20,8 @@ public struct Challenge: Sendable, Equatable {
     }
 
     public static func == (lhs: Self, rhs: Self) -> Bool {
-        lhs.scheme == rhs.scheme && lhs.token68 == rhs.token68 && lhs.parameters.map(\.name) == rhs.parameters.map(\.name)
+        lhs.scheme == rhs.scheme && lhs.token68 == rhs.token68
+            && lhs.parameters.map(\.name) == rhs.parameters.map(\.name)
             && lhs.parameters.map(\.value) == rhs.parameters.map(\.value)
     }
 }

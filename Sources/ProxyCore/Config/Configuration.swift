@@ -172,7 +172,8 @@ public struct ConfigParser: Sendable {
         // Cross-section checks: every origin names a configured provider.
         for origin in origins where !origin.provider.isEmpty {
             if !config.providers.contains(where: { $0.name == origin.provider }) {
-                let line = document.sections.first { $0.line == origin.line }?.entries.first { $0.key == "provider" }?.line
+                let line = document.sections.first { $0.line == origin.line }?.entries.first { $0.key == "provider" }?
+                    .line
                 errors.append(
                     ConfigError(
                         file: file, line: line ?? origin.line, section: "origin \(origin.url)", key: "provider",
@@ -273,7 +274,8 @@ public struct ConfigParser: Sendable {
                     guard parts.count == 2, case .success(let host) = HostPort.parse(parts[0], defaultPort: 1),
                         host.kind == .name, IPAddress.parse(parts[1]) != nil
                     else {
-                        return fail("expected HOST=ADDRESS pairs separated by commas, such as api.test=127.0.0.1, \(got())")
+                        return fail(
+                            "expected HOST=ADDRESS pairs separated by commas, such as api.test=127.0.0.1, \(got())")
                     }
                     map[host.host] = String(parts[1])
                 }

@@ -118,7 +118,8 @@ public struct INIDocument: Sendable {
             }
             let key = trimmed[..<equals].trimmingOWS()
             let value = trimmed[trimmed.index(after: equals)...].trimmingOWS()
-            guard !key.isEmpty, key.allSatisfy({ $0.isASCII && ($0.isLetter || $0.isNumber || $0 == "_" || $0 == "." || $0 == "-") })
+            guard !key.isEmpty,
+                key.allSatisfy({ $0.isASCII && ($0.isLetter || $0.isNumber || $0 == "_" || $0 == "." || $0 == "-") })
             else {
                 errors.append(ConfigError(file: file, line: number, "invalid key \"\(clip(key))\""))
                 continue

@@ -35,7 +35,9 @@ public struct OriginConfig: Sendable, Equatable {
     /// Parses the section argument: scheme, host and optional port; nothing else.
     public static func parseURL(_ text: String) -> Result<OriginConfig, ValueError> {
         guard case .success(let url) = AbsoluteURL.parse(text) else {
-            return .failure("expected [origin https://HOST] or [origin https://HOST:PORT], such as [origin https://api.example.com]")
+            return .failure(
+                "expected [origin https://HOST] or [origin https://HOST:PORT], such as [origin https://api.example.com]"
+            )
         }
         var path = url.pathAndQuery
         if text.hasSuffix("/") == false && path == "/" { path = "" }
@@ -50,7 +52,8 @@ public struct OriginConfig: Sendable, Equatable {
             let loopback = host == "localhost" || (IPAddress.parse(host)?.isLoopback ?? false)
             if !loopback {
                 return .failure(
-                    "http:// origins are accepted only on loopback hosts (a token is never sent in cleartext over a network); use https://")
+                    "http:// origins are accepted only on loopback hosts (a token is never sent in cleartext over a network); use https://"
+                )
             }
         }
         return .success(OriginConfig(scheme: url.scheme, authority: url.authority))
@@ -93,7 +96,8 @@ extension ConfigParser {
     ) {
         for entry in section.entries {
             func fail(_ message: String) {
-                errors.append(ConfigError(file: file, line: entry.line, section: section.label, key: entry.key, message))
+                errors.append(
+                    ConfigError(file: file, line: entry.line, section: section.label, key: entry.key, message))
             }
             switch entry.key {
             case "provider":

@@ -126,7 +126,8 @@ extension ConfigParser {
                 provider.clientID = entry.value
             case "scopes":
                 var scopes = ["openid"]
-                for scope in entry.value.split(whereSeparator: { $0 == " " || $0 == "," }) where !scopes.contains(String(scope)) {
+                for scope in entry.value.split(whereSeparator: { $0 == " " || $0 == "," })
+                where !scopes.contains(String(scope)) {
                     scopes.append(String(scope))
                 }
                 provider.scopes = scopes

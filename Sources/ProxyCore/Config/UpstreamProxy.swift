@@ -49,7 +49,8 @@ public struct UpstreamProxy: Sendable, Equatable, CustomStringConvertible {
         if rest.contains("/") { return .failure("an upstream proxy URL has no path; expected http://host:port") }
         switch HostPort.parse(rest, defaultPort: 8080) {
         case .failure(let error): return .failure("invalid host or port: \(error.reason)")
-        case .success(let address): return .success(UpstreamProxy(address: address, username: username, password: password))
+        case .success(let address):
+            return .success(UpstreamProxy(address: address, username: username, password: password))
         }
     }
 
@@ -58,7 +59,8 @@ public struct UpstreamProxy: Sendable, Equatable, CustomStringConvertible {
         var iterator = Array(text.utf8).makeIterator()
         while let byte = iterator.next() {
             if byte == UInt8(ascii: "%") {
-                guard let high = iterator.next().flatMap(ASCII.hexValue), let low = iterator.next().flatMap(ASCII.hexValue)
+                guard let high = iterator.next().flatMap(ASCII.hexValue),
+                    let low = iterator.next().flatMap(ASCII.hexValue)
                 else { return nil }
                 bytes.append(high << 4 | low)
             } else {
@@ -95,7 +97,8 @@ public struct BypassList: Sendable, Equatable {
                 if domain.hasSuffix(".") { domain = domain.dropLast() }
                 guard !domain.isEmpty, domain.utf8.allSatisfy({ ASCII.regName[Int($0)] && $0 != UInt8(ascii: "%") })
                 else {
-                    return .failure("\"\(INIDocument.clip(String(raw)))\" is not a host name, domain, IP address or CIDR range")
+                    return .failure(
+                        "\"\(INIDocument.clip(String(raw)))\" is not a host name, domain, IP address or CIDR range")
                 }
                 list.domains.append(String(domain))
             }

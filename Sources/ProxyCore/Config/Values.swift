@@ -108,6 +108,8 @@ public struct ValueError: Error, Sendable, Equatable, ExpressibleByStringInterpo
     public let message: String
     public init(_ message: String) { self.message = message }
     public init(stringLiteral value: String) { message = value }
-    public init(stringInterpolation: DefaultStringInterpolation) { message = String(stringInterpolation: stringInterpolation) }
+    public init(stringInterpolation: DefaultStringInterpolation) {
+        message = String(stringInterpolation: stringInterpolation)
+    }
     public var description: String { message }
 }

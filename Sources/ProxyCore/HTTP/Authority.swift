@@ -55,6 +55,12 @@ public struct HostPort: Sendable, Hashable, CustomStringConvertible {
         while kind == .name && hostBytes.last == UInt8(ascii: ".") { hostBytes = hostBytes.dropLast() }
         if kind == .name && IPAddress.parseIPv4(hostBytes) != nil { kind = .ipv4 }
         guard !hostBytes.isEmpty else { return .failure(HTTPParseError(.malformed, "empty host in authority")) }
+        if kind == .name && looksNumeric(hostBytes) {
+            // inet_aton, and so getaddrinfo, reads "127.1", "0x7f.1" or "2130706433" as addresses: such a name
+            // would slip past every check made on addresses (loop detection, bypass ranges).
+            return .failure(
+                HTTPParseError(.malformed, "ambiguous numeric host; write IPv4 addresses as four decimal numbers"))
+        }
         var port: Int
         if rest.isEmpty {
             guard let defaultPort else { return .failure(HTTPParseError(.malformed, "port missing in authority")) }
@@ -75,6 +81,18 @@ public struct HostPort: Sendable, Hashable, CustomStringConvertible {
         }
         let host = String(decoding: hostBytes.map(ASCII.lower), as: UTF8.self)
         return .success(HostPort(host: host, port: port, kind: kind))
+    }
+
+    /// Whether every dot-separated label is a decimal, octal or hex number (the forms inet_aton accepts).
+    static func looksNumeric(_ host: ArraySlice<UInt8>) -> Bool {
+        host.split(separator: UInt8(ascii: "."), omittingEmptySubsequences: false).allSatisfy { label in
+            if label.count > 2, label.first == UInt8(ascii: "0"),
+                ASCII.lower(label[label.startIndex + 1]) == UInt8(ascii: "x")
+            {
+                return label.dropFirst(2).allSatisfy { ASCII.hexValue($0) != nil }
+            }
+            return !label.isEmpty && label.allSatisfy(ASCII.isDigit)
+        }
     }
 
     static func parsePort(_ digits: some Collection<UInt8>) -> Int? {
@@ -107,7 +125,8 @@ public struct AbsoluteURL: Sendable, Equatable {
         switch scheme {
         case "http": defaultPort = 80
         case "https": defaultPort = 443
-        default: return .failure(HTTPParseError(.malformed, "unsupported URL scheme \"\(ASCII.printable(scheme.utf8))\""))
+        default:
+            return .failure(HTTPParseError(.malformed, "unsupported URL scheme \"\(ASCII.printable(scheme.utf8))\""))
         }
         let afterScheme = text[schemeEnd.upperBound...]
         if afterScheme.contains("#") {

@@ -68,7 +68,8 @@ extension MessageSemantics {
                 case .failure(let error): return .failure(.badRequest(error))
                 case .success(let url):
                     guard url.scheme == scheme, url.authority == origin else {
-                        return .failure(.misdirected("the request names \(url.scheme)://\(url.authority), not this origin"))
+                        return .failure(
+                            .misdirected("the request names \(url.scheme)://\(url.authority), not this origin"))
                     }
                     target = url.pathAndQuery
                 }
@@ -146,7 +147,8 @@ extension MessageSemantics {
         } else {
             framing = .chunked
         }
-        var text = "HTTP/1.1 \(status) \(reason.flatMap { $0.isEmpty ? nil : $0 } ?? ProxyResponse.reasonPhrase(status))\r\n"
+        var text =
+            "HTTP/1.1 \(status) \(reason.flatMap { $0.isEmpty ? nil : $0 } ?? ProxyResponse.reasonPhrase(status))\r\n"
         for (name, value) in fields {
             let lowered = name.lowercased()
             if ["connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te", "trailer"]

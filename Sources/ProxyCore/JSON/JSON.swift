@@ -221,9 +221,13 @@ public enum JSON {
             }
             while true {
                 skipWhitespace()
-                guard index < bytes.count, bytes[index] == UInt8(ascii: "\"") else { throw error("expected a member name") }
+                guard index < bytes.count, bytes[index] == UInt8(ascii: "\"") else {
+                    throw error("expected a member name")
+                }
                 let key = try string()
-                guard seen.insert(key).inserted else { throw error("duplicate member \"\(ASCII.printable(key.utf8))\"") }
+                guard seen.insert(key).inserted else {
+                    throw error("duplicate member \"\(ASCII.printable(key.utf8))\"")
+                }
                 skipWhitespace()
                 guard index < bytes.count, bytes[index] == UInt8(ascii: ":") else { throw error("expected \":\"") }
                 index += 1
@@ -334,7 +338,8 @@ public enum JSON {
                 case UInt8(ascii: "u"):
                     let unit = try hex4()
                     if (0xD800..<0xDC00).contains(unit) {
-                        guard index + 1 < bytes.count, bytes[index] == UInt8(ascii: "\\"), bytes[index + 1] == UInt8(ascii: "u")
+                        guard index + 1 < bytes.count, bytes[index] == UInt8(ascii: "\\"),
+                            bytes[index + 1] == UInt8(ascii: "u")
                         else { throw error("lone surrogate") }
                         index += 2
                         let low = try hex4()

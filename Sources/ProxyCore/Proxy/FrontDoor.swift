@@ -106,7 +106,8 @@ public struct FrontDoor: Sendable {
             }
             if isLoop(url.authority) { return .respond(loopResponse(url.authority)) }
             if let origin = origins.match(scheme: "http", authority: url.authority) {
-                let checked = MessageSemantics.interceptedRequest(head, scheme: "http", origin: url.authority) { hasOwn in
+                let checked = MessageSemantics.interceptedRequest(head, scheme: "http", origin: url.authority) {
+                    hasOwn in
                     origin.clientAuthorization == .replace || !hasOwn
                 }
                 switch checked {
@@ -150,6 +151,8 @@ public struct FrontDoor: Sendable {
         let listenAddress = IPAddress.parse(boundAddress.host)
         let targetAddress = IPAddress.parse(target.host)
         if let targetAddress, targetAddress == listenAddress { return true }
+        // Connecting to 0.0.0.0 or :: reaches this machine on Linux.
+        if targetAddress == .v4(0) || targetAddress == .v6(0, 0) { return true }
         let listensEverywhere = listenAddress == .v4(0) || listenAddress == .v6(0, 0)
         if target.host == "localhost" { return listensEverywhere || (listenAddress?.isLoopback ?? false) }
         // Listening on every address: any loopback address of this machine reaches us.

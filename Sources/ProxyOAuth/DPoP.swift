@@ -1,0 +1,107 @@
+import Foundation
+import ProxyCore
+import ProxyTLS
+import Synchronization
+
+/// A DPoP key (RFC 9449): an ES256 (P-256) key kept beside the tokens, with its public JWK and thumbprint
+/// computed once.
+public final class DPoPKey: Sendable {
+    public let key: PrivateKey
+    /// RFC 7638 thumbprint: the `dpop_jkt` and the tokens' `cnf.jkt`.
+    public let thumbprint: String
+    /// base64url of the protected header `{"typ":"dpop+jwt","alg":"ES256","jwk":{...}}`, built once.
+    let encodedHeader: String
+
+    public init(_ key: PrivateKey) throws {
+        self.key = key
+        self.thumbprint = try key.thumbprint()
+        let jwk = JSON.serialize(.object(try key.publicJWK()))
+        self.encodedHeader = Base64.urlEncode(Array(#"{"typ":"dpop+jwt","alg":"ES256","jwk":\#(jwk)}"#.utf8))
+    }
+
+    /// The key file of a provider: `<state_dir>/keys/<provider>.dpop.pem`, 0600.
+    public static func path(stateDirectory: String, provider: String) -> String {
+        "\(stateDirectory)/keys/\(provider).dpop.pem"
+    }
+
+    /// Reads the provider's key; nil when there is none yet.
+    public static func load(stateDirectory: String, provider: String) throws -> DPoPKey? {
+        let file = path(stateDirectory: stateDirectory, provider: provider)
+        guard let pem = FileManager.default.contents(atPath: file) else { return nil }
+        return try DPoPKey(try PrivateKey.fromPEM(Array(pem)))
+    }
+
+    /// Makes a new key and stores it (0600, atomically), replacing any earlier one.
+    public static func create(stateDirectory: String, provider: String) throws -> DPoPKey {
+        let key = try PrivateKey.generateP256()
+        try SecureFile.makePrivateDirectory(stateDirectory)
+        try SecureFile.makePrivateDirectory(stateDirectory + "/keys")
+        try SecureFile.write(try key.pem(), to: path(stateDirectory: stateDirectory, provider: provider), mode: 0o600)
+        return try DPoPKey(key)
+    }
+
+    /// A DPoP proof JWT (RFC 9449 §4.2) for a request: `htm` and `htu` name it, `ath` binds an access token,
+    /// `nonce` is the server's latest. A fresh `jti` (96 random bits) each time.
+    public func proof(
+        method: String, url: String, accessToken: String? = nil, nonce: String? = nil, now: Int64
+    ) throws
+        -> String
+    {
+        var claims = #"{"jti":""# + Crypto.randomToken(bytes: 12) + #"","htm":"#
+        JSON.writeString(method, to: &claims)
+        claims += #","htu":"#
+        JSON.writeString(DPoPKey.htu(url), to: &claims)
+        claims += #","iat":"# + String(now)
+        if let accessToken {
+            // RFC 9449 §4.2: ath = base64url(SHA-256(ASCII(access token))).
+            claims += #","ath":""# + Base64.urlEncode(Crypto.sha256(accessToken)) + "\""
+        }
+        if let nonce {
+            claims += #","nonce":"#
+            JSON.writeString(nonce, to: &claims)
+        }
+        claims += "}"
+        let signingInput = encodedHeader + "." + Base64.urlEncode(Array(claims.utf8))
+        let signature = try key.signES256(Array(signingInput.utf8))
+        return signingInput + "." + Base64.urlEncode(signature)
+    }
+
+    /// `htu` (RFC 9449 §4.2, §4.3): the URI without query and fragment, scheme and host lower-case, the
+    /// default port left out.
+    public static func htu(_ url: String) -> String {
+        guard
+            case .success(let parsed) = AbsoluteURL.parse(
+                url.split(separator: "#", maxSplits: 1).first.map(String.init) ?? url)
+        else {
+            return String(url.split(separator: "?", maxSplits: 1).first ?? "")
+        }
+        let path =
+            parsed.pathAndQuery.split(separator: "?", maxSplits: 1, omittingEmptySubsequences: false).first.map(
+                String.init) ?? "/"
+        return "\(parsed.scheme)://\(parsed.hostFieldValue)\(path.isEmpty ? "/" : path)"
+    }
+}
+
+/// The latest DPoP nonce of each server (authorization server or resource origin), from the `DPoP-Nonce`
+/// field of every response, 200s included (RFC 9449 §8, §9).
+public final class DPoPNonces: Sendable {
+    private let nonces = Mutex<[String: String]>([:])
+
+    public init() {}
+
+    /// The nonce for the server of `url` (by origin).
+    public func nonce(for url: String) -> String? {
+        guard let key = Self.origin(url) else { return nil }
+        return nonces.withLock { $0[key] }
+    }
+
+    public func remember(_ nonce: String?, for url: String) {
+        guard let nonce, !nonce.isEmpty, let key = Self.origin(url) else { return }
+        nonces.withLock { $0[key] = nonce }
+    }
+
+    static func origin(_ url: String) -> String? {
+        guard case .success(let parsed) = AbsoluteURL.parse(url) else { return nil }
+        return "\(parsed.scheme)://\(parsed.authority)"
+    }
+}
