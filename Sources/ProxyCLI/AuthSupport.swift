@@ -80,6 +80,20 @@ struct AuthEnvironment {
         }
     }
 
+    /// The provider's DPoP key when `token_binding = dpop` and one exists, set on the client so that token
+    /// requests carry proofs.
+    func loadDPoPKey() throws {
+        guard provider.tokenBinding == .dpop else { return }
+        do {
+            if let key = try DPoPKey.load(stateDirectory: store.stateDirectory, provider: provider.name) {
+                let client = self.client
+                try runBlocking { await client.setDPoPKey(key) }
+            }
+        } catch {
+            throw CommandFailure(message: "cannot read the DPoP key: \(error)")
+        }
+    }
+
     func manager() -> TokenManager {
         TokenManager(provider: provider, store: store, client: client)
     }

@@ -27,6 +27,7 @@ enum LoginCommand {
             OptionSpec(
                 name: "scope", short: nil, valueName: "scope",
                 help: "A scope to ask for instead of the configured ones (repeatable).", repeatable: true),
+            .flag("new-key", help: "With token_binding = dpop: make a new DPoP key (tokens bound to the old one stop working)."),
         ],
         run: run
     )
@@ -58,10 +59,13 @@ enum LoginCommand {
         let useDeviceFlag = arguments.flag("device")
         let loginOptions = options
         let noBrowser = arguments.flag("no-browser")
+        let newKey = arguments.flag("new-key")
+        let stateDirectory = environment.store.stateDirectory
 
         let tokens: TokenSet
         do {
             tokens = try runBlocking {
+                try await prepareDPoP(provider, client: environment.client, stateDirectory: stateDirectory, newKey: newKey, console: console)
                 if useDeviceFlag { return try await flow.deviceLogin(options: loginOptions) }
                 var browserReason = launcher.unavailableReason(noBrowserFlag: noBrowser)
                 if let reason = browserReason {
@@ -102,6 +106,43 @@ enum LoginCommand {
                         ? "; proxyctl refreshes it as needed." : "; there is no refresh token, so sign in again then."))
         }
         return ExitCode.success
+    }
+}
+
+/// RFC 9449 for `token_binding = dpop`: when the provider supports ES256 proofs, load (or make) the key and
+/// let the client sign with it; otherwise fail (dpop_required) or fall back to Bearer with a warning.
+func prepareDPoP(
+    _ provider: ProviderConfig, client: ProviderClient, stateDirectory: String, newKey: Bool, console: StderrConsole
+) async throws {
+    guard provider.tokenBinding == .dpop else {
+        if newKey { console.say("Note: --new-key only matters with token_binding = dpop.") }
+        return
+    }
+    let metadata = try await client.discover()
+    guard metadata.dpopSigningAlgorithms?.contains("ES256") == true else {
+        let offered = metadata.dpopSigningAlgorithms.map { $0.isEmpty ? "none" : $0.joined(separator: ", ") } ?? "none advertised"
+        if provider.dpopRequired {
+            throw AuthError.configuration(
+                reason:
+                    "[provider \(provider.name)] has token_binding = dpop and dpop_required = true, but the provider does not offer DPoP with ES256 (dpop_signing_alg_values_supported: \(offered))"
+            )
+        }
+        console.say("Warning: the provider does not offer DPoP with ES256 (\(offered)); signing in with Bearer tokens instead.")
+        return
+    }
+    do {
+        let key: DPoPKey
+        if !newKey, let existing = try DPoPKey.load(stateDirectory: stateDirectory, provider: provider.name) {
+            key = existing
+        } else {
+            key = try DPoPKey.create(stateDirectory: stateDirectory, provider: provider.name)
+            console.say("Made a new DPoP key (thumbprint \(key.thumbprint)).")
+        }
+        await client.setDPoPKey(key)
+    } catch let error as AuthError {
+        throw error
+    } catch {
+        throw AuthError.configuration(reason: "cannot prepare the DPoP key: \(error)")
     }
 }
 

@@ -84,12 +84,25 @@ enum ServeCommand {
                 resolve: configuration.proxy.resolve)
             let store = TokenStore(stateDirectory: stateDirectory)
             var managers: [String: TokenManager] = [:]
+            var keys: [String: DPoPKey] = [:]
             for provider in configuration.providers
             where configuration.origins.origins.contains(where: { $0.provider == provider.name }) {
-                managers[provider.name] = TokenManager(
-                    provider: provider, store: store, client: ProviderClient(config: provider, transport: transport))
+                let client = ProviderClient(config: provider, transport: transport)
+                if provider.tokenBinding == .dpop {
+                    do {
+                        if let key = try DPoPKey.load(stateDirectory: stateDirectory, provider: provider.name) {
+                            keys[provider.name] = key
+                            try runBlocking { await client.setDPoPKey(key) }
+                        }
+                    } catch {
+                        throw CommandFailure(message: "cannot read the DPoP key of \(provider.name): \(error)")
+                    }
+                }
+                managers[provider.name] = TokenManager(provider: provider, store: store, client: client)
             }
-            interception = Interception(ca: ca, managers: managers, spoolDirectory: stateDirectory + "/spool")
+            interception = Interception(
+                ca: ca, managers: managers, spoolDirectory: stateDirectory + "/spool", dpopKeys: keys,
+                stateDirectory: stateDirectory)
         }
         let server: ProxyServer
         do {

@@ -86,6 +86,11 @@ enum StatusCommand {
             }
             text.append("  token type:    \(tokens.tokenType)")
             object["token_type"] = .string(tokens.tokenType)
+            if let thumbprint = tokens.dpopThumbprint {
+                // RFC 7638 thumbprint of the key the tokens are bound to.
+                text.append("  DPoP key:      \(thumbprint)")
+                object["dpop_jkt"] = .string(thumbprint)
+            }
             if let expiresAt = tokens.expiresAt {
                 let state = tokens.isExpired(at: now) ? "expired" : "valid until"
                 text.append("  access token:  \(state) \(HumanTime.describe(expiresAt, now: now))")
@@ -133,6 +138,7 @@ enum TokenCommand {
     static func run(_ arguments: ParsedArguments, _ context: CommandContext) throws -> Int32 {
         let environment = try AuthEnvironment.load(arguments, context, command: "token")
         defer { environment.loopThread.stop() }
+        try environment.loadDPoPKey()
         let manager = environment.manager()
         let tokens: TokenSet
         do {
@@ -143,6 +149,9 @@ enum TokenCommand {
         context.err(
             "proxyctl: printing the \(environment.provider.name) access token; it is a secret, and a program handed it may log it"
         )
+        if tokens.tokenType == "DPoP" {
+            context.err("proxyctl: this is a DPoP-bound token: it is accepted only with a proof signed by proxyctl's key")
+        }
         context.out(tokens.accessToken)
         return ExitCode.success
     }
@@ -160,6 +169,7 @@ enum LogoutCommand {
     static func run(_ arguments: ParsedArguments, _ context: CommandContext) throws -> Int32 {
         let environment = try AuthEnvironment.load(arguments, context, command: "logout")
         defer { environment.loopThread.stop() }
+        try environment.loadDPoPKey()
         let name = environment.provider.name
         guard let tokens = try? environment.store.load(name) else {
             context.err("Not signed in to \(name); nothing to do.")

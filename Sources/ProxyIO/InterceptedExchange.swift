@@ -162,7 +162,9 @@ final class InterceptedExchange {
             send(tokens: nil)
             return
         }
-        var exchange = AuthExchange(origin: origin.url, provider: origin.provider, replayable: body.replayable)
+        var exchange = AuthExchange(
+            origin: origin.url, provider: origin.provider, replayable: body.replayable,
+            knownNonce: server.resourceNonces.nonce(for: origin.url))
         let first = exchange.start()
         machine = exchange
         perform(first)
@@ -182,12 +184,8 @@ final class InterceptedExchange {
                     handle(.tokensFailed(error.tokenFailure))
                 }
             }
-        case .send(let generation, _):
-            if let tokens, tokens.generation != generation {
-                // The machine only ever names the generation it was given last.
-                server.logger.debug("conn=\(owner.connectionID) sending with generation \(tokens.generation)")
-            }
-            send(tokens: tokens)
+        case .send(_, let nonce):
+            send(tokens: tokens, nonce: nonce)
         case .refresh(let generation):
             refreshed = true
             server.tokens.refresh(origin.provider, replacing: generation) { [self] result in
@@ -215,7 +213,7 @@ final class InterceptedExchange {
 
     // MARK: - Upstream
 
-    private func send(tokens: TokenSet?) {
+    private func send(tokens: TokenSet?, nonce: String? = nil) {
         guard !finished else { return }
         attempts += 1
         status = 0
@@ -230,6 +228,27 @@ final class InterceptedExchange {
         var headers = request.upstreamFields
         if let tokens {
             headers.append(("Authorization", "\(tokens.tokenType) \(tokens.accessToken)"))
+            if tokens.tokenType == "DPoP" {
+                // RFC 9449 §7: a fresh proof for every request, replays included, bound to the token (ath).
+                guard let key = server.dpopKey(for: origin.provider, thumbprint: tokens.dpopThumbprint) else {
+                    return fail(
+                        ProxyResponse(
+                            status: 401,
+                            proxyStatus: ProxyStatus(error: .httpRequestDenied, details: "sign-in needed: run proxyctl login \(origin.provider)"),
+                            message: "proxyctl: the DPoP key for \(origin.provider) is missing; run: proxyctl login \(origin.provider)"))
+                }
+                do {
+                    let proof = try key.proof(
+                        method: request.method, url: origin.url + request.target, accessToken: tokens.accessToken,
+                        nonce: nonce, now: Int64(time(nil)))
+                    headers.append(("DPoP", proof))
+                } catch {
+                    return fail(
+                        ProxyResponse(
+                            status: 500, proxyStatus: ProxyStatus(error: .proxyInternalError, details: "cannot sign a DPoP proof"),
+                            message: "proxyctl: cannot sign a DPoP proof: \(error)", close: true))
+                }
+            }
         }
         // libcurl adds fields of its own unless told not to: keep the request as the client made it.
         headers.append(("Expect", ""))
@@ -316,6 +335,7 @@ final class InterceptedExchange {
         let challenges = ChallengeParser.parse(
             fields.filter { $0.name.lowercased() == "www-authenticate" }.map(\.value))
         let nonce = fields.last { $0.name.lowercased() == "dpop-nonce" }?.value
+        server.resourceNonces.remember(nonce, for: origin.url)
         let action = exchange.handle(.response(status: status, challenges: challenges, dpopNonce: nonce))
         machine = exchange
         switch action {

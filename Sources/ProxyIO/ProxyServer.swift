@@ -24,11 +24,20 @@ public struct Interception: Sendable {
     public var ca: LocalCA?
     public var managers: [String: TokenManager]
     public var spoolDirectory: String
+    /// DPoP keys of the providers with `token_binding = dpop`, for proofs on resource requests.
+    public var dpopKeys: [String: DPoPKey]
+    /// Where keys are looked up again when they change.
+    public var stateDirectory: String?
 
-    public init(ca: LocalCA?, managers: [String: TokenManager], spoolDirectory: String) {
+    public init(
+        ca: LocalCA?, managers: [String: TokenManager], spoolDirectory: String, dpopKeys: [String: DPoPKey] = [:],
+        stateDirectory: String? = nil
+    ) {
         self.ca = ca
         self.managers = managers
         self.spoolDirectory = spoolDirectory
+        self.dpopKeys = dpopKeys
+        self.stateDirectory = stateDirectory
     }
 }
 
@@ -54,6 +63,21 @@ public final class ProxyServer {
     /// TLS contexts with leaves from the local CA; nil without protected https origins.
     private(set) var tlsContexts: TLSServerContexts?
     private(set) var spoolDirectory: String
+    /// DPoP keys by provider.
+    private var dpopKeys: [String: DPoPKey]
+    private let stateDirectory: String?
+
+    /// The DPoP key that tokens with `thumbprint` are bound to: the one loaded at start, or the provider's
+    /// current key file when `proxyctl login --new-key` replaced it since.
+    func dpopKey(for provider: String, thumbprint: String?) -> DPoPKey? {
+        if let key = dpopKeys[provider], thumbprint == nil || key.thumbprint == thumbprint { return key }
+        guard let stateDirectory, let key = try? DPoPKey.load(stateDirectory: stateDirectory, provider: provider)
+        else { return nil }
+        dpopKeys[provider] = key
+        return thumbprint == nil || key.thumbprint == thumbprint ? key : nil
+    }
+    /// The latest DPoP nonce of each protected origin, from every response (RFC 9449 §9).
+    let resourceNonces = DPoPNonces()
     private var nextID: UInt64 = 0
     private(set) var draining = false
     private var listenerPaused = false
@@ -79,6 +103,8 @@ public final class ProxyServer {
         self.tokens = TokenBroker(loop: loop, managers: interception?.managers ?? [:])
         self.tlsContexts = try interception?.ca.map { try TLSServerContexts(ca: $0) }
         self.spoolDirectory = interception?.spoolDirectory ?? NSTemporaryDirectory()
+        self.dpopKeys = interception?.dpopKeys ?? [:]
+        self.stateDirectory = interception?.stateDirectory
     }
 
     deinit {

@@ -74,6 +74,14 @@ public actor TokenManager {
             remember(onDisk)
             if onDisk.generation > generation && onDisk.isFresh(at: clock()) { return onDisk }
             if let bound = onDisk.dpopThumbprint, await client.dpopKey?.thumbprint != bound {
+                // `proxyctl login --new-key` may have made a new key since this process started.
+                if let key = try? DPoPKey.load(stateDirectory: store.stateDirectory, provider: provider.name),
+                    key.thumbprint == bound
+                {
+                    await client.setDPoPKey(key)
+                }
+            }
+            if let bound = onDisk.dpopThumbprint, await client.dpopKey?.thumbprint != bound {
                 throw AuthError.reauthenticate(
                     reason:
                         "the tokens for \(provider.name) are bound to a DPoP key that is no longer there; run: proxyctl login \(provider.name)"
