@@ -1,0 +1,89 @@
+import Foundation
+import ProxyCore
+import Testing
+
+@testable import ProxyOAuth
+@testable import ProxyTLS
+
+@Suite struct DPoPTests {
+    /// RFC 7638 §3.1 gives an RSA example; the EC members are hashed the same way. This checks our
+    /// thumbprint against one computed independently (Python: sha256 of the canonical JSON, see below).
+    @Test func thumbprintMatchesTheRFC7638Construction() throws {
+        let key = try PrivateKey.generateP256()
+        let jwk = try key.publicJWK()
+        let canonical = #"{"crv":"P-256","kty":"EC","x":"\#(jwk["x"]!.string!)","y":"\#(jwk["y"]!.string!)"}"#
+        #expect(try key.thumbprint() == Base64.urlEncode(Crypto.sha256(canonical)))
+    }
+
+    /// RFC 7638 §3.1's own example (an RSA key): the canonical JSON and its SHA-256 thumbprint.
+    @Test func rfc7638ExampleThumbprint() {
+        let n =
+            "0vx7agoebGcQSuuPiLJXZptN9nndrQmbXEps2aiAFbWhM78LhWx4cbbfAAtVT86zwu1RK7aPFFxuhDR1L6tSoc_BJECPebWKRXjBZCiFV4n3oknjhMstn64tZ_2W-5JsGY4Hc5n9yBXArwl93lqt7_RN5w6Cf0h4QyQ5v-65YGjQR0_FDW2QvzqY368QQMicAtaSqzs8KJZgnYb9c7d0zgdAZHzu6qMQvRL5hajrn1n91CbOpbISD08qNLyrdkt-bFTWhAI4vMQFh6WeZu0fM4lFd2NcRwr3XPksINHaQ-G_xBniIqbw0Ls1jF44-csFCur-kEgU8awapJzKnqDKgw"
+        let canonical = #"{"e":"AQAB","kty":"RSA","n":"\#(n)"}"#
+        #expect(Base64.urlEncode(Crypto.sha256(canonical)) == "NzbLsXh8uDCcd-6MNwXF4W_7noWXFZAfHkxZsRGC9Xs")
+    }
+
+    @Test(arguments: [
+        ("https://api.example.com/v1/items?page=2#top", "https://api.example.com/v1/items"),
+        ("https://API.Example.com:443/x", "https://api.example.com/x"),
+        ("http://api.example.com:80/x?y", "http://api.example.com/x"),
+        ("https://api.example.com:8443/x", "https://api.example.com:8443/x"),
+        ("http://127.0.0.1:5556/api/oidc/token", "http://127.0.0.1:5556/api/oidc/token"),
+        ("https://[::1]:8443/a?b", "https://[::1]:8443/a"),
+        ("https://api.example.com", "https://api.example.com/"),
+        ("https://api.example.com?q=1", "https://api.example.com/"),
+    ])
+    func htuDropsQueryFragmentAndDefaultPort(url: String, expected: String) {
+        #expect(DPoPKey.htu(url) == expected)
+    }
+
+    @Test func proofHasTheRFC9449Shape() throws {
+        let key = try DPoPKey(try PrivateKey.generateP256())
+        let proof = try key.proof(
+            method: "POST", url: "https://api.example.com/v1?x=1", accessToken: "token-value", nonce: "n\"1",
+            now: 1_800_000_000)
+        let jwt = try JWT.parse(proof).get()
+        #expect(jwt.header["typ"]?.string == "dpop+jwt")
+        #expect(jwt.header["alg"]?.string == "ES256")
+        let jwk = try #require(jwt.header["jwk"]?.object)
+        #expect(Set(jwk.keys) == ["crv", "kty", "x", "y"])  // public members only
+        #expect(jwt.claims["htm"]?.string == "POST")
+        #expect(jwt.claims["htu"]?.string == "https://api.example.com/v1")
+        #expect(jwt.claims["iat"]?.int == 1_800_000_000)
+        #expect(jwt.claims["nonce"]?.string == "n\"1")
+        #expect(jwt.claims["ath"]?.string == Base64.urlEncode(Crypto.sha256("token-value")))
+        let jti = try #require(jwt.claims["jti"]?.string)
+        #expect(Base64.decode(jti)?.count == 12)  // 96 random bits
+        #expect(jwt.signature.count == 64)  // raw r||s
+        let verifier = try CryptoKey.publicKey(jwk: jwk)
+        #expect(verifier.verify(.es256, signature: jwt.signature, signingInput: jwt.signingInput))
+    }
+
+    @Test func proofsAreUnique() throws {
+        let key = try DPoPKey(try PrivateKey.generateP256())
+        let proofs = try (0..<200).map { _ in try key.proof(method: "GET", url: "https://a.test/", now: 1) }
+        let jtis = try proofs.map { try JWT.parse($0).get().claims["jti"]!.string! }
+        #expect(Set(jtis).count == 200)
+    }
+
+    @Test func nonceCacheIsPerOrigin() {
+        let nonces = DPoPNonces()
+        nonces.remember("a", for: "https://as.test/token")
+        nonces.remember("b", for: "https://rs.test:8443/x")
+        nonces.remember(nil, for: "https://as.test/other")
+        #expect(nonces.nonce(for: "https://as.test/authorize") == "a")
+        #expect(nonces.nonce(for: "https://rs.test:8443/y") == "b")
+        #expect(nonces.nonce(for: "https://rs.test/y") == nil)
+    }
+
+    @Test func keyFileIsPrivateAndReloads() throws {
+        let directory = NSTemporaryDirectory() + "dpop-\(UUID().uuidString)"
+        let key = try DPoPKey.create(stateDirectory: directory, provider: "corp")
+        var info = stat()
+        #expect(stat(DPoPKey.path(stateDirectory: directory, provider: "corp"), &info) == 0)
+        #expect(info.st_mode & 0o777 == 0o600)
+        let loaded = try #require(try DPoPKey.load(stateDirectory: directory, provider: "corp"))
+        #expect(loaded.thumbprint == key.thumbprint)
+        #expect(try DPoPKey.load(stateDirectory: directory, provider: "other") == nil)
+    }
+}
