@@ -219,6 +219,7 @@ enum HumanTime {
         } else {
             text = "\(magnitude / 86400) d"
         }
+        if magnitude < 2 { return "now" }
         return seconds >= 0 ? "in \(text)" : "\(text) ago"
     }
 }

@@ -27,7 +27,9 @@ enum LoginCommand {
             OptionSpec(
                 name: "scope", short: nil, valueName: "scope",
                 help: "A scope to ask for instead of the configured ones (repeatable).", repeatable: true),
-            .flag("new-key", help: "With token_binding = dpop: make a new DPoP key (tokens bound to the old one stop working)."),
+            .flag(
+                "new-key",
+                help: "With token_binding = dpop: make a new DPoP key (tokens bound to the old one stop working)."),
         ],
         run: run
     )
@@ -51,21 +53,33 @@ enum LoginCommand {
         }
         let environment = try AuthEnvironment.load(arguments, context, command: "login")
         defer { environment.loopThread.stop() }
+        _ = try signIn(
+            environment, options: options, device: arguments.flag("device"), noBrowser: arguments.flag("no-browser"),
+            newKey: arguments.flag("new-key"), context: context)
+        return ExitCode.success
+    }
+
+    /// Signs in (browser or device flow, DPoP when configured), stores the tokens, reports who signed in, and
+    /// clears the pending step-ups this sign-in satisfies.
+    static func signIn(
+        _ environment: AuthEnvironment, options: LoginOptions, device: Bool, noBrowser: Bool, newKey: Bool,
+        context: CommandContext
+    ) throws -> TokenSet {
         let console = StderrConsole(context: context)
         let flow = LoginFlow(client: environment.client, store: environment.store, console: console)
         let launcher = BrowserLauncher(environment: context.environment, interactive: context.isInteractive)
         let provider = environment.provider
         let interactive = context.isInteractive
-        let useDeviceFlag = arguments.flag("device")
+        let useDeviceFlag = device
         let loginOptions = options
-        let noBrowser = arguments.flag("no-browser")
-        let newKey = arguments.flag("new-key")
         let stateDirectory = environment.store.stateDirectory
 
         let tokens: TokenSet
         do {
             tokens = try runBlocking {
-                try await prepareDPoP(provider, client: environment.client, stateDirectory: stateDirectory, newKey: newKey, console: console)
+                try await prepareDPoP(
+                    provider, client: environment.client, stateDirectory: stateDirectory, newKey: newKey,
+                    console: console)
                 if useDeviceFlag { return try await flow.deviceLogin(options: loginOptions) }
                 var browserReason = launcher.unavailableReason(noBrowserFlag: noBrowser)
                 if let reason = browserReason {
@@ -105,7 +119,18 @@ enum LoginCommand {
                     + (tokens.refreshToken != nil
                         ? "; proxyctl refreshes it as needed." : "; there is no refresh token, so sign in again then."))
         }
-        return ExitCode.success
+        // A fresh sign-in satisfies max_age; acr_values only when asked for (RFC 9470 §4).
+        let steps = StepUpStore(stateDirectory: stateDirectory)
+        let origins = Set(environment.configuration.origins.origins.filter { $0.provider == provider.name }.map(\.url))
+        let satisfied = steps.load().filter { pending in
+            origins.contains(pending.origin)
+                && (pending.acrValues == nil || pending.acrValues == (options.acrValues ?? provider.acrValues))
+        }
+        if !satisfied.isEmpty {
+            try? steps.clear(origins: Set(satisfied.map(\.origin)))
+            context.err("Step-up satisfied for: \(satisfied.map(\.origin).joined(separator: ", ")); retry the request.")
+        }
+        return tokens
     }
 }
 
@@ -120,14 +145,16 @@ func prepareDPoP(
     }
     let metadata = try await client.discover()
     guard metadata.dpopSigningAlgorithms?.contains("ES256") == true else {
-        let offered = metadata.dpopSigningAlgorithms.map { $0.isEmpty ? "none" : $0.joined(separator: ", ") } ?? "none advertised"
+        let offered =
+            metadata.dpopSigningAlgorithms.map { $0.isEmpty ? "none" : $0.joined(separator: ", ") } ?? "none advertised"
         if provider.dpopRequired {
             throw AuthError.configuration(
                 reason:
                     "[provider \(provider.name)] has token_binding = dpop and dpop_required = true, but the provider does not offer DPoP with ES256 (dpop_signing_alg_values_supported: \(offered))"
             )
         }
-        console.say("Warning: the provider does not offer DPoP with ES256 (\(offered)); signing in with Bearer tokens instead.")
+        console.say(
+            "Warning: the provider does not offer DPoP with ES256 (\(offered)); signing in with Bearer tokens instead.")
         return
     }
     do {

@@ -21,6 +21,7 @@ public enum ProxyctlCommand {
             LogoutCommand.spec,
             StatusCommand.spec,
             TokenCommand.spec,
+            StepUpCommand.spec,
             CACommand.spec,
             EnvCommand.spec,
             CommandSpec(

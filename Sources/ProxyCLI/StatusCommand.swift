@@ -113,8 +113,35 @@ enum StatusCommand {
             if !usable { text.append("  next step:     proxyctl login \(provider.name)") }
             reports.append(.object(object))
         }
+        let stepUps = StepUpStore(stateDirectory: stateDirectory).load().filter { pending in
+            providers.contains { $0.name == pending.provider }
+        }
+        if !stepUps.isEmpty {
+            text.append("")
+            text.append("Pending step-ups (an origin asked for a stronger sign-in):")
+            for pending in stepUps {
+                var wanted: [String] = []
+                if let acr = pending.acrValues { wanted.append("acr_values \(acr)") }
+                if let maxAge = pending.maxAge { wanted.append("max_age \(maxAge)") }
+                text.append(
+                    "  \(pending.origin)\(wanted.isEmpty ? "" : " (\(wanted.joined(separator: ", ")))"), \(HumanTime.describe(pending.at, now: now)): run \(pending.command)"
+                )
+            }
+        }
         if arguments.flag("json") {
-            context.out(JSON.serialize(.object(JSONObject([("providers", .array(reports))]))))
+            var document = JSONObject([("providers", .array(reports))])
+            document["pending_step_ups"] = .array(
+                stepUps.map { pending in
+                    var object = JSONObject([
+                        ("origin", .string(pending.origin)), ("provider", .string(pending.provider)),
+                    ])
+                    if let acr = pending.acrValues { object["acr_values"] = .string(acr) }
+                    if let maxAge = pending.maxAge { object["max_age"] = .int(Int64(maxAge)) }
+                    object["at"] = .int(pending.at)
+                    object["command"] = .string(pending.command)
+                    return .object(object)
+                })
+            context.out(JSON.serialize(.object(document)))
         } else {
             context.out(text.joined(separator: "\n"))
         }
@@ -150,7 +177,8 @@ enum TokenCommand {
             "proxyctl: printing the \(environment.provider.name) access token; it is a secret, and a program handed it may log it"
         )
         if tokens.tokenType == "DPoP" {
-            context.err("proxyctl: this is a DPoP-bound token: it is accepted only with a proof signed by proxyctl's key")
+            context.err(
+                "proxyctl: this is a DPoP-bound token: it is accepted only with a proof signed by proxyctl's key")
         }
         context.out(tokens.accessToken)
         return ExitCode.success

@@ -200,6 +200,9 @@ final class InterceptedExchange {
         case .deliver(let proxyStatus):
             deliverHead(proxyStatus: proxyStatus)
         case .respond(let response):
+            if response.status == 401 {
+                server.signInNeeded(provider: origin.provider, origin: origin.url, reason: response.message)
+            }
             fail(response)
         }
     }
@@ -234,8 +237,12 @@ final class InterceptedExchange {
                     return fail(
                         ProxyResponse(
                             status: 401,
-                            proxyStatus: ProxyStatus(error: .httpRequestDenied, details: "sign-in needed: run proxyctl login \(origin.provider)"),
-                            message: "proxyctl: the DPoP key for \(origin.provider) is missing; run: proxyctl login \(origin.provider)"))
+                            proxyStatus: ProxyStatus(
+                                error: .httpRequestDenied,
+                                details: "sign-in needed: run proxyctl login \(origin.provider)"),
+                            message:
+                                "proxyctl: the DPoP key for \(origin.provider) is missing; run: proxyctl login \(origin.provider)"
+                        ))
                 }
                 do {
                     let proof = try key.proof(
@@ -245,7 +252,8 @@ final class InterceptedExchange {
                 } catch {
                     return fail(
                         ProxyResponse(
-                            status: 500, proxyStatus: ProxyStatus(error: .proxyInternalError, details: "cannot sign a DPoP proof"),
+                            status: 500,
+                            proxyStatus: ProxyStatus(error: .proxyInternalError, details: "cannot sign a DPoP proof"),
                             message: "proxyctl: cannot sign a DPoP proof: \(error)", close: true))
                 }
             }
@@ -340,6 +348,7 @@ final class InterceptedExchange {
         machine = exchange
         switch action {
         case .deliver(let proxyStatus):
+            if let challenge = exchange.stepUp { server.stepUpRequired(origin: origin, challenge: challenge) }
             deliverHead(proxyStatus: proxyStatus)
         case .send, .refresh:
             // Retried once this transfer has ended; its body is not the client's business.

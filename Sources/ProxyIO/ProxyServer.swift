@@ -198,6 +198,76 @@ public final class ProxyServer {
 
     private var acceptRetryTimer: LoopTimer?
 
+    // MARK: - Telling the user
+
+    /// Challenges already announced (origin, acr_values, max_age), so each is logged and notified once.
+    private var announcedStepUps: Set<String> = []
+    private var lastSignInNotice: [String: Int64] = [:]
+
+    /// A protected origin asked for a stronger sign-in (RFC 9470): record it for `proxyctl step-up` and
+    /// `proxyctl status`, log it once, and run `notify_command`.
+    func stepUpRequired(origin: OriginConfig, challenge: Challenge) {
+        let pending = PendingStepUp(
+            origin: origin.url, provider: origin.provider, acrValues: challenge["acr_values"],
+            maxAge: challenge["max_age"].flatMap { Int($0) }, at: Int64(time(nil)))
+        let key = "\(pending.origin)|\(pending.acrValues ?? "")|\(pending.maxAge.map(String.init) ?? "")"
+        guard announcedStepUps.insert(key).inserted else { return }
+        var wanted: [String] = []
+        if let acr = pending.acrValues { wanted.append("acr_values \(acr)") }
+        if let maxAge = pending.maxAge { wanted.append("max_age \(maxAge)") }
+        let message =
+            "\(origin.url) requires a stronger sign-in\(wanted.isEmpty ? "" : " (\(wanted.joined(separator: ", ")))"); run: \(pending.command)"
+        logger.warn("step-up: \(message)")
+        if let stateDirectory {
+            do {
+                try StepUpStore(stateDirectory: stateDirectory).record(pending)
+            } catch {
+                logger.error("cannot record the step-up challenge: \(error)")
+            }
+        }
+        notify(
+            event: "step_up", provider: origin.provider, origin: origin.url, command: pending.command, message: message)
+    }
+
+    /// Tokens for `provider` cannot be had without the user: say so (at most once a minute per provider).
+    func signInNeeded(provider: String, origin: String, reason: String) {
+        let now = Int64(time(nil))
+        if let last = lastSignInNotice[provider], now - last < 60 { return }
+        lastSignInNotice[provider] = now
+        let message = "\(reason) (requests to \(origin) get 401 until then)"
+        logger.warn("sign-in needed: \(message)")
+        notify(
+            event: "sign_in", provider: provider, origin: origin, command: "proxyctl login \(provider)",
+            message: message)
+    }
+
+    /// Runs `notify_command` with the message as its last argument and the details in the environment. No
+    /// shell is involved; the proxy does not wait for it.
+    private func notify(event: String, provider: String, origin: String, command: String, message: String) {
+        guard let words = settings.notifyCommand, let first = words.first else { return }
+        let process = Process()
+        if first.contains("/") {
+            process.executableURL = URL(fileURLWithPath: first)
+            process.arguments = Array(words.dropFirst()) + [message]
+        } else {
+            process.executableURL = URL(fileURLWithPath: "/usr/bin/env")
+            process.arguments = words + [message]
+        }
+        var environment = ProcessInfo.processInfo.environment
+        environment["PROXYCTL_EVENT"] = event
+        environment["PROXYCTL_PROVIDER"] = provider
+        environment["PROXYCTL_ORIGIN"] = origin
+        environment["PROXYCTL_COMMAND"] = command
+        environment["PROXYCTL_MESSAGE"] = message
+        process.environment = environment
+        process.standardInput = FileHandle.nullDevice
+        do {
+            try process.run()
+        } catch {
+            logger.warn("notify_command \(first) could not be run: \(error)")
+        }
+    }
+
     /// Tracks a connection made by another one (an intercepted tunnel takes over a client connection).
     func adopt(_ connection: any ServerConnection) {
         connections[ObjectIdentifier(connection)] = connection

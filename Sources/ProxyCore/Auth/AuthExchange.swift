@@ -61,6 +61,8 @@ public struct AuthExchange: Sendable {
     private(set) var state = State.idle
     private(set) var nonceRetried = false
     private(set) var refreshed = false
+    /// The step-up challenge that was passed on to the client, if any (for recording it).
+    public private(set) var stepUp: Challenge?
     private var generation: Int64 = 0
     private var nonce: String?
 
@@ -99,6 +101,7 @@ public struct AuthExchange: Sendable {
             // with a stronger method. Pass it on, say what to run.
             if let stepUp = challenges.first(where: { $0["error"] == "insufficient_user_authentication" }) {
                 state = .done
+                self.stepUp = stepUp
                 var wanted: [String] = []
                 if let acr = stepUp["acr_values"] { wanted.append("acr_values \(acr)") }
                 if let maxAge = stepUp["max_age"] { wanted.append("max_age \(maxAge)") }

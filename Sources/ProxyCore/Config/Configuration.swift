@@ -56,6 +56,9 @@ public struct ProxySettings: Sendable, Equatable {
     /// Host names answered without DNS (`resolve = api.test=127.0.0.1`), like curl's --resolve: for
     /// development setups and sidecars.
     public var resolve: [String: String] = [:]
+    /// A command run (without a shell, message as its last argument) when a step-up or a sign-in is needed,
+    /// e.g. `notify-send proxyctl`; nil runs nothing.
+    public var notifyCommand: [String]? = nil
     /// Where tokens, keys and the local CA live; nil means the platform default.
     public var stateDir: String? = nil
 
@@ -280,6 +283,9 @@ public struct ConfigParser: Sendable {
                     map[host.host] = String(parts[1])
                 }
                 settings.resolve = map
+            case "notify_command":
+                let words = entry.value.split(separator: " ").map(String.init)
+                settings.notifyCommand = words.isEmpty ? nil : words
             case "log_level":
                 guard let level = LogLevel(name: entry.value) else {
                     return fail("expected one of error, warn, info, debug, \(got())")
@@ -298,6 +304,7 @@ public struct ConfigParser: Sendable {
     public static let proxyKeys = [
         "listen", "upstream_proxy", "no_upstream_proxy", "proxy_auth_file", "connect_timeout", "idle_timeout",
         "keepalive_timeout", "header_timeout", "shutdown_grace", "max_request_line", "max_header_bytes",
-        "max_headers", "max_connections", "replay_memory", "replay_spool", "resolve", "log_level", "state_dir",
+        "max_headers", "max_connections", "replay_memory", "replay_spool", "resolve", "notify_command", "log_level",
+        "state_dir",
     ]
 }
