@@ -68,6 +68,7 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
             replay_memory = 2MiB
             replay_spool = 16MiB
             resolve = api.test=127.0.0.1, Git.Test.=::1
+            notify_command = notify-send  proxyctl
             log_level = debug
             state_dir = ~/state
             """
@@ -75,6 +76,7 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(proxy.replayMemory == 2 << 20)
         #expect(proxy.replaySpool == 16 << 20)
         #expect(proxy.resolve == ["api.test": "127.0.0.1", "git.test": "::1"])
+        #expect(proxy.notifyCommand == ["notify-send", "proxyctl"])
         #expect(proxy.listen == ListenAddress(host: "127.0.0.1", port: 3128, isIPv6: false))
         let upstream = try #require(proxy.upstreamProxy)
         #expect(upstream.address == HostPort(host: "proxy.corp.example", port: 3128, kind: .name))
@@ -92,7 +94,7 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(proxy.maxConnections == 100)
         #expect(proxy.logLevel == .debug)
         #expect(proxy.stateDir == "/home/ada/state")
-        #expect(ConfigParser.proxyKeys.count == 18)
+        #expect(ConfigParser.proxyKeys.count == 19)
         for key in ConfigParser.proxyKeys {
             #expect(text.contains("\n\(key) = "), "\(key) is not covered")
         }
