@@ -164,6 +164,11 @@ enum EnvCommand {
         let loader = ConfigLoader(environment: context.environment)
         let configuration = try loader.load(loader.locate(flag: arguments.value("config")))
         let listen = configuration.proxy.listen
+        if listen.port == 0 {
+            context.err(
+                "proxyctl env: listen in proxy.conf has port 0 (any free port); set a fixed port so tools can find the proxy"
+            )
+        }
         let host = listen.host == "0.0.0.0" ? "127.0.0.1" : (listen.host == "::" ? "::1" : listen.host)
         let proxyURL = listen.isIPv6 ? "http://[\(host)]:\(listen.port)" : "http://\(host):\(listen.port)"
         var variables: [(String, String)] = [
@@ -191,13 +196,18 @@ enum EnvCommand {
         }
         for note in notes { context.out("# \(note)") }
         for (name, value) in variables {
-            context.out(shell == "fish" ? "set -gx \(name) \(quote(value));" : "export \(name)=\(quote(value));")
+            context.out(
+                shell == "fish" ? "set -gx \(name) \(quote(value, fish: true));" : "export \(name)=\(quote(value));")
         }
         return ExitCode.success
     }
 
-    /// Single-quoted for both sh and fish.
-    static func quote(_ value: String) -> String {
-        "'" + value.replacingOccurrences(of: "'", with: #"'\''"#) + "'"
+    /// Single-quoted: sh ends the quote to escape one ('\''); fish escapes inside quotes (\' and \\).
+    static func quote(_ value: String, fish: Bool = false) -> String {
+        if fish {
+            return "'" + value.replacingOccurrences(of: "\\", with: "\\\\").replacingOccurrences(of: "'", with: "\\'")
+                + "'"
+        }
+        return "'" + value.replacingOccurrences(of: "'", with: #"'\''"#) + "'"
     }
 }

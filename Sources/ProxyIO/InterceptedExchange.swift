@@ -74,9 +74,15 @@ final class InterceptedExchange {
     }
 
     private var client: OpaquePointer? { owner.clientBufferevent }
+    private static let continueResponse = Array("HTTP/1.1 100 Continue\r\n\r\n".utf8)
 
     /// Starts the exchange: reads what body bytes are already there, and sends when it may.
     func start() {
+        if request.expectsContinue && !body.complete, let client {
+            // RFC 9110 §10.1.1: this proxy reads the body before going upstream, so it answers the
+            // expectation itself instead of leaving the client waiting.
+            Buffers.append(Self.continueResponse, to: bufferevent_get_output(client))
+        }
         pumpBody()
         beginIfReady()
     }
@@ -528,7 +534,7 @@ final class InterceptedExchange {
         let duration = EventLoop.monotonicMilliseconds() - started
         var line =
             "conn=\(owner.connectionID) client=\(owner.peer) \(request.method) \(origin.url)\(LogText.target(request.target)) status=\(deliveredStatus) up=\(bytesUp) down=\(bytesDown) duration=\(LogText.duration(duration)) intercepted=\(origin.provider)"
-        if machine == nil { line += " token=client" }
+        if begun && machine == nil { line += " token=client" }
         if attempts > 1 { line += " attempts=\(attempts)" }
         if refreshed { line += " refreshed=1" }
         if nonceRetried { line += " nonce_retry=1" }

@@ -92,7 +92,7 @@ extension AuthError {
         case .reauthenticate(let reason), .cancelled(let reason): .signInNeeded(reason: reason)
         case .stepUp(_, _, let reason): .signInNeeded(reason: reason)
         case .recoverable(let reason, let retryAfter): .unavailable(reason: reason, retryAfter: retryAfter)
-        case .configuration(let reason): .configuration(reason: reason)
+        case .configuration(let reason), .rejected(let reason): .configuration(reason: reason)
         }
     }
 }

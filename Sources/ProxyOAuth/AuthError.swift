@@ -11,6 +11,9 @@ public enum AuthError: Error, Sendable, Equatable, CustomStringConvertible {
     case configuration(reason: String)
     /// The user or the provider ended the sign-in (access_denied, timeout, Ctrl-C).
     case cancelled(reason: String)
+    /// The provider's answer failed validation (an ID token with a bad signature, the wrong audience, an
+    /// expiry in the past): nothing was stored.
+    case rejected(reason: String)
 
     public var description: String {
         switch self {
@@ -20,6 +23,7 @@ public enum AuthError: Error, Sendable, Equatable, CustomStringConvertible {
         case .stepUp(_, _, let reason): reason
         case .configuration(let reason): reason
         case .cancelled(let reason): reason
+        case .rejected(let reason): reason
         }
     }
 
@@ -31,6 +35,7 @@ public enum AuthError: Error, Sendable, Equatable, CustomStringConvertible {
         case .stepUp: "step_up"
         case .configuration: "configuration"
         case .cancelled: "cancelled"
+        case .rejected: "rejected"
         }
     }
 }

@@ -74,10 +74,10 @@ public struct IDTokenValidator: Sendable {
             throw invalid("was issued to another party (azp \(AuthText.clip(azp)))")
         }
         guard let expiry = claims["exp"]?.int else { throw invalid("has no exp") }
-        guard expiry + clockSkew > now else { throw invalid("has expired") }
+        guard expiry + clockSkew > now else { throw invalid("has already expired (is this machine's clock right?)") }
         guard let issuedAt = claims["iat"]?.int else { throw invalid("has no iat") }
         guard issuedAt <= now + clockSkew else {
-            throw invalid("was issued in the future (check this machine's clock)")
+            throw invalid("was issued in the future (is this machine's clock right?)")
         }
         if let nonce {
             guard claims["nonce"]?.string == nonce else { throw invalid("does not carry this sign-in's nonce") }
@@ -101,6 +101,6 @@ public struct IDTokenValidator: Sendable {
     }
 
     private func invalid(_ reason: String) -> AuthError {
-        .configuration(reason: "the provider's ID token \(reason); nothing was stored")
+        .rejected(reason: "the sign-in was refused: the provider's ID token \(reason); nothing was stored")
     }
 }

@@ -102,7 +102,7 @@ public enum JWSVerifier {
     ) -> Outcome {
         // "none" and HMAC algorithms are never accepted: a public client has no shared secret.
         guard let algorithm = JWSAlgorithm(rawValue: jwt.algorithm), allowed.contains(algorithm) else {
-            return .invalid("signed with \(AuthText.clip(jwt.algorithm, 20)), which is not accepted")
+            return .invalid("is signed with \(AuthText.clip(jwt.algorithm, 20)), which is not accepted")
         }
         let candidates = keys.candidates(algorithm: algorithm, kid: jwt.keyID)
         if candidates.isEmpty { return .unknownKey }
@@ -110,6 +110,6 @@ public enum JWSVerifier {
             guard let key = try? CryptoKey.publicKey(jwk: candidate.jwk) else { continue }
             if key.verify(algorithm, signature: jwt.signature, signingInput: jwt.signingInput) { return .valid }
         }
-        return .invalid("the signature does not verify with the provider's keys")
+        return .invalid("has a signature that does not verify with the provider's keys")
     }
 }

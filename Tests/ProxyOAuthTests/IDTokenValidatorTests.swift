@@ -37,7 +37,7 @@ private func refusal(
         return nil
     } catch let error as AuthError {
         // Nothing is stored from a token that fails a check; the user's registration or clock must change.
-        guard case .configuration(let reason) = error else {
+        guard case .rejected(let reason) = error else {
             Issue.record("unexpected category \(error.category)", sourceLocation: sourceLocation)
             return nil
         }
@@ -103,8 +103,8 @@ private func refusal(
 
     @Test func expiryAllowsSixtySecondsOfSkewAndNoMore() {
         #expect(throws: Never.self) { try validator().checkClaims(claims(["exp": .int(now - 59)])) }
-        #expect(refusal(claims(["exp": .int(now - 60)]))?.contains("has expired") == true)
-        #expect(refusal(claims(["exp": .int(now - 3600)]))?.contains("has expired") == true)
+        #expect(refusal(claims(["exp": .int(now - 60)]))?.contains("has already expired") == true)
+        #expect(refusal(claims(["exp": .int(now - 3600)]))?.contains("has already expired") == true)
         #expect(refusal(claims(["exp": nil]))?.contains("has no exp") == true)
         #expect(refusal(claims(["exp": "2000000000"])) != nil)
     }
@@ -194,7 +194,7 @@ private actor KeySource {
             _ = try await validator.validate(JWSFixtures.rs256) { refresh in await source.fetch(refresh: refresh) }
             Issue.record("a token signed with an unpublished key was accepted")
         } catch {
-            #expect(authError(error)?.category == "configuration")
+            #expect(authError(error)?.category == "rejected")
             #expect(authError(error)?.message.contains("kid rsa-1") == true)
         }
         #expect(await source.requests == [false, true])

@@ -328,7 +328,7 @@ private func authFailure<T>(
         .joined(separator: ".")
         let harness = try await Harness { _ in FakeProvider.tokens(access: "access-2", idToken: forged) }
         let error = await authFailure { try await harness.manager.currentTokens() }
-        #expect(error?.category == "configuration")
+        #expect(error?.category == "rejected")
         #expect(try harness.onDisk()?.accessToken == "access-1")
     }
 

@@ -14,12 +14,15 @@ public struct InterceptedRequest: Sendable, Equatable {
     public let clientAuthorization: Bool
     /// The client asked for a protocol upgrade (not supported on intercepted connections).
     public let upgrade: Bool
+    /// `Expect: 100-continue` with a body: the proxy, which keeps the body before sending it, answers 100.
+    public let expectsContinue: Bool
 
     public static func == (lhs: Self, rhs: Self) -> Bool {
         lhs.method == rhs.method && lhs.target == rhs.target && lhs.framing == rhs.framing
             && lhs.keepAlive == rhs.keepAlive && lhs.upstreamFields.map(\.name) == rhs.upstreamFields.map(\.name)
             && lhs.upstreamFields.map(\.value) == rhs.upstreamFields.map(\.value)
             && lhs.clientAuthorization == rhs.clientAuthorization && lhs.upgrade == rhs.upgrade
+            && lhs.expectsContinue == rhs.expectsContinue
     }
 }
 
@@ -117,7 +120,8 @@ extension MessageSemantics {
             InterceptedRequest(
                 method: head.method, target: target, framing: framing,
                 keepAlive: head.version == .http1_1 && !options.contains("close"), upstreamFields: fields,
-                clientAuthorization: clientAuthorization, upgrade: upgrade))
+                clientAuthorization: clientAuthorization, upgrade: upgrade,
+                expectsContinue: framing != .none && head.listElements(named: "expect").contains("100-continue")))
     }
 
     /// The response head to send the client for an upstream response (which libcurl already de-chunked, or

@@ -1,0 +1,1067 @@
+"""Protected origins end to end: real clients (curl, git, openssl, requests, httpx) set up only by what
+`proxyctl env` prints, a real provider (glewlwyd; the fault-injecting fake where an exact count or an outage
+is needed), real TLS (the proxy's local CA, the origins' own test CAs), and a resource server that checks
+every token with PyJWT against the provider's JWKS (resource_server.py).
+
+One glewlwyd, one resource server and one signed-in proxyctl serve are shared by the module; tests that need
+other settings start their own proxy on the same state directory, or their own workspace.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import http.server
+import ipaddress
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+
+import support
+from idp_fake import FakeIdP, Fault
+from idp_glewlwyd import Glewlwyd, free_port, glewlwyd_available
+from resource_server import ResourceServer, git_available, git_env, sign_leaf, write_pair
+from support import MiB, Proxy, Reader
+
+pytestmark = pytest.mark.skipif(not glewlwyd_available(), reason="glewlwyd is not installed (scripts/bootstrap test)")
+
+HERE = Path(__file__).resolve().parent
+BROWSER = f"{shlex.quote(sys.executable)} {shlex.quote(str(HERE / 'browser.py'))}"
+
+# Host names of the resource server, each a protected origin of the shared proxy (fake.test: of the fake's).
+API, REPLACE, SHORT, NOLOGIN, FAKE = "api.test", "replace.test", "short.test", "nologin.test", "fake.test"
+PLAIN = "plain.test"  # a non-protected HTTPS origin with its own CA
+SCOPES = "openid profile email"
+CONCURRENCY = 100
+
+
+# MARK: - Workspaces: a state directory, a proxy.conf, proxyctl commands and a proxy on a fixed port
+
+
+def jwt_claims(token: str) -> dict:
+    """The claims of a JWT, unverified (to name the token the proxy holds)."""
+    body = token.split(".")[1]
+    return json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+
+
+def parse_exports(text: str, shell: str = "sh") -> dict[str, str]:
+    """The variables of `proxyctl env` output, as a shell would set them; fails on any other line."""
+    pattern = (re.compile(r"export ([A-Za-z_][A-Za-z0-9_]*)=(.*);") if shell == "sh"
+               else re.compile(r"set -gx ([A-Za-z_][A-Za-z0-9_]*) (.*);"))
+    variables = {}
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        found = pattern.fullmatch(line)
+        assert found, f"a line a {shell} shell cannot take: {line!r}"
+        words = shlex.split(found.group(2))
+        assert len(words) == 1, line
+        variables[found.group(1)] = words[0]
+    return variables
+
+
+@dataclass
+class Http:
+    """A response as curl saw it."""
+    returncode: int
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+    stderr: str
+
+    def header(self, name: str) -> str | None:
+        for key, value in self.headers:
+            if key.lower() == name.lower():
+                return value
+        return None
+
+    def json(self) -> dict:
+        return json.loads(self.body)
+
+    def __str__(self) -> str:
+        return f"curl exit {self.returncode}, HTTP {self.status} {self.headers} {self.body[:300]!r} {self.stderr}"
+
+
+class Workspace:
+    """A private directory with a state_dir, a proxy.conf and the proxyctl commands run against it."""
+
+    def __init__(self, root: Path, sections: str, resolve: str, state: Path | None = None, **proxy_keys):
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.state = state or root / "state"
+        self.sections = sections
+        self.resolve = resolve
+        self.proxy_keys = proxy_keys
+        self.config_path = root / "proxy.conf"
+        self.port = 0
+        self.write_config(0)
+
+    def write_config(self, port: int) -> None:
+        self.port = port
+        head = support.config(listen=f"127.0.0.1:{port}", log_level="info", connect_timeout="5s",
+                              shutdown_grace="3s", state_dir=str(self.state), resolve=self.resolve,
+                              **self.proxy_keys)
+        self.config_path.write_text(head + "\n" + self.sections)
+
+    def cli(self, *args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+        home = self.root / "cli-home"
+        home.mkdir(exist_ok=True)
+        full = support.clean_env(HOME=str(home), XDG_CONFIG_HOME=str(home / "xdg"), **env)
+        full.pop("PROXYCTL_CONFIG", None)
+        if "BROWSER" not in env:
+            full.pop("BROWSER", None)
+        return subprocess.run([support.proxyctl_bin(), *args, "--config", str(self.config_path)],
+                              capture_output=True, text=True, timeout=timeout, env=full, cwd=self.root,
+                              stdin=subprocess.DEVNULL)
+
+    def ca_init(self) -> subprocess.CompletedProcess:
+        done = self.cli("ca", "init")
+        assert done.returncode == 0, done.stderr
+        return done
+
+    def login_glewlwyd(self, provider: str, idp: Glewlwyd) -> None:
+        done = self.cli("login", provider, BROWSER=BROWSER, PROXYCTL_TEST_BROWSER="glewlwyd",
+                        PROXYCTL_TEST_IDP_URL=idp.base_url, PROXYCTL_TEST_IDP_USER=idp.username,
+                        PROXYCTL_TEST_IDP_PASSWORD=idp.password, PROXYCTL_TEST_IDP_SCOPE=SCOPES)
+        assert done.returncode == 0, f"proxyctl login {provider}: {done.stderr[-2000:]}"
+
+    def login_fake(self, provider: str) -> None:
+        done = self.cli("login", provider, BROWSER=BROWSER, PROXYCTL_TEST_BROWSER="fake")
+        assert done.returncode == 0, f"proxyctl login {provider}: {done.stderr[-2000:]}"
+
+    def tokens(self, provider: str) -> dict:
+        return json.loads((self.state / "tokens" / f"{provider}.json").read_text())
+
+    def start_proxy(self, name: str = "proxy") -> Proxy:
+        """`proxyctl serve --config` listening where proxy.conf says: a port the kernel handed out (again if
+        someone took it in between), so that `proxyctl env` names the real address."""
+        last = None
+        for attempt in range(5):
+            self.write_config(free_port())
+            proxy = Proxy(self.root / f"{name}-{attempt}", None, listen=None, args=("--config", str(self.config_path)))
+            try:
+                return proxy.start()
+            except AssertionError as error:
+                last = error
+                if "in use" not in str(error).lower():
+                    raise
+        raise AssertionError(f"proxyctl did not start: {last}")
+
+    def env(self, shell: str = "sh") -> dict[str, str]:
+        done = self.cli("env", "--shell", shell)
+        assert done.returncode == 0, done.stderr
+        return parse_exports(done.stdout, shell)
+
+
+class Deployment:
+    """A workspace with its proxy running and its clients' environment taken from `proxyctl env`."""
+
+    def __init__(self, workspace: Workspace, proxy: Proxy):
+        self.ws = workspace
+        self.proxy = proxy
+        self.exports = workspace.env()
+        self.client_home = workspace.root / "client-home"
+        self.client_home.mkdir(exist_ok=True)
+
+    def client_env(self, **extra: str) -> dict[str, str]:
+        env = support.clean_env(HOME=str(self.client_home))
+        env.update(self.exports)
+        env.update(extra)
+        return env
+
+    def curl(self, url: str, *args: str, timeout: float = 120) -> Http:
+        """curl with only the environment `proxyctl env` set up: the proxy, the CA bundle."""
+        directory = self.ws.root / "curl"
+        directory.mkdir(exist_ok=True)
+        stamp = f"{threading.get_ident()}-{time.monotonic_ns()}"
+        heads, body = directory / f"{stamp}.head", directory / f"{stamp}.body"
+        done = subprocess.run(["curl", "-sS", "--suppress-connect-headers", "-D", str(heads), "-o", str(body),
+                               *args, url], capture_output=True, text=True, timeout=timeout, env=self.client_env())
+        status, headers = 0, []
+        if heads.exists():
+            blocks = [b for b in heads.read_bytes().decode("latin-1").split("\r\n\r\n") if b.strip()]
+            if blocks:
+                lines = blocks[-1].split("\r\n")
+                status = int(lines[0].split()[1])
+                headers = [(n.strip(), v.strip()) for n, _, v in (line.partition(":") for line in lines[1:])]
+            heads.unlink()
+        data = body.read_bytes() if body.exists() else b""
+        if body.exists():
+            body.unlink()
+        return Http(done.returncode, status, headers, data, done.stderr)
+
+    def curl_parallel(self, urls: list[str], timeout: float = 120) -> list[int]:
+        """All `urls` at once with curl --parallel (one tunnel each); their status codes.
+
+        Trust comes from the local CA's own file, not the bundle: curl 7.88 reads CURL_CA_BUNDLE again for
+        every connection (about 40 ms for the system roots), which would spread the transfers over seconds.
+        """
+        args = ["curl", "-sS", "--parallel", "--parallel-immediate", "--parallel-max", str(len(urls)),
+                "--cacert", self.exports["NODE_EXTRA_CA_CERTS"], "-w", "STATUS %{http_code}\\n"]
+        for url in urls:
+            args += [url, "-o", "/dev/null"]
+        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=self.client_env())
+        return [int(code) for code in re.findall(r"STATUS (\d+)", done.stdout)] + \
+            ([-done.returncode] if done.returncode else [])
+
+    def burst(self, authority: str, paths: list[str], timeout: float = 60) -> list[int | str]:
+        """One request per path, all sent at the same instant: every tunnel is opened and its TLS handshake done
+        first (Python's ssl, trusting SSL_CERT_FILE from `proxyctl env`), then a barrier releases the requests.
+        The status codes, or the error of a request that failed."""
+        proxy = urllib.parse.urlsplit(self.exports["HTTPS_PROXY"])
+        context = ssl.create_default_context(cafile=self.exports["SSL_CERT_FILE"])
+        barrier = threading.Barrier(len(paths))
+        results: list[int | str] = [""] * len(paths)
+
+        def one(index: int, path: str):
+            try:
+                sock, _, response = support.open_tunnel(proxy.port, authority, timeout=timeout)
+                assert response.status == 200, response.head
+                with context.wrap_socket(sock, server_hostname=authority.rsplit(":", 1)[0]) as tls:
+                    barrier.wait(timeout)
+                    tls.sendall(f"GET {path} HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\n\r\n".encode())
+                    results[index] = Reader(tls, timeout).read_response().status
+            except Exception as error:  # noqa: BLE001 - reported in the results
+                results[index] = repr(error)
+                barrier.abort()
+
+        threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(paths)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout * 2)
+        return results
+
+    def lines(self, mark: int, needle: str = " intercepted=", at_least: int = 0) -> list[str]:
+        """Log lines written after `mark` that contain `needle`; waits until there are `at_least` of them (a
+        line is written as its exchange ends, which can be a moment after the client has its answer)."""
+        def found():
+            lines = [line for line in self.proxy.log_since(mark).splitlines() if needle in line]
+            return lines if len(lines) >= at_least else None
+        return support.poll(found, 10, message=f"{at_least} log line(s) with {needle!r}") if at_least else found()
+
+    def stop(self) -> str | None:
+        running = self.proxy.process.poll() is None
+        code = self.proxy.stop()
+        if running and code != 0:
+            return f"proxyctl exited with {code} on SIGTERM; log:\n{self.proxy.log()[-3000:]}"
+        return None
+
+
+def provider_section(name: str, issuer: str, redirect_port: int, client_id: str = "proxyctl-test") -> str:
+    return (f"[provider {name}]\nissuer = {issuer}\nclient_id = {client_id}\nscopes = {SCOPES}\n"
+            f"redirect_port = {redirect_port}\n\n")
+
+
+def origin_section(url: str, provider: str, ca_file: Path, client_authorization: str = "keep") -> str:
+    return (f"[origin {url}]\nprovider = {provider}\nclient_authorization = {client_authorization}\n"
+            f"ca_file = {ca_file}\n\n")
+
+
+# MARK: - Module fixtures
+
+
+@pytest.fixture(scope="module")
+def module_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("protected")
+
+
+@pytest.fixture(scope="module")
+def idp():
+    callback = free_port()
+    with Glewlwyd(redirect_ports=[callback]) as server:
+        server.callback_port = callback
+        yield server
+
+
+@pytest.fixture(scope="module")
+def rs(module_dir, idp):
+    server = ResourceServer(module_dir / "rs", [API, REPLACE, SHORT, NOLOGIN, FAKE])
+    server.trust(idp.issuer(), idp.discovery()["jwks_uri"])
+    if git_available():
+        server.make_git_repo({"README.md": b"protected repository\n", "data.bin": os.urandom(200_000)})
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def plain(module_dir):
+    server = ResourceServer(module_dir / "plain", [PLAIN], label="plain", require_token=False)
+    yield server
+    server.close()
+
+
+def main_sections(idp, rs) -> str:
+    cb = idp.callback_port
+    return (provider_section("glew", idp.issuer(), cb) + provider_section("glew3", idp.issuer(), cb)
+            + provider_section("nobody", idp.issuer(), cb)
+            + origin_section(f"https://{API}:{rs.port}", "glew", rs.ca_pem, "keep")
+            + origin_section(f"https://{REPLACE}:{rs.port}", "glew", rs.ca_pem, "replace")
+            + origin_section(f"https://{SHORT}:{rs.port}", "glew3", rs.ca_pem)
+            + origin_section(f"https://{NOLOGIN}:{rs.port}", "nobody", rs.ca_pem))
+
+
+MAIN_RESOLVE = ", ".join(f"{h}=127.0.0.1" for h in (API, REPLACE, SHORT, NOLOGIN, PLAIN))
+
+
+@pytest.fixture(scope="module")
+def main(module_dir, idp, rs, plain):
+    """The shared deployment: signed in to glewlwyd as provider `glew`, CA made, proxy running."""
+    ws = Workspace(module_dir / "main", main_sections(idp, rs), MAIN_RESOLVE, replay_memory="1MiB",
+                   replay_spool="64MiB")
+    ws.ca_init()
+    ws.login_glewlwyd("glew", idp)
+    deployment = Deployment(ws, ws.start_proxy())
+    yield deployment
+    failure = deployment.stop()
+    assert failure is None, failure
+
+
+def refresh_tokens_at_glewlwyd(idp: Glewlwyd) -> int:
+    """How many refresh tokens glewlwyd has issued to the test user (one per sign-in and one per refresh
+    grant, since every refresh token is one-use)."""
+    session = idp.user_session()
+    answer = session.get(idp.issuer() + "/token/", params={"limit": 10000}, timeout=10)
+    assert answer.status_code == 200, answer.text
+    return len(answer.json())
+
+
+def assert_one_intercepted(main: Deployment, mark: int, *needles: str) -> str:
+    lines = main.lines(mark, at_least=1)
+    assert len(lines) == 1, f"expected one intercepted request in the log, got {lines}"
+    for needle in needles:
+        assert needle in lines[0], f"{needle!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+# MARK: - 2. Real clients, set up by `proxyctl env`
+
+
+def test_env_exports_point_at_proxy_and_bundle(main):
+    env = main.exports
+    bundle = str(main.ws.state / "ca" / "bundle.pem")
+    assert env["HTTPS_PROXY"] == env["https_proxy"] == f"http://127.0.0.1:{main.proxy.port}"
+    for name in ("SSL_CERT_FILE", "CURL_CA_BUNDLE", "REQUESTS_CA_BUNDLE", "PIP_CERT", "GIT_SSL_CAINFO",
+                 "AWS_CA_BUNDLE"):
+        assert env[name] == bundle, name
+    assert env["NODE_EXTRA_CA_CERTS"] == str(main.ws.state / "ca" / "ca.pem")
+    ca = (main.ws.state / "ca" / "ca.pem").read_text()
+    bundle_text = Path(bundle).read_text()
+    assert bundle_text.rstrip().endswith(ca.strip())
+    # The system's roots come first, so that hosts that are not intercepted still verify.
+    candidates = [ssl.get_default_verify_paths().openssl_cafile, "/etc/ssl/certs/ca-certificates.crt",
+                  "/etc/pki/tls/certs/ca-bundle.crt", "/etc/ssl/cert.pem"]
+    roots = next((Path(c) for c in candidates if os.access(c, os.R_OK)), None)
+    if roots is not None:
+        assert bundle_text.startswith(roots.read_text().rstrip())
+
+
+def test_curl_get_carries_a_token_glewlwyd_issued(main, rs, idp):
+    mark, seen_mark = main.proxy.mark(), rs.mark()
+    answer = main.curl(rs.url("/me?x=1"))
+    assert answer.status == 200, answer
+    tokens = main.ws.tokens("glew")
+    data = answer.json()
+    assert data["sub"] == tokens["identity"]["sub"] and data["iss"] == idp.issuer()
+    assert data["jti"] == jwt_claims(tokens["access_token"])["jti"]
+    [seen] = rs.since(seen_mark)
+    assert seen.status == 200 and seen.path == "/me?x=1" and seen.host == f"{API}:{rs.port}"
+    assert seen.header_values("Authorization") == [f"Bearer {tokens['access_token']}"]
+    assert seen.claims["aud"] == SCOPES and seen.claims["client_id"] == "proxyctl-test"
+    # glewlwyd itself takes the token as one of its live access tokens.
+    info = requests.get(idp.issuer() + "/userinfo", headers={"Authorization": f"Bearer {seen.token}"}, timeout=10)
+    assert info.status_code == 200 and info.json()["sub"] == data["sub"], info.text
+    line = assert_one_intercepted(main, mark, f"GET https://{API}:{rs.port}/me", "status=200", "intercepted=glew")
+    assert "refreshed=1" not in line and "attempts=" not in line and "x=1" not in line
+
+
+@pytest.mark.parametrize("size, kind", [(300 * 1024, "memory"), (700 * 1024 + 1, "chunked"), (24 * MiB + 7, "spool")],
+                         ids=["memory", "chunked", "spool"])
+def test_upload_replayed_byte_identical_after_forced_401(main, rs, size, kind):
+    body = main.ws.root / f"upload-{kind}.bin"
+    support.write_generated(body, size)
+    expected = support.expected_sha256(size)
+    generation = main.ws.tokens("glew")["generation"]
+    mark, seen_mark = main.proxy.mark(), rs.mark()
+    rs.reject_next(1)
+    if kind == "memory":
+        answer = main.curl(rs.url("/upload"), "--data-binary", f"@{body}", "-H", "Content-Type: application/x-test")
+        method = "POST"
+    elif kind == "chunked":
+        answer = main.curl(rs.url("/upload"), "--data-binary", f"@{body}", "-H", "Transfer-Encoding: chunked")
+        method = "POST"
+    else:
+        answer = main.curl(rs.url("/upload"), "-T", str(body))  # PUT, streamed from the file
+        method = "PUT"
+    assert answer.status == 200, answer
+    assert answer.json()["body_sha256"] == expected and answer.json()["body_size"] == size
+    first, second = rs.since(seen_mark)
+    assert (first.method, first.status, first.error) == (method, 401, "rejected by the test")
+    assert (second.method, second.status) == (method, 200)
+    assert first.body_sha256 == second.body_sha256 == expected and first.body_size == second.body_size == size
+    after = main.ws.tokens("glew")
+    assert after["generation"] == generation + 1
+    assert first.jti != second.jti == jwt_claims(after["access_token"])["jti"]
+    assert_one_intercepted(main, mark, f"{method} https://{API}:{rs.port}/upload", "status=200", "refreshed=1",
+                           "attempts=2")
+    # Spooled bodies live in unlinked files: nothing is left in the spool directory.
+    spool = main.ws.state / "spool"
+    assert not spool.exists() or os.listdir(spool) == []
+
+
+def test_upload_beyond_replay_spool_is_not_replayed(main, rs):
+    """Over replay_spool the body streams through unkept: it arrives intact, and a 401 reaches the client with
+    a Proxy-Status saying why it was not replayed."""
+    ws = Workspace(main.ws.root.parent / "small-spool", main.ws.sections, MAIN_RESOLVE,
+                   state=main.ws.state,  # the same tokens and CA as the shared proxy
+                   replay_memory="256KiB", replay_spool="1MiB")
+    small = Deployment(ws, ws.start_proxy())
+    try:
+        size = 4 * MiB + 3
+        body = ws.root / "big.bin"
+        support.write_generated(body, size)
+        expected = support.expected_sha256(size)
+        seen_mark = rs.mark()
+        answer = small.curl(rs.url("/upload"), "--data-binary", f"@{body}")
+        assert answer.status == 200 and answer.json()["body_sha256"] == expected, answer
+
+        generation = ws.tokens("glew")["generation"]
+        mark, seen_mark = small.proxy.mark(), rs.mark()
+        rs.reject_next(1)
+        answer = small.curl(rs.url("/upload"), "--data-binary", f"@{body}")
+        assert answer.status == 401, answer
+        assert answer.header("WWW-Authenticate") and "invalid_token" in answer.header("WWW-Authenticate")
+        proxy_status = answer.header("Proxy-Status") or ""
+        assert proxy_status.startswith("proxyctl") and "received-status=401" in proxy_status, answer
+        assert "too large to keep" in proxy_status and "not sent again" in proxy_status, proxy_status
+        [seen] = rs.since(seen_mark)
+        assert seen.status == 401 and seen.body_size == size and seen.body_sha256 == expected
+        assert ws.tokens("glew")["generation"] == generation  # nothing refreshed for a request it cannot replay
+        line = assert_one_intercepted(small, mark, "status=401")
+        assert "refreshed=1" not in line
+    finally:
+        failure = small.stop()
+    assert failure is None, failure
+
+
+def test_a_second_401_reaches_the_client_with_proxy_status(main, rs):
+    generation = main.ws.tokens("glew")["generation"]
+    mark, seen_mark = main.proxy.mark(), rs.mark()
+    rs.reject_next(2)
+    answer = main.curl(rs.url("/twice"))
+    assert answer.status == 401, answer
+    assert "invalid_token" in (answer.header("WWW-Authenticate") or "")
+    proxy_status = answer.header("Proxy-Status") or ""
+    assert proxy_status.startswith("proxyctl") and "received-status=401" in proxy_status, answer
+    assert "details=" in proxy_status and "freshly refreshed" in proxy_status, proxy_status
+    assert [s.status for s in rs.since(seen_mark)] == [401, 401]     # replayed once, never twice
+    assert main.ws.tokens("glew")["generation"] == generation + 1
+    assert_one_intercepted(main, mark, "status=401", "refreshed=1", "attempts=2")
+
+
+def test_expect_100_continue_is_answered(main, rs):
+    """RFC 9110 §10.1.1: a server that receives `Expect: 100-continue` sends 100 (Continue) or a final status
+    without waiting for the body. Inside an intercepted tunnel proxyctl is that server (it drops Expect before
+    going upstream): unanswered, every client that asks waits out its own timeout (curl: 1 s per upload)."""
+    body = b"e" * 4096
+    sock, _, response = support.open_tunnel(main.proxy.port, rs.authority())
+    assert response.status == 200
+    context = ssl.create_default_context(cafile=main.exports["SSL_CERT_FILE"])
+    with context.wrap_socket(sock, server_hostname=API) as tls:
+        tls.sendall(f"POST /expect HTTP/1.1\r\nHost: {rs.authority()}\r\nContent-Length: {len(body)}\r\n"
+                    f"Expect: 100-continue\r\n\r\n".encode())
+        reader = Reader(tls, timeout=5)
+        try:
+            interim = reader.read_head()
+        except (TimeoutError, socket.timeout):
+            interim = None
+        assert interim is not None, "no 100 Continue (nor any answer) within 5 s of a request that expects it"
+        assert interim.status == 100, interim.head
+        tls.sendall(body)
+        final = reader.read_response("POST")
+        assert final.status == 200 and json.loads(final.body)["body_sha256"] == hashlib.sha256(body).hexdigest()
+    # curl sends Expect: 100-continue for bodies over 1 MiB, and says so when it gave up waiting.
+    upload = main.ws.root / "expect.bin"
+    support.write_generated(upload, 2 * MiB)
+    done = subprocess.run(["curl", "-sS", "-v", "-o", "/dev/null", "-w", "%{http_code}", "--data-binary",
+                           f"@{upload}", rs.url("/expect")], capture_output=True, text=True, timeout=60,
+                          env=main.client_env())
+    assert done.stdout == "200", done.stderr[-2000:]
+    assert "Expect: 100-continue" in done.stderr
+    assert "Done waiting for 100-continue" not in done.stderr, "curl waited out its Expect timeout"
+
+
+def test_large_download_arrives_intact(main, rs, record_property):
+    size = 64 * MiB + 5
+    mark = main.proxy.mark()
+    target = main.ws.root / "download.bin"
+    started = time.monotonic()
+    done = subprocess.run(["curl", "-sS", "-o", str(target), "-w", "%{http_code}", rs.url(f"/download/{size}")],
+                          capture_output=True, text=True, timeout=120, env=main.client_env())
+    elapsed = time.monotonic() - started
+    assert done.returncode == 0 and done.stdout == "200", done.stderr
+    digest = hashlib.sha256()
+    with open(target, "rb") as handle:
+        while chunk := handle.read(MiB):
+            digest.update(chunk)
+    target.unlink()
+    assert digest.hexdigest() == support.expected_sha256(size)
+    line = assert_one_intercepted(main, mark, "status=200")
+    down = int(re.search(r" down=(\d+)", line).group(1))
+    assert size < down < size + 4096
+    record_property("64 MiB intercepted download (s)", round(elapsed, 2))
+
+
+def test_git_clone_of_a_protected_repository(main, rs, tmp_path):
+    if rs.git_root is None:
+        pytest.skip("git is not installed")
+    seen_mark, mark = rs.mark(), main.proxy.mark()
+    env = git_env(tmp_path / "git-home")
+    env.update(main.exports)
+    done = subprocess.run(["git", "clone", "-q", rs.url("/repo.git"), str(tmp_path / "clone")], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "clone" / "README.md").read_bytes() == b"protected repository\n"
+    source = rs.git_root / "source" / "data.bin"
+    assert (tmp_path / "clone" / "data.bin").read_bytes() == source.read_bytes()
+    seen = rs.since(seen_mark)
+    paths = [s.path.split("?")[0] for s in seen]
+    assert "/repo.git/info/refs" in paths and "/repo.git/git-upload-pack" in paths, paths
+    assert all(s.status == 200 and s.claims and s.header("User-Agent").startswith("git/") for s in seen), \
+        [(s.path, s.status, s.error) for s in seen]
+    assert len(main.lines(mark, at_least=len(seen))) == len(seen)
+
+
+CLIENT_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import httpx, requests
+    base = sys.argv[1]
+    out = {}
+    with requests.Session() as session:  # REQUESTS_CA_BUNDLE and HTTPS_PROXY from the environment
+        first = session.get(base + "/requests/1", timeout=30)
+        second = session.post(base + "/requests/2", data=b"r" * 5000, timeout=30)
+        out["requests"] = [[first.status_code, first.json()], [second.status_code, second.json()]]
+    with httpx.Client(timeout=30) as client:  # trust_env: HTTPS_PROXY and SSL_CERT_FILE
+        first = client.get(base + "/httpx/1")
+        second = client.put(base + "/httpx/2", content=b"h" * 7000)
+        out["httpx"] = [[first.status_code, first.json()], [second.status_code, second.json()]]
+    print(json.dumps(out))
+""")
+
+
+def test_requests_and_httpx_from_their_environment(main, rs):
+    seen_mark, mark = rs.mark(), main.proxy.mark()
+    done = subprocess.run([sys.executable, "-c", CLIENT_SCRIPT, rs.url("")], capture_output=True, text=True,
+                          timeout=60, env=main.client_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout)
+    sub = main.ws.tokens("glew")["identity"]["sub"]
+    for client, size, letter in (("requests", 5000, b"r"), ("httpx", 7000, b"h")):
+        (status1, data1), (status2, data2) = out[client]
+        assert status1 == status2 == 200 and data1["sub"] == data2["sub"] == sub
+        assert data2["body_sha256"] == hashlib.sha256(letter * size).hexdigest()
+    seen = rs.since(seen_mark)
+    agents = [s.header("User-Agent").split("/")[0] for s in seen]
+    assert agents == ["python-requests"] * 2 + ["python-httpx"] * 2
+    assert all(s.status == 200 and s.header("Authorization").startswith("Bearer ") for s in seen)
+    # Each client kept its one tunnel for both of its requests.
+    conns = [re.search(r"conn=(\d+)", line).group(1) for line in main.lines(mark, at_least=4)]
+    assert len(conns) == 4 and conns[0] == conns[1] and conns[2] == conns[3] and conns[0] != conns[2], conns
+
+
+# MARK: - 3. A host that is not protected stays a blind tunnel
+
+
+def test_unprotected_host_keeps_its_own_certificate_and_gets_no_token(main, plain):
+    mark, seen_mark = main.proxy.mark(), plain.mark()
+    sock, reader, response = support.open_tunnel(main.proxy.port, plain.authority())
+    assert response.status == 200
+    context = ssl.create_default_context(cafile=str(plain.ca_pem))  # plain's own CA, nothing else
+    with context.wrap_socket(sock, server_hostname=PLAIN) as tls:
+        assert hashlib.sha256(tls.getpeercert(binary_form=True)).hexdigest() == plain.identity.leaf_sha256
+        tls.sendall(f"GET /public/raw HTTP/1.1\r\nHost: {plain.authority()}\r\nConnection: close\r\n\r\n".encode())
+        assert Reader(tls).read_response().status == 200
+    answer = main.curl(plain.url("/anything"), "--cacert", str(plain.ca_pem))
+    assert answer.status == 200, answer
+    # With only the bundle from `proxyctl env`, curl cannot verify plain.test: nobody minted a leaf for it.
+    refused = main.curl(plain.url("/anything"))
+    assert refused.returncode == 60 and refused.status == 0, refused
+    seen = plain.since(seen_mark)
+    assert [s.path for s in seen] == ["/public/raw", "/anything"]
+    assert all(s.header("Authorization") is None for s in seen)
+    main.proxy.wait_log(f"CONNECT {re.escape(plain.authority())}", since=mark, count=3)
+    log = main.proxy.log_since(mark)
+    assert "intercepted=" not in log and log.count(f"CONNECT {plain.authority()}") == 3, log
+
+
+# MARK: - 4. The local CA's name constraints
+
+
+class _Answer(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.0"
+
+    def do_GET(self):  # noqa: N802
+        self.send_response(200)
+        self.send_header("Content-Length", "3")
+        self.end_headers()
+        self.wfile.write(b"ok\n")
+
+    def log_message(self, *args):
+        pass
+
+
+class _StubServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        pass  # clients that refuse the certificate are the point
+
+
+class _StubServer6(_StubServer):
+    address_family = socket.AF_INET6
+
+
+class TLSStub:
+    """An HTTPS server on loopback (IPv4, or IPv6 with `ipv6`) with a given certificate; answers 200 ok."""
+
+    def __init__(self, cert: Path, key: Path, ipv6: bool = False):
+        self.host = "::1" if ipv6 else "127.0.0.1"
+        self.server = (_StubServer6 if ipv6 else _StubServer)((self.host, 0), _Answer)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(cert, key)
+        self.server.socket = context.wrap_socket(self.server.socket, server_side=True, do_handshake_on_connect=False)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def python_verify(address: str, port: int, server_hostname: str, cafile: Path) -> str:
+    """'ok', or the verification error Python's ssl reports."""
+    context = ssl.create_default_context(cafile=str(cafile))
+    try:
+        with socket.create_connection((address, port), timeout=10) as sock:
+            with context.wrap_socket(sock, server_hostname=server_hostname):
+                return "ok"
+    except ssl.SSLCertVerificationError as error:
+        return error.verify_message
+
+
+def ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("name, violation", [
+    ("other.test", "permitted subtree violation"),
+    ("sub.api.test", "excluded subtree violation"),
+    (ipaddress.ip_address("127.0.0.1"), "excluded subtree violation"),
+    (ipaddress.ip_address("::1"), "excluded subtree violation"),
+    (API, None),  # the control: the same CA key, a permitted name
+], ids=["other.test", "sub.api.test", "127.0.0.1", "::1", "api.test-control"])
+def test_local_ca_cannot_vouch_for_other_names(main, tmp_path, name, violation):
+    ca_dir = main.ws.state / "ca"
+    ca_cert = x509.load_pem_x509_certificate((ca_dir / "ca.pem").read_bytes())
+    ca_key = serialization.load_pem_private_key((ca_dir / "ca-key.pem").read_bytes(), password=None)
+    key, leaf = sign_leaf(ca_key, ca_cert, [name])
+    cert_path, key_path = write_pair(tmp_path, "leaf", key, leaf)
+
+    verify = subprocess.run(["openssl", "verify", "-CAfile", str(ca_dir / "ca.pem"), str(cert_path)],
+                            capture_output=True, text=True, timeout=20)
+    ipv6 = isinstance(name, ipaddress.IPv6Address)
+    if ipv6 and not ipv6_loopback():
+        pytest.skip("no IPv6 loopback")
+    stub = TLSStub(cert_path, key_path, ipv6=ipv6)
+    try:
+        host = str(name)
+        python = python_verify(stub.host, stub.port, host, ca_dir / "ca.pem")
+        url_host = f"[{host}]" if ":" in host else host
+        resolve = [] if isinstance(name, (ipaddress.IPv4Address, ipaddress.IPv6Address)) else \
+            ["--resolve", f"{host}:{stub.port}:127.0.0.1"]
+        curl = subprocess.run(["curl", "-sS", "--cacert", str(ca_dir / "ca.pem"), *resolve,
+                               f"https://{url_host}:{stub.port}/"], capture_output=True, text=True, timeout=20,
+                              env=support.clean_env())
+    finally:
+        stub.close()
+    if violation is None:
+        assert verify.returncode == 0 and python == "ok" and curl.returncode == 0 and curl.stdout == "ok\n", \
+            (verify.stdout, verify.stderr, python, curl.stderr)
+    else:
+        assert verify.returncode != 0 and violation in verify.stdout + verify.stderr, verify.stdout + verify.stderr
+        assert violation in python, python
+        assert curl.returncode == 60, curl.stderr
+
+
+def test_name_constraints_name_exactly_the_protected_hosts_and_the_real_leaf_verifies(main, rs, tmp_path):
+    ca_pem = main.ws.state / "ca" / "ca.pem"
+    ca_cert = x509.load_pem_x509_certificate(ca_pem.read_bytes())
+    constraints = ca_cert.extensions.get_extension_for_class(x509.NameConstraints)
+    assert constraints.critical
+    hosts = {API, REPLACE, SHORT, NOLOGIN}
+    assert {n.value for n in constraints.value.permitted_subtrees} == hosts
+    excluded = {str(n.value) for n in constraints.value.excluded_subtrees}
+    assert {"." + h for h in hosts} <= excluded and {"0.0.0.0/0", "::/0"} <= excluded, excluded
+
+    sock, _, response = support.open_tunnel(main.proxy.port, rs.authority())
+    assert response.status == 200
+    context = ssl.create_default_context(cafile=str(ca_pem))  # the local CA alone
+    context.set_alpn_protocols(["h2", "http/1.1"])
+    with context.wrap_socket(sock, server_hostname=API) as tls:
+        assert tls.selected_alpn_protocol() == "http/1.1"
+        der = tls.getpeercert(binary_form=True)
+    leaf = x509.load_der_x509_certificate(der)
+    assert leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName) == [API]
+    (tmp_path / "leaf.pem").write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
+    verify = subprocess.run(["openssl", "verify", "-CAfile", str(ca_pem), str(tmp_path / "leaf.pem")],
+                            capture_output=True, text=True, timeout=20)
+    assert verify.returncode == 0 and verify.stdout.strip().endswith(": OK"), verify.stdout + verify.stderr
+
+
+# MARK: - 5. Misdirected requests
+
+
+def test_sni_other_than_the_connect_host_gets_421(main, rs):
+    mark, seen_mark = main.proxy.mark(), rs.mark()
+    sock, _, response = support.open_tunnel(main.proxy.port, rs.authority())
+    assert response.status == 200
+    context = ssl.create_default_context(cafile=str(main.ws.state / "ca" / "ca.pem"))
+    context.check_hostname = False    # the leaf names api.test; the client claims to want other.test
+    with context.wrap_socket(sock, server_hostname="other.test") as tls:
+        reader = Reader(tls)
+        tls.sendall(f"GET /me HTTP/1.1\r\nHost: {rs.authority()}\r\n\r\n".encode())
+        answer = reader.read_response()
+        assert answer.status == 421, answer.head
+        assert "other.test" in (answer.header("Proxy-Status") or ""), answer.head
+        # Nothing more goes through that connection: the proxy closes it, or answers 421 again.
+        if "close" in (answer.header("Connection") or "").lower():
+            assert reader.closed_by_peer(10)
+        else:
+            tls.sendall(f"GET /me HTTP/1.1\r\nHost: {rs.authority()}\r\n\r\n".encode())
+            assert reader.read_response().status == 421
+    # openssl s_client, the same way.
+    request = f"GET /me HTTP/1.1\r\nHost: {rs.authority()}\r\nConnection: close\r\n\r\n"
+    done = subprocess.run(["openssl", "s_client", "-quiet", "-proxy", main.proxy.address, "-connect", rs.authority(),
+                           "-servername", "evil.test", "-CAfile", str(main.ws.state / "ca" / "ca.pem")],
+                          input=request, capture_output=True, text=True, timeout=20, env=support.clean_env())
+    assert done.stdout.startswith("HTTP/1.1 421"), done.stdout + done.stderr
+    assert rs.since(seen_mark) == []
+    lines = main.lines(mark, "status=421", at_least=2)
+    assert len(lines) >= 2 and all("answered-by=proxyctl" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("host", ["evil.test", f"{API}:1", "127.0.0.1"])
+def test_host_other_than_the_connect_authority_gets_421(main, rs, host):
+    mark, seen_mark = main.proxy.mark(), rs.mark()
+    answer = main.curl(rs.url("/me"), "-H", f"Host: {host}")
+    assert answer.status == 421, answer
+    assert (answer.header("Proxy-Status") or "").startswith("proxyctl"), answer
+    assert rs.since(seen_mark) == []
+    assert main.lines(mark, "status=421", at_least=1)
+
+
+# MARK: - 6, 7. Expiry and refresh
+
+
+def short_lived_login(main: Deployment, idp: Glewlwyd, seconds: int = 3) -> dict:
+    idp.set_access_token_duration(seconds)
+    main.ws.login_glewlwyd("glew3", idp)
+    tokens = main.ws.tokens("glew3")
+    assert tokens["expires_at"] - tokens["issued_at"] == seconds
+    return tokens
+
+
+LOOP_SCRIPT = textwrap.dedent("""
+    import json, sys, time
+    import requests
+    url, seconds = sys.argv[1], float(sys.argv[2])
+    statuses = []
+    deadline = time.monotonic() + seconds
+    with requests.Session() as session:
+        while time.monotonic() < deadline:
+            statuses.append(session.get(url, timeout=30).status_code)
+            time.sleep(0.05)
+    print(json.dumps(statuses))
+""")
+
+
+def test_expiring_tokens_heal_themselves(main, rs, idp):
+    """3 s tokens: a keep-alive client asking for 7.5 s never sees anything but 200, because the proxy
+    refreshes before expiry; and a token the origin rejects once costs the client nothing."""
+    try:
+        first = short_lived_login(main, idp)
+        mark, seen_mark = main.proxy.mark(), rs.mark()
+        done = subprocess.run([sys.executable, "-c", LOOP_SCRIPT, rs.url("/loop", SHORT), "7.5"],
+                              capture_output=True, text=True, timeout=60, env=main.client_env())
+        assert done.returncode == 0, done.stderr[-2000:]
+        statuses = json.loads(done.stdout)
+        assert len(statuses) > 20 and set(statuses) == {200}, statuses
+        refreshes = main.ws.tokens("glew3")["generation"] - first["generation"]
+        assert refreshes >= 2
+        seen = rs.since(seen_mark, host=SHORT)
+        assert len({s.jti for s in seen if s.status == 200}) >= 3
+        reactive = main.lines(mark, "refreshed=1")
+        assert len(reactive) < refreshes, f"every refresh waited for a 401: {reactive}"
+
+        mark = main.proxy.mark()
+        rs.reject_next(1)
+        answer = main.curl(rs.url("/once", SHORT))
+        assert answer.status == 200, answer
+        assert_one_intercepted(main, mark, "status=200", "refreshed=1", "attempts=2")
+    finally:
+        idp.set_access_token_duration(3600)
+
+
+def test_hundred_requests_on_a_revoked_token_refresh_once(main, rs, idp, record_property):
+    tokens = main.ws.tokens("glew")
+    revoked = jwt_claims(tokens["access_token"])["jti"]
+    grants = refresh_tokens_at_glewlwyd(idp)
+    mark, seen_mark = main.proxy.mark(), rs.mark()
+    rs.revoke(revoked)
+    started = time.monotonic()
+    statuses = main.burst(rs.authority(), [f"/burst/{i}" for i in range(CONCURRENCY)])
+    elapsed = time.monotonic() - started
+    assert statuses == [200] * CONCURRENCY, statuses
+    after = main.ws.tokens("glew")
+    assert after["generation"] == tokens["generation"] + 1
+    assert refresh_tokens_at_glewlwyd(idp) == grants + 1
+    seen = rs.since(seen_mark)
+    assert {s.jti for s in seen if s.status == 401} <= {revoked}
+    assert {s.jti for s in seen if s.status == 200} == {jwt_claims(after["access_token"])["jti"]}
+    assert len([s for s in seen if s.status == 200]) == CONCURRENCY
+    lines = main.lines(mark, at_least=CONCURRENCY)
+    assert len(lines) == CONCURRENCY and all("status=200" in line for line in lines)
+    record_property(f"{CONCURRENCY} simultaneous requests through one forced refresh (s)", round(elapsed, 2))
+    record_property("of them refused with the revoked token first", len([s for s in seen if s.status == 401]))
+
+
+def test_hundred_requests_on_an_expired_glewlwyd_token_refresh_once(main, rs, idp):
+    try:
+        tokens = short_lived_login(main, idp)
+    finally:
+        idp.set_access_token_duration(3600)
+    support.poll(lambda: time.time() >= tokens["expires_at"] + 0.05, timeout=10, message="the token to expire")
+    grants = refresh_tokens_at_glewlwyd(idp)
+    seen_mark = rs.mark()
+    statuses = main.burst(rs.authority(SHORT), [f"/expired/{i}" for i in range(CONCURRENCY)])
+    assert statuses == [200] * CONCURRENCY, statuses
+    after = main.ws.tokens("glew3")
+    assert after["generation"] == tokens["generation"] + 1
+    assert refresh_tokens_at_glewlwyd(idp) == grants + 1
+    seen = rs.since(seen_mark, host=SHORT)
+    assert len(seen) == CONCURRENCY and {s.jti for s in seen} == {jwt_claims(after["access_token"])["jti"]}
+
+
+# MARK: - The fake provider: exact counts and outages
+
+
+@pytest.fixture
+def fake_deployment(tmp_path, rs):
+    """A workspace signed in to the fake provider (JWT access tokens that expire in 2 s), its own CA and proxy
+    for fake.test."""
+    with FakeIdP(access_token_format="jwt", expires_in=2) as fake:
+        rs.trust(fake.issuer, fake.url("jwks"))
+        sections = (provider_section("fake", fake.issuer, 0)
+                    + origin_section(f"https://{FAKE}:{rs.port}", "fake", rs.ca_pem))
+        ws = Workspace(tmp_path / "fake", sections, f"{FAKE}=127.0.0.1")
+        ws.ca_init()
+        ws.login_fake("fake")
+        fake.expires_in = 3600
+        deployment = Deployment(ws, ws.start_proxy())
+        deployment.fake = fake
+        try:
+            yield deployment
+        finally:
+            failure = deployment.stop()
+        assert failure is None, failure
+
+
+def wait_expired(ws: Workspace, provider: str) -> dict:
+    tokens = ws.tokens(provider)
+    support.poll(lambda: time.time() >= tokens["expires_at"] + 0.05, timeout=10, message="the token to expire")
+    return tokens
+
+
+def test_hundred_requests_on_an_expired_token_make_exactly_one_refresh_grant(fake_deployment, rs):
+    fake = fake_deployment.fake
+    tokens = wait_expired(fake_deployment.ws, "fake")
+    before = fake.count("token", grant_type="refresh_token")
+    seen_mark = rs.mark()
+    statuses = fake_deployment.curl_parallel([rs.url(f"/fake/{i}", FAKE) for i in range(CONCURRENCY)])
+    assert statuses == [200] * CONCURRENCY, statuses
+    assert fake.count("token", grant_type="refresh_token") == before + 1
+    after = fake_deployment.ws.tokens("fake")
+    assert after["generation"] == tokens["generation"] + 1
+    seen = rs.since(seen_mark, host=FAKE)
+    assert len(seen) == CONCURRENCY and {s.jti for s in seen} == {jwt_claims(after["access_token"])["jti"]}
+    assert all(s.claims["iss"] == fake.issuer for s in seen)
+
+
+def test_provider_down_gives_503_with_retry_after(fake_deployment, rs):
+    fake = fake_deployment.fake
+    wait_expired(fake_deployment.ws, "fake")
+    fake.fail_always("token", Fault.status(503, retry_after=120))
+    seen_mark, mark = rs.mark(), fake_deployment.proxy.mark()
+    answer = fake_deployment.curl(rs.url("/down", FAKE))
+    assert answer.status == 503, answer
+    assert answer.header("Retry-After") == "120", answer
+    assert "identity provider is unavailable" in (answer.header("Proxy-Status") or ""), answer
+    assert fake.count("token", grant_type="refresh_token") >= 1
+    assert rs.since(seen_mark) == []
+    assert_one_intercepted(fake_deployment, mark, "status=503")
+
+
+def test_not_signed_in_is_answered_by_the_proxy(main, rs):
+    mark, seen_mark = main.proxy.mark(), rs.mark()
+    answer = main.curl(rs.url("/me", NOLOGIN))
+    assert answer.status == 401, answer
+    proxy_status = answer.header("Proxy-Status") or ""
+    assert proxy_status.startswith("proxyctl") and "proxyctl login nobody" in proxy_status, answer
+    assert b"proxyctl login nobody" in answer.body
+    assert rs.since(seen_mark) == []
+    assert_one_intercepted(main, mark, "status=401", "intercepted=nobody")
+
+
+# MARK: - 9. Redirects
+
+
+def test_redirect_reaches_the_client_unfollowed(main, rs, plain):
+    target = plain.url("/elsewhere?from=api")
+    seen_mark, plain_mark = rs.mark(), plain.mark()
+    answer = main.curl(rs.url("/redirect?to=" + target.replace("?", "%3F").replace("=", "%3D")))
+    assert answer.status == 302 and answer.header("Location") == target, answer
+    assert answer.body == b"redirecting\n"
+    assert [s.status for s in rs.since(seen_mark)] == [302]
+    assert plain.since(plain_mark) == []
+
+
+# MARK: - 11. The client's own Authorization
+
+
+def test_client_authorization_keep_forwards_the_clients_own(main, rs):
+    generation = main.ws.tokens("glew")["generation"]
+    mark, seen_mark = main.proxy.mark(), rs.mark()
+    answer = main.curl(rs.url("/me"), "-H", "Authorization: Bearer client-own-value")
+    assert answer.status == 401, answer          # the origin's verdict on the client's token, passed on
+    assert answer.header("Proxy-Status") is None
+    [seen] = rs.since(seen_mark)
+    assert seen.header_values("Authorization") == ["Bearer client-own-value"]
+    assert main.ws.tokens("glew")["generation"] == generation
+    assert_one_intercepted(main, mark, "status=401", "token=client")
+
+    seen_mark = rs.mark()
+    answer = main.curl(rs.url("/public/basic"), "-u", "someone:secret")
+    assert answer.status == 200, answer
+    [seen] = rs.since(seen_mark)
+    assert seen.header_values("Authorization") == ["Basic " + base64.b64encode(b"someone:secret").decode()]
+
+
+def test_client_authorization_replace_attaches_the_proxys_token(main, rs):
+    mark, seen_mark = main.proxy.mark(), rs.mark()
+    answer = main.curl(rs.url("/me", REPLACE), "-H", "Authorization: Bearer client-own-value")
+    assert answer.status == 200, answer
+    tokens = main.ws.tokens("glew")
+    [seen] = rs.since(seen_mark)
+    assert seen.header_values("Authorization") == [f"Bearer {tokens['access_token']}"]
+    assert answer.json()["sub"] == tokens["identity"]["sub"]
+    line = assert_one_intercepted(main, mark, "status=200")
+    assert "token=client" not in line
+
+
+# MARK: - 10. The CA's life cycle and `proxyctl env`
+
+
+def test_serve_needs_a_ca_for_exactly_the_protected_hosts(tmp_path, rs):
+    provider = provider_section("p", "http://127.0.0.1:9/issuer", 0)
+    first = origin_section(f"https://{API}:{rs.port}", "p", rs.ca_pem)
+    ws = Workspace(tmp_path / "ca", provider + first, f"{API}=127.0.0.1")
+    ca_dir = ws.state / "ca"
+
+    refused = ws.cli("serve", timeout=20)
+    assert refused.returncode == 1 and "proxyctl ca init" in refused.stderr, refused.stderr
+
+    made = ws.ca_init()
+    assert "Made the local CA for: api.test" in made.stderr, made.stderr
+    assert (ca_dir / "ca-key.pem").stat().st_mode & 0o777 == 0o600
+    shown = ws.cli("ca", "show")
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    fingerprint = re.search(r"SHA-256:\s+(\S+)", shown.stdout).group(1)
+    der = x509.load_pem_x509_certificate((ca_dir / "ca.pem").read_bytes()).public_bytes(serialization.Encoding.DER)
+    assert fingerprint.replace(":", "").lower() == hashlib.sha256(der).hexdigest()
+    again = ws.ca_init()
+    assert "nothing to do" in again.stderr and fingerprint in ws.cli("ca", "show").stdout
+    checked = ws.cli("serve", "--check", timeout=20)
+    assert checked.returncode == 0, checked.stderr
+
+    ws.sections += origin_section(f"https://second.test:{rs.port}", "p", rs.ca_pem)
+    ws.write_config(0)
+    refused = ws.cli("serve", timeout=20)
+    assert refused.returncode == 1, refused.stderr
+    assert "proxyctl ca init" in refused.stderr and "added second.test" in refused.stderr, refused.stderr
+    stale = ws.cli("ca", "show")
+    assert stale.returncode == 1 and "proxyctl ca init" in stale.stdout, stale.stdout
+
+    reissued = ws.ca_init()
+    assert "Reissued" in reissued.stderr, reissued.stderr
+    shown = ws.cli("ca", "show")
+    assert shown.returncode == 0 and "api.test, second.test" in shown.stdout, shown.stdout
+    new_fingerprint = re.search(r"SHA-256:\s+(\S+)", shown.stdout).group(1)
+    assert new_fingerprint != fingerprint and new_fingerprint in reissued.stderr
+    constraints = x509.load_pem_x509_certificate((ca_dir / "ca.pem").read_bytes()).extensions \
+        .get_extension_for_class(x509.NameConstraints).value
+    assert {n.value for n in constraints.permitted_subtrees} == {API, "second.test"}
+    assert (ca_dir / "ca-key.pem").stat().st_mode & 0o777 == 0o600
+    assert ws.cli("serve", "--check", timeout=20).returncode == 0
+
+
+def test_env_for_sh_and_fish(tmp_path, rs):
+    provider = provider_section("p", "http://127.0.0.1:9/issuer", 0)
+    ws = Workspace(tmp_path / "env", provider + origin_section(f"https://{API}:{rs.port}", "p", rs.ca_pem),
+                   f"{API}=127.0.0.1")
+    ws.write_config(18443)
+    before = ws.cli("env")
+    assert before.returncode == 0 and "proxyctl ca init" in before.stdout, before.stdout
+    assert "SSL_CERT_FILE" not in before.stdout
+    ws.ca_init()
+    sh = ws.cli("env")
+    fish = ws.cli("env", "--shell", "fish")
+    assert sh.returncode == fish.returncode == 0
+    assert all(line.startswith("export ") for line in sh.stdout.splitlines() if line)
+    assert all(line.startswith("set -gx ") for line in fish.stdout.splitlines() if line)
+    variables = parse_exports(sh.stdout)
+    assert parse_exports(fish.stdout, "fish") == variables
+    assert variables["HTTPS_PROXY"] == "http://127.0.0.1:18443"
+    assert variables["SSL_CERT_FILE"] == variables["GIT_SSL_CAINFO"] == str(ws.state / "ca" / "bundle.pem")
+    # What sh makes of it.
+    shell = subprocess.run(["sh", "-c", sh.stdout + '\nprintf "%s|%s" "$HTTPS_PROXY" "$SSL_CERT_FILE"'],
+                           capture_output=True, text=True, timeout=10, env=support.clean_env())
+    assert shell.stdout == f"http://127.0.0.1:18443|{ws.state / 'ca' / 'bundle.pem'}"
+    if shutil.which("fish"):
+        shell = subprocess.run(["fish", "-c", fish.stdout + '\nprintf "%s" "$SSL_CERT_FILE"'],
+                               capture_output=True, text=True, timeout=10, env=support.clean_env())
+        assert shell.stdout == str(ws.state / "ca" / "bundle.pem")
+    wrong = ws.cli("env", "--shell", "tcsh")
+    assert wrong.returncode == 64, wrong.stderr
