@@ -10,7 +10,7 @@ import ProxyOAuth
 final class TokenBroker {
     let loop: EventLoop
     private let managers: [String: TokenManager]
-    private var snapshots: [String: (tokens: TokenSet, checkedAt: Int64)] = [:]
+    private var snapshots: [String: (tokens: TokenSet, checkedAt: Int64, version: TokenStore.FileVersion?)] = [:]
     /// How long a cached snapshot is trusted without asking the manager (milliseconds).
     let snapshotLifetime: Int64 = 1000
 
@@ -21,12 +21,14 @@ final class TokenBroker {
 
     var providers: [String] { Array(managers.keys) }
 
-    /// Tokens usable right now without any I/O, if the cache has them.
+    /// Tokens usable right now without leaving the loop, if the cache has them. One stat(2) makes sure no
+    /// other process (`proxyctl login`, `step-up`, `logout`) replaced the file since.
     func cachedTokens(_ provider: String) -> TokenSet? {
         guard let snapshot = snapshots[provider] else { return nil }
         let now = EventLoop.monotonicMilliseconds()
         guard now - snapshot.checkedAt < snapshotLifetime,
-            snapshot.tokens.isFresh(at: Int64(Date().timeIntervalSince1970))
+            snapshot.tokens.isFresh(at: Int64(Date().timeIntervalSince1970)),
+            let manager = managers[provider], manager.store.version(provider) == snapshot.version
         else { return nil }
         return snapshot.tokens
     }
@@ -77,7 +79,9 @@ final class TokenBroker {
             }
             loop.post {
                 if case .success(let tokens) = result {
-                    broker.value.snapshots[provider] = (tokens, EventLoop.monotonicMilliseconds())
+                    broker.value.snapshots[provider] = (
+                        tokens, EventLoop.monotonicMilliseconds(), manager.store.version(provider)
+                    )
                 }
                 callback.value(result)
             }

@@ -25,6 +25,8 @@ def main() -> int:
     if mode == "none":
         return 0
     session = requests.Session()
+    # A desktop browser does not read HTTPS_PROXY: neither does this one.
+    session.trust_env = False
     if mode == "glewlwyd":
         base = os.environ["PROXYCTL_TEST_IDP_URL"]
         r = session.post(base + "/api/auth/", json={"username": os.environ["PROXYCTL_TEST_IDP_USER"],
