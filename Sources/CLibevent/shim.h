@@ -16,6 +16,7 @@
 #include <unistd.h>
 #include <fcntl.h>
 #include <errno.h>
+#include <sys/syscall.h>
 
 #include <event2/event.h>
 #include <event2/buffer.h>
@@ -50,6 +51,15 @@ static inline int proxyctl_socket_error(int fd) {
     if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) return errno;
     return err;
 }
+
+// splice(2), pipe2(2) and F_SETPIPE_SZ are declared only under _GNU_SOURCE, which must not be set before
+// the socket headers (see the top of this file): call them through syscall(2).
+// Moves up to `length` bytes between a socket and a pipe without copying them through user space.
+static inline long proxyctl_splice(int from, int to, size_t length) {
+    return syscall(SYS_splice, from, NULL, to, NULL, length, 1u /* SPLICE_F_MOVE */ | 2u /* SPLICE_F_NONBLOCK */);
+}
+static inline int proxyctl_pipe(int fds[2]) { return (int)syscall(SYS_pipe2, fds, O_NONBLOCK | O_CLOEXEC); }
+static inline int proxyctl_set_pipe_size(int fd, int size) { return fcntl(fd, 1031 /* F_SETPIPE_SZ */, size); }
 
 // glibc defines EAI_NODATA (a name with no addresses) only under _GNU_SOURCE, which must not be set
 // before the socket headers above (see the top of this file).

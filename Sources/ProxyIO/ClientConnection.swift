@@ -13,13 +13,13 @@ final class ClientConnection: ServerConnection, InterceptOwner {
         /// Waiting for or parsing a request head. -> `.connecting` (tunnel or forward), `.forwarding` (reused
         /// upstream), `.closing` (an answer of ours that ends the connection), stays on keep-alive answers.
         case readingHead
-        /// Resolving and connecting to the next hop. -> `.upstreamHandshake`, `.tunnel`, `.forwarding`, `.closing`.
+        /// Resolving and connecting to the next hop. -> `.upstreamHandshake`, `.forwarding`, `.closing`, or closed
+        /// when a `SpliceTunnel` takes the sockets over.
         case connecting
-        /// CONNECT sent to the upstream proxy, reading its answer. -> `.tunnel` or `.closing`.
+        /// CONNECT sent to the upstream proxy, reading its answer. -> a `SpliceTunnel`, or `.closing`.
         case upstreamHandshake
-        /// Bytes relayed both ways unchanged until both sides have closed. -> closed.
-        case tunnel
-        /// A request and its response in flight. -> `.readingHead` (keep-alive), `.closing`, `.tunnel` (101).
+        /// A request and its response in flight. -> `.readingHead` (keep-alive), `.closing`, a `SpliceTunnel`
+        /// (101).
         case forwarding
         /// A request to a protected http:// origin in flight (`intercepted`). -> `.readingHead`, `.closing`.
         case intercepting
@@ -46,7 +46,7 @@ final class ClientConnection: ServerConnection, InterceptOwner {
     private var parser: HTTPHeadParser
     private var pending: Pending?
     private var exchange: Exchange?
-    private var tunnel: TunnelState?
+    private var tunnel: TunnelInfo?
     private var resolveTimer: LoopTimer?
     private var addresses: [SocketAddress] = []
     private var addressIndex = 0
@@ -96,23 +96,10 @@ final class ClientConnection: ServerConnection, InterceptOwner {
         }
     }
 
-    /// State of a blind tunnel.
-    final class TunnelState {
+    /// What a tunnel being set up is for (the `SpliceTunnel` logs it).
+    struct TunnelInfo {
         let target: String
-        let started: Int64
-        var bytesUp = 0
-        var bytesDown = 0
-        var lastActivity: Int64
-        var clientEOF = false
-        var upstreamEOF = false
-        var clientShutDown = false
-        var upstreamShutDown = false
-
-        init(target: String) {
-            self.target = target
-            self.started = EventLoop.monotonicMilliseconds()
-            self.lastActivity = started
-        }
+        let started = EventLoop.monotonicMilliseconds()
     }
 
     init(server: ProxyServer, id: UInt64, fd: Int32, peer: String) {
@@ -136,8 +123,6 @@ final class ClientConnection: ServerConnection, InterceptOwner {
         switch phase {
         case .readingHead:
             readHeads()
-        case .tunnel:
-            relay(fromClient: true)
         case .forwarding:
             if let exchange, !exchange.requestDone {
                 pumpRequestBody(exchange)
@@ -158,8 +143,6 @@ final class ClientConnection: ServerConnection, InterceptOwner {
         switch phase {
         case .closing:
             if Buffers.length(bufferevent_get_output(client)) == 0 { close() }
-        case .tunnel:
-            tunnelWritable(toClient: true)
         case .forwarding:
             // The client caught up: let the response flow again.
             if let upstream { bufferevent_enable(upstream, Int16(EV_READ)) }
@@ -179,9 +162,6 @@ final class ClientConnection: ServerConnection, InterceptOwner {
         if what & Int32(BEV_EVENT_EOF) != 0 && what & Int32(BEV_EVENT_ERROR) == 0 {
             clientEOF = true
             switch phase {
-            case .tunnel:
-                tunnel?.clientEOF = true
-                tunnelWritable(toClient: false)
             case .forwarding:
                 // A client may shut down its sending side after the request; the response still goes back.
                 if let exchange, !exchange.requestDone { abort("client closed during the request body") }
@@ -215,8 +195,6 @@ final class ClientConnection: ServerConnection, InterceptOwner {
             } else {
                 close()
             }
-        case .tunnel:
-            tunnelIdle()
         case .forwarding:
             if let exchange, EventLoop.monotonicMilliseconds() - lastIOActivity < Int64(server.settings.idleTimeout) {
                 _ = exchange
@@ -281,7 +259,7 @@ final class ClientConnection: ServerConnection, InterceptOwner {
             respond(response, headRequest: head.method == "HEAD")
         case .tunnel(let target, let upstream):
             pending = .tunnel(target: target, upstream: upstream)
-            tunnel = TunnelState(target: target.description)
+            tunnel = TunnelInfo(target: target.description)
             startConnect(to: upstream?.address ?? target)
         case .interceptTunnel(let origin):
             startInterception(origin)
@@ -587,98 +565,45 @@ final class ClientConnection: ServerConnection, InterceptOwner {
 
     // MARK: - Tunnel
 
+    /// The next hop is ready: hand both sockets to a `SpliceTunnel`, with whatever the bufferevents still
+    /// hold (our "200 Connection established", bytes the client sent early, bytes after an upstream proxy's
+    /// answer) as the first bytes of each direction.
     private func startTunnel() {
-        phase = .tunnel
+        guard let clientBev = client, let upstreamBev = upstream else { return abort("tunnel without two sides") }
+        let info = tunnel ?? TunnelInfo(target: upstreamKey?.description ?? "-")
+        let clientFD = bufferevent_getfd(clientBev)
+        let upstreamFD = bufferevent_getfd(upstreamBev)
+        // The bufferevents let go of their descriptors (setfd -1), so freeing them closes nothing. That also
+        // unfreezes their buffers, which can then be emptied.
+        bufferevent_setfd(clientBev, -1)
+        bufferevent_setfd(upstreamBev, -1)
+        let toClient = Self.take(bufferevent_get_output(clientBev)) + Self.take(bufferevent_get_input(upstreamBev))
+        let toUpstream = Self.take(bufferevent_get_output(upstreamBev)) + Self.take(bufferevent_get_input(clientBev))
+        bufferevent_free(clientBev)
+        client = nil
+        bufferevent_free(upstreamBev)
+        upstream = nil
+        upstreamKey = nil
         pending = nil
         exchange = nil
-        // The request parser's buffer is not needed any more; an idle tunnel should hold as little as possible.
-        parser = HTTPHeadParser(kind: .request, limits: server.settings.headLimits)
-        if tunnel == nil { tunnel = TunnelState(target: upstreamKey?.description ?? "-") }
-        var idle = timeval(milliseconds: server.settings.idleTimeout)
-        bufferevent_set_timeouts(client, &idle, &idle)
-        bufferevent_set_timeouts(upstream, &idle, &idle)
-        bufferevent_enable(client, Int16(EV_READ | EV_WRITE))
-        bufferevent_enable(upstream, Int16(EV_READ | EV_WRITE))
-        // Bytes the client sent right after its CONNECT (a TLS ClientHello, say) and bytes the upstream proxy
-        // sent after its answer go through first.
-        if Buffers.length(bufferevent_get_input(client)) > 0 { relay(fromClient: true) }
-        if Buffers.length(bufferevent_get_input(upstream)) > 0 { relay(fromClient: false) }
-        if clientEOF {
-            tunnel?.clientEOF = true
-            tunnelWritable(toClient: false)
-        }
+        tunnel = nil
+        let spliced = SpliceTunnel(
+            server: server, id: id, peer: peer, target: info.target, started: info.started, clientFD: clientFD,
+            upstreamFD: upstreamFD, toUpstream: toUpstream, toClient: toClient)
+        server.adopt(spliced)
+        phase = .closed
+        server.connectionClosed(self)
     }
 
-    /// Moves what one side sent to the other side, without copying, and pauses the sender when the receiver
-    /// falls behind (backpressure both ways).
-    private func relay(fromClient: Bool) {
-        guard let tunnel, let source = fromClient ? client : upstream, let destination = fromClient ? upstream : client
-        else { return }
-        let input = bufferevent_get_input(source)
-        let output = bufferevent_get_output(destination)
-        let count = Buffers.length(input)
-        if count == 0 { return }
-        evbuffer_add_buffer(output, input)
-        if fromClient { tunnel.bytesUp += count } else { tunnel.bytesDown += count }
-        tunnel.lastActivity = EventLoop.monotonicMilliseconds()
-        if Buffers.length(output) >= server.highWater {
-            bufferevent_disable(source, Int16(EV_READ))
-            bufferevent_setwatermark(destination, Int16(EV_WRITE), server.highWater / 2, 0)
-        }
-    }
-
-    /// The output toward one side drained (below the low-water mark, or empty).
-    private func tunnelWritable(toClient: Bool) {
-        guard let tunnel, let destination = toClient ? client : upstream, let source = toClient ? upstream : client
-        else { return }
-        let sourceEOF = toClient ? tunnel.upstreamEOF : tunnel.clientEOF
-        let output = bufferevent_get_output(destination)
-        if !sourceEOF {
-            bufferevent_enable(source, Int16(EV_READ))
-            return
-        }
-        // Half-close: the source finished; once its bytes are delivered, pass the FIN on.
-        if Buffers.length(output) > 0 {
-            bufferevent_setwatermark(destination, Int16(EV_WRITE), 0, 0)
-            return
-        }
-        if toClient {
-            if !tunnel.clientShutDown {
-                tunnel.clientShutDown = true
-                shutdown(bufferevent_getfd(destination), Int32(SHUT_WR))
-            }
-        } else if !tunnel.upstreamShutDown {
-            tunnel.upstreamShutDown = true
-            shutdown(bufferevent_getfd(destination), Int32(SHUT_WR))
-        }
-        if tunnel.clientEOF && tunnel.upstreamEOF && tunnel.clientShutDown && tunnel.upstreamShutDown {
-            finishTunnel(reason: nil)
-        }
-    }
-
-    private func tunnelIdle() {
-        guard let tunnel else { return close() }
-        let idleFor = EventLoop.monotonicMilliseconds() - tunnel.lastActivity
-        if idleFor < Int64(server.settings.idleTimeout) {
-            // Traffic went the other way recently: this side is quiet, not the tunnel.
-            if !tunnel.clientEOF { bufferevent_enable(client, Int16(EV_READ)) }
-            if !tunnel.upstreamEOF { bufferevent_enable(upstream, Int16(EV_READ)) }
-            bufferevent_enable(client, Int16(EV_WRITE))
-            bufferevent_enable(upstream, Int16(EV_WRITE))
-            return
-        }
-        finishTunnel(reason: "idle timeout")
-    }
-
-    private func finishTunnel(reason: String?) {
-        if let tunnel {
-            let duration = EventLoop.monotonicMilliseconds() - tunnel.started
-            server.logger.info(
-                "conn=\(id) client=\(peer) CONNECT \(tunnel.target) status=200 up=\(tunnel.bytesUp) down=\(tunnel.bytesDown) duration=\(LogText.duration(duration))"
-                    + (reason.map { " closed=\"\($0)\"" } ?? ""))
-            self.tunnel = nil
-        }
-        close()
+    /// Everything in `buffer`, removed from it. A bufferevent's buffers are frozen (the output at its front)
+    /// while it has a descriptor; call this after bufferevent_setfd(-1).
+    private static func take(_ buffer: OpaquePointer?) -> [UInt8] {
+        let count = Buffers.length(buffer)
+        guard count > 0 else { return [] }
+        var bytes = [UInt8](repeating: 0, count: count)
+        let taken = bytes.withUnsafeMutableBytes { evbuffer_remove(buffer, $0.baseAddress, count) }
+        precondition(taken == count, "a bufferevent buffer was still frozen")
+        return bytes
     }
 
     // MARK: - Forwarding
@@ -776,8 +701,6 @@ final class ClientConnection: ServerConnection, InterceptOwner {
         switch phase {
         case .upstreamHandshake:
             upstreamHandshakeReadable()
-        case .tunnel:
-            relay(fromClient: false)
         case .forwarding:
             if let exchange { readResponse(exchange) }
         case .readingHead, .closing:
@@ -790,8 +713,6 @@ final class ClientConnection: ServerConnection, InterceptOwner {
 
     func upstreamWritable() {
         switch phase {
-        case .tunnel:
-            tunnelWritable(toClient: false)
         case .forwarding:
             if let exchange, !exchange.requestDone { bufferevent_enable(client, Int16(EV_READ)) }
         default:
@@ -823,13 +744,6 @@ final class ClientConnection: ServerConnection, InterceptOwner {
         }
         let isEOF = what & Int32(BEV_EVENT_EOF) != 0 && what & Int32(BEV_EVENT_ERROR) == 0
         switch phase {
-        case .tunnel:
-            if isEOF {
-                tunnel?.upstreamEOF = true
-                tunnelWritable(toClient: true)
-            } else {
-                finishTunnel(reason: "upstream connection error")
-            }
         case .forwarding:
             guard let exchange else { return abort("upstream closed") }
             if isEOF && exchange.responseHeadDone && exchange.responseFraming == .untilClose {
@@ -880,8 +794,6 @@ final class ClientConnection: ServerConnection, InterceptOwner {
 
     private func upstreamTimedOut() {
         switch phase {
-        case .tunnel:
-            tunnelIdle()
         case .upstreamHandshake:
             let hop = upstreamKey ?? HostPort(host: "-", port: 0, kind: .name)
             connectFailed(status: 504, error: .httpResponseTimeout, hop: hop, message: "no answer to CONNECT")
@@ -1147,7 +1059,7 @@ final class ClientConnection: ServerConnection, InterceptOwner {
     private func switchProtocols(_ exchange: Exchange) {
         logExchange(exchange, note: "switched protocols")
         self.exchange = nil
-        tunnel = TunnelState(target: exchange.forward.url.authority.description)
+        tunnel = TunnelInfo(target: exchange.forward.url.authority.description)
         startTunnel()
     }
 
@@ -1186,9 +1098,6 @@ final class ClientConnection: ServerConnection, InterceptOwner {
         }
         if let exchange {
             logExchange(exchange, note: reason ?? "aborted")
-        } else if tunnel != nil {
-            finishTunnel(reason: reason)
-            return
         }
         close()
     }

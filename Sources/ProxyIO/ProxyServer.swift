@@ -76,6 +76,10 @@ public final class ProxyServer {
         dpopKeys[provider] = key
         return thumbprint == nil || key.thumbprint == thumbprint ? key : nil
     }
+    /// Pipes for splicing tunnel bytes.
+    let pipes = PipePool()
+    /// A buffer for tunnels that copy (where splice is not available).
+    var scratch = [UInt8](repeating: 0, count: 256 * 1024)
     /// The latest DPoP nonce of each protected origin, from every response (RFC 9449 §9).
     let resourceNonces = DPoPNonces()
     private var nextID: UInt64 = 0
@@ -200,8 +204,6 @@ public final class ProxyServer {
 
     // MARK: - Telling the user
 
-    /// Challenges already announced (origin, acr_values, max_age), so each is logged and notified once.
-    private var announcedStepUps: Set<String> = []
     private var lastSignInNotice: [String: Int64] = [:]
 
     /// A protected origin asked for a stronger sign-in (RFC 9470): record it for `proxyctl step-up` and
@@ -210,17 +212,21 @@ public final class ProxyServer {
         let pending = PendingStepUp(
             origin: origin.url, provider: origin.provider, acrValues: challenge["acr_values"],
             maxAge: challenge["max_age"].flatMap { Int($0) }, at: Int64(time(nil)))
-        let key = "\(pending.origin)|\(pending.acrValues ?? "")|\(pending.maxAge.map(String.init) ?? "")"
-        guard announcedStepUps.insert(key).inserted else { return }
+        // Announced once while it is pending; after `proxyctl step-up` cleared it, the same challenge is new.
+        let store = stateDirectory.map { StepUpStore(stateDirectory: $0) }
+        let alreadyPending = store?.load().contains {
+            $0.origin == pending.origin && $0.acrValues == pending.acrValues && $0.maxAge == pending.maxAge
+        }
+        if alreadyPending == true { return }
         var wanted: [String] = []
         if let acr = pending.acrValues { wanted.append("acr_values \(acr)") }
         if let maxAge = pending.maxAge { wanted.append("max_age \(maxAge)") }
         let message =
             "\(origin.url) requires a stronger sign-in\(wanted.isEmpty ? "" : " (\(wanted.joined(separator: ", ")))"); run: \(pending.command)"
         logger.warn("step-up: \(message)")
-        if let stateDirectory {
+        if let store {
             do {
-                try StepUpStore(stateDirectory: stateDirectory).record(pending)
+                try store.record(pending)
             } catch {
                 logger.error("cannot record the step-up challenge: \(error)")
             }

@@ -160,11 +160,13 @@ extension MessageSemantics {
             {
                 continue
             }
-            // A HEAD or 304 response keeps its Content-Length (it describes the would-be body).
-            if lowered == "content-length" && framing == .chunked { continue }
+            // A HEAD or 304 response keeps its Content-Length (it describes the would-be body). A body's length is
+            // written once below: duplicates, "+5", or a Connection option naming it must not reach the client.
+            if lowered == "content-length" && framing != .none { continue }
             text += "\(name): \(value)\r\n"
         }
         for (name, value) in extra { text += "\(name): \(value)\r\n" }
+        if case .contentLength(let length) = framing { text += "Content-Length: \(length)\r\n" }
         if framing == .chunked { text += "Transfer-Encoding: chunked\r\n" }
         if close { text += "Connection: close\r\n" }
         text += "\r\n"
