@@ -42,7 +42,7 @@ public final class Logger: @unchecked Sendable {
     }
 
     private func emit(_ level: LogLevel, _ message: String) {
-        var line = Self.timestamp()
+        var line = timestamp()
         line += " "
         line += level.description
         line += " "
@@ -62,19 +62,27 @@ public final class Logger: @unchecked Sendable {
         }
     }
 
+    /// The formatted second of the last line: most lines share their second with the one before.
+    private let lastSecond = Mutex<(seconds: Int, text: String)>((-1, ""))
+
     /// UTC, millisecond precision, without Foundation's formatter cost.
-    static func timestamp() -> String {
+    func timestamp() -> String {
         var now = timespec()
         clock_gettime(CLOCK_REALTIME, &now)
-        var parts = tm()
-        var seconds = now.tv_sec
-        gmtime_r(&seconds, &parts)
-        func pad(_ value: Int32, _ width: Int) -> String {
-            String(value).leftPadding(to: width)
+        let millis = Int(now.tv_nsec / 1_000_000)
+        let prefix = lastSecond.withLock { cached -> String in
+            if cached.seconds == now.tv_sec { return cached.text }
+            var parts = tm()
+            var seconds = now.tv_sec
+            gmtime_r(&seconds, &parts)
+            func pad(_ value: Int32, _ width: Int) -> String { String(value).leftPadding(to: width) }
+            let text =
+                "\(pad(parts.tm_year + 1900, 4))-\(pad(parts.tm_mon + 1, 2))-\(pad(parts.tm_mday, 2))T"
+                + "\(pad(parts.tm_hour, 2)):\(pad(parts.tm_min, 2)):\(pad(parts.tm_sec, 2))."
+            cached = (now.tv_sec, text)
+            return text
         }
-        let millis = Int32(now.tv_nsec / 1_000_000)
-        return "\(pad(parts.tm_year + 1900, 4))-\(pad(parts.tm_mon + 1, 2))-\(pad(parts.tm_mday, 2))T"
-            + "\(pad(parts.tm_hour, 2)):\(pad(parts.tm_min, 2)):\(pad(parts.tm_sec, 2)).\(pad(millis, 3))Z"
+        return prefix + (millis < 10 ? "00" : millis < 100 ? "0" : "") + String(millis) + "Z"
     }
 }
 

@@ -66,7 +66,8 @@ final class SpliceTunnel: ServerConnection {
         down = Direction(source: upstreamFD, destination: clientFD, head: toClient)
         let context = Unmanaged.passUnretained(self).toOpaque()
         for direction in [up, down] {
-            direction.readEvent = event_new(server.loop.base, direction.source, Int16(EV_READ | EV_PERSIST), tunnelReadCallback, context)
+            direction.readEvent = event_new(
+                server.loop.base, direction.source, Int16(EV_READ | EV_PERSIST), tunnelReadCallback, context)
             direction.writeEvent = event_new(
                 server.loop.base, direction.destination, Int16(EV_WRITE | EV_PERSIST), tunnelWriteCallback, context)
         }

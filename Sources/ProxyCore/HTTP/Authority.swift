@@ -117,28 +117,43 @@ public struct AbsoluteURL: Sendable, Equatable {
     /// Parses `scheme://authority[path][?query]`. A fragment, userinfo or a scheme other than http and https
     /// are errors.
     public static func parse(_ text: String) -> Result<AbsoluteURL, HTTPParseError> {
-        guard let schemeEnd = text.range(of: "://") else {
+        // Works on the UTF-8 bytes: this runs for every forwarded request.
+        let bytes = Array(text.utf8)
+        var schemeEnd = -1
+        var index = 0
+        while index + 2 < bytes.count {
+            if bytes[index] == ASCII.colon && bytes[index + 1] == UInt8(ascii: "/")
+                && bytes[index + 2] == UInt8(ascii: "/")
+            {
+                schemeEnd = index
+                break
+            }
+            index += 1
+        }
+        guard schemeEnd >= 0 else {
             return .failure(HTTPParseError(.malformed, "request target is not an absolute URL"))
         }
-        let scheme = text[..<schemeEnd.lowerBound].lowercased()
+        let schemeBytes = bytes[0..<schemeEnd].map(ASCII.lower)
+        let scheme: String
         let defaultPort: Int
-        switch scheme {
-        case "http": defaultPort = 80
-        case "https": defaultPort = 443
-        default:
-            return .failure(HTTPParseError(.malformed, "unsupported URL scheme \"\(ASCII.printable(scheme.utf8))\""))
+        if schemeBytes.elementsEqual("http".utf8) {
+            (scheme, defaultPort) = ("http", 80)
+        } else if schemeBytes.elementsEqual("https".utf8) {
+            (scheme, defaultPort) = ("https", 443)
+        } else {
+            return .failure(HTTPParseError(.malformed, "unsupported URL scheme \"\(ASCII.printable(schemeBytes))\""))
         }
-        let afterScheme = text[schemeEnd.upperBound...]
-        if afterScheme.contains("#") {
+        let rest = bytes[(schemeEnd + 3)...]
+        if rest.contains(UInt8(ascii: "#")) {
             return .failure(HTTPParseError(.malformed, "a request target must not contain a fragment"))
         }
-        let authorityEnd = afterScheme.firstIndex(where: { $0 == "/" || $0 == "?" }) ?? afterScheme.endIndex
-        let authorityText = afterScheme[..<authorityEnd]
+        let authorityEnd = rest.firstIndex { $0 == UInt8(ascii: "/") || $0 == UInt8(ascii: "?") } ?? rest.endIndex
+        let authorityText = Substring(decoding: rest[..<authorityEnd], as: UTF8.self)
         switch HostPort.parse(authorityText, defaultPort: defaultPort) {
         case .failure(let error):
             return .failure(error)
         case .success(let authority):
-            var path = String(afterScheme[authorityEnd...])
+            var path = String(decoding: rest[authorityEnd...], as: UTF8.self)
             if path.isEmpty || path.first == "?" { path = "/" + path }
             return .success(AbsoluteURL(scheme: scheme, authority: authority, pathAndQuery: path))
         }
