@@ -24,22 +24,37 @@ received, body size and SHA-256, the status answered, the verified claims and th
 only, never printed). Test controls: `reject_next(n)` answers the next n requests that carry an otherwise
 valid token with 401 invalid_token (forcing proxyctl's refresh-and-replay path), `revoke(jti)` rejects one
 token until the end.
+
+DPoP mode (`ResourceServer(..., dpop=True)`, RFC 9449 §7): a request may also come as `Authorization: DPoP
+<token>` with one `DPoP` proof, which `DPoPVerifier` checks with PyJWT/cryptography (not proxyctl's JOSE code):
+`typ` dpop+jwt, alg ES256, a public EC P-256 `jwk` without private members, the signature over that key,
+`htm` = the method, `htu` = the normalised request URL (https, Host field lower-case, default port left out,
+no query or fragment), `iat` within ±60 s, a `jti` never seen before, `ath` = base64url(SHA-256(token)), and
+the token's `cnf.jkt` = the proof key's RFC 7638 thumbprint. A DPoP-bound token sent as Bearer is refused.
+Nonces (RFC 9449 §9), per authority: with `rs.dpop.require_nonce = True` a proof without the current nonce
+gets 401 `WWW-Authenticate: DPoP error="use_dpop_nonce"` and `DPoP-Nonce`; with `rs.dpop.rotate_on_success`
+every 200 hands out the next nonce (the old one then fails); `rs.dpop.new_nonce(authority)` makes the
+client's nonce stale. Refusals in DPoP mode use the DPoP scheme (`error="invalid_token"`,
+`error="invalid_dpop_proof"`). Without `dpop=True` nothing changes: Bearer only, as above.
 """
 
 from __future__ import annotations
 
+import base64
 import datetime
 import hashlib
 import http.server
 import ipaddress
 import json
 import os
+import secrets
 import shutil
 import socket
 import socketserver
 import ssl
 import subprocess
 import threading
+import time
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,6 +234,169 @@ class Verifier:
             raise TokenError(str(error) or type(error).__name__) from None
 
 
+# MARK: - DPoP proofs (RFC 9449), verified with PyJWT and cryptography
+
+
+# JWK members that only a private key has (RFC 7518 §6.2.2, §6.3.2, §6.4.1).
+PRIVATE_JWK_MEMBERS = frozenset({"d", "p", "q", "dp", "dq", "qi", "oth", "k"})
+DPOP_MAX_SKEW = 60
+
+
+class DPoPError(Exception):
+    """A refused proof; `error` is the DPoP error code of the challenge (invalid_dpop_proof, use_dpop_nonce)."""
+
+    def __init__(self, message: str, error: str = "invalid_dpop_proof"):
+        super().__init__(message)
+        self.error = error
+
+
+def b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def jwk_thumbprint(jwk: dict) -> str:
+    """RFC 7638 SHA-256 thumbprint of a public JWK (EC or RSA): the required members, sorted, no spaces."""
+    required = {"EC": ("crv", "kty", "x", "y"), "RSA": ("e", "kty", "n"), "OKP": ("crv", "kty", "x")}[jwk["kty"]]
+    canonical = json.dumps({k: jwk[k] for k in required}, separators=(",", ":"), sort_keys=True)
+    return b64url(hashlib.sha256(canonical.encode()).digest())
+
+
+def ec_public_jwk(public_key) -> dict:
+    """The JWK of a P-256 public key (RFC 7518 §6.2.1: x and y padded to 32 bytes)."""
+    numbers = public_key.public_numbers()
+    return {"kty": "EC", "crv": "P-256", "x": b64url(numbers.x.to_bytes(32, "big")),
+            "y": b64url(numbers.y.to_bytes(32, "big"))}
+
+
+def key_file_thumbprint(path: Path) -> str:
+    """The RFC 7638 thumbprint of the EC private key in a PEM file (proxyctl's DPoP key file)."""
+    key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+    return jwk_thumbprint(ec_public_jwk(key.public_key()))
+
+
+def access_token_hash(token: str) -> str:
+    """RFC 9449 §4.2 `ath`: base64url(SHA-256(ASCII(token)))."""
+    return b64url(hashlib.sha256(token.encode("ascii")).digest())
+
+
+def normalized_htu(url: str) -> str:
+    """The `htu` a proof for `url` must carry (RFC 9449 §4.3, RFC 3986 §6.2.2-6.2.3): scheme and host
+    lower-case, the scheme's default port left out, an empty path as /, no query, no fragment."""
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    host = (parts.hostname or "").lower()
+    if ":" in host:
+        host = f"[{host}]"
+    port = parts.port
+    authority = host if port is None or port == {"https": 443, "http": 80}.get(scheme) else f"{host}:{port}"
+    return f"{scheme}://{authority}{parts.path or '/'}"
+
+
+@dataclass
+class Proof:
+    """A verified DPoP proof."""
+    raw: str = field(repr=False)
+    header: dict
+    claims: dict
+    jkt: str
+
+    @property
+    def jti(self) -> str:
+        return self.claims["jti"]
+
+    @property
+    def nonce(self) -> str | None:
+        return self.claims.get("nonce")
+
+
+def verify_dpop_proof(proof: str, method: str, url: str, access_token: str | None = None,
+                      now: float | None = None, max_skew: int = DPOP_MAX_SKEW) -> Proof:
+    """Checks one proof as RFC 9449 §4.3 says, except the stateful parts (jti replay, nonce): DPoPVerifier.
+    With `access_token`, `ath` must bind it; without, there must be no `ath` (a token request)."""
+    try:
+        header = jwt.get_unverified_header(proof)
+    except jwt.PyJWTError as error:
+        raise DPoPError(f"not a JWS: {error}") from None
+    if header.get("typ") != "dpop+jwt":
+        raise DPoPError(f"typ is {header.get('typ')!r}, not dpop+jwt")
+    if header.get("alg") != "ES256":
+        raise DPoPError(f"alg is {header.get('alg')!r}, not ES256")
+    jwk = header.get("jwk")
+    if not isinstance(jwk, dict):
+        raise DPoPError("no jwk in the header")
+    leaked = sorted(PRIVATE_JWK_MEMBERS & set(jwk))
+    if leaked:
+        raise DPoPError(f"the jwk has private members {leaked}")
+    if jwk.get("kty") != "EC" or jwk.get("crv") != "P-256":
+        raise DPoPError(f"the jwk is {jwk.get('kty')}/{jwk.get('crv')}, not EC/P-256")
+    try:
+        key = jwt.PyJWK(jwk, algorithm="ES256").key
+        claims = jwt.decode(proof, key, algorithms=["ES256"],
+                            options={"verify_aud": False, "verify_iat": False, "verify_exp": False,
+                                     "verify_nbf": False, "require": ["jti", "htm", "htu", "iat"]})
+    except jwt.PyJWTError as error:
+        raise DPoPError(f"bad proof: {error}") from None
+    if claims["htm"] != method:
+        raise DPoPError(f"htm {claims['htm']!r} is not the method {method!r}")
+    expected = normalized_htu(url)
+    if claims["htu"] != expected:
+        raise DPoPError(f"htu {claims['htu']!r} is not {expected!r}")
+    iat = claims["iat"]
+    now = time.time() if now is None else now
+    if not isinstance(iat, int) or isinstance(iat, bool) or abs(now - iat) > max_skew:
+        raise DPoPError(f"iat {iat!r} is not within {max_skew}s of now")
+    if not isinstance(claims["jti"], str) or len(claims["jti"]) < 16:
+        raise DPoPError("jti is too short to be unique")
+    if access_token is not None:
+        if claims.get("ath") != access_token_hash(access_token):
+            raise DPoPError("ath does not match the access token")
+    elif "ath" in claims:
+        raise DPoPError("ath in a proof that goes with no access token")
+    return Proof(proof, header, claims, jwk_thumbprint(jwk))
+
+
+class DPoPVerifier:
+    """Proofs with replay detection (every jti once) and server nonces per authority (RFC 9449 §9)."""
+
+    def __init__(self, max_skew: int = DPOP_MAX_SKEW):
+        self.max_skew = max_skew
+        self.lock = threading.Lock()
+        self.jtis: set[str] = set()
+        self.require_nonce = False
+        self.rotate_on_success = False
+        self.nonces: dict[str, str] = {}          # authority -> the nonce accepted now
+        self.issued: list[str] = []               # every nonce handed out (for the tests' secret scans)
+        self.proofs: list[str] = []               # every proof received (likewise)
+
+    def new_nonce(self, authority: str) -> str:
+        """A new current nonce for `authority`; the previous one stops working."""
+        nonce = secrets.token_urlsafe(24)
+        with self.lock:
+            self.nonces[authority.lower()] = nonce
+            self.issued.append(nonce)
+        return nonce
+
+    def current_nonce(self, authority: str) -> str:
+        with self.lock:
+            nonce = self.nonces.get(authority.lower())
+        return nonce or self.new_nonce(authority)
+
+    def check(self, proof: str, method: str, url: str, authority: str, access_token: str | None = None) -> Proof:
+        with self.lock:
+            self.proofs.append(proof)
+        verified = verify_dpop_proof(proof, method, url, access_token, max_skew=self.max_skew)
+        with self.lock:
+            if verified.jti in self.jtis:
+                raise DPoPError(f"jti {verified.jti!r} was used before (a replayed proof)")
+            self.jtis.add(verified.jti)
+        if self.require_nonce:
+            current = self.current_nonce(authority)
+            if verified.nonce != current:
+                raise DPoPError("a fresh nonce is needed" if verified.nonce else "a nonce is needed",
+                                error="use_dpop_nonce")
+        return verified
+
+
 # MARK: - The server
 
 
@@ -236,6 +414,10 @@ class Seen:
     claims: dict | None = None
     token: str | None = field(default=None, repr=False)
     error: str | None = None
+    scheme: str | None = None                 # the Authorization scheme, lower-case
+    proof: Proof | None = None                # DPoP mode: the verified proof
+    dpop_error: str | None = None             # DPoP mode: the DPoP error code of a refusal
+    response_headers: list[tuple[str, str]] = field(default_factory=list)  # extra fields of the answer
 
     def header(self, name: str) -> str | None:
         for key, value in self.headers:
@@ -343,14 +525,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             verdict = rs._check(seen)
             if verdict is not None:
                 seen.status = 401
-                self._json(401, {"error": "invalid_token" if seen.token else "no_token"},
-                           headers=[("WWW-Authenticate", verdict)])
+                self._json(401, {"error": seen.dpop_error or ("invalid_token" if seen.token else "no_token")},
+                           headers=[("WWW-Authenticate", verdict), *seen.response_headers])
                 return
+            if rs.dpop is not None and seen.proof is not None and rs.dpop.rotate_on_success:
+                # RFC 9449 §8.2: the next nonce may come with any response, 200s included.
+                seen.response_headers.append(("DPoP-Nonce", rs.dpop.new_nonce(seen.host or "")))
         info = {"method": self.command, "path": self.path, "host": self.headers.get("Host"),
                 "body_size": seen.body_size, "body_sha256": seen.body_sha256,
                 "authorization": self.headers.get("Authorization") is not None}
         if seen.claims:
             info.update({k: seen.claims.get(k) for k in ("sub", "jti", "iss", "aud", "scope", "client_id")})
+        if seen.proof is not None:
+            info.update({"token_type": "DPoP", "dpop_jkt": seen.proof.jkt, "proof_jti": seen.proof.jti})
         parts = url.path.strip("/").split("/")
         if is_git:
             seen.status = rs._git(self, url, body)
@@ -360,10 +547,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         elif parts[0] == "redirect":
             target = urllib.parse.parse_qs(url.query).get("to", ["https://elsewhere.test/"])[0]
             seen.status = 302
-            self._send(302, b"redirecting\n", "text/plain", headers=[("Location", target)])
+            self._send(302, b"redirecting\n", "text/plain", headers=[("Location", target), *seen.response_headers])
         else:
             seen.status = 200
-            self._json(200, info)
+            self._json(200, info, headers=seen.response_headers)
 
     def _download(self, size: int):
         self.send_response(200)
@@ -415,10 +602,12 @@ class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
 class ResourceServer:
     """See the module docstring."""
 
-    def __init__(self, workdir: Path, hosts: list[str], label: str = "api", require_token: bool = True):
+    def __init__(self, workdir: Path, hosts: list[str], label: str = "api", require_token: bool = True,
+                 dpop: bool = False):
         self.workdir = workdir
         self.hosts = list(hosts)
         self.require_token = require_token
+        self.dpop: DPoPVerifier | None = DPoPVerifier() if dpop else None
         self.identity = ServerIdentity.make(workdir / "tls", label, self.hosts)
         self.verifier = Verifier()
         self.lock = threading.Lock()
@@ -483,8 +672,13 @@ class ResourceServer:
         realm = 'Bearer realm="api"'
         authorization = seen.header("Authorization")
         if authorization is None:
+            if self.dpop is not None:
+                return realm + ', DPoP algs="ES256"'
             return realm  # RFC 6750 §3.1: no error code when the request had no credentials
         scheme, _, token = authorization.partition(" ")
+        seen.scheme = scheme.lower()
+        if self.dpop is not None and seen.scheme == "dpop" and token.strip():
+            return self._check_dpop(seen, token.strip())
         if scheme.lower() != "bearer" or not token.strip():
             seen.error = "not a Bearer token"
             return realm + ', error="invalid_token", error_description="not a Bearer token"'
@@ -494,6 +688,14 @@ class ResourceServer:
         except TokenError as error:
             seen.error = str(error)
             return realm + f', error="invalid_token", error_description="{_quote(str(error))}"'
+        if self.dpop is not None and isinstance(seen.claims.get("cnf"), dict):
+            # RFC 9449 §7.1: a DPoP-bound token is not accepted as a Bearer token.
+            seen.error = "a DPoP-bound token sent as Bearer"
+            return realm + f', error="invalid_token", error_description="{seen.error}"'
+        return self._test_rejections(seen, realm)
+
+    def _test_rejections(self, seen: Seen, challenge: str) -> str | None:
+        """The test's own refusals (revoked jti, reject_next) of an otherwise good request."""
         with self.lock:
             if seen.claims.get("jti") in self.revoked:
                 seen.error = "revoked"
@@ -501,8 +703,40 @@ class ResourceServer:
                 self._reject -= 1
                 seen.error = "rejected by the test"
         if seen.error:
-            return realm + f', error="invalid_token", error_description="{seen.error}"'
+            return challenge + f', error="invalid_token", error_description="{seen.error}"'
         return None
+
+    def _check_dpop(self, seen: Seen, token: str) -> str | None:
+        """RFC 9449 §7.1: a DPoP token with exactly one valid proof bound to it."""
+        challenge = 'DPoP algs="ES256"'
+        seen.token = token
+        proofs = seen.header_values("DPoP")
+        if len(proofs) != 1:
+            seen.error, seen.dpop_error = f"{len(proofs)} DPoP fields, not one", "invalid_dpop_proof"
+            return challenge + f', error="invalid_dpop_proof", error_description="{seen.error}"'
+        try:
+            seen.claims = self.verifier.verify(token)
+        except TokenError as error:
+            seen.error, seen.dpop_error = str(error), "invalid_token"
+            return challenge + f', error="invalid_token", error_description="{_quote(str(error))}"'
+        authority = seen.host or ""
+        url = f"https://{authority}{seen.path}"
+        try:
+            seen.proof = self.dpop.check(proofs[0], seen.method, url, authority, access_token=token)
+        except DPoPError as error:
+            seen.error, seen.dpop_error = str(error), error.error
+            if error.error == "use_dpop_nonce":
+                seen.response_headers.append(("DPoP-Nonce", self.dpop.current_nonce(authority)))
+            return challenge + f', error="{error.error}", error_description="{_quote(str(error))}"'
+        cnf = seen.claims.get("cnf")
+        bound = cnf.get("jkt") if isinstance(cnf, dict) else None
+        if bound != seen.proof.jkt:
+            seen.error, seen.dpop_error = f"cnf.jkt {bound!r} is not the proof key's thumbprint", "invalid_token"
+            return challenge + f', error="invalid_token", error_description="{_quote(seen.error)}"'
+        verdict = self._test_rejections(seen, challenge)
+        if verdict is not None:
+            seen.dpop_error = "invalid_token"
+        return verdict
 
     # --- git
 
