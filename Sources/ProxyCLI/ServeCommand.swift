@@ -125,6 +125,7 @@ enum ServeCommand {
             logger.info("protected origin \(origin.url): tokens from provider \(origin.provider)")
         }
         loop.run()
+        server.removeServeState()
         return ExitCode.success
     }
 

@@ -113,6 +113,24 @@ enum StatusCommand {
             if !usable { text.append("  next step:     proxyctl login \(provider.name)") }
             reports.append(.object(object))
         }
+        let serving = ServeState.running(stateDirectory: stateDirectory)
+        if let serving {
+            text.append("")
+            text.append(
+                "proxyctl serve is running (pid \(serving.pid), listening on http://\(serving.listen), started \(HumanTime.describe(serving.startedAt, now: now)))"
+            )
+            for (url, counts) in serving.origins.sorted(by: { $0.key < $1.key }) {
+                var parts = ["\(counts.requests) request(s)", "token attached \(counts.tokenAttached)"]
+                if counts.clientAuthorizationKept > 0 {
+                    parts.append("client's own Authorization kept \(counts.clientAuthorizationKept)")
+                }
+                if counts.refreshed > 0 { parts.append("refreshed and replayed \(counts.refreshed)") }
+                if counts.nonceRetried > 0 { parts.append("DPoP nonce retries \(counts.nonceRetried)") }
+                if counts.stepUps > 0 { parts.append("step-ups \(counts.stepUps)") }
+                if counts.answeredByProxy > 0 { parts.append("answered by the proxy \(counts.answeredByProxy)") }
+                text.append("  \(url): \(parts.joined(separator: ", "))")
+            }
+        }
         let stepUps = StepUpStore(stateDirectory: stateDirectory).load().filter { pending in
             providers.contains { $0.name == pending.provider }
         }
@@ -130,6 +148,7 @@ enum StatusCommand {
         }
         if arguments.flag("json") {
             var document = JSONObject([("providers", .array(reports))])
+            if let serving { document["serve"] = serving.json }
             document["pending_step_ups"] = .array(
                 stepUps.map { pending in
                     var object = JSONObject([

@@ -530,6 +530,19 @@ final class InterceptedExchange {
     }
 
     private func log(note: String?) {
+        let keptClient = begun && machine == nil
+        let attached = tokens != nil && machine != nil
+        let answered = !delivering && deliveredStatus != 0
+        let (refreshed, nonceRetried, stepUp) = (self.refreshed, self.nonceRetried, machine?.stepUp != nil)
+        server.count(origin: origin.url) { counts in
+            counts.requests += 1
+            if keptClient { counts.clientAuthorizationKept += 1 }
+            if attached { counts.tokenAttached += 1 }
+            if refreshed { counts.refreshed += 1 }
+            if nonceRetried { counts.nonceRetried += 1 }
+            if stepUp { counts.stepUps += 1 }
+            if answered { counts.answeredByProxy += 1 }
+        }
         guard server.logger.enabled(.info) else { return }
         let duration = EventLoop.monotonicMilliseconds() - started
         var line =

@@ -124,6 +124,7 @@ public final class ProxyServer {
         boundAddress = bound
         frontDoor.boundAddress = bound
         installSignals()
+        startServeState()
         return bound
     }
 
@@ -201,6 +202,49 @@ public final class ProxyServer {
     }
 
     private var acceptRetryTimer: LoopTimer?
+
+    // MARK: - State for `proxyctl status`
+
+    private var serveState: ServeState?
+    private var serveStateDirty = false
+    private var serveStateTimer: LoopTimer?
+
+    /// Counts an intercepted exchange for `proxyctl status`.
+    func count(origin: String, _ update: (inout ServeState.OriginCounts) -> Void) {
+        guard serveState != nil else { return }
+        update(&serveState!.origins[origin, default: ServeState.OriginCounts()])
+        serveStateDirty = true
+    }
+
+    private func startServeState() {
+        guard stateDirectory != nil, !frontDoor.origins.isEmpty else { return }
+        var state = ServeState(pid: getpid(), listen: boundAddress.description, startedAt: Int64(time(nil)))
+        for origin in frontDoor.origins.origins { state.origins[origin.url] = ServeState.OriginCounts() }
+        serveState = state
+        writeServeState()
+        let timer = LoopTimer(loop: loop) { [unowned self] in
+            if serveStateDirty { writeServeState() }
+            serveStateTimer?.schedule(milliseconds: 5000)
+        }
+        timer.schedule(milliseconds: 5000)
+        serveStateTimer = timer
+    }
+
+    private func writeServeState() {
+        guard let serveState, let stateDirectory else { return }
+        serveStateDirty = false
+        do {
+            try serveState.save(stateDirectory: stateDirectory)
+        } catch {
+            logger.warn("cannot write \(ServeState.path(stateDirectory: stateDirectory)): \(error)")
+        }
+    }
+
+    /// Removes serve.json when the proxy stops.
+    public func removeServeState() {
+        guard serveState != nil, let stateDirectory else { return }
+        unlink(ServeState.path(stateDirectory: stateDirectory))
+    }
 
     // MARK: - Telling the user
 

@@ -978,6 +978,15 @@ def test_client_authorization_keep_forwards_the_clients_own(main, rs):
     [seen] = rs.since(seen_mark)
     assert seen.header_values("Authorization") == ["Basic " + base64.b64encode(b"someone:secret").decode()]
 
+    # Counted in status: the running proxy reports how often a client's own Authorization was kept.
+    def kept_count():
+        status = json.loads(main.ws.cli("status", "--json").stdout)
+        counts = status.get("serve", {}).get("origins", {}).get(rs.url("").rstrip("/"), {})
+        return counts.get("client_authorization_kept", 0)
+    support.poll(lambda: kept_count() >= 2, 15, message="serve.json to count the kept Authorization fields")
+    text = main.ws.cli("status").stdout
+    assert "proxyctl serve is running" in text and "client's own Authorization kept" in text, text
+
 
 def test_client_authorization_replace_attaches_the_proxys_token(main, rs):
     mark, seen_mark = main.proxy.mark(), rs.mark()

@@ -139,7 +139,10 @@ extension MessageSemantics {
             case "content-length": length = UInt64(value.trimmingOWS())
             case "transfer-encoding": chunkedUpstream = true
             case "connection":
-                options += value.split(separator: ",").map { $0.trimmingOWS().lowercased() }
+                // Bytes and ASCII case folding, as the client reads them (see `HTTPHead.listElements`).
+                options += value.utf8.split(separator: UInt8(ascii: ",")).map {
+                    String(decoding: $0.map(ASCII.lower), as: UTF8.self).trimmingOWS()
+                }
             default: break
             }
         }

@@ -18,11 +18,12 @@ public struct ProxyCredentials: Sendable, Equatable {
             var line = Substring(raw)
             if line.last == "\r" { line = line.dropLast() }
             if line.trimmingOWS().isEmpty || line.hasPrefix("#") { continue }
-            guard let colon = line.firstIndex(of: ":"), colon > line.startIndex else {
+            // The first colon byte, as `check` (RFC 7617) splits: ":" and a combining mark are one Character.
+            guard let colon = line.utf8.firstIndex(of: UInt8(ascii: ":")), colon > line.startIndex else {
                 return .failure(ConfigError(file: file, line: offset + 1, "expected user:password"))
             }
             let user = String(line[..<colon])
-            let password = Array(line[line.index(after: colon)...].utf8)
+            let password = Array(line.utf8[line.utf8.index(after: colon)...])
             guard !password.isEmpty else {
                 return .failure(ConfigError(file: file, line: offset + 1, "empty password for user \"\(user)\""))
             }
