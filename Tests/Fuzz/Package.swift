@@ -8,7 +8,11 @@ import PackageDescription
 let rootIdentity = URL(fileURLWithPath: Context.packageDirectory)
     .deletingLastPathComponent().deletingLastPathComponent().lastPathComponent.lowercased()
 
-let fuzzTargets = ["FuzzHTTPRequestHead", "FuzzHTTPResponseHead", "FuzzChunked", "FuzzConfig", "FuzzAuthority"]
+let fuzzTargets = [
+    "FuzzHTTPRequestHead", "FuzzHTTPResponseHead", "FuzzChunked", "FuzzConfig", "FuzzAuthority", "FuzzJSON",
+    "FuzzChallenge",
+    "FuzzInterceptSemantics",
+]
 
 let package = Package(
     name: "ProxyCoreFuzz",

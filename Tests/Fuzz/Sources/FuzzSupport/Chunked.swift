@@ -19,6 +19,14 @@ public func fuzzChunked(_ data: UnsafeBufferPointer<UInt8>) {
             "chunked scan depends on how the input is split (\(split), skipData by hand: \(skip)):\n  whole: \(whole)\n  split: \(other)"
         )
     }
+    // A reader that decodes the body: scanFraming up to the data, then the data taken by hand.
+    for split in [Split.whole, .mixed(salt: 4), .tiny(salt: 5)] {
+        let decoded = scanDecoding(input, split: split)
+        invariant(
+            decoded == whole,
+            "scanFraming and skipData disagree with scan (\(split)):\n  scan:        \(whole)\n  scanFraming: \(decoded)"
+        )
+    }
     if case .done(let end, let dataBytes) = whole {
         invariant(dataBytes <= UInt64(end), "more data bytes than bytes consumed")
         // The body is exactly the bytes up to `end`: scanning just those ends at the same place.
@@ -60,6 +68,40 @@ private func scanChunked(_ input: [UInt8], split: Split, skipByHand: Bool) -> Ch
                 return .failed(error.code)
             }
             return .failed(error.code)
+        }
+    }
+    invariant(!scanner.isFinished, "finished without saying done")
+    return .needMore(dataBytes: scanner.dataBytes, pendingData: scanner.pendingData)
+}
+
+/// Reads `input` the way a decoding reader does: `scanFraming` while there is no chunk data pending, which
+/// must stop exactly where data starts or the body ends, then `skipData` for the data bytes.
+private func scanDecoding(_ input: [UInt8], split: Split) -> ChunkedResult {
+    var scanner = ChunkedScanner()
+    for piece in split.pieces(of: input) {
+        var offset = piece.lowerBound
+        while offset < piece.upperBound {
+            if scanner.pendingData > 0 {
+                let take = Int(min(scanner.pendingData, UInt64(piece.upperBound - offset)))
+                scanner.skipData(take)
+                offset += take
+                continue
+            }
+            let given = piece.upperBound - offset
+            let (taken, outcome) = input.withRawBytes(offset..<piece.upperBound) { scanner.scanFraming($0) }
+            invariant(taken >= 1 && taken <= given, "scanFraming took \(taken) of \(given) bytes")
+            switch outcome {
+            case .needMore:
+                invariant(taken == given || scanner.pendingData > 0, "scanFraming stopped before data or the end")
+                invariant(!scanner.isFinished, "needMore from a finished scanner")
+                offset += taken
+            case .done(let consumed):
+                invariant(consumed == taken && scanner.isFinished, "scanFraming done after \(consumed) of \(taken)")
+                return .done(end: offset + taken, dataBytes: scanner.dataBytes)
+            case .failed(let error):
+                invariant(error.code == .badChunk, "chunked body failed with \(error.code)")
+                return .failed(error.code)
+            }
         }
     }
     invariant(!scanner.isFinished, "finished without saying done")

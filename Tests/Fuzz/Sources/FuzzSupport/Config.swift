@@ -63,6 +63,22 @@ private func checkConfig(_ config: String, lineCount: Int) -> ConfigSummary {
         invariant((1024...(16 << 20)).contains(proxy.headLimits.maxHeadBytes), "max_header_bytes out of range")
         invariant((8...10_000).contains(proxy.headLimits.maxFields), "max_headers out of range")
         invariant((1...1_000_000).contains(proxy.maxConnections), "max_connections out of range")
+        invariant((0...(1 << 30)).contains(proxy.replayMemory), "replay_memory out of range")
+        invariant((0...(1 << 40)).contains(proxy.replaySpool), "replay_spool out of range")
+        for (host, address) in proxy.resolve {
+            guard case .success(let parsedHost) = HostPort.parse(host[...], defaultPort: 1) else {
+                invariant(false, "resolve host \(host.debugDescription)")
+                continue
+            }
+            invariant(parsedHost.kind == .name && parsedHost.host == host, "resolve host \(host) is not normalised")
+            invariant(IPAddress.parse(address) != nil, "resolve address \(address.debugDescription)")
+        }
+        if let words = proxy.notifyCommand {
+            invariant(
+                !words.isEmpty && words.allSatisfy { !$0.isEmpty && !$0.contains(" ") }, "notify_command \(words)")
+        }
+        checkProviders(parsed.providers)
+        checkOrigins(parsed.origins, providers: parsed.providers)
         return .success(parsed)
     case .failure(let errors):
         invariant(!errors.errors.isEmpty, "failure without errors")
@@ -77,6 +93,76 @@ private func checkConfig(_ config: String, lineCount: Int) -> ConfigSummary {
             invariant(!error.description.isEmpty, "empty error message")
         }
         return .failure(errors.errors)
+    }
+}
+
+/// Authorization parameters that `param.NAME` must not override.
+private let reservedParameters: Set<String> = [
+    "client_id", "response_type", "redirect_uri", "scope", "state", "nonce", "code_challenge",
+    "code_challenge_method", "request_uri", "dpop_jkt", "client_secret",
+]
+
+private func checkProviders(_ providers: [ProviderConfig]) {
+    var names = Set<String>()
+    for provider in providers {
+        invariant(names.insert(provider.name).inserted, "provider \(provider.name) twice")
+        invariant(
+            !provider.name.isEmpty && provider.name.count <= 64 && !provider.name.hasPrefix(".")
+                && provider.name.utf8.allSatisfy {
+                    ($0 >= 0x30 && $0 <= 0x39) || ($0 | 0x20 >= 0x61 && $0 | 0x20 <= 0x7A) || $0 == 0x2D || $0 == 0x5F
+                        || $0 == 0x2E
+                }, "provider name \(provider.name.debugDescription)")
+        invariant(ProviderConfig.checkIssuer(provider.issuer) == nil, "issuer \(provider.issuer.debugDescription)")
+        invariant(!provider.clientID.isEmpty, "empty client_id")
+        invariant(provider.scopes.first == "openid", "scopes \(provider.scopes) do not start with openid")
+        invariant(Set(provider.scopes).count == provider.scopes.count, "scopes \(provider.scopes) repeat")
+        invariant(provider.scopes.allSatisfy { !$0.isEmpty && !$0.contains(" ") }, "scopes \(provider.scopes)")
+        invariant((0...65535).contains(provider.redirectPort), "redirect_port \(provider.redirectPort)")
+        invariant(
+            provider.redirectPath.hasPrefix("/") && !provider.redirectPath.contains("?")
+                && !provider.redirectPath.contains("#")
+                && provider.redirectPath.utf8.allSatisfy { $0 > 0x20 && $0 < 0x7F },
+            "redirect_path \(provider.redirectPath.debugDescription)")
+        invariant(provider.resources.allSatisfy { $0.contains("://") }, "resource \(provider.resources)")
+        for (name, _) in provider.extraParameters {
+            invariant(!reservedParameters.contains(name), "param.\(name) overrides what proxyctl sets")
+            invariant(!name.isEmpty, "param. without a name")
+        }
+        invariant(provider.loginTimeout > 0, "login_timeout \(provider.loginTimeout)")
+        invariant(!provider.dpopRequired || provider.tokenBinding == .dpop, "dpop_required without dpop")
+        invariant(provider.acrValues != "" && provider.loginHint != "", "an empty acr_values or login_hint kept")
+    }
+}
+
+/// Every origin is normalised, reachable through the table, names a configured provider, and is https with
+/// a host name or loopback http.
+private func checkOrigins(_ origins: OriginTable, providers: [ProviderConfig]) {
+    var keys = Set<String>()
+    for origin in origins.origins {
+        invariant(keys.insert(origin.url).inserted, "origin \(origin.url) twice")
+        invariant(
+            origins.match(scheme: origin.scheme, authority: origin.authority) == origin, "\(origin.url) not found")
+        invariant(providers.contains { $0.name == origin.provider }, "\(origin.url) names no provider")
+        checkAuthority(origin.authority)
+        switch OriginConfig.parseURL(origin.url) {
+        case .success(let again):
+            invariant(
+                again.scheme == origin.scheme && again.authority == origin.authority,
+                "\(origin.url) parses back as \(again.url)")
+        case .failure(let error):
+            invariant(false, "\(origin.url) does not parse back: \(error.message)")
+        }
+        switch origin.scheme {
+        case "https":
+            invariant(origin.authority.kind == .name, "https origin \(origin.url) without a host name")
+            invariant(origins.tlsHosts.contains(origin.authority.host), "\(origin.url) missing from tlsHosts")
+        case "http":
+            let host = origin.authority.host
+            invariant(
+                host == "localhost" || (IPAddress.parse(host)?.isLoopback ?? false), "http origin \(origin.url)")
+        default:
+            invariant(false, "origin scheme \(origin.scheme)")
+        }
     }
 }
 

@@ -12,7 +12,27 @@ let frontDoors: [FrontDoor] = {
     settings.proxyAuthFile = "/dev/null"
     let credentials = try! ProxyCredentials.parse("alice:secret\nbob:hunter2\n", file: "users").get()
     let guarded = FrontDoor(settings: settings, credentials: credentials, boundAddress: settings.listen)
-    return [plain, guarded]
+    let intercepting = FrontDoor(
+        settings: ProxySettings(), credentials: nil, boundAddress: .default, origins: protectedOrigins)
+    return [plain, guarded, intercepting]
+}()
+
+/// Protected origins for the intercepting front door: https ones (CONNECT is intercepted) and loopback http
+/// ones (absolute-form requests are intercepted), with both `client_authorization` policies.
+let protectedOrigins: OriginTable = {
+    func origin(_ url: String, _ policy: ClientAuthorizationPolicy) -> OriginConfig {
+        var origin = try! OriginConfig.parseURL(url).get()
+        origin.provider = "corp"
+        origin.clientAuthorization = policy
+        return origin
+    }
+    return OriginTable([
+        origin("https://api.example.com", .replace),
+        origin("https://git.example.com:8443", .keep),
+        origin("http://127.0.0.1:8000", .replace),
+        origin("http://[::1]:8080", .keep),
+        origin("http://localhost", .replace),
+    ])
 }()
 
 /// Fields a forwarded request must never carry to the next hop (RFC 9110 §7.6.1), whatever the client sent.
@@ -143,17 +163,42 @@ private func checkDecision(
         }
         invariant(authority == target, "tunnel to \(target), asked for \(authority)")
         invariant(upstream == nil || upstream == door.settings.upstreamProxy, "tunnel through an unknown upstream")
+        invariant(
+            door.origins.match(scheme: "https", authority: target) == nil, "blind tunnel to protected origin \(target)")
     case .forward(let forward):
         guard case .success(let checked) = semantics, case .absolute(let url) = checked.target else {
             return invariant(false, "forward for a request without an absolute target")
         }
         invariant(url == forward.url && url.scheme == "http", "forwarded to \(forward.url), asked for \(url)")
         invariant(forward.framing == checked.framing, "forwarded framing differs")
+        invariant(
+            door.origins.match(scheme: "http", authority: url.authority) == nil,
+            "request to protected origin \(url.authority) forwarded without interception")
         checkForwardedHead(forward, original: head, door: door)
-    // Decisions added later (interception) need configuration these front doors do not have.
-    default:
-        invariant(false, "unexpected decision \(decision)")
+    case .interceptTunnel(let origin):
+        guard case .success(let checked) = semantics, case .connect(let authority) = checked.target else {
+            return invariant(false, "interceptTunnel for a request that is not a valid CONNECT")
+        }
+        checkConfiguredOrigin(origin, door: door, scheme: "https", authority: authority)
+    case .interceptRequest(let origin, let request):
+        guard case .success(let checked) = semantics, case .absolute(let url) = checked.target else {
+            return invariant(false, "interceptRequest for a request without an absolute target")
+        }
+        invariant(url.scheme == "http", "interceptRequest for \(url.scheme)")
+        checkConfiguredOrigin(origin, door: door, scheme: "http", authority: url.authority)
+        let attached = origin.clientAuthorization == .replace || !request.clientAuthorization
+        checkInterceptedRequest(request, head: head, scheme: "http", origin: origin.authority, attached: attached)
     }
+}
+
+/// Interception happens exactly for the configured origins: same scheme, same normalised host, same port.
+private func checkConfiguredOrigin(_ origin: OriginConfig, door: FrontDoor, scheme: String, authority: HostPort) {
+    invariant(
+        door.origins.origins.contains { $0 == origin }, "intercepted for \(origin.url), which is not configured")
+    invariant(
+        origin.scheme == scheme && origin.authority.host == authority.host && origin.authority.port == authority.port
+            && origin.authority.kind == authority.kind,
+        "intercepted \(scheme)://\(authority) as origin \(origin.url)")
 }
 
 /// The head sent on must be a valid request with the same framing, one Host naming the target, and no
