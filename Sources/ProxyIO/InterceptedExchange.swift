@@ -342,6 +342,17 @@ final class InterceptedExchange {
     }
 
     private func responseHead() {
+        guard status >= 100 && status <= 999 else {
+            discarding = true
+            pendingAction = nil
+            failAfterTransfer = ProxyResponse(
+                status: 502,
+                proxyStatus: ProxyStatus(
+                    error: .httpProtocolError, details: "the origin's status line could not be read",
+                    nextHop: origin.authority.description),
+                message: "proxyctl: \(origin.url) sent an unreadable status line", close: true)
+            return
+        }
         guard var exchange = machine else {
             deliverHead(proxyStatus: nil)
             return
@@ -439,8 +450,15 @@ final class InterceptedExchange {
         return true
     }
 
+    /// An answer of our own to give once the transfer has ended (the response could not be used).
+    private var failAfterTransfer: ProxyResponse?
+
     func upstreamFinished(_ code: CURLcode, errorText: String) {
         transfer = nil
+        if let response = failAfterTransfer {
+            failAfterTransfer = nil
+            return fail(response)
+        }
         server.logger.debug(
             "conn=\(owner.connectionID) upstream transfer ended: code=\(code.rawValue) status=\(status) headDone=\(headDone) delivering=\(delivering) discarding=\(discarding)"
         )

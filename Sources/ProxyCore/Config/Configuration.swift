@@ -274,7 +274,8 @@ public struct ConfigParser: Sendable {
                 var map: [String: String] = [:]
                 for pair in entry.value.split(whereSeparator: { $0 == "," || $0 == " " }) {
                     let parts = pair.split(separator: "=", maxSplits: 1)
-                    guard parts.count == 2, case .success(let host) = HostPort.parse(parts[0], defaultPort: 1),
+                    guard parts.count == 2, !parts[0].contains(":"),
+                        case .success(let host) = HostPort.parse(parts[0], defaultPort: 1),
                         host.kind == .name, IPAddress.parse(parts[1]) != nil
                     else {
                         return fail(

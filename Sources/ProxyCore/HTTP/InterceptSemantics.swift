@@ -79,18 +79,22 @@ extension MessageSemantics {
             }
         }
         let hosts = head.indices(named: "host")
-        guard hosts.count == 1 else {
+        if hosts.isEmpty && head.version == .http1_0 {
+            // HTTP/1.0 has no Host requirement: the tunnel names the authority.
+        } else if hosts.count != 1 {
             return .failure(
                 hosts.isEmpty
                     ? .badRequest(HTTPParseError(.malformed, "request without a Host header field"))
                     : .badRequest(HTTPParseError(.badFraming, "more than one Host header field")))
         }
-        switch HostPort.parse(head.value(at: hosts[0])[...], defaultPort: defaultPort) {
-        case .failure:
-            return .failure(.misdirected("the Host field is not a valid authority"))
-        case .success(let host):
-            guard host == origin else {
-                return .failure(.misdirected("Host \(host) does not match the tunnel's \(origin)"))
+        if let host = hosts.first {
+            switch HostPort.parse(head.value(at: host)[...], defaultPort: defaultPort) {
+            case .failure:
+                return .failure(.misdirected("the Host field is not a valid authority"))
+            case .success(let authority):
+                guard authority == origin else {
+                    return .failure(.misdirected("Host \(authority) does not match the tunnel's \(origin)"))
+                }
             }
         }
         let framing: BodyFraming
