@@ -93,7 +93,9 @@ func checkInterceptedRequest(
         invariant(request.target == url.pathAndQuery, "absolute target became \(request.target.debugDescription)")
     }
     let hosts = head.indices(named: "host")
-    invariant(hosts.count == 1, "accepted \(hosts.count) Host fields")
+    // HTTP/1.0 has no Host requirement (the tunnel names the authority); HTTP/1.1 needs exactly one.
+    invariant(
+        hosts.count == 1 || (hosts.isEmpty && head.version == .http1_0), "accepted \(hosts.count) Host fields")
     if let host = hosts.first {
         let parsed = HostPort.parse(head.value(at: host)[...], defaultPort: scheme == "https" ? 443 : 80)
         invariant(
