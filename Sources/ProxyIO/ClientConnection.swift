@@ -63,14 +63,10 @@ final class ClientConnection: ServerConnection, InterceptOwner {
     final class Exchange {
         let forward: FrontDoorDecision.Forward
         let started: Int64
-        var requestRemaining: UInt64 = 0
-        var requestChunks: ChunkedScanner? = nil
-        var requestDone = false
+        var requestBody: FramedBody
         var responseParser: HTTPHeadParser
         var responseHeadDone = false
-        var responseFraming = BodyFraming.none
-        var responseRemaining: UInt64 = 0
-        var responseChunks: ChunkedScanner? = nil
+        var responseBody = FramedBody(.none)
         var status = 0
         var closeAfter = false
         var serverCloses = false
@@ -81,18 +77,12 @@ final class ClientConnection: ServerConnection, InterceptOwner {
         var retried = false
         /// Bytes of response heads read from the upstream (interim ones included).
         var bytesDownHead = 0
-        /// A read-until-close body ended (the upstream closed).
-        var responseDoneFlag = false
 
         init(forward: FrontDoorDecision.Forward, limits: HTTPHeadLimits) {
             self.forward = forward
             self.started = EventLoop.monotonicMilliseconds()
             self.responseParser = HTTPHeadParser(kind: .response, limits: limits)
-            switch forward.framing {
-            case .none, .untilClose: requestDone = true
-            case .contentLength(let length): requestRemaining = length
-            case .chunked: requestChunks = ChunkedScanner()
-            }
+            self.requestBody = FramedBody(forward.framing == .untilClose ? .none : forward.framing)
         }
     }
 
@@ -124,7 +114,7 @@ final class ClientConnection: ServerConnection, InterceptOwner {
         case .readingHead:
             readHeads()
         case .forwarding:
-            if let exchange, !exchange.requestDone {
+            if let exchange, !exchange.requestBody.isComplete {
                 pumpRequestBody(exchange)
             } else if Buffers.length(bufferevent_get_input(client)) > server.settings.headLimits.maxHeadBytes {
                 // Pipelined requests wait until the current response is done; do not buffer without bound.
@@ -164,7 +154,7 @@ final class ClientConnection: ServerConnection, InterceptOwner {
             switch phase {
             case .forwarding:
                 // A client may shut down its sending side after the request; the response still goes back.
-                if let exchange, !exchange.requestDone { abort("client closed during the request body") }
+                if let exchange, !exchange.requestBody.isComplete { abort("client closed during the request body") }
             case .readingHead:
                 close()
             case .intercepting:
@@ -219,22 +209,7 @@ final class ClientConnection: ServerConnection, InterceptOwner {
         let input = bufferevent_get_input(client)
         while phase == .readingHead {
             if Buffers.length(input) == 0 { return }
-            var outcome = HTTPHeadParser.Outcome.needMore
-            var taken = 0
-            Buffers.forEachSegment(input) { segment in
-                outcome = parser.parse(segment)
-                switch outcome {
-                case .needMore:
-                    taken += segment.count
-                    return true
-                case .complete(_, let consumed):
-                    taken += consumed
-                    return false
-                case .failed:
-                    return false
-                }
-            }
-            evbuffer_drain(input, taken)
+            let outcome = Buffers.readHead(&parser, from: input)
             switch outcome {
             case .needMore:
                 setClientReadTimeout(server.settings.headerTimeout)
@@ -518,21 +493,7 @@ final class ClientConnection: ServerConnection, InterceptOwner {
     private func upstreamHandshakeReadable() {
         guard let bev = upstream else { return }
         let input = bufferevent_get_input(bev)
-        var outcome = HTTPHeadParser.Outcome.needMore
-        var taken = 0
-        Buffers.forEachSegment(input) { segment in
-            outcome = parser.parse(segment)
-            switch outcome {
-            case .needMore:
-                taken += segment.count
-                return true
-            case .complete(_, let consumed):
-                taken += consumed
-                return false
-            case .failed: return false
-            }
-        }
-        evbuffer_drain(input, taken)
+        let outcome = Buffers.readHead(&parser, from: input)
         let hop = upstreamKey ?? HostPort(host: "-", port: 0, kind: .name)
         switch outcome {
         case .needMore:
@@ -619,7 +580,7 @@ final class ClientConnection: ServerConnection, InterceptOwner {
         bufferevent_enable(bev, Int16(EV_READ | EV_WRITE))
         var idle = timeval(milliseconds: server.settings.idleTimeout)
         bufferevent_set_timeouts(client, &idle, &idle)
-        if !exchange.requestDone {
+        if !exchange.requestBody.isComplete {
             bufferevent_enable(client, Int16(EV_READ))
             pumpRequestBody(exchange)
         }
@@ -634,47 +595,10 @@ final class ClientConnection: ServerConnection, InterceptOwner {
         guard let upstream else { return }
         let input = bufferevent_get_input(client)
         let output = bufferevent_get_output(upstream)
-        var moved = 0
-        while !exchange.requestDone {
-            let available = Buffers.length(input)
-            if available == 0 { break }
-            if let scanner = exchange.requestChunks {
-                var chunks = scanner
-                var count = 0
-                if chunks.pendingData > 0 {
-                    count = Int(min(chunks.pendingData, UInt64(available)))
-                    chunks.skipData(count)
-                } else {
-                    var failure: HTTPParseError? = nil
-                    Buffers.forEachSegment(input) { segment in
-                        switch chunks.scan(segment) {
-                        case .needMore:
-                            count += segment.count
-                            return chunks.pendingData == 0
-                        case .done(let consumed):
-                            count += consumed
-                            return false
-                        case .failed(let error):
-                            failure = error
-                            return false
-                        }
-                    }
-                    if let failure {
-                        exchange.requestChunks = chunks
-                        return badRequestBody(failure)
-                    }
-                }
-                exchange.requestChunks = chunks
-                Buffers.move(count, from: input, to: output)
-                moved += count
-                if chunks.isFinished { exchange.requestDone = true }
-            } else {
-                let count = Int(min(exchange.requestRemaining, UInt64(available)))
-                Buffers.move(count, from: input, to: output)
-                moved += count
-                exchange.requestRemaining -= UInt64(count)
-                if exchange.requestRemaining == 0 { exchange.requestDone = true }
-            }
+        let moved: Int
+        switch exchange.requestBody.pass(from: input, to: output) {
+        case .failure(let error): return badRequestBody(error)
+        case .success(let count): moved = count
         }
         exchange.bytesUp += moved
         if moved > 0 { lastIOActivity = EventLoop.monotonicMilliseconds() }
@@ -714,7 +638,7 @@ final class ClientConnection: ServerConnection, InterceptOwner {
     func upstreamWritable() {
         switch phase {
         case .forwarding:
-            if let exchange, !exchange.requestDone { bufferevent_enable(client, Int16(EV_READ)) }
+            if let exchange, !exchange.requestBody.isComplete { bufferevent_enable(client, Int16(EV_READ)) }
         default:
             break
         }
@@ -746,7 +670,7 @@ final class ClientConnection: ServerConnection, InterceptOwner {
         switch phase {
         case .forwarding:
             guard let exchange else { return abort("upstream closed") }
-            if isEOF && exchange.responseHeadDone && exchange.responseFraming == .untilClose {
+            if isEOF && exchange.responseHeadDone && exchange.responseBody.framing == .untilClose {
                 // The end of a read-until-close body.
                 exchange.serverCloses = true
                 dropUpstream()
@@ -841,23 +765,9 @@ final class ClientConnection: ServerConnection, InterceptOwner {
         lastIOActivity = EventLoop.monotonicMilliseconds()
         while !exchange.responseHeadDone {
             if Buffers.length(input) == 0 { return }
-            var outcome = HTTPHeadParser.Outcome.needMore
-            var taken = 0
-            Buffers.forEachSegment(input) { segment in
-                outcome = exchange.responseParser.parse(segment)
-                switch outcome {
-                case .needMore:
-                    taken += segment.count
-                    return true
-                case .complete(_, let consumed):
-                    taken += consumed
-                    return false
-                case .failed:
-                    return false
-                }
-            }
-            evbuffer_drain(input, taken)
-            exchange.bytesDownHead += taken
+            let before = Buffers.length(input)
+            let outcome = Buffers.readHead(&exchange.responseParser, from: input)
+            exchange.bytesDownHead += before - Buffers.length(input)
             switch outcome {
             case .needMore:
                 return
@@ -898,13 +808,7 @@ final class ClientConnection: ServerConnection, InterceptOwner {
                     if semantics.switchesProtocols {
                         return switchProtocols(exchange)
                     }
-                    exchange.responseFraming = semantics.framing
-                    switch semantics.framing {
-                    case .none: break
-                    case .contentLength(let length): exchange.responseRemaining = length
-                    case .chunked: exchange.responseChunks = ChunkedScanner()
-                    case .untilClose: break
-                    }
+                    exchange.responseBody = FramedBody(semantics.framing)
                 }
             }
         }
@@ -915,54 +819,13 @@ final class ClientConnection: ServerConnection, InterceptOwner {
         guard let bev = upstream else { return }
         let input = bufferevent_get_input(bev)
         let output = bufferevent_get_output(client)
-        var moved = 0
-        while !exchange.responseFramingDone {
-            let available = Buffers.length(input)
-            if available == 0 { break }
-            switch exchange.responseFraming {
-            case .none:
-                break
-            case .untilClose:
-                evbuffer_add_buffer(output, input)
-                moved += available
-            case .contentLength:
-                let count = Int(min(exchange.responseRemaining, UInt64(available)))
-                Buffers.move(count, from: input, to: output)
-                moved += count
-                exchange.responseRemaining -= UInt64(count)
-            case .chunked:
-                var chunks = exchange.responseChunks!
-                var count = 0
-                if chunks.pendingData > 0 {
-                    count = Int(min(chunks.pendingData, UInt64(available)))
-                    chunks.skipData(count)
-                } else {
-                    var failure: HTTPParseError? = nil
-                    Buffers.forEachSegment(input) { segment in
-                        switch chunks.scan(segment) {
-                        case .needMore:
-                            count += segment.count
-                            return chunks.pendingData == 0
-                        case .done(let consumed):
-                            count += consumed
-                            return false
-                        case .failed(let error):
-                            failure = error
-                            return false
-                        }
-                    }
-                    if let failure {
-                        exchange.responseChunks = chunks
-                        return badResponse(exchange, failure)
-                    }
-                }
-                exchange.responseChunks = chunks
-                Buffers.move(count, from: input, to: output)
-                moved += count
-            }
+        let moved: Int
+        switch exchange.responseBody.pass(from: input, to: output) {
+        case .failure(let error): return badResponse(exchange, error)
+        case .success(let count): moved = count
         }
         exchange.bytesDown += moved
-        if exchange.responseFramingDone {
+        if exchange.responseBody.isComplete {
             if Buffers.length(input) > 0 {
                 // Bytes after the end of the response: the upstream connection is out of step.
                 exchange.serverCloses = true
@@ -1019,8 +882,8 @@ final class ClientConnection: ServerConnection, InterceptOwner {
 
     /// The response is complete. The exchange ends when the request body is complete too.
     private func finishResponse(_ exchange: Exchange) {
-        exchange.responseDoneFlag = true
-        if !exchange.requestDone {
+        exchange.responseBody.senderClosed()
+        if !exchange.requestBody.isComplete {
             // The origin answered before the whole body arrived (an early 413, say): the rest of the request
             // cannot be told apart from a next request, so the connection ends here.
             exchange.closeAfter = true
@@ -1117,19 +980,6 @@ final class ClientConnection: ServerConnection, InterceptOwner {
             self.client = nil
         }
         server.connectionClosed(self)
-    }
-}
-
-extension ClientConnection.Exchange {
-    /// The response body has been passed on completely.
-    var responseFramingDone: Bool {
-        guard responseHeadDone else { return false }
-        switch responseFraming {
-        case .none: return true
-        case .contentLength: return responseRemaining == 0
-        case .chunked: return responseChunks?.isFinished ?? true
-        case .untilClose: return responseDoneFlag
-        }
     }
 }
 

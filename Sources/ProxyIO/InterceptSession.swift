@@ -166,22 +166,7 @@ final class InterceptSession: ServerConnection, InterceptOwner {
         guard let client else { return }
         let input = bufferevent_get_input(client)
         while exchange == nil && !closing && Buffers.length(input) > 0 {
-            var outcome = HTTPHeadParser.Outcome.needMore
-            var taken = 0
-            Buffers.forEachSegment(input) { segment in
-                outcome = parser.parse(segment)
-                switch outcome {
-                case .needMore:
-                    taken += segment.count
-                    return true
-                case .complete(_, let consumed):
-                    taken += consumed
-                    return false
-                case .failed:
-                    return false
-                }
-            }
-            evbuffer_drain(input, taken)
+            let outcome = Buffers.readHead(&parser, from: input)
             switch outcome {
             case .needMore:
                 var header = timeval(milliseconds: server.settings.headerTimeout)
