@@ -7,6 +7,8 @@ let package = Package(
         .executable(name: "proxyctl", targets: ["proxyctl"]),
         // For the fuzz package under Tests/Fuzz only: the parsers it drives.
         .library(name: "ProxyCore", targets: ["ProxyCore"]),
+        .library(name: "ProxyOAuth", targets: ["ProxyOAuth"]),
+        .library(name: "ProxyTLS", targets: ["ProxyTLS"]),
     ],
     targets: [
         // System libraries: a modulemap and a shim header each, nothing else.

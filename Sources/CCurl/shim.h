@@ -52,4 +52,9 @@ static inline CURLMcode proxyctl_multi_setopt_timer_cb(CURLM *m, int (*cb)(CURLM
     return curl_multi_setopt(m, CURLMOPT_TIMERFUNCTION, cb);
 }
 
+// curl_share_setopt is variadic.
+static inline CURLSHcode proxyctl_share_setopt_long(CURLSH *s, CURLSHoption o, long v) {
+    return curl_share_setopt(s, o, v);
+}
+
 #endif

@@ -42,6 +42,9 @@ static inline int proxyctl_SSL_set_tlsext_host_name(SSL *ssl, const char *name) 
     return (int)SSL_set_tlsext_host_name(ssl, name);
 }
 
+// SSL_OP_NO_TICKET is a macro expression (SSL_OP_BIT).
+static inline uint64_t proxyctl_SSL_OP_NO_TICKET(void) { return SSL_OP_NO_TICKET; }
+
 // XN_FLAG_RFC2253 is a macro expression.
 static inline unsigned long proxyctl_XN_FLAG_RFC2253(void) { return XN_FLAG_RFC2253; }
 

@@ -11,6 +11,9 @@ import ProxyCore
 final class CurlMulti {
     let loop: EventLoop
     private let multi: UnsafeMutableRawPointer
+    /// TLS sessions and DNS answers shared by every transfer of this multi handle (the connection cache is
+    /// the multi handle's own): each request is a new easy handle, which alone would resume nothing.
+    private let share: UnsafeMutableRawPointer?
     private var timer: LoopTimer?
     /// Transfers in progress, by easy handle; the table keeps them alive while curl holds them.
     private var transfers: [UnsafeMutableRawPointer: CurlTransfer] = [:]
@@ -24,6 +27,15 @@ final class CurlMulti {
         self.loop = loop
         guard let multi = curl_multi_init() else { fatalError("curl_multi_init failed") }
         self.multi = multi
+        share = curl_share_init()
+        if let share {
+            // Used on the loop thread only, so no lock callbacks are needed.
+            _ = proxyctl_share_setopt_long(share, CURLSHOPT_SHARE, Int(CURL_LOCK_DATA_SSL_SESSION.rawValue))
+            _ = proxyctl_share_setopt_long(share, CURLSHOPT_SHARE, Int(CURL_LOCK_DATA_DNS.rawValue))
+        }
+        // Keep idle connections for reuse. libcurl's default (4 × transfers in progress) closes them whenever
+        // fewer requests are in flight, and every new one costs a TLS handshake.
+        _ = proxyctl_multi_setopt_long(multi, CURLMOPT_MAXCONNECTS, 256)
         let context = Unmanaged.passUnretained(self).toOpaque()
         _ = proxyctl_multi_setopt_socket_cb(multi, curlSocketCallback)
         _ = proxyctl_multi_setopt_ptr(multi, CURLMOPT_SOCKETDATA, context)
@@ -42,9 +54,11 @@ final class CurlMulti {
             transfer.finish(CURLE_ABORTED_BY_CALLBACK)
         }
         curl_multi_cleanup(multi)
+        if let share { curl_share_cleanup(share) }
     }
 
     func add(_ transfer: CurlTransfer) {
+        if let share { _ = proxyctl_easy_setopt_ptr(transfer.easy, CURLOPT_SHARE, share) }
         transfers[transfer.easy] = transfer
         let status = curl_multi_add_handle(multi, transfer.easy)
         if status != CURLM_OK {

@@ -89,8 +89,12 @@ final class InterceptSession: ServerConnection, InterceptOwner {
             handshakeDone = true
             // RFC 6066 §3: the SNI names the host the client means; it must be the CONNECT authority.
             if let name = tlsServerName(ssl) {
-                let normalized =
-                    name.lowercased().hasSuffix(".") ? String(name.lowercased().dropLast()) : name.lowercased()
+                var normalized = name.lowercased()
+                // Some clients (Go behind a proxy) send host:port; the port must then be the tunnel's.
+                if normalized.hasSuffix(":\(origin.authority.port)") {
+                    normalized.removeLast(":\(origin.authority.port)".count)
+                }
+                if normalized.hasSuffix(".") { normalized.removeLast() }
                 if normalized != origin.authority.host {
                     misdirected =
                         "the TLS server name \(ASCIIText.clip(name)) does not match the tunnel's \(origin.authority.host)"

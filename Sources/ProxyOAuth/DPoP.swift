@@ -11,6 +11,8 @@ public final class DPoPKey: Sendable {
     public let thumbprint: String
     /// base64url of the protected header `{"typ":"dpop+jwt","alg":"ES256","jwk":{...}}`, built once.
     let encodedHeader: String
+    /// The last access token's `ath`: the same token signs many proofs.
+    private let lastHash = Mutex<(token: String, ath: String)?>(nil)
 
     public init(_ key: PrivateKey) throws {
         self.key = key
@@ -54,7 +56,13 @@ public final class DPoPKey: Sendable {
         claims += #","iat":"# + String(now)
         if let accessToken {
             // RFC 9449 §4.2: ath = base64url(SHA-256(ASCII(access token))).
-            claims += #","ath":""# + Base64.urlEncode(Crypto.sha256(accessToken)) + "\""
+            let ath = lastHash.withLock { cached -> String in
+                if let cached, cached.token == accessToken { return cached.ath }
+                let fresh = Base64.urlEncode(Crypto.sha256(accessToken))
+                cached = (accessToken, fresh)
+                return fresh
+            }
+            claims += #","ath":""# + ath + "\""
         }
         if let nonce {
             claims += #","nonce":"#

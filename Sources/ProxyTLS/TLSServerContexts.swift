@@ -61,6 +61,9 @@ public final class TLSServerContexts {
         else { throw CryptoError("setting up TLS for \(host)") }
         // Idle connections should not keep 34 KiB of TLS buffers each.
         _ = proxyctl_SSL_CTX_set_mode(context, Int(SSL_MODE_RELEASE_BUFFERS))
+        // Stateful resumption (the session cache) is enough for a local proxy; tickets cost a signature-free
+        // but real encryption per handshake that clients rarely use.
+        SSL_CTX_set_options(context, proxyctl_SSL_OP_NO_TICKET())
         // ALPN: only HTTP/1.1 is spoken to clients (RFC 7301); clients that offer only h2 get no ALPN.
         SSL_CTX_set_alpn_select_cb(context, alpnSelect, nil)
         if cache[host] == nil {

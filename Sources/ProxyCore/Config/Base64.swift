@@ -19,26 +19,49 @@ public enum Base64 {
     }
 
     private static func encode(_ bytes: some Collection<UInt8>, alphabet: [UInt8], pad: Bool) -> String {
-        var out: [UInt8] = []
-        out.reserveCapacity((bytes.count + 2) / 3 * 4)
-        var iterator = bytes.makeIterator()
-        while let b0 = iterator.next() {
-            let b1 = iterator.next()
-            let b2 = iterator.next()
-            out.append(alphabet[Int(b0 >> 2)])
-            out.append(alphabet[Int((b0 & 0x03) << 4 | (b1 ?? 0) >> 4)])
-            if let b1 {
-                out.append(alphabet[Int((b1 & 0x0F) << 2 | (b2 ?? 0) >> 6)])
-            } else if pad {
-                out.append(UInt8(ascii: "="))
-            }
-            if let b2 {
-                out.append(alphabet[Int(b2 & 0x3F)])
-            } else if pad {
-                out.append(UInt8(ascii: "="))
+        // Whole groups of three bytes through raw buffers: this encodes every DPoP proof.
+        let input = Array(bytes)
+        let full = input.count / 3
+        let rest = input.count % 3
+        let length = full * 4 + (rest == 0 ? 0 : (pad ? 4 : rest + 1))
+        return String(unsafeUninitializedCapacity: length) { out in
+            input.withUnsafeBufferPointer { source in
+                alphabet.withUnsafeBufferPointer { table in
+                    var o = 0
+                    var i = 0
+                    for _ in 0..<full {
+                        let b0 = source[i]
+                        let b1 = source[i + 1]
+                        let b2 = source[i + 2]
+                        out[o] = table[Int(b0 >> 2)]
+                        out[o + 1] = table[Int((b0 & 0x03) << 4 | b1 >> 4)]
+                        out[o + 2] = table[Int((b1 & 0x0F) << 2 | b2 >> 6)]
+                        out[o + 3] = table[Int(b2 & 0x3F)]
+                        i += 3
+                        o += 4
+                    }
+                    if rest > 0 {
+                        let b0 = source[i]
+                        let b1: UInt8 = rest == 2 ? source[i + 1] : 0
+                        out[o] = table[Int(b0 >> 2)]
+                        out[o + 1] = table[Int((b0 & 0x03) << 4 | b1 >> 4)]
+                        o += 2
+                        if rest == 2 {
+                            out[o] = table[Int((b1 & 0x0F) << 2)]
+                            o += 1
+                        } else if pad {
+                            out[o] = UInt8(ascii: "=")
+                            o += 1
+                        }
+                        if pad {
+                            out[o] = UInt8(ascii: "=")
+                            o += 1
+                        }
+                    }
+                    return o
+                }
             }
         }
-        return String(decoding: out, as: UTF8.self)
     }
 
     /// Decodes standard or URL-safe Base64, padded or not. Returns nil on any invalid character or length.
