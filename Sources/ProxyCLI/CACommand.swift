@@ -161,12 +161,27 @@ enum EnvCommand {
         guard shell == "sh" || shell == "fish" || shell == "bash" || shell == "zsh" else {
             throw UsageError(message: "--shell expects sh or fish", command: ["proxyctl", "env"])
         }
+        let (variables, notes) = try environment(arguments, context)
+        for note in notes { context.out("# \(note)") }
+        for (name, value) in variables {
+            context.out(
+                shell == "fish" ? "set -gx \(name) \(quote(value, fish: true));" : "export \(name)=\(quote(value));")
+        }
+        return ExitCode.success
+    }
+
+    /// The variables that point tools at the proxy and the CA bundle, and notes for the user.
+    static func environment(
+        _ arguments: ParsedArguments, _ context: CommandContext
+    ) throws -> (
+        variables: [(String, String)], notes: [String]
+    ) {
         let loader = ConfigLoader(environment: context.environment)
         let configuration = try loader.load(loader.locate(flag: arguments.value("config")))
         let listen = configuration.proxy.listen
         if listen.port == 0 {
             context.err(
-                "proxyctl env: listen in proxy.conf has port 0 (any free port); set a fixed port so tools can find the proxy"
+                "proxyctl: listen in proxy.conf has port 0 (any free port); set a fixed port so tools can find the proxy"
             )
         }
         let host = listen.host == "0.0.0.0" ? "127.0.0.1" : (listen.host == "::" ? "::1" : listen.host)
@@ -194,12 +209,7 @@ enum EnvCommand {
                 notes.append("No local CA yet: run proxyctl ca init, then this command again.")
             }
         }
-        for note in notes { context.out("# \(note)") }
-        for (name, value) in variables {
-            context.out(
-                shell == "fish" ? "set -gx \(name) \(quote(value, fish: true));" : "export \(name)=\(quote(value));")
-        }
-        return ExitCode.success
+        return (variables, notes)
     }
 
     /// Single-quoted: sh ends the quote to escape one ('\''); fish escapes inside quotes (\' and \\).
@@ -209,5 +219,42 @@ enum EnvCommand {
                 + "'"
         }
         return "'" + value.replacingOccurrences(of: "'", with: #"'\''"#) + "'"
+    }
+}
+
+/// `proxyctl exec -- COMMAND [ARGS...]`: runs a command with the variables of `proxyctl env` set.
+enum ExecCommand {
+    static let spec = CommandSpec(
+        name: "exec",
+        abstract: "Run a command with HTTPS_PROXY and the CA bundle variables set (what proxyctl env prints).",
+        discussion: """
+            Example: proxyctl exec -- git clone https://git.example.com/team/repo.git. The command replaces \
+            proxyctl (its exit code is the command's); nothing else of the environment changes. Put -- before \
+            the command so its options are not read as proxyctl's.
+            """,
+        arguments: [
+            ArgumentSpec(name: "command", help: "The program to run, then its arguments.", optional: false),
+            ArgumentSpec(name: "arguments", help: "Its arguments (any number)."),
+        ],
+        options: [AuthEnvironment.configOption],
+        run: run
+    )
+
+    static func run(_ arguments: ParsedArguments, _ context: CommandContext) throws -> Int32 {
+        let words = arguments.positionals
+        guard let program = words.first else {
+            throw UsageError(message: "Missing expected argument '<command>'", command: ["proxyctl", "exec"])
+        }
+        let (variables, notes) = try EnvCommand.environment(arguments, context)
+        for note in notes { context.err("proxyctl: \(note)") }
+        var environment = context.environment
+        for (name, value) in variables { environment[name] = value }
+        guard let path = BrowserLauncher.which(program, path: environment["PATH"]) else {
+            throw CommandFailure(message: "\(program): command not found", exitCode: 127)
+        }
+        let argv = words.map { strdup($0) } + [nil]
+        let envp = environment.map { strdup("\($0.key)=\($0.value)") } + [nil]
+        execve(path, argv, envp)
+        throw CommandFailure(message: "\(program): cannot run it: \(String(cString: strerror(errno)))", exitCode: 126)
     }
 }

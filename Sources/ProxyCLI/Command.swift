@@ -116,6 +116,8 @@ enum ArgumentParser {
             index += 1
             if onlyPositionals || !argument.hasPrefix("-") || argument == "-" {
                 parsed.positionals.append(argument)
+                // Once the command of `exec` has begun, everything belongs to it.
+                if spec.arguments.last?.name == "arguments" { onlyPositionals = true }
                 continue
             }
             if argument == "--" {
@@ -162,7 +164,8 @@ enum ArgumentParser {
             parsed.values[option.name, default: []].append(value)
         }
         if parsed.flag("help") { return parsed }
-        if parsed.positionals.count > spec.arguments.count {
+        // The last argument named "arguments" takes any number of values (`exec`).
+        if parsed.positionals.count > spec.arguments.count && spec.arguments.last?.name != "arguments" {
             let extra = parsed.positionals[spec.arguments.count]
             throw UsageError(message: "Unexpected argument '\(extra)'", command: path)
         }
@@ -185,7 +188,8 @@ enum ArgumentParser {
             parts.append(option.repeatable ? "[\(option.usage) ...]" : "[\(option.usage)]")
         }
         for argument in spec.arguments {
-            parts.append(argument.optional ? "[<\(argument.name)>]" : "<\(argument.name)>")
+            let name = argument.name == "arguments" ? "<arguments> ..." : "<\(argument.name)>"
+            parts.append(argument.optional ? "[\(name)]" : name)
         }
         return parts.joined(separator: " ")
     }
@@ -193,7 +197,12 @@ enum ArgumentParser {
     /// Help in the shape swift-argument-parser users know.
     static func help(_ spec: CommandSpec, path: [String], extraOptions: [OptionSpec] = []) -> String {
         var text = "OVERVIEW: \(spec.abstract)\n"
-        if let discussion = spec.discussion { text += "\n\(discussion)\n" }
+        if let discussion = spec.discussion {
+            let paragraphs = discussion.split(separator: "\n").map {
+                wrap(String($0), width: 100).joined(separator: "\n")
+            }
+            text += "\n\(paragraphs.joined(separator: "\n"))\n"
+        }
         text += "\nUSAGE: \(usage(spec, path: path))\n"
         if !spec.arguments.isEmpty {
             text += "\nARGUMENTS:\n"

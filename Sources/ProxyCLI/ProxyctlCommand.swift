@@ -24,6 +24,8 @@ public enum ProxyctlCommand {
             StepUpCommand.spec,
             CACommand.spec,
             EnvCommand.spec,
+            ExecCommand.spec,
+            DoctorCommand.spec,
             CommandSpec(
                 name: "help", abstract: "Show subcommand help information.",
                 arguments: [

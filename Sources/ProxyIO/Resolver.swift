@@ -77,6 +77,10 @@ public struct SocketAddress: Sendable, CustomStringConvertible {
         family == AF_INET6 ? "[\(ipString)]:\(port)" : "\(ipString):\(port)"
     }
 
+    public func withSockaddrPublic<T>(_ body: (UnsafePointer<sockaddr>, socklen_t) -> T) -> T {
+        withSockaddr(body)
+    }
+
     func withSockaddr<T>(_ body: (UnsafePointer<sockaddr>, socklen_t) -> T) -> T {
         withUnsafeBytes(of: storage) { raw in
             body(raw.baseAddress!.assumingMemoryBound(to: sockaddr.self), length)

@@ -1,0 +1,155 @@
+import Foundation
+import ProxyCore
+import ProxyIO
+import ProxyOAuth
+import ProxyTLS
+
+/// `proxyctl doctor`: checks the set-up end to end and says what to fix.
+enum DoctorCommand {
+    static let spec = CommandSpec(
+        name: "doctor",
+        abstract: "Check the configuration, sign-ins, the local CA, the running proxy and this shell's variables.",
+        discussion: "Each problem comes with the command that fixes it. Exit code 0 when everything is fine.",
+        options: [AuthEnvironment.configOption],
+        run: run
+    )
+
+    static func run(_ arguments: ParsedArguments, _ context: CommandContext) throws -> Int32 {
+        var problems = 0
+        func ok(_ text: String) { context.out("  ok    \(text)") }
+        func bad(_ text: String, fix: String) {
+            problems += 1
+            context.out("  FIX   \(text)\n        -> \(fix)")
+        }
+        func note(_ text: String) { context.out("  note  \(text)") }
+
+        let loader = ConfigLoader(environment: context.environment)
+        let location = loader.locate(flag: arguments.value("config"))
+        context.out("Configuration")
+        let configuration: Configuration
+        do {
+            configuration = try loader.load(location)
+            ok(
+                "\(configuration.source ?? "no file: built-in defaults (a passthrough proxy on 127.0.0.1:8080)") is valid"
+            )
+        } catch {
+            bad("\(error)", fix: "correct the file; proxyctl serve --check shows every error")
+            return ExitCode.failure
+        }
+        guard
+            let stateDirectory = configuration.proxy.stateDir
+                ?? TokenStore.defaultStateDirectory(environment: context.environment)
+        else {
+            bad("no state directory", fix: "set HOME, XDG_STATE_HOME or state_dir in [proxy]")
+            return ExitCode.failure
+        }
+        var info = stat()
+        if stat(stateDirectory, &info) == 0 {
+            if info.st_mode & 0o077 != 0 {
+                bad("\(stateDirectory) is open to other users", fix: "chmod 700 \(stateDirectory)")
+            } else {
+                ok("state directory \(stateDirectory) is private")
+            }
+        } else {
+            note("state directory \(stateDirectory) does not exist yet (made at the first login)")
+        }
+
+        context.out("Sign-in")
+        let store = TokenStore(stateDirectory: stateDirectory)
+        let now = Int64(time(nil))
+        if configuration.providers.isEmpty { note("no [provider] configured: passthrough only") }
+        for provider in configuration.providers {
+            let tokens = try? store.load(provider.name)
+            guard let tokens, tokens.issuer == provider.issuer, tokens.clientID == provider.clientID else {
+                bad("\(provider.name): not signed in", fix: "proxyctl login \(provider.name)")
+                continue
+            }
+            if tokens.isExpired(at: now) && tokens.refreshToken == nil {
+                bad(
+                    "\(provider.name): the access token expired and there is no refresh token",
+                    fix: "proxyctl login \(provider.name)")
+            } else if let record = tokens.lastRefresh, record.outcome != "ok", tokens.refreshToken == nil {
+                bad(
+                    "\(provider.name): the last refresh failed (\(record.reason ?? record.outcome))",
+                    fix: "proxyctl login \(provider.name)")
+            } else {
+                ok(
+                    "\(provider.name): signed in\(tokens.identity.map { " as \(StatusCommand.describeIdentity($0))" } ?? "")"
+                )
+            }
+            if provider.tokenBinding == .dpop, tokens.tokenType == "DPoP" {
+                let key = try? DPoPKey.load(stateDirectory: stateDirectory, provider: provider.name)
+                if key?.thumbprint != tokens.dpopThumbprint {
+                    bad(
+                        "\(provider.name): the tokens are bound to a DPoP key that is not in \(DPoPKey.path(stateDirectory: stateDirectory, provider: provider.name))",
+                        fix: "proxyctl login \(provider.name)")
+                } else {
+                    ok("\(provider.name): DPoP key \(tokens.dpopThumbprint ?? "") is present")
+                }
+            }
+        }
+        for pending in StepUpStore(stateDirectory: stateDirectory).load() {
+            bad("\(pending.origin) asked for a stronger sign-in", fix: pending.command)
+        }
+
+        context.out("Local CA")
+        let hosts = configuration.origins.tlsHosts
+        let files = LocalCA.Files(stateDirectory: stateDirectory)
+        if hosts.isEmpty {
+            note("no https protected origin: no CA needed")
+        } else if let ca = try? LocalCA.load(files) {
+            if ca.hosts != hosts {
+                bad(
+                    "the CA was made for \(ca.hosts.joined(separator: ", ")), proxy.conf protects \(hosts.joined(separator: ", "))",
+                    fix: "proxyctl ca init")
+            } else if ca.certificate.notAfter < now + 7 * 86400 {
+                bad("the CA expires \(HumanTime.describe(ca.certificate.notAfter, now: now))", fix: "proxyctl ca init")
+            } else {
+                ok(
+                    "the CA covers exactly \(hosts.joined(separator: ", ")) until \(HumanTime.describe(ca.certificate.notAfter, now: now))"
+                )
+            }
+        } else {
+            bad("there is no local CA for \(hosts.joined(separator: ", "))", fix: "proxyctl ca init")
+        }
+
+        context.out("Proxy")
+        let listen = configuration.proxy.listen
+        if let serving = ServeState.running(stateDirectory: stateDirectory) {
+            ok("proxyctl serve is running (pid \(serving.pid), http://\(serving.listen))")
+        } else if listen.port != 0, canConnect(host: listen.host, port: listen.port) {
+            ok("something answers on \(listen) (proxyctl serve, presumably)")
+        } else {
+            bad("nothing listens on \(listen)", fix: "proxyctl serve (in another terminal, or as a service)")
+        }
+
+        context.out("This shell")
+        let proxyValue = context.environment["HTTPS_PROXY"] ?? context.environment["https_proxy"]
+        let expected = "127.0.0.1:\(listen.port)"
+        if let proxyValue, proxyValue.contains(listen.host == "0.0.0.0" ? expected : "\(listen.host):\(listen.port)") {
+            ok("HTTPS_PROXY points at the proxy")
+        } else {
+            bad("HTTPS_PROXY is \(proxyValue.map { "set to \($0)" } ?? "not set")", fix: "eval \"$(proxyctl env)\"")
+        }
+        if !hosts.isEmpty {
+            let trust = context.environment["SSL_CERT_FILE"] ?? context.environment["CURL_CA_BUNDLE"]
+            if trust == files.bundle {
+                ok("the CA bundle variables point at \(files.bundle)")
+            } else {
+                bad(
+                    "tools do not trust the local CA (SSL_CERT_FILE is \(trust ?? "not set"))",
+                    fix: "eval \"$(proxyctl env)\"")
+            }
+        }
+        context.out(problems == 0 ? "\nEverything looks right." : "\n\(problems) thing(s) to fix.")
+        return problems == 0 ? ExitCode.success : ExitCode.failure
+    }
+
+    static func canConnect(host: String, port: Int) -> Bool {
+        guard let address = SocketAddress(ip: host == "0.0.0.0" ? "127.0.0.1" : host, port: port) else { return false }
+        let fd = socket(address.family, Int32(SOCK_STREAM.rawValue), 0)
+        guard fd >= 0 else { return false }
+        defer { close(fd) }
+        return address.withSockaddrPublic { pointer, length in connect(fd, pointer, length) == 0 }
+    }
+}
