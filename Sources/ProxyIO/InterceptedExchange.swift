@@ -316,18 +316,11 @@ final class InterceptedExchange {
     /// CURLOPT_HEADERFUNCTION: the status line, field lines and the blank line of each response.
     func upstreamHeader(_ line: UnsafeRawBufferPointer) -> Bool {
         if headDone { return true }  // trailers after the body are dropped
-        // "\r\n" is one Character in Swift: trim the bytes, not the string.
+        // Bytes, not Characters ("\r\n" is one Character in Swift), and no intermediate strings: this runs
+        // for every header line of every response.
         var end = line.count
         while end > 0 && (line[end - 1] == 0x0A || line[end - 1] == 0x0D) { end -= 1 }
-        let text = String(decoding: UnsafeRawBufferPointer(rebasing: line[0..<end]), as: UTF8.self)
-        if text.hasPrefix("HTTP/") {
-            let parts = text.split(separator: " ", maxSplits: 2, omittingEmptySubsequences: false)
-            status = parts.count > 1 ? Int(parts[1]) ?? 0 : 0
-            reason = parts.count > 2 && text.hasPrefix("HTTP/1") ? String(parts[2]) : nil
-            fields = []
-            return true
-        }
-        if text.isEmpty {
+        if end == 0 {
             // 1xx answers are libcurl's business (it sent the body without Expect anyway).
             if status >= 200 || status == 0 {
                 headDone = true
@@ -335,9 +328,37 @@ final class InterceptedExchange {
             }
             return true
         }
-        if let colon = text.firstIndex(of: ":") {
-            fields.append((String(text[..<colon]), text[text.index(after: colon)...].trimmingOWS()))
+        if end > 5 && line[0] == UInt8(ascii: "H") && line[1] == UInt8(ascii: "T") && line[2] == UInt8(ascii: "T")
+            && line[3] == UInt8(ascii: "P") && line[4] == UInt8(ascii: "/")
+        {
+            // "HTTP/1.1 200 OK" or "HTTP/2 200": the code after the first space, the reason (HTTP/1) after it.
+            var index = 5
+            while index < end && line[index] != 0x20 { index += 1 }
+            var code = 0
+            var cursor = index + 1
+            while cursor < end, line[cursor] >= 0x30, line[cursor] <= 0x39, cursor < index + 4 {
+                code = code * 10 + Int(line[cursor] - 0x30)
+                cursor += 1
+            }
+            status = cursor == index + 4 ? code : 0
+            reason =
+                line[5] == UInt8(ascii: "1") && cursor < end
+                ? String(decoding: UnsafeRawBufferPointer(rebasing: line[(cursor + 1)..<end]), as: UTF8.self) : nil
+            fields.removeAll(keepingCapacity: true)
+            return true
         }
+        var colon = 0
+        while colon < end && line[colon] != UInt8(ascii: ":") { colon += 1 }
+        guard colon < end else { return true }
+        var valueStart = colon + 1
+        while valueStart < end && (line[valueStart] == 0x20 || line[valueStart] == 0x09) { valueStart += 1 }
+        var valueEnd = end
+        while valueEnd > valueStart && (line[valueEnd - 1] == 0x20 || line[valueEnd - 1] == 0x09) { valueEnd -= 1 }
+        fields.append(
+            (
+                String(decoding: UnsafeRawBufferPointer(rebasing: line[0..<colon]), as: UTF8.self),
+                String(decoding: UnsafeRawBufferPointer(rebasing: line[valueStart..<valueEnd]), as: UTF8.self)
+            ))
         return true
     }
 

@@ -14,9 +14,13 @@ final class TokenBroker {
     /// How long a cached snapshot is trusted without asking the manager (milliseconds).
     let snapshotLifetime: Int64 = 1000
 
+    /// Each provider's token file, for the per-request stat.
+    private let tokenFiles: [String: String]
+
     init(loop: EventLoop, managers: [String: TokenManager]) {
         self.loop = loop
         self.managers = managers
+        self.tokenFiles = managers.mapValues { $0.store.path(for: $0.provider.name) }
     }
 
     var providers: [String] { Array(managers.keys) }
@@ -26,9 +30,8 @@ final class TokenBroker {
     func cachedTokens(_ provider: String) -> TokenSet? {
         guard let snapshot = snapshots[provider] else { return nil }
         let now = EventLoop.monotonicMilliseconds()
-        guard now - snapshot.checkedAt < snapshotLifetime,
-            snapshot.tokens.isFresh(at: Int64(Date().timeIntervalSince1970)),
-            let manager = managers[provider], manager.store.version(provider) == snapshot.version
+        guard now - snapshot.checkedAt < snapshotLifetime, snapshot.tokens.isFresh(at: Int64(time(nil))),
+            let file = tokenFiles[provider], TokenStore.version(atPath: file) == snapshot.version
         else { return nil }
         return snapshot.tokens
     }

@@ -139,8 +139,13 @@ public struct TokenStore: Sendable {
     /// Identifies the file's current version (inode, size, modification time) without reading it: a
     /// running proxy notices tokens written by another process.
     public func version(_ provider: String) -> FileVersion? {
+        Self.version(atPath: path(for: provider))
+    }
+
+    /// The version of the file at `path` (one stat(2)).
+    public static func version(atPath path: String) -> FileVersion? {
         var info = stat()
-        guard stat(path(for: provider), &info) == 0 else { return nil }
+        guard stat(path, &info) == 0 else { return nil }
         return FileVersion(
             inode: UInt64(info.st_ino), size: Int64(info.st_size),
             modified: Int64(info.st_mtim.tv_sec) * 1_000_000_000 + Int64(info.st_mtim.tv_nsec))

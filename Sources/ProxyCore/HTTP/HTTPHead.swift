@@ -131,9 +131,16 @@ public struct HTTPHead: Sendable {
 extension StringProtocol {
     /// The string without leading and trailing optional whitespace (SP and HTAB, RFC 9110 §5.6.3).
     public func trimmingOWS() -> String {
-        var scalars = Substring(self).unicodeScalars[...]
-        while let first = scalars.first, first == " " || first == "\t" { scalars.removeFirst() }
-        while let last = scalars.last, last == " " || last == "\t" { scalars.removeLast() }
-        return String(String.UnicodeScalarView(scalars))
+        let text = Substring(self)
+        let bytes = text.utf8
+        var start = bytes.startIndex
+        var end = bytes.endIndex
+        while start < end, bytes[start] == 0x20 || bytes[start] == 0x09 { start = bytes.index(after: start) }
+        while start < end {
+            let last = bytes.index(before: end)
+            guard bytes[last] == 0x20 || bytes[last] == 0x09 else { break }
+            end = last
+        }
+        return String(text[start..<end])
     }
 }
