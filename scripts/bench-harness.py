@@ -1513,9 +1513,9 @@ def write_report(out: Path, p: Plan, results: Results, info, command: str, stora
             "certificates; no session resumption, so every new connection is a full handshake. Three listeners: "
             "https with a self-signed certificate for 127.0.0.1 (rows 1–3), plain HTTP (row 4), and https for "
             "`bench.test` with a leaf from a test CA (rows 6–8, and `/headers`, which echoes `Authorization` and "
-            "`DPoP`) on port 443 of a loopback address picked at random (127.x.y.z): hey sends the `Host` field, "
-            "port included, as its TLS server name, which proxyctl answers with 421 unless the port is the "
-            "default.")
+            "`DPoP`) on port 443 of a loopback address picked at random (127.x.y.z), so that every client sends "
+            "the same plain host name as its TLS server name (hey sends `host:port` for other ports, which proxyctl "
+            "accepts only when the port is the tunnel's).")
     if passthrough:
         add("- **Passthrough proxies** (rows 1–5), each started by the script on 127.0.0.1 with a temp config, all "
             "three running during rows 1–4, and started afresh for each run of row 5:")
