@@ -713,6 +713,11 @@ class Plan:
     warmup_requests: int
     intercept_keepalive_requests: int = 20000
     intercept_new_requests: int = 5000
+    # Row 6b: keep-alive requests at a fixed offered load that every target but mitmproxy sustains, so the CPU
+    # per request is compared at equal batching (a slower target otherwise pays more per request: fewer
+    # events per wake-up).
+    intercept_rate: int = 2000  # requests per second, all hey workers together
+    intercept_rate_requests: int = 20000
     mitmproxy_divisor: int = 5  # mitmproxy gets this many times fewer requests
     dpop_proofs: int = 50000
     speed_seconds: int = 3  # openssl speed -seconds
@@ -721,7 +726,7 @@ class Plan:
 def plan(quick: bool) -> Plan:
     if quick:
         return Plan(True, 1, 64 << 20, 256, 2000, 500, 2000, 1000, 200, intercept_keepalive_requests=2000,
-                    intercept_new_requests=500, dpop_proofs=5000, speed_seconds=1)
+                    intercept_new_requests=500, intercept_rate_requests=4000, dpop_proofs=5000, speed_seconds=1)
     return Plan(False, 3, GIB, 256, 20000, 5000, 20000, 1000, 1000)
 
 
@@ -803,6 +808,7 @@ def measure_idle_row(p: Plan, proxies: Proxies, results: Results) -> None:
 
 INTERCEPT_PEERS = ("proxyctl", "proxyctl-dpop", "nginx", "mitmproxy")
 INTERCEPT_TARGETS = ("direct",) + INTERCEPT_PEERS
+RATE_TARGETS = ("direct", "proxyctl", "proxyctl-dpop", "nginx")  # mitmproxy cannot sustain row 6b's rate
 INTERCEPT_LABELS = {
     "direct": "direct",
     "proxyctl": "proxyctl (Bearer)",
@@ -1186,8 +1192,11 @@ def intercept_bulk(target: InterceptTarget, expected: int, limit: int | None = N
     return curl_sample(argv, target.curl_env, target.pid, target.name, limit or expected)
 
 
-def intercept_hey(target: InterceptTarget, requests: int, keepalive: bool) -> Sample:
-    argv = hey_argv(requests, keepalive) + target.hey_args + [target.hey_base + "/small.txt"]
+def intercept_hey(target: InterceptTarget, requests: int, keepalive: bool, rate: int | None = None) -> Sample:
+    argv = hey_argv(requests, keepalive)
+    if rate is not None:
+        argv += ["-q", f"{rate / CONCURRENCY:g}"]  # hey's -q is per worker
+    argv += target.hey_args + [target.hey_base + "/small.txt"]
     return hey_sample(argv, target.pid, target.name, requests)
 
 
@@ -1215,6 +1224,11 @@ def measure_intercept_rows(p: Plan, setup: InterceptSetup, targets: InterceptTar
              lambda t: intercept_hey(t, count(t, p.warmup_requests // 2), False)),
         ]
         run_rows(p, rows, INTERCEPT_TARGETS, running, results)
+        rate_rows = [
+            ("i-rate", lambda t: intercept_hey(t, p.intercept_rate_requests, True, p.intercept_rate),
+             lambda t: intercept_hey(t, p.warmup_requests, True, p.intercept_rate)),
+        ]
+        run_rows(p, rate_rows, RATE_TARGETS, running, results)
         for name, target in running.items():
             if target.child is not None and target.child.poll() is not None:
                 raise BenchError(f"{name} exited during the intercept rows ({target.child.returncode})")
@@ -1430,6 +1444,10 @@ def write_report(out: Path, p: Plan, results: Results, info, command: str, stora
         ibc = {t: cpu_per("i-bulk", t, 1.0) for t in INTERCEPT_PEERS}
         inew = {t: median(ratios("i-newconn", t)) for t in INTERCEPT_PEERS}
         inc = {t: cpu_per("i-newconn", t, 1e6) for t in INTERCEPT_PEERS}
+        rated = ("i-rate", "direct") in results.samples
+        if rated:
+            irate = {t: median([s.value for s in results.samples[("i-rate", t)]]) for t in RATE_TARGETS}
+            iratec = {t: cpu_per("i-rate", t, 1e6) for t in RATE_TARGETS if t != "direct"}
         ours = ("proxyctl", "proxyctl-dpop")
 
         def cells(values: dict, fmt, ok=None) -> str:
@@ -1457,6 +1475,23 @@ def write_report(out: Path, p: Plan, results: Results, info, command: str, stora
             f"{cells(ik, fmt_ratio, lambda v: v >= ik['nginx'])} | nginx 0.51×, mitmproxy 0.02× |")
         add(f"| 6 | | proxy CPU µs/req | ≤ nginx | — | {cells(ikc, lambda v: f'{v:,.0f}', lambda v: v <= ikc['nginx'])} | "
             "nginx 81, mitmproxy 3,060 |")
+        if rated:
+            def rate_cells(fmt, ok=None) -> str:
+                out = []
+                for t in INTERCEPT_PEERS:
+                    if t not in iratec:
+                        out.append("—")
+                        continue
+                    cell = fmt(t)
+                    if ok is not None and t in ours:
+                        cell += f" {verdict(ok(t))}"
+                    out.append(cell)
+                return " | ".join(out)
+
+            add(f"| 6b | As row 6 at a fixed {p.intercept_rate:,} req/s (hey -q), equal load for every target | "
+                f"req/s achieved | — | {irate['direct']:,.0f} | {rate_cells(lambda t: f'{irate[t]:,.0f}')} | |")
+            add(f"| 6b | | proxy CPU µs/req | ≤ nginx | — | "
+                f"{rate_cells(lambda t: f'{iratec[t]:,.0f}', lambda t: iratec[t] <= iratec['nginx'])} | |")
         add(f"| 7 | Bulk {bulk_label} download (curl) | throughput × direct | ≥ nginx | "
             f"1.00× ({absolute('i-bulk', 'direct', 'MB/s')}) | {cells(ib, fmt_ratio, lambda v: v >= ib['nginx'])} | |")
         add(f"| 7 | | proxy CPU-s per GiB | ≤ nginx | — | {cells(ibc, lambda v: f'{v:.2f}', lambda v: v <= ibc['nginx'])} | "
@@ -1498,9 +1533,15 @@ def write_report(out: Path, p: Plan, results: Results, info, command: str, stora
                                zip(results.samples[(row, "proxyctl-dpop")], results.samples[(row, "proxyctl")])])
 
             dk, dn = delta("i-keepalive"), delta("i-newconn")
-            add(f"| 10 | Intercept path, DPoP − Bearer (rows 6 and 8, same run) | proxy CPU µs/req | ≤ one signature "
-                f"({signature_us:.0f} µs) | — | keep-alive: {dk:+.0f} {verdict(dk <= signature_us)}; new connections: "
-                f"{dn:+.0f} {verdict(dn <= signature_us)} | ~30 µs |")
+            rated_delta = ""
+            if ("i-rate", "proxyctl-dpop") in results.samples:
+                dr = delta("i-rate")
+                rated_delta = (f"; keep-alive at {p.intercept_rate:,} req/s (row 6b, equal load): "
+                               f"{dr:+.0f} {verdict(dr <= signature_us)}")
+            add(f"| 10 | Intercept path, DPoP − Bearer (rows 6, 6b and 8, same run) | proxy CPU µs/req | "
+                f"≤ one signature ({signature_us:.0f} µs) | — | keep-alive at full speed: {dk:+.0f} "
+                f"{verdict(dk <= signature_us)}{rated_delta}; new connections: {dn:+.0f} "
+                f"{verdict(dn <= signature_us)} | ~30 µs |")
         add("")
         add("✅/❌: proxyctl against the issue's target; the raw signing rate is `openssl speed` of this run.")
         add("")
@@ -1596,6 +1637,12 @@ def write_report(out: Path, p: Plan, results: Results, info, command: str, stora
             "connection (CONNECT for the forward proxies) and TLS handshake per request; the proxies may reuse "
             "their connections to the origin (proxyctl through libcurl's connection cache, nginx through its "
             "keepalive pool; mitmproxy opens one per client connection).")
+        if ("i-rate", "direct") in results.samples:
+            add(f"- **Row 6b**: as row 6 with `-q {p.intercept_rate / CONCURRENCY:g}` (requests per second per "
+                f"worker: {p.intercept_rate:,} req/s in all) and `-n {p.intercept_rate_requests}`, for direct, "
+                "both proxyctl columns and nginx (mitmproxy cannot keep up with that rate). At full speed (row 6) a "
+                "slower target also pays more CPU per request, because each wake-up finds fewer events to batch; at "
+                "an equal offered load the CPU per request compares the work alone.")
     if dpop:
         add(f"- **Row 9**: `openssl speed -seconds {p.speed_seconds} ecdsap256` (sign/s per CPU second, one process) and "
             f"`Tests/Bench` `DPoPBench --proofs {p.dpop_proofs}` (release build; one thread): `DPoPKey.proof(method:"
@@ -1605,8 +1652,8 @@ def write_report(out: Path, p: Plan, results: Results, info, command: str, stora
             "`PrivateKey.signES256` alone over a signing input of the proof's length. Alternating, "
             f"{p.runs} times each.")
         if intercept:
-            add("- **Row 10**: per run, the DPoP column's CPU µs/request less the Bearer column's, in rows 6 and 8; "
-                "the target is one raw signature from row 9.")
+            add("- **Row 10**: per run, the DPoP column's CPU µs/request less the Bearer column's, in rows 6, 6b and "
+                "8; the target is one raw signature from row 9.")
     if results.retries:
         add(f"- Samples taken again after a failed first try: {', '.join(results.retries)}.")
     add("")
@@ -1621,6 +1668,8 @@ def write_report(out: Path, p: Plan, results: Results, info, command: str, stora
     if intercept:
         table += [(row, unit, INTERCEPT_TARGETS) for row, unit in
                   (("i-keepalive", "req/s"), ("i-bulk", "MB/s"), ("i-newconn", "req/s"))]
+        if ("i-rate", "direct") in results.samples:
+            table.append(("i-rate", "req/s", RATE_TARGETS))
     for row, unit, targets in table:
         for target in targets:
             cells_ = []
