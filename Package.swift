@@ -42,9 +42,11 @@ let package = Package(
         .target(name: "ProxyCLI", dependencies: ["ProxyCore", "ProxyTLS", "ProxyOAuth", "ProxyIO"]),
         .executableTarget(name: "proxyctl", dependencies: ["ProxyCLI"]),
 
+        // Known answers made by implementations this project did not write (PyJWT), shared by the test targets.
+        .target(name: "TestFixtures", path: "Tests/TestFixtures"),
         .testTarget(name: "ProxyCoreTests", dependencies: ["ProxyCore"]),
-        .testTarget(name: "ProxyTLSTests", dependencies: ["ProxyTLS", "ProxyCore"]),
-        .testTarget(name: "ProxyOAuthTests", dependencies: ["ProxyOAuth", "ProxyTLS", "ProxyCore"]),
+        .testTarget(name: "ProxyTLSTests", dependencies: ["ProxyTLS", "ProxyCore", "TestFixtures"]),
+        .testTarget(name: "ProxyOAuthTests", dependencies: ["ProxyOAuth", "ProxyTLS", "ProxyCore", "TestFixtures"]),
         .testTarget(name: "ProxyIOTests", dependencies: ["ProxyIO", "ProxyOAuth", "ProxyCore"]),
     ],
     swiftLanguageModes: [.v6]

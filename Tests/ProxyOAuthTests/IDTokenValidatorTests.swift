@@ -1,4 +1,5 @@
 import ProxyCore
+import TestFixtures
 import Testing
 
 @testable import ProxyOAuth

@@ -1,5 +1,6 @@
 import ProxyCore
 import ProxyTLS
+import TestFixtures
 import Testing
 
 @testable import ProxyOAuth

@@ -1,4 +1,5 @@
 import ProxyCore
+import TestFixtures
 import Testing
 
 @testable import ProxyTLS
@@ -66,7 +67,7 @@ private struct SignedParts {
 
 @Suite struct JWKImportTests {
     @Test func importsEachFixtureKey() throws {
-        for jwk in [SignatureFixtures.rsa1, SignatureFixtures.rsa2, SignatureFixtures.ec1, SignatureFixtures.ec384] {
+        for jwk in [JWSFixtures.rsa1, JWSFixtures.rsa2, JWSFixtures.ec1, JWSFixtures.ec384] {
             _ = try key(jwk)
         }
     }
@@ -94,28 +95,28 @@ private struct SignedParts {
 
 @Suite struct SignatureVerificationTests {
     @Test(arguments: [
-        (SignatureFixtures.rs256, JWSAlgorithm.rs256), (SignatureFixtures.rs384, .rs384),
-        (SignatureFixtures.ps256, .ps256),
+        (JWSFixtures.rs256, JWSAlgorithm.rs256), (JWSFixtures.rs384, .rs384),
+        (JWSFixtures.ps256, .ps256),
     ])
     func rsaSignaturesFromPyJWTVerify(_ token: String, _ algorithm: JWSAlgorithm) throws {
         let parts = try SignedParts(token)
-        let rsa1 = try key(SignatureFixtures.rsa1)
+        let rsa1 = try key(JWSFixtures.rsa1)
         #expect(rsa1.verify(algorithm, signature: parts.signature, signingInput: parts.signingInput))
         // The same bytes under any other algorithm, or with another key, do not verify.
         for other in JWSAlgorithm.allCases where other != algorithm {
             #expect(!rsa1.verify(other, signature: parts.signature, signingInput: parts.signingInput))
         }
-        for jwk in [SignatureFixtures.rsa2, SignatureFixtures.ec1] {
+        for jwk in [JWSFixtures.rsa2, JWSFixtures.ec1] {
             let otherKey = try key(jwk)
             #expect(!otherKey.verify(algorithm, signature: parts.signature, signingInput: parts.signingInput))
         }
     }
 
     @Test(arguments: [
-        (SignatureFixtures.es256, SignatureFixtures.ec1, JWSAlgorithm.es256),
-        (SignatureFixtures.es256LeadingZeroR, SignatureFixtures.ec1, .es256),
-        (SignatureFixtures.es256LeadingZeroS, SignatureFixtures.ec1, .es256),
-        (SignatureFixtures.es384, SignatureFixtures.ec384, .es384),
+        (JWSFixtures.es256, JWSFixtures.ec1, JWSAlgorithm.es256),
+        (JWSFixtures.es256LeadingZeroR, JWSFixtures.ec1, .es256),
+        (JWSFixtures.es256LeadingZeroS, JWSFixtures.ec1, .es256),
+        (JWSFixtures.es384, JWSFixtures.ec384, .es384),
     ])
     func ecdsaSignaturesFromPyJWTVerify(_ token: String, _ jwk: String, _ algorithm: JWSAlgorithm) throws {
         let parts = try SignedParts(token)
@@ -124,15 +125,15 @@ private struct SignedParts {
         for other in JWSAlgorithm.allCases where other != algorithm {
             #expect(!ecKey.verify(other, signature: parts.signature, signingInput: parts.signingInput))
         }
-        let rsaKey = try key(SignatureFixtures.rsa1)
+        let rsaKey = try key(JWSFixtures.rsa1)
         #expect(!rsaKey.verify(algorithm, signature: parts.signature, signingInput: parts.signingInput))
     }
 
     @Test(arguments: [
-        (SignatureFixtures.rs256, SignatureFixtures.rsa1, JWSAlgorithm.rs256),
-        (SignatureFixtures.ps256, SignatureFixtures.rsa1, .ps256),
-        (SignatureFixtures.es256, SignatureFixtures.ec1, .es256),
-        (SignatureFixtures.es384, SignatureFixtures.ec384, .es384),
+        (JWSFixtures.rs256, JWSFixtures.rsa1, JWSAlgorithm.rs256),
+        (JWSFixtures.ps256, JWSFixtures.rsa1, .ps256),
+        (JWSFixtures.es256, JWSFixtures.ec1, .es256),
+        (JWSFixtures.es384, JWSFixtures.ec384, .es384),
     ])
     func tamperingIsDetected(_ token: String, _ jwk: String, _ algorithm: JWSAlgorithm) throws {
         let parts = try SignedParts(token)
@@ -153,16 +154,16 @@ private struct SignedParts {
     }
 
     @Test func ecdsaSignatureOfZerosIsRejected() throws {
-        let parts = try SignedParts(SignatureFixtures.es256)
-        let ecKey = try key(SignatureFixtures.ec1)
+        let parts = try SignedParts(JWSFixtures.es256)
+        let ecKey = try key(JWSFixtures.ec1)
         #expect(!ecKey.verify(.es256, signature: [UInt8](repeating: 0, count: 64), signingInput: parts.signingInput))
     }
 
     @Test func ecdsaDERSignatureIsNotAcceptedInPlaceOfRaw() throws {
         // JWS carries r||s (RFC 7518 §3.4); a DER signature of the same value must not be accepted too.
-        let parts = try SignedParts(SignatureFixtures.es256LeadingZeroR)
-        let der = bytes(hex: SignatureFixtures.es256LeadingZeroRDER)
-        let ecKey = try key(SignatureFixtures.ec1)
+        let parts = try SignedParts(JWSFixtures.es256LeadingZeroR)
+        let der = bytes(hex: JWSFixtures.es256LeadingZeroRDER)
+        let ecKey = try key(JWSFixtures.ec1)
         #expect(!ecKey.verify(.es256, signature: der, signingInput: parts.signingInput))
     }
 }
@@ -170,12 +171,12 @@ private struct SignedParts {
 @Suite struct ECDSALeadingZeroTests {
     @Test(arguments: [
         (
-            SignatureFixtures.es256LeadingZeroR, SignatureFixtures.es256LeadingZeroRRaw,
-            SignatureFixtures.es256LeadingZeroRDER
+            JWSFixtures.es256LeadingZeroR, JWSFixtures.es256LeadingZeroRRaw,
+            JWSFixtures.es256LeadingZeroRDER
         ),
         (
-            SignatureFixtures.es256LeadingZeroS, SignatureFixtures.es256LeadingZeroSRaw,
-            SignatureFixtures.es256LeadingZeroSDER
+            JWSFixtures.es256LeadingZeroS, JWSFixtures.es256LeadingZeroSRaw,
+            JWSFixtures.es256LeadingZeroSDER
         ),
     ])
     func derAndRawMatchTheIndependentEncoding(_ token: String, _ rawHex: String, _ derHex: String) throws {
@@ -191,7 +192,7 @@ private struct SignedParts {
     }
 
     @Test func leadingZeroRIsEncodedAsA31ByteInteger() {
-        let der = bytes(hex: SignatureFixtures.es256LeadingZeroRDER)
+        let der = bytes(hex: JWSFixtures.es256LeadingZeroRDER)
         // SEQUENCE, length, INTEGER r (31 bytes, no padding: the top bit of its first byte is clear).
         #expect(der[0] == 0x30)
         #expect(Int(der[1]) == der.count - 2)
@@ -200,12 +201,12 @@ private struct SignedParts {
     }
 
     @Test func derWithTrailingBytesOrOversizedIntegersIsRefused() throws {
-        let der = bytes(hex: SignatureFixtures.es256LeadingZeroRDER)
+        let der = bytes(hex: JWSFixtures.es256LeadingZeroRDER)
         #expect(ECDSASignature.derToRaw(der + [0], coordinateSize: 32) == nil)
         #expect(ECDSASignature.derToRaw(Array(der.dropLast()), coordinateSize: 32) == nil)
         #expect(ECDSASignature.derToRaw([], coordinateSize: 32) == nil)
         // A P-384 signature does not fit 32-byte coordinates.
-        let p384 = try SignedParts(SignatureFixtures.es384).signature
+        let p384 = try SignedParts(JWSFixtures.es384).signature
         let p384DER = try #require(ECDSASignature.rawToDER(p384, coordinateSize: 48))
         #expect(ECDSASignature.derToRaw(p384DER, coordinateSize: 48) == p384)
         #expect(ECDSASignature.derToRaw(p384DER, coordinateSize: 32) == nil)
