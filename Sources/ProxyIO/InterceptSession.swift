@@ -28,23 +28,29 @@ final class InterceptSession: ServerConnection, InterceptOwner {
     var clientBufferevent: OpaquePointer? { client }
 
     /// TLS directly on the socket `fd`.
-    init(server: ProxyServer, id: UInt64, peer: String, origin: OriginConfig, fd: Int32, ssl: OpaquePointer) {
-        self.server = server
-        self.connectionID = id
-        self.peer = peer
-        self.origin = origin
-        self.ssl = ssl
-        self.parser = HTTPHeadParser(kind: .request, limits: server.settings.headLimits)
-        client = bufferevent_openssl_socket_new(
-            server.loop.base, fd, ssl, BUFFEREVENT_SSL_ACCEPTING,
-            Int32(BEV_OPT_CLOSE_ON_FREE.rawValue | BEV_OPT_DEFER_CALLBACKS.rawValue))
-        setUp()
+    convenience init(
+        server: ProxyServer, id: UInt64, peer: String, origin: OriginConfig, fd: Int32, ssl: OpaquePointer
+    ) {
+        let client = bufferevent_openssl_socket_new(
+            server.loop.base, fd, ssl, BUFFEREVENT_SSL_ACCEPTING, Self.bufferOptions)
+        self.init(server: server, id: id, peer: peer, origin: origin, ssl: ssl, client: client)
     }
 
     /// TLS as a filter over a bufferevent that already holds bytes from the client.
-    init(
+    convenience init(
         server: ProxyServer, id: UInt64, peer: String, origin: OriginConfig, underlying: OpaquePointer,
         ssl: OpaquePointer
+    ) {
+        let client = bufferevent_openssl_filter_new(
+            server.loop.base, underlying, ssl, BUFFEREVENT_SSL_ACCEPTING, Self.bufferOptions)
+        self.init(server: server, id: id, peer: peer, origin: origin, ssl: ssl, client: client)
+    }
+
+    private static let bufferOptions = Int32(BEV_OPT_CLOSE_ON_FREE.rawValue | BEV_OPT_DEFER_CALLBACKS.rawValue)
+
+    private init(
+        server: ProxyServer, id: UInt64, peer: String, origin: OriginConfig, ssl: OpaquePointer,
+        client: OpaquePointer?
     ) {
         self.server = server
         self.connectionID = id
@@ -52,9 +58,7 @@ final class InterceptSession: ServerConnection, InterceptOwner {
         self.origin = origin
         self.ssl = ssl
         self.parser = HTTPHeadParser(kind: .request, limits: server.settings.headLimits)
-        client = bufferevent_openssl_filter_new(
-            server.loop.base, underlying, ssl, BUFFEREVENT_SSL_ACCEPTING,
-            Int32(BEV_OPT_CLOSE_ON_FREE.rawValue | BEV_OPT_DEFER_CALLBACKS.rawValue))
+        self.client = client
         setUp()
     }
 
