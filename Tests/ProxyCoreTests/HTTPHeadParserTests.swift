@@ -153,6 +153,23 @@ import Testing
         #expect(feedHead([bytes]) == .failed(.malformed))
     }
 
+    /// Raw UTF-8 in a target (curl sends a URL's bytes as given) is kept byte for byte, combining marks
+    /// right after a delimiter included.
+    @Test func utf8InTargetIsKeptByteForByte() throws {
+        let target = "/".bytes + [0xCC, 0x81] + "caf".bytes + [0xC3, 0xA9] + "?".bytes + [0xCC, 0x81] + "q".bytes
+        let head = try parseHead("GET ".bytes + target + " HTTP/1.1\r\nHost: a\r\n\r\n".bytes)
+        #expect(Array(head.target.utf8) == target)
+    }
+
+    /// Bytes above 0x7F that are not UTF-8 could not be forwarded unchanged: refused, never altered.
+    @Test(arguments: [[UInt8(0xFF)], [0xE9], [0xC3], [0x80], [0xED, 0xA0, 0x80], [0xC0, 0xAF]])
+    func nonUTF8InTargetIsRejected(bytes: [UInt8]) {
+        let request = "GET /a".bytes + bytes + "b HTTP/1.1\r\nHost: a\r\n\r\n".bytes
+        #expect(feedHead([request]) == .failed(.malformed))
+        let absolute = "GET http://example.com/a?".bytes + bytes + " HTTP/1.1\r\nHost: example.com\r\n\r\n".bytes
+        #expect(feedHead([absolute]) == .failed(.malformed))
+    }
+
     @Test func nonASCIIMethodIsRejected() {
         let bytes = "G".bytes + [0xC3, 0x89] + "T / HTTP/1.1\r\nHost: a\r\n\r\n".bytes
         #expect(feedHead([bytes]) == .failed(.malformed))

@@ -75,6 +75,26 @@ private func droppedNames(_ semantics: RequestSemantics, _ head: HTTPHead) -> [S
         #expect(semantics.target == .notProxyRequest)
     }
 
+    /// "/" or "?" followed by a combining mark is one Character in Swift: targets are classified and cut on
+    /// their bytes, and every byte is kept.
+    @Test func combiningMarkAfterADelimiterChangesNothing() throws {
+        let (origin, _) = try acceptedRequest("GET /\u{301}x HTTP/1.1", "Host: a")
+        #expect(origin.target == .notProxyRequest)
+        let (absolute, _) = try acceptedRequest("GET http://example.com/\u{301}x?\u{301} HTTP/1.1", "Host: example.com")
+        guard case .absolute(let url) = absolute.target else {
+            Issue.record("expected an absolute target, got \(absolute.target)")
+            return
+        }
+        #expect(Array(url.pathAndQuery.utf8) == Array("/\u{301}x?\u{301}".utf8))
+        let (query, _) = try acceptedRequest("GET http://example.com?\u{301} HTTP/1.1", "Host: example.com")
+        guard case .absolute(let queryURL) = query.target else {
+            Issue.record("expected an absolute target, got \(query.target)")
+            return
+        }
+        #expect(Array(queryURL.pathAndQuery.utf8) == Array("/?\u{301}".utf8))
+        #expect(try refusal(["CONNECT /\u{301}example.com:443 HTTP/1.1", "Host: a"]) == .malformed)
+    }
+
     @Test(arguments: [
         "CONNECT user:pass@example.com:443 HTTP/1.1",  // userinfo
         "CONNECT user@example.com:443 HTTP/1.1",

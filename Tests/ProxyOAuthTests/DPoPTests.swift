@@ -32,9 +32,14 @@ import Testing
         ("https://[::1]:8443/a?b", "https://[::1]:8443/a"),
         ("https://api.example.com", "https://api.example.com/"),
         ("https://api.example.com?q=1", "https://api.example.com/"),
+        // A combining mark after "?" or "#" makes one Character with it; htu is cut on the bytes.
+        ("https://api.example.com/caf\u{e9}/x?\u{301}q", "https://api.example.com/caf\u{e9}/x"),
+        ("https://api.example.com/a#\u{301}top", "https://api.example.com/a"),
+        ("https://api.example.com/e\u{301}", "https://api.example.com/e\u{301}"),
     ])
     func htuDropsQueryFragmentAndDefaultPort(url: String, expected: String) {
-        #expect(DPoPKey.htu(url) == expected)
+        // Byte for byte: String's == would call "é" and "e\u{301}" equal.
+        #expect(Array(DPoPKey.htu(url).utf8) == Array(expected.utf8))
     }
 
     @Test func proofHasTheRFC9449Shape() throws {

@@ -46,6 +46,7 @@ BAD_REQUESTS = {
     "request line with an extra word": (f"GET http://127.0.0.1:9/ HTTP/1.1 extra\r\n{H}\r\n".encode(), 400),
     "request line with two spaces": (f"GET  http://127.0.0.1:9/ HTTP/1.1\r\n{H}\r\n".encode(), 400),
     "method that is not a token": (f"G(T http://127.0.0.1:9/ HTTP/1.1\r\n{H}\r\n".encode(), 400),
+    "target bytes that are not UTF-8": (f"GET http://127.0.0.1:9/caf\xe9 HTTP/1.1\r\n{H}\r\n".encode("latin-1"), 400),
     "garbage instead of a version": (f"GET http://127.0.0.1:9/ HTTX/1.1\r\n{H}\r\n".encode(), 400),
     "request line too long": (b"GET http://127.0.0.1:9/" + b"a" * 1500 + b" HTTP/1.1\r\n" + H.encode() + b"\r\n",
                               414),

@@ -69,6 +69,22 @@ def test_request_fields_arrive_byte_identical_without_hop_by_hop(proxy, echo_ori
     assert received.head == expected
 
 
+def test_utf8_and_obs_text_arrive_byte_identical(proxy, echo_origin):
+    # curl sends a URL's raw UTF-8 as given; a combining mark right after "/" or "?" (one grapheme with it)
+    # must not change how the target is read. Field values may carry any obs-text byte (RFC 9110 §5.5).
+    tag = token()
+    path = f"/fields/{tag}/caf\u00e9/\u0301x?\u0301q=\u00e9".encode()
+    host_line = f"Host: {echo_origin.authority}\r\n".encode()
+    fields = b"X-Latin-1: caf\xe9 \xff\x80\r\nX-Utf8: \xc3\xa9\r\n"
+    sent = b"GET " + echo_origin.url("").encode() + path + b" HTTP/1.1\r\n" + host_line + fields + b"\r\n"
+    with proxy.connect() as sock:
+        sock.sendall(sent)
+        response = Reader(sock).read_response()
+    assert response.status == 200
+    received = echo_origin.wait_request(tag)
+    assert received.head == b"GET " + path + b" HTTP/1.1\r\n" + host_line + fields + b"\r\n"
+
+
 def test_request_body_and_fields_with_content_length(proxy, echo_origin):
     tag = token()
     body = bytes(range(256)) * 40 + b"\r\n\r\nnot a head\r\n"

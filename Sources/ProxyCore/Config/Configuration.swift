@@ -203,7 +203,7 @@ public struct ConfigParser: Sendable {
         if value.hasPrefix("~/"), let homeDirectory {
             return homeDirectory + value.dropFirst(1)
         }
-        if !value.hasPrefix("/"), let baseDirectory {
+        if value.utf8.first != UInt8(ascii: "/"), let baseDirectory {
             return baseDirectory + "/" + value
         }
         return value

@@ -154,7 +154,7 @@ public struct AbsoluteURL: Sendable, Equatable {
             return .failure(error)
         case .success(let authority):
             var path = String(decoding: rest[authorityEnd...], as: UTF8.self)
-            if path.isEmpty || path.first == "?" { path = "/" + path }
+            if path.isEmpty || path.utf8.first == UInt8(ascii: "?") { path = "/" + path }
             return .success(AbsoluteURL(scheme: scheme, authority: authority, pathAndQuery: path))
         }
     }

@@ -240,9 +240,20 @@ public struct HTTPHeadParser: Sendable {
         else {
             return .failure(HTTPParseError(.malformed, "malformed request line"))
         }
-        for byte in buffer[targetStart..<secondSpace] where !ASCII.targetByte[Int(byte)] {
+        var nonASCII = false
+        for byte in buffer[targetStart..<secondSpace] {
+            guard ASCII.targetByte[Int(byte)] else {
+                return .failure(
+                    HTTPParseError(.malformed, "malformed request line: invalid character in request target"))
+            }
+            nonASCII = nonASCII || byte >= 0x80
+        }
+        // Raw UTF-8 in a target (curl sends a URL's bytes as given) passes through unchanged; other bytes
+        // above 0x7F could not be forwarded as they came, so they are refused rather than altered.
+        if nonASCII && String(validating: buffer[targetStart..<secondSpace], as: UTF8.self) == nil {
             return .failure(
-                HTTPParseError(.malformed, "malformed request line: invalid character in request target"))
+                HTTPParseError(
+                    .malformed, "the request target is not valid UTF-8: percent-encode bytes above 0x7F (RFC 3986)"))
         }
         switch parseVersion(secondSpace + 1..<range.upperBound) {
         case .failure(let error): return .failure(error)

@@ -63,7 +63,7 @@ extension MessageSemantics {
         if head.method == "CONNECT" {
             return .failure(.unsupported("CONNECT inside a tunnel to a protected origin is not supported"))
         }
-        if !target.hasPrefix("/") {
+        if target.utf8.first != UInt8(ascii: "/") {
             if target == "*" && head.method == "OPTIONS" {
                 // asterisk-form is fine: the server-wide OPTIONS.
             } else {

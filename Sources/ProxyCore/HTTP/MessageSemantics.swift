@@ -62,14 +62,14 @@ public enum MessageSemantics {
         let target: RequestTarget
         if head.method == "CONNECT" {
             // RFC 9112 §3.2.3: authority-form, the port is required.
-            if head.target.hasPrefix("/") || head.target.contains("://") {
+            if head.target.utf8.first == UInt8(ascii: "/") || head.target.utf8.contains("://".utf8) {
                 return .failure(HTTPParseError(.malformed, "CONNECT needs host:port as its target"))
             }
             switch HostPort.parse(head.target[...], defaultPort: nil) {
             case .failure(let error): return .failure(error)
             case .success(let authority): target = .connect(authority)
             }
-        } else if head.target.hasPrefix("/") || head.target == "*" {
+        } else if head.target.utf8.first == UInt8(ascii: "/") || head.target == "*" {
             target = .notProxyRequest
         } else {
             switch AbsoluteURL.parse(head.target) {

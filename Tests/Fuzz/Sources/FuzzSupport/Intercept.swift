@@ -80,7 +80,7 @@ func checkInterceptedRequest(
     _ request: InterceptedRequest, head: HTTPHead, scheme: String, origin: HostPort, attached: Bool
 ) {
     invariant(request.method == head.method && head.method != "CONNECT", "intercepted method \(request.method)")
-    if head.target.hasPrefix("/") {
+    if head.target.utf8.first == UInt8(ascii: "/") {
         invariant(request.target == head.target, "origin-form target changed to \(request.target.debugDescription)")
     } else if head.target == "*" {
         invariant(head.method == "OPTIONS" && request.target == "*", "asterisk-form for \(head.method)")

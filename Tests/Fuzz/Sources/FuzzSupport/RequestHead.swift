@@ -125,11 +125,14 @@ private func checkRequestSemantics(_ head: HTTPHead, _ semantics: RequestSemanti
     case .absolute(let url):
         invariant(head.method != "CONNECT", "absolute target for CONNECT")
         invariant(url.scheme == "http" || url.scheme == "https", "scheme \(url.scheme)")
-        invariant(url.pathAndQuery.hasPrefix("/"), "origin-form \(url.pathAndQuery.debugDescription) without a slash")
+        invariant(
+            url.pathAndQuery.utf8.first == UInt8(ascii: "/"),
+            "origin-form \(url.pathAndQuery.debugDescription) without a slash")
         checkAuthority(url.authority)
     case .notProxyRequest:
         invariant(
-            head.target.hasPrefix("/") || head.target == "*", "not a proxy request: \(head.target.debugDescription)")
+            head.target.utf8.first == UInt8(ascii: "/") || head.target == "*",
+            "not a proxy request: \(head.target.debugDescription)")
     }
 }
 
