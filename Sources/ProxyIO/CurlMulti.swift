@@ -202,11 +202,21 @@ class CurlTransfer {
 
     func setURL(_ url: String) { _ = proxyctl_easy_setopt_string(easy, CURLOPT_URL, url) }
 
-    func setHeaders(_ headers: [(name: String, value: String)]) {
+    /// Field lines to send; a value is bytes (obs-text need not be UTF-8). An empty value makes curl leave out
+    /// a field it would add itself.
+    func setHeaders(_ headers: [(name: String, value: [UInt8])]) {
         if let headerList { curl_slist_free_all(headerList) }
         headerList = nil
+        var line: [UInt8] = []
         for (name, value) in headers {
-            headerList = curl_slist_append(headerList, "\(name): \(value)")
+            line.removeAll(keepingCapacity: true)
+            line += name.utf8
+            line += ": ".utf8
+            line += value
+            line.append(0)
+            headerList = line.withUnsafeBufferPointer { buffer in
+                buffer.withMemoryRebound(to: CChar.self) { curl_slist_append(headerList, $0.baseAddress) }
+            }
         }
         _ = proxyctl_easy_setopt_ptr(easy, CURLOPT_HTTPHEADER, headerList)
     }

@@ -42,7 +42,7 @@ public final class CurlTransport: HTTPTransport {
                     }
                 }
                 transfer.setURL(request.url)
-                transfer.setHeaders(request.headers + [("Expect", "")])
+                transfer.setHeaders(request.headers.map { ($0.name, Array($0.value.utf8)) } + [("Expect", [])])
                 transfer.setMethod(request.method, body: request.body)
                 _ = proxyctl_easy_setopt_long(transfer.easy, CURLOPT_TIMEOUT_MS, request.timeout)
                 _ = proxyctl_easy_setopt_long(transfer.easy, CURLOPT_CONNECTTIMEOUT_MS, min(request.timeout, 10_000))

@@ -35,8 +35,8 @@ final class InterceptedExchange {
 
     // The upstream response being received.
     private var status = 0
-    private var reason: String?
-    private var fields: [(name: String, value: String)] = []
+    private var reason: [UInt8]?
+    private var fields: [(name: String, value: [UInt8])] = []
     private var headDone = false
     private var delivering = false
     private var discarding = false
@@ -236,7 +236,7 @@ final class InterceptedExchange {
         transfer.setURL(origin.url + request.target)
         var headers = request.upstreamFields
         if let tokens {
-            headers.append(("Authorization", "\(tokens.tokenType) \(tokens.accessToken)"))
+            headers.append(("Authorization", Array("\(tokens.tokenType) \(tokens.accessToken)".utf8)))
             if tokens.tokenType == "DPoP" {
                 // RFC 9449 §7: a fresh proof for every request, replays included, bound to the token (ath).
                 guard let key = server.dpopKey(for: origin.provider, thumbprint: tokens.dpopThumbprint) else {
@@ -254,7 +254,7 @@ final class InterceptedExchange {
                     let proof = try key.proof(
                         method: request.method, url: origin.url + request.target, accessToken: tokens.accessToken,
                         nonce: nonce, now: Int64(time(nil)))
-                    headers.append(("DPoP", proof))
+                    headers.append(("DPoP", Array(proof.utf8)))
                 } catch {
                     return fail(
                         ProxyResponse(
@@ -265,11 +265,11 @@ final class InterceptedExchange {
             }
         }
         // libcurl adds fields of its own unless told not to: keep the request as the client made it.
-        headers.append(("Expect", ""))
-        if !headers.contains(where: { $0.name.lowercased() == "accept" }) { headers.append(("Accept", "")) }
+        headers.append(("Expect", []))
+        if !headers.contains(where: { $0.name.lowercased() == "accept" }) { headers.append(("Accept", [])) }
         let hasBody = request.framing != .none
         if hasBody && !headers.contains(where: { $0.name.lowercased() == "content-type" }) {
-            headers.append(("Content-Type", ""))
+            headers.append(("Content-Type", []))
         }
         transfer.setHeaders(headers)
         let easy = transfer.easy
@@ -343,7 +343,7 @@ final class InterceptedExchange {
             status = cursor == index + 4 ? code : 0
             reason =
                 line[5] == UInt8(ascii: "1") && cursor < end
-                ? String(decoding: UnsafeRawBufferPointer(rebasing: line[(cursor + 1)..<end]), as: UTF8.self) : nil
+                ? Array(UnsafeRawBufferPointer(rebasing: line[(cursor + 1)..<end])) : nil
             fields.removeAll(keepingCapacity: true)
             return true
         }
@@ -357,7 +357,7 @@ final class InterceptedExchange {
         fields.append(
             (
                 String(decoding: UnsafeRawBufferPointer(rebasing: line[0..<colon]), as: UTF8.self),
-                String(decoding: UnsafeRawBufferPointer(rebasing: line[valueStart..<valueEnd]), as: UTF8.self)
+                Array(UnsafeRawBufferPointer(rebasing: line[valueStart..<valueEnd]))
             ))
         return true
     }
@@ -379,8 +379,12 @@ final class InterceptedExchange {
             return
         }
         let challenges = ChallengeParser.parse(
-            fields.filter { $0.name.lowercased() == "www-authenticate" }.map(\.value))
-        let nonce = fields.last { $0.name.lowercased() == "dpop-nonce" }?.value
+            fields.filter { $0.name.lowercased() == "www-authenticate" }.map {
+                String(decoding: $0.value, as: UTF8.self)
+            })
+        let nonce = fields.last { $0.name.lowercased() == "dpop-nonce" }.map {
+            String(decoding: $0.value, as: UTF8.self)
+        }
         server.resourceNonces.remember(nonce, for: origin.url)
         let action = exchange.handle(.response(status: status, challenges: challenges, dpopNonce: nonce))
         machine = exchange

@@ -509,3 +509,29 @@ private func acceptedResponse(
         #expect(semantics.dropped.sorted().map { head.name(at: $0) } == ["Connection"])
     }
 }
+
+/// Intercepted requests and responses keep field values and the reason phrase as bytes: obs-text (RFC 9110
+/// §5.5) need not be UTF-8, and decoding it would replace it.
+@Suite struct InterceptedObsTextTests {
+    @Test func requestFieldValuesKeepTheirBytes() throws {
+        let value = "caf".bytes + [0xE9, 0x20, 0xFF, 0x80]
+        let head = try parseHead(
+            "GET /a HTTP/1.1\r\nHost: api.example.com\r\nX-Latin-1: ".bytes + value + "\r\n\r\n".bytes)
+        let origin = HostPort(host: "api.example.com", port: 443, kind: .name)
+        let request = try MessageSemantics.interceptedRequest(head, scheme: "https", origin: origin) { _ in true }.get()
+        #expect(request.upstreamFields.map(\.name) == ["X-Latin-1"])
+        #expect(request.upstreamFields.map(\.value) == [value])
+    }
+
+    @Test func responseReasonAndFieldValuesKeepTheirBytes() {
+        let (head, framing) = MessageSemantics.interceptedResponseHead(
+            status: 200, reason: "caf".bytes + [0xE9],
+            fields: [("X-Raw", [0xFF, 0x80]), ("Content-Length", "2".bytes)],
+            requestMethod: "GET", close: true, extra: [("Proxy-Status", "proxyctl")])
+        #expect(framing == .contentLength(2))
+        let expected =
+            "HTTP/1.1 200 caf".bytes + [0xE9] + "\r\nX-Raw: ".bytes + [0xFF, 0x80]
+            + "\r\nProxy-Status: proxyctl\r\nContent-Length: 2\r\nConnection: close\r\n\r\n".bytes
+        #expect(head == expected)
+    }
+}

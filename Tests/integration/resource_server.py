@@ -550,7 +550,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send(302, b"redirecting\n", "text/plain", headers=[("Location", target), *seen.response_headers])
         else:
             seen.status = 200
-            self._json(200, info, headers=seen.response_headers)
+            # ?echo=NAME: the answer carries each named request field back as NAME-Echo, byte for byte (both
+            # directions read and write field values as Latin-1, so any obs-text byte survives the round trip).
+            echoed = [(f"{name}-Echo", value) for name in urllib.parse.parse_qs(url.query).get("echo", [])
+                      for value in seen.header_values(name)]
+            self._json(200, info, headers=[*seen.response_headers, *echoed])
 
     def _download(self, size: int):
         self.send_response(200)

@@ -988,6 +988,17 @@ def test_client_authorization_keep_forwards_the_clients_own(main, rs):
     assert "proxyctl serve is running" in text and "client's own Authorization kept" in text, text
 
 
+def test_field_values_with_obs_text_pass_both_ways_byte_for_byte(main, rs):
+    # RFC 9110 §5.5: a field value may carry obs-text (0x80-0xFF), which need not be UTF-8.
+    raw = b"caf\xe9 \xff\x80 \xc3\xa9"
+    seen_mark = rs.mark()
+    answer = main.curl(rs.url("/public/echo?echo=X-Latin-1"), "-H", os.fsdecode(b"X-Latin-1: " + raw))
+    assert answer.status == 200, answer
+    [seen] = rs.since(seen_mark)
+    assert [value.encode("latin-1") for value in seen.header_values("X-Latin-1")] == [raw]
+    assert answer.header("X-Latin-1-Echo").encode("latin-1") == raw, answer
+
+
 def test_client_authorization_replace_attaches_the_proxys_token(main, rs):
     mark, seen_mark = main.proxy.mark(), rs.mark()
     answer = main.curl(rs.url("/me", REPLACE), "-H", "Authorization: Bearer client-own-value")

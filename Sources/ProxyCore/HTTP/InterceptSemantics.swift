@@ -8,8 +8,8 @@ public struct InterceptedRequest: Sendable, Equatable {
     public let keepAlive: Bool
     /// Field lines to send upstream: every received line except hop-by-hop fields, Host (the URL carries
     /// it), Content-Length and Transfer-Encoding (the transfer sets its own framing), Expect, and
-    /// Authorization when the proxy attaches its own.
-    public let upstreamFields: [(name: String, value: String)]
+    /// Authorization when the proxy attaches its own. Values are bytes: obs-text need not be UTF-8.
+    public let upstreamFields: [(name: String, value: [UInt8])]
     /// The client sent its own Authorization field.
     public let clientAuthorization: Bool
     /// The client asked for a protocol upgrade (not supported on intercepted connections).
@@ -106,7 +106,7 @@ extension MessageSemantics {
         let upgrade = options.contains("upgrade") && !head.indices(named: "upgrade").isEmpty
         let clientAuthorization = !head.indices(named: "authorization").isEmpty
         let attach = attachToken(clientAuthorization)
-        var fields: [(name: String, value: String)] = []
+        var fields: [(name: String, value: [UInt8])] = []
         for index in head.fields.indices {
             if head.field(index, isNamed: "connection") || head.field(index, isNamed: "proxy-connection")
                 || head.field(index, isNamed: "keep-alive") || head.field(index, isNamed: "te")
@@ -118,7 +118,7 @@ extension MessageSemantics {
             }
             if attach && head.field(index, isNamed: "authorization") { continue }
             if !options.isEmpty && options.contains(head.name(at: index).lowercased()) { continue }
-            fields.append((head.name(at: index), head.value(at: index)))
+            fields.append((head.name(at: index), Array(head.valueBytes(at: index))))
         }
         return .success(
             InterceptedRequest(
@@ -129,9 +129,10 @@ extension MessageSemantics {
     }
 
     /// The response head to send the client for an upstream response (which libcurl already de-chunked, or
-    /// received over HTTP/2): hop-by-hop fields removed, framing chosen anew.
+    /// received over HTTP/2): hop-by-hop fields removed, framing chosen anew. The reason phrase and field
+    /// values are the origin's bytes (obs-text need not be UTF-8); `extra` holds the proxy's own fields.
     public static func interceptedResponseHead(
-        status: Int, reason: String?, fields: [(name: String, value: String)], requestMethod: String,
+        status: Int, reason: [UInt8]?, fields: [(name: String, value: [UInt8])], requestMethod: String,
         close: Bool, extra: [(name: String, value: String)]
     ) -> (head: [UInt8], framing: ResponseFramingToClient) {
         let noBody = status < 200 || status == 204 || status == 304 || requestMethod == "HEAD"
@@ -140,11 +141,11 @@ extension MessageSemantics {
         var options: [String] = []
         for (name, value) in fields {
             switch name.lowercased() {
-            case "content-length": length = UInt64(value.trimmingOWS())
+            case "content-length": length = UInt64(String(decoding: value, as: UTF8.self).trimmingOWS())
             case "transfer-encoding": chunkedUpstream = true
             case "connection":
                 // Bytes and ASCII case folding, as the client reads them (see `HTTPHead.listElements`).
-                options += value.utf8.split(separator: UInt8(ascii: ",")).map {
+                options += value.split(separator: UInt8(ascii: ",")).map {
                     String(decoding: $0.map(ASCII.lower), as: UTF8.self).trimmingOWS()
                 }
             default: break
@@ -158,8 +159,21 @@ extension MessageSemantics {
         } else {
             framing = .chunked
         }
-        var text =
-            "HTTP/1.1 \(status) \(reason.flatMap { $0.isEmpty ? nil : $0 } ?? ProxyResponse.reasonPhrase(status))\r\n"
+        var head: [UInt8] = []
+        head.reserveCapacity(512)
+        head += "HTTP/1.1 \(status) ".utf8
+        if let reason, !reason.isEmpty {
+            head += reason
+        } else {
+            head += ProxyResponse.reasonPhrase(status).utf8
+        }
+        head += "\r\n".utf8
+        func append(_ name: String, _ value: some Sequence<UInt8>) {
+            head += name.utf8
+            head += ": ".utf8
+            head += value
+            head += "\r\n".utf8
+        }
         for (name, value) in fields {
             let lowered = name.lowercased()
             if ["connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te", "trailer"]
@@ -170,14 +184,14 @@ extension MessageSemantics {
             // A HEAD or 304 response keeps its Content-Length (it describes the would-be body). A body's length is
             // written once below: duplicates, "+5", or a Connection option naming it must not reach the client.
             if lowered == "content-length" && framing != .none { continue }
-            text += "\(name): \(value)\r\n"
+            append(name, value)
         }
-        for (name, value) in extra { text += "\(name): \(value)\r\n" }
-        if case .contentLength(let length) = framing { text += "Content-Length: \(length)\r\n" }
-        if framing == .chunked { text += "Transfer-Encoding: chunked\r\n" }
-        if close { text += "Connection: close\r\n" }
-        text += "\r\n"
-        return (Array(text.utf8), framing)
+        for (name, value) in extra { append(name, value.utf8) }
+        if case .contentLength(let length) = framing { append("Content-Length", String(length).utf8) }
+        if framing == .chunked { append("Transfer-Encoding", "chunked".utf8) }
+        if close { append("Connection", "close".utf8) }
+        head += "\r\n".utf8
+        return (head, framing)
     }
 }
 

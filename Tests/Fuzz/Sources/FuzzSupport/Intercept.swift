@@ -106,12 +106,12 @@ func checkInterceptedRequest(
 
     // Exactly the client's end-to-end fields, in order, byte for byte.
     let options = Set(rawListElements(head, "connection"))
-    var expected: [(name: String, value: String)] = []
+    var expected: [(name: String, value: [UInt8])] = []
     for index in head.fields.indices {
         let name = asciiLowercased(head.bytes[head.fields[index].name])
         if neverUpstream.contains(name) || options.contains(name) { continue }
         if attached && name == bytes("authorization") { continue }
-        expected.append((head.name(at: index), head.value(at: index)))
+        expected.append((head.name(at: index), Array(head.valueBytes(at: index))))
     }
     invariant(
         request.upstreamFields.map(\.name) == expected.map(\.name)
@@ -140,19 +140,20 @@ func checkInterceptedRequest(
     if request.framing == .untilClose { invariant(false, "an intercepted request framed until close") }
 
     // What goes upstream is a valid request with the framing the proxy chose.
-    var text = "\(request.method) \(request.target) HTTP/1.1\r\nHost: \(origin.description)\r\n"
-    for field in request.upstreamFields { text += "\(field.name): \(field.value)\r\n" }
+    var wire = Array("\(request.method) \(request.target) HTTP/1.1\r\nHost: \(origin.description)\r\n".utf8)
+    for field in request.upstreamFields { wire += Array("\(field.name): ".utf8) + field.value + Array("\r\n".utf8) }
     switch request.framing {
-    case .chunked: text += "Transfer-Encoding: chunked\r\n"
-    case .contentLength(let length): text += "Content-Length: \(length)\r\n"
+    case .chunked: wire += Array("Transfer-Encoding: chunked\r\n".utf8)
+    case .contentLength(let length): wire += Array("Content-Length: \(length)\r\n".utf8)
     case .none, .untilClose: break
     }
-    text += "\r\n"
+    wire += Array("\r\n".utf8)
     var parser = HTTPHeadParser(kind: .request, limits: generousLimits)
-    guard case .complete(let upstream, let consumed) = parser.parse(Array(text.utf8)) else {
-        return invariant(false, "the upstream request does not parse: \(text.prefix(300).debugDescription)")
+    guard case .complete(let upstream, let consumed) = parser.parse(wire) else {
+        return invariant(
+            false, "the upstream request does not parse: \(text(Array(wire.prefix(300))).debugDescription)")
     }
-    invariant(consumed == text.utf8.count, "the upstream request has trailing bytes")
+    invariant(consumed == wire.count, "the upstream request has trailing bytes")
     switch MessageSemantics.request(upstream) {
     case .success(let again):
         invariant(again.framing == request.framing, "the upstream request has framing \(again.framing)")
@@ -199,8 +200,8 @@ private func checkRefusal(_ refusal: InterceptRefusal, head: HTTPHead, scheme: S
 /// every line with a colon as name and OWS-trimmed value, up to the empty line.
 private struct UpstreamHead {
     var status = 0
-    var reason: String? = nil
-    var fields: [(name: String, value: String)] = []
+    var reason: [UInt8]? = nil
+    var fields: [(name: String, value: [UInt8])] = []
     /// Whether an HTTP/1.1 server could have sent it: a three-digit status, a reason phrase and field lines
     /// that `HTTPHeadParser` accepts. Only then must the head the proxy builds be valid.
     var valid = true
@@ -216,11 +217,11 @@ private func upstreamHead(_ input: [UInt8], random: inout InputRandom) -> Upstre
         if text.hasPrefix("HTTP/") {
             let parts = text.split(separator: " ", maxSplits: 2, omittingEmptySubsequences: false)
             head.status = parts.count > 1 ? Int(parts[1]) ?? 0 : 0
-            head.reason = parts.count > 2 && text.hasPrefix("HTTP/1") ? String(parts[2]) : nil
+            head.reason = parts.count > 2 && text.hasPrefix("HTTP/1") ? Array(parts[2].utf8) : nil
             head.fields = []
             let digits = parts.count > 1 ? Array(parts[1].utf8) : []
             head.valid = digits.count == 3 && digits.allSatisfy { $0 >= 0x30 && $0 <= 0x39 } && head.status >= 100
-            if let reason = head.reason, !reason.utf8.allSatisfy(isFieldValueByte) { head.valid = false }
+            if let reason = head.reason, !reason.allSatisfy(isFieldValueByte) { head.valid = false }
             sawStatus = true
             continue
         }
@@ -231,7 +232,7 @@ private func upstreamHead(_ input: [UInt8], random: inout InputRandom) -> Upstre
         }
         let name = text[..<colon]
         let value = text[text.index(after: colon)...].trimmingOWS()
-        head.fields.append((String(name), value))
+        head.fields.append((String(name), Array(value.utf8)))
         if name.isEmpty || !name.utf8.allSatisfy(isTokenByte) || !value.utf8.allSatisfy(isFieldValueByte) {
             head.valid = false
         }
@@ -307,7 +308,7 @@ private func fuzzInterceptedResponse(_ input: [UInt8]) {
     // Every end-to-end field of the upstream, in order, then the proxy's own.
     var options = Set<[UInt8]>()
     for (name, value) in upstream.fields where asciiLowercased(bytes(name)) == bytes("connection") {
-        for element in bytes(value).split(separator: UInt8(ascii: ","), omittingEmptySubsequences: true) {
+        for element in value.split(separator: UInt8(ascii: ","), omittingEmptySubsequences: true) {
             var trimmed = element[...]
             while let first = trimmed.first, first == 0x20 || first == 0x09 { trimmed.removeFirst() }
             while let last = trimmed.last, last == 0x20 || last == 0x09 { trimmed.removeLast() }
@@ -327,7 +328,7 @@ private func fuzzInterceptedResponse(_ input: [UInt8]) {
     }
     invariant(
         sent.map { head.name(at: $0) } == expectedFields.map(\.name)
-            && sent.map { head.value(at: $0) } == expectedFields.map(\.value),
+            && sent.map { Array(head.valueBytes(at: $0)) } == expectedFields.map(\.value),
         "fields for the client \(sent.map { head.name(at: $0) }), expected \(expectedFields.map(\.name))")
     for (name, value) in extra {
         invariant(
