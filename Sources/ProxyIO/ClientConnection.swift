@@ -1008,18 +1008,14 @@ private let upstreamEventCallback: bufferevent_event_cb = { _, events, context i
 enum LogText {
     /// The URL without its query: queries can carry secrets (`?code=`, `?access_token=`).
     static func url(_ url: AbsoluteURL) -> String {
-        let path = url.pathAndQuery
-        if let question = path.firstIndex(of: "?") {
-            return "\(url.scheme)://\(url.hostFieldValue)\(path[..<question])?..."
-        }
-        return "\(url.scheme)://\(url.hostFieldValue)\(path)"
+        let (path, query) = TargetText.split(url.pathAndQuery, at: "?")
+        return "\(url.scheme)://\(url.hostFieldValue)\(path)\(query == nil ? "" : "?...")"
     }
 
     /// A raw request target, cut at the query for the same reason.
     static func target(_ target: String) -> String {
-        let clipped = target.prefix(200)
-        if let question = clipped.firstIndex(of: "?") { return String(clipped[..<question]) + "?..." }
-        return ASCII_printable(String(clipped))
+        let (path, query) = TargetText.split(target, at: "?")
+        return ASCII_printable(String(path.prefix(200))) + (query == nil ? "" : "?...")
     }
 
     static func duration(_ milliseconds: Int64) -> String {

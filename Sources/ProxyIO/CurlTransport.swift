@@ -77,7 +77,7 @@ public final class CurlTransport: HTTPTransport {
 
     /// The URL without its query, for error messages.
     static func describe(_ url: String) -> String {
-        String(url.split(separator: "?", maxSplits: 1).first ?? "")
+        TargetText.withoutQuery(url)
     }
 }
 

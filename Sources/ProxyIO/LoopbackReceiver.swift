@@ -157,17 +157,15 @@ public final class LoopbackReceiver: RedirectReceiver {
 
         /// Decides the answer to one request and hands a matching redirect to the login.
         func handle(_ head: HTTPHead) -> (status: Int, page: String) {
-            let target = head.target
-            let pathPart = String(target.split(separator: "?", maxSplits: 1, omittingEmptySubsequences: false)[0])
-            guard head.method == "GET", pathPart == path else {
+            let (pathPart, query) = TargetText.split(head.target, at: "?")
+            guard head.method == "GET", pathPart.utf8.elementsEqual(path.utf8) else {
                 return (
                     404,
                     Page.render(
                         title: "Not found", message: "This address only receives the sign-in answer for proxyctl.")
                 )
             }
-            let query = target.contains("?") ? String(target[target.index(after: target.firstIndex(of: "?")!)...]) : ""
-            guard let parameters = FormEncoding.decode(query) else {
+            guard let parameters = FormEncoding.decode(query ?? "") else {
                 return (400, Page.render(title: "Bad request", message: "The sign-in answer could not be read."))
             }
             let state = parameters.first { $0.0 == "state" }?.1

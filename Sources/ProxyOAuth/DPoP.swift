@@ -77,15 +77,10 @@ public final class DPoPKey: Sendable {
     /// `htu` (RFC 9449 §4.2, §4.3): the URI without query and fragment, scheme and host lower-case, the
     /// default port left out.
     public static func htu(_ url: String) -> String {
-        // Cut on the bytes: "?" or "#" followed by a combining mark is one Character, not a delimiter.
-        func before(_ delimiter: UInt8, in text: String) -> String {
-            guard let index = text.utf8.firstIndex(of: delimiter) else { return text }
-            return String(decoding: text.utf8[..<index], as: UTF8.self)
+        guard case .success(let parsed) = AbsoluteURL.parse(TargetText.split(url, at: "#").before) else {
+            return TargetText.withoutQuery(url)
         }
-        guard case .success(let parsed) = AbsoluteURL.parse(before(UInt8(ascii: "#"), in: url)) else {
-            return before(UInt8(ascii: "?"), in: url)
-        }
-        let path = before(UInt8(ascii: "?"), in: parsed.pathAndQuery)
+        let path = TargetText.split(parsed.pathAndQuery, at: "?").before
         return "\(parsed.scheme)://\(parsed.hostFieldValue)\(path.isEmpty ? "/" : path)"
     }
 }

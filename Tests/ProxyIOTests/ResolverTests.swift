@@ -74,6 +74,15 @@ import Testing
         #expect(LogText.target("/cb?access_token=SECRET") == "/cb?...")
     }
 
+    /// "?" followed by a combining mark is one Character: the query must be cut all the same.
+    @Test func queriesBehindACombiningMarkNeverReachTheLog() throws {
+        let url = try AbsoluteURL.parse("http://api.test/cb?\u{301}code=SECRET").get()
+        #expect(!LogText.url(url).contains("SECRET"))
+        #expect(LogText.url(url) == "http://api.test/cb?...")
+        #expect(!LogText.target("/cb?\u{301}access_token=SECRET").contains("SECRET"))
+        #expect(LogText.target("/cb?\u{301}access_token=SECRET") == "/cb?...")
+    }
+
     @Test func durations() {
         #expect(LogText.duration(12) == "12ms")
         #expect(LogText.duration(1234) == "1.23s")
