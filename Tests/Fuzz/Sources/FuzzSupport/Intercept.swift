@@ -210,30 +210,32 @@ private struct UpstreamHead {
 private func upstreamHead(_ input: [UInt8], random: inout InputRandom) -> UpstreamHead {
     var head = UpstreamHead()
     var sawStatus = false
+    // On the raw bytes, as libcurl hands them over: field values and the reason may carry any obs-text byte.
     for rawLine in input.split(separator: 0x0A, omittingEmptySubsequences: false) {
         var line = rawLine[...]
         while let last = line.last, last == 0x0A || last == 0x0D { line = line.dropLast() }
-        let text = String(decoding: line, as: UTF8.self)
-        if text.hasPrefix("HTTP/") {
-            let parts = text.split(separator: " ", maxSplits: 2, omittingEmptySubsequences: false)
-            head.status = parts.count > 1 ? Int(parts[1]) ?? 0 : 0
-            head.reason = parts.count > 2 && text.hasPrefix("HTTP/1") ? Array(parts[2].utf8) : nil
+        if line.starts(with: "HTTP/".utf8) {
+            let parts = line.split(separator: 0x20, maxSplits: 2, omittingEmptySubsequences: false)
+            let digits = parts.count > 1 ? Array(parts[1]) : []
+            head.status = Int(String(decoding: digits, as: UTF8.self)) ?? 0
+            head.reason = parts.count > 2 && line.starts(with: "HTTP/1".utf8) ? Array(parts[2]) : nil
             head.fields = []
-            let digits = parts.count > 1 ? Array(parts[1].utf8) : []
             head.valid = digits.count == 3 && digits.allSatisfy { $0 >= 0x30 && $0 <= 0x39 } && head.status >= 100
             if let reason = head.reason, !reason.allSatisfy(isFieldValueByte) { head.valid = false }
             sawStatus = true
             continue
         }
-        if text.isEmpty { break }
-        guard let colon = text.firstIndex(of: ":") else {
+        if line.isEmpty { break }
+        guard let colon = line.firstIndex(of: UInt8(ascii: ":")) else {
             head.valid = false
             continue
         }
-        let name = text[..<colon]
-        let value = text[text.index(after: colon)...].trimmingOWS()
-        head.fields.append((String(name), Array(value.utf8)))
-        if name.isEmpty || !name.utf8.allSatisfy(isTokenByte) || !value.utf8.allSatisfy(isFieldValueByte) {
+        let name = line[..<colon]
+        var value = line[(colon + 1)...]
+        while let first = value.first, first == 0x20 || first == 0x09 { value = value.dropFirst() }
+        while let last = value.last, last == 0x20 || last == 0x09 { value = value.dropLast() }
+        head.fields.append((String(decoding: name, as: UTF8.self), Array(value)))
+        if name.isEmpty || !name.allSatisfy(isTokenByte) || !value.allSatisfy(isFieldValueByte) {
             head.valid = false
         }
     }
