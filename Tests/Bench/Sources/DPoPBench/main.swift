@@ -3,7 +3,11 @@
 // signature alone (`PrivateKey.signES256` over a signing input of the same length), so the cost of the
 // proof around the signature can be told apart.
 //
-//   DPoPBench [--proofs N] [--key PKCS8.pem] [--token-bytes N]
+//   DPoPBench [--proofs N] [--key PKCS8.pem] [--token-bytes N] [--evict-kib N]
+//
+// --evict-kib N: also time proofs with N KiB of memory written between two proofs (what TLS and libcurl do
+// to the caches between two requests in the proxy), less the time of the writes alone: how much a proof
+// costs when it starts with cold caches.
 //
 // Prints one JSON object: counts, CPU seconds (CLOCK_PROCESS_CPUTIME_ID: user + system of this one-thread process) and wall seconds
 // for each loop, and the rates per CPU second.
@@ -35,16 +39,20 @@ func fail(_ message: String) -> Never {
 var proofs = 20000
 var keyFile: String? = nil
 var tokenBytes = 800
+var evictKiB = 0
 var arguments = CommandLine.arguments.dropFirst()
 while let argument = arguments.popFirst() {
     switch argument {
     case "--proofs": proofs = arguments.popFirst().flatMap { Int($0) } ?? 0
     case "--key": keyFile = arguments.popFirst()
     case "--token-bytes": tokenBytes = arguments.popFirst().flatMap { Int($0) } ?? -1
-    default: fail("usage: DPoPBench [--proofs N] [--key PKCS8.pem] [--token-bytes N]")
+    case "--evict-kib": evictKiB = arguments.popFirst().flatMap { Int($0) } ?? -1
+    default: fail("usage: DPoPBench [--proofs N] [--key PKCS8.pem] [--token-bytes N] [--evict-kib N]")
     }
 }
-guard proofs > 0, tokenBytes >= 0 else { fail("--proofs and --token-bytes take positive numbers") }
+guard proofs > 0, tokenBytes >= 0, evictKiB >= 0 else {
+    fail("--proofs, --token-bytes and --evict-kib take positive numbers")
+}
 
 let key: DPoPKey
 do {
@@ -97,6 +105,35 @@ do {
 let signWall = wallSeconds() - signWall0
 let signCPU = cpuSeconds() - signCPU0
 
+// Cold caches: N KiB written (one byte per cache line) before every proof, less the writes alone.
+var evicted = ""
+if evictKiB > 0 {
+    var buffer = [UInt8](repeating: 0, count: evictKiB * 1024)
+    func evict(_ round: Int) {
+        buffer.withUnsafeMutableBufferPointer { memory in
+            var offset = 0
+            while offset < memory.count {
+                memory[offset] &+= UInt8(truncatingIfNeeded: round)
+                offset += 64
+            }
+        }
+    }
+    let rounds = max(1, proofs / 4)
+    let writesCPU0 = cpuSeconds()
+    for round in 0..<rounds { evict(round) }
+    let writesCPU = cpuSeconds() - writesCPU0
+    let coldCPU0 = cpuSeconds()
+    for round in 0..<rounds {
+        evict(round)
+        totalLength &+= makeProof().utf8.count
+    }
+    let coldCPU = cpuSeconds() - coldCPU0
+    let perProof = (coldCPU - writesCPU) / Double(rounds)
+    evicted =
+        #", "evict_kib": \#(evictKiB), "cold_proof_cpu_us": \#(String(format: "%.1f", perProof * 1e6))"#
+        + #", "evict_writes_cpu_us": \#(String(format: "%.1f", writesCPU / Double(rounds) * 1e6))"#
+}
+
 func number(_ value: Double) -> String { String(format: "%.6f", value) }
 
 print(
@@ -107,5 +144,5 @@ print(
     "signatures": \(proofs), "signature_bytes": \(signatureLength / proofs), \
     "signature_cpu_s": \(number(signCPU)), "signature_wall_s": \(number(signWall)), \
     "signatures_per_cpu_s": \(number(Double(proofs) / signCPU)), "token_bytes": \(tokenBytes), \
-    "thumbprint": "\(key.thumbprint)"}
+    "thumbprint": "\(key.thumbprint)"\(evicted)}
     """)
