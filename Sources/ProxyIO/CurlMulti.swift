@@ -136,10 +136,13 @@ private final class SocketWatcher {
     unowned let multi: CurlMulti
     let socket: curl_socket_t
     private var event: OpaquePointer?
+    /// Kept so that the event base outlives the event (see `LoopTimer`).
+    private let loop: EventLoop
 
     init(multi: CurlMulti, socket: curl_socket_t) {
         self.multi = multi
         self.socket = socket
+        self.loop = multi.loop
     }
 
     deinit { if let event { event_free(event) } }
@@ -147,7 +150,7 @@ private final class SocketWatcher {
     func watch(_ events: Int16) {
         if let event { event_free(event) }
         event = event_new(
-            multi.loop.base, socket, events,
+            loop.base, socket, events,
             { fd, what, context in
                 let watcher = Unmanaged<SocketWatcher>.fromOpaque(context!).takeUnretainedValue()
                 watcher.multi.socketReady(fd, events: what)

@@ -85,6 +85,8 @@ public final class CurlTransport: HTTPTransport {
 public final class LoopThread: Sendable {
     public let loop: EventLoop
     private let keepAlive: LoopBound<LoopTimer>
+    /// Signalled when the thread has left the loop.
+    private let finished = DispatchSemaphore(value: 0)
 
     public init() {
         EventLoop.initializeLibraries()
@@ -94,12 +96,20 @@ public final class LoopThread: Sendable {
         let timer = LoopTimer(loop: loop) {}
         timer.schedule(milliseconds: 86_400_000)
         keepAlive = LoopBound(timer, loop: loop)
-        let thread = Thread { loop.run() }
+        let finished = self.finished
+        let thread = Thread {
+            loop.run()
+            finished.signal()
+        }
         thread.name = "proxyctl-loop"
         thread.start()
     }
 
+    /// Ends the loop and waits (up to 5 s) until its thread has left it. A command that returned while the
+    /// loop still ran would exit the process under it: exit-time cleanup (OpenSSL's atexit handler) racing
+    /// with libcurl on the loop thread could hang `proxyctl token`. Not for the loop thread itself.
     public func stop() {
         loop.post { [loop] in loop.stop() }
+        _ = finished.wait(timeout: .now() + .seconds(5))
     }
 }

@@ -111,9 +111,13 @@ public struct LoopBound<Value>: @unchecked Sendable {
 public final class LoopTimer {
     private var event: OpaquePointer?
     private let action: () -> Void
+    /// Kept so that the event base outlives the event: freeing the event after its base was a use after
+    /// free (seen as `proxyctl token` hanging at exit, in `event_free`, when a transport outlived its loop).
+    private let loop: EventLoop
 
     public init(loop: EventLoop, action: @escaping () -> Void) {
         self.action = action
+        self.loop = loop
         event = event_new(
             loop.base, -1, 0,
             { _, _, context in

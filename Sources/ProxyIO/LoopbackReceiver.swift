@@ -101,7 +101,13 @@ public final class LoopbackReceiver: RedirectReceiver {
                 }, Unmanaged.passUnretained(self).toOpaque())
         }
 
-        deinit { if let listener { evconnlistener_free(listener) } }
+        deinit {
+            if let listener { evconnlistener_free(listener) }
+            // The connections' bufferevents go now, while `loop` (their event base) is surely alive: stored
+            // properties are released after this body, in an order that must not matter.
+            connections.removeAll()
+            timer = nil
+        }
 
         func expect(state: String) {
             expectedState = state
@@ -252,6 +258,8 @@ public final class LoopbackReceiver: RedirectReceiver {
         func writable() {
             if answered && Buffers.length(bufferevent_get_output(bev)) == 0 { close() }
         }
+
+        deinit { if let bev { bufferevent_free(bev) } }
 
         func close() {
             if let bev { bufferevent_free(bev) }
