@@ -187,7 +187,8 @@ class Verifier:
 
     ALGORITHMS = ["RS256", "PS256", "ES256"]
 
-    def __init__(self):
+    def __init__(self, leeway: int = 0):
+        self.leeway = leeway                         # seconds of clock skew allowed on exp and iat
         self.issuers: dict[str, str] = {}            # iss -> jwks_uri
         self.keys: dict[tuple[str, str], object] = {}
         self.lock = threading.Lock()
@@ -228,7 +229,7 @@ class Verifier:
             raise TokenError(f"untrusted issuer {issuer!r}")
         key = self._key(issuer, header.get("kid", ""))
         try:
-            return jwt.decode(token, key, algorithms=self.ALGORITHMS, issuer=issuer,
+            return jwt.decode(token, key, algorithms=self.ALGORITHMS, issuer=issuer, leeway=self.leeway,
                               options={"require": ["exp", "iat", "iss", "sub", "jti"], "verify_aud": False})
         except jwt.PyJWTError as error:
             raise TokenError(str(error) or type(error).__name__) from None

@@ -34,7 +34,6 @@ WWW-Authenticate and body sent. Tokens are kept in memory only and never printed
 
 from __future__ import annotations
 
-import base64
 import datetime
 import hashlib
 import http.server
@@ -49,11 +48,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jwt
-import requests
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+# One token verifier and one RFC 7638 thumbprint for both resource-server fixtures.
+from resource_server import TokenError, Verifier, b64url, jwk_thumbprint
 
 # MARK: - A test CA and the server's certificate
 
@@ -114,65 +115,6 @@ class Refused(Exception):
         self.kind = kind
 
 
-def b64u(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
-
-
-def jwk_thumbprint(jwk: dict) -> str:
-    """RFC 7638 SHA-256 thumbprint."""
-    required = {"EC": ("crv", "kty", "x", "y"), "RSA": ("e", "kty", "n"), "OKP": ("crv", "kty", "x")}[jwk["kty"]]
-    canonical = json.dumps({k: jwk[k] for k in required}, separators=(",", ":"), sort_keys=True)
-    return b64u(hashlib.sha256(canonical.encode()).digest())
-
-
-class Verifier:
-    """Access tokens checked against the JWKS of trusted issuers (PyJWT)."""
-
-    ALGORITHMS = ["RS256", "PS256", "ES256"]
-
-    def __init__(self):
-        self.issuers: dict[str, str] = {}
-        self.keys: dict[tuple[str, str], object] = {}
-        self.lock = threading.Lock()
-        self.http = requests.Session()
-        self.http.trust_env = False
-
-    def trust(self, issuer: str, jwks_uri: str) -> None:
-        with self.lock:
-            self.issuers[issuer] = jwks_uri
-
-    def _key(self, issuer: str, kid: str):
-        with self.lock:
-            if (issuer, kid) not in self.keys:     # RFC 7517: an unknown kid may be a new key; fetch again
-                answer = self.http.get(self.issuers[issuer], timeout=10)
-                answer.raise_for_status()
-                for jwk in answer.json().get("keys", []):
-                    if "kid" in jwk and jwk.get("use", "sig") == "sig":
-                        self.keys[(issuer, jwk["kid"])] = jwt.PyJWK(jwk).key
-            key = self.keys.get((issuer, kid))
-        if key is None:
-            raise Refused(f"unknown key {kid!r}")
-        return key
-
-    def verify(self, token: str) -> dict:
-        try:
-            header = jwt.get_unverified_header(token)
-            unverified = jwt.decode(token, options={"verify_signature": False})
-        except jwt.PyJWTError as error:
-            raise Refused(f"not a JWT: {error}") from None
-        if str(header.get("typ", "")).lower() not in ("at+jwt", "application/at+jwt"):
-            raise Refused(f"typ is {header.get('typ')!r}, not at+jwt")
-        issuer = unverified.get("iss")
-        if issuer not in self.issuers:
-            raise Refused(f"untrusted issuer {issuer!r}")
-        try:
-            return jwt.decode(token, self._key(issuer, header.get("kid", "")), algorithms=self.ALGORITHMS,
-                              issuer=issuer, leeway=5,
-                              options={"require": ["exp", "iat", "iss", "sub", "jti"], "verify_aud": False})
-        except jwt.PyJWTError as error:
-            raise Refused(str(error) or type(error).__name__) from None
-
-
 def verify_proof(proof: str | None, method: str, htu: str, token: str, jkt: str, seen_jtis: set[str],
                  nonce: str | None) -> dict:
     """RFC 9449 §4.3 and §7.1: the proof's claims, or Refused."""
@@ -199,7 +141,7 @@ def verify_proof(proof: str | None, method: str, htu: str, token: str, jkt: str,
         raise Refused(f"DPoP proof htu {claims['htu']!r}, expected {htu!r}")
     if abs(time.time() - float(claims["iat"])) > 60:
         raise Refused("DPoP proof iat too far from now")
-    if claims.get("ath") != b64u(hashlib.sha256(token.encode()).digest()):
+    if claims.get("ath") != b64url(hashlib.sha256(token.encode()).digest()):
         raise Refused("DPoP proof ath does not match the access token")
     if jwk_thumbprint(jwk) != jkt:
         raise Refused("DPoP proof key is not the one the token is bound to")
@@ -319,7 +261,7 @@ class StepUpServer:
         self.ca_pem, cert_pem, key_pem = make_identity(workdir, self.hosts)
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(cert_pem, key_pem)
-        self.verifier = Verifier()
+        self.verifier = Verifier(leeway=5)
         self.lock = threading.Lock()
         self.requirements: dict[str, Requirement] = {}
         self.requests: list[Seen] = []
@@ -414,7 +356,7 @@ class StepUpServer:
         seen.token = token
         try:
             claims = self.verifier.verify(token)
-        except Refused as error:
+        except TokenError as error:
             return refuse("invalid_token", str(error))
         seen.claims = claims
         jkt = (claims.get("cnf") or {}).get("jkt")
