@@ -233,6 +233,9 @@ final class ClientConnection: ServerConnection, InterceptOwner {
                     + (response.proxyStatus?.details.map { " reason=\"\($0)\"" } ?? ""))
             respond(response, headRequest: head.method == "HEAD")
         case .tunnel(let target, let upstream):
+            // A connection kept alive from an earlier forwarded request is of no use to a tunnel; it must go
+            // before the connect starts (its bufferevent points at this connection).
+            dropUpstream()
             pending = .tunnel(target: target, upstream: upstream)
             tunnel = TunnelInfo(target: target.description)
             startConnect(to: upstream?.address ?? target)
@@ -345,6 +348,9 @@ final class ClientConnection: ServerConnection, InterceptOwner {
     // MARK: - Connecting
 
     private func startConnect(to target: HostPort) {
+        // Invariant: a connect starts with no upstream. A kept-alive one left here would be overwritten while
+        // its bufferevent still reached this connection, which its tunnel then frees (a use after free).
+        precondition(upstream == nil, "a connect started while an upstream connection was still open")
         phase = .connecting
         bufferevent_disable(client, Int16(EV_READ))
         connectDeadline = EventLoop.monotonicMilliseconds() + Int64(server.settings.connectTimeout)

@@ -46,6 +46,27 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.line(f"{test}: {name} = {value}")
 
 
+@pytest.fixture(autouse=True)
+def _no_proxy_crashed():
+    """Fails the test if a proxyctl started during it crashed: with the ASan build (scripts/test runs the
+    connection tests against one) a use after free is a report in the log, not a lucky pass."""
+    before = len(Proxy.instances)
+    yield
+    reports = [(p.log_path, p.crash_report()) for p in Proxy.instances[before:]]
+    crashed = [f"{path}:\n{report}" for path, report in reports if report]
+    assert not crashed, "proxyctl crashed:\n" + "\n\n".join(crashed)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Proxies started outside a test (module fixtures) are checked once at the end."""
+    crashed = [(p.log_path, p.crash_report()) for p in Proxy.instances]
+    crashed = [(path, report) for path, report in crashed if report]
+    if crashed:
+        for path, report in crashed:
+            print(f"\nproxyctl crashed ({path}):\n{report}")
+        session.exitstatus = 1
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _binary_exists():
     path = support.proxyctl_bin()
@@ -112,7 +133,10 @@ class ProxyFactory:
                 continue
             running = proxy.process.poll() is None
             code = proxy.stop()
-            if running and code != 0:
+            crash = proxy.crash_report()
+            if crash:
+                failures.append(f"proxyctl crashed; log {proxy.log_path}:\n{crash}")
+            elif running and code != 0:
                 failures.append(f"proxyctl exited with {code} on SIGTERM; log {proxy.log_path}:\n{proxy.log()[-3000:]}")
         return failures
 

@@ -27,6 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+# Set by scripts/test when PROXYCTL_BIN is a sanitizer build ("address"): memory figures then measure the
+# sanitizer, not proxyctl.
+SANITIZER = os.environ.get("PROXYCTL_SANITIZER") or None
 MiB = 1 << 20
 
 
@@ -350,10 +353,16 @@ def basic(user: str, password: str) -> str:
 # MARK: - proxyctl
 
 
+# Signals only a crash sends (a test that stops a proxy uses SIGTERM, SIGINT or SIGKILL).
+CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGILL, signal.SIGBUS, signal.SIGTRAP, signal.SIGFPE}
+
+
 class Proxy:
     """A running `proxyctl serve` with its own configuration file, HOME and XDG directories and log file."""
 
     LISTENING = re.compile(r"listening on http://(\S+):(\d+)")
+    # Every proxyctl a test started, in order: conftest checks each for a crash (sanitizer report, trap).
+    instances: list["Proxy"] = []
 
     def __init__(self, workdir: Path, config: str | None, listen: str | None = "127.0.0.1:0",
                  args: tuple[str, ...] = ()):
@@ -381,6 +390,7 @@ class Proxy:
         self.listen_host = ""
 
     def start(self, timeout: float = 15.0) -> "Proxy":
+        Proxy.instances.append(self)
         with open(self.log_path, "wb") as log, open(self.stdout_path, "wb") as out:
             self.process = subprocess.Popen(self.command, stdout=out, stderr=log, stdin=subprocess.DEVNULL,
                                             env=self.env, cwd=self.workdir)
@@ -442,6 +452,22 @@ class Proxy:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         return self.process.wait(timeout)
+
+    CRASH_MARKERS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:", "Fatal error:",
+                     "Illegal instruction", "Segmentation fault")
+
+    def crash_report(self) -> str | None:
+        """What the process left behind if it crashed: a sanitizer report or a Swift runtime trap in its log,
+        or death by a signal that only a crash sends. None when it ran (or stopped) cleanly."""
+        log = self.log()
+        for marker in self.CRASH_MARKERS:
+            at = log.find(marker)
+            if at >= 0:
+                return log[max(0, at - 200):at + 4000]
+        code = self.process.poll() if self.process else None
+        if code is not None and code < 0 and -code in CRASH_SIGNALS:
+            return f"killed by signal {-code}; log tail:\n{log[-3000:]}"
+        return None
 
     def rss_kib(self) -> int:
         for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
