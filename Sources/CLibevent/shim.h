@@ -61,6 +61,16 @@ static inline long proxyctl_splice(int from, int to, size_t length) {
 static inline int proxyctl_pipe(int fds[2]) { return (int)syscall(SYS_pipe2, fds, O_NONBLOCK | O_CLOEXEC); }
 static inline int proxyctl_set_pipe_size(int fd, int size) { return fcntl(fd, 1031 /* F_SETPIPE_SZ */, size); }
 
+// MSG_NOSIGNAL is an enumerator shadowed by a macro of the same name; Swift does not always import it.
+static inline int proxyctl_msg_nosignal(void) { return MSG_NOSIGNAL; }
+
+// SO_LINGER with a zero timeout: close(2) then sends a reset (RST) instead of a FIN, so the peer cannot take
+// a response cut short for a complete one.
+static inline int proxyctl_set_linger_reset(int fd) {
+    struct linger option = {1, 0};
+    return setsockopt(fd, SOL_SOCKET, SO_LINGER, &option, sizeof(option));
+}
+
 // glibc defines EAI_NODATA (a name with no addresses) only under _GNU_SOURCE, which must not be set
 // before the socket headers above (see the top of this file).
 static inline int proxyctl_eai_nodata(void) { return -5; }

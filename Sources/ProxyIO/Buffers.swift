@@ -53,109 +53,31 @@ enum Buffers {
     }
 }
 
-extension Buffers {
-    /// Feeds `input` to `parser` and removes the bytes it took: the head's bytes, never the body's.
-    static func readHead(_ parser: inout HTTPHeadParser, from input: OpaquePointer?) -> HTTPHeadParser.Outcome {
-        var outcome = HTTPHeadParser.Outcome.needMore
-        var taken = 0
-        forEachSegment(input) { segment in
-            outcome = parser.parse(segment)
-            switch outcome {
-            case .needMore:
-                taken += segment.count
-                return true
-            case .complete(_, let consumed):
-                taken += consumed
-                return false
-            case .failed:
-                return false
-            }
-        }
-        evbuffer_drain(input, taken)
-        return outcome
-    }
-}
+/// The bytes of a libevent buffer as a `ByteView`: the machines read them in place.
+struct EvbufferView: ByteView {
+    let buffer: OpaquePointer?
 
-/// A message body being passed on unchanged, following its framing (RFC 9112 §6.3): by count for
-/// Content-Length, by `ChunkedScanner` for chunked bodies (chunk data moves without being looked at), or
-/// everything until the sender closes.
-struct FramedBody {
-    private(set) var framing: BodyFraming
-    private var remaining: UInt64 = 0
-    private var chunks: ChunkedScanner?
-    /// A read-until-close body ended (the sender closed).
-    private var closed = false
+    init(_ buffer: OpaquePointer?) { self.buffer = buffer }
 
-    init(_ framing: BodyFraming) {
-        self.framing = framing
-        switch framing {
-        case .none, .untilClose: break
-        case .contentLength(let length): remaining = length
-        case .chunked: chunks = ChunkedScanner()
-        }
-    }
+    var count: Int { buffer.map { evbuffer_get_length($0) } ?? 0 }
 
-    /// The whole body has been passed on.
-    var isComplete: Bool {
-        switch framing {
-        case .none: true
-        case .contentLength: remaining == 0
-        case .chunked: chunks?.isFinished ?? true
-        case .untilClose: closed
-        }
-    }
-
-    /// The sender closed: the end of a read-until-close body.
-    mutating func senderClosed() { closed = true }
-
-    /// Moves the body's bytes that are in `input` to `output`. Returns the count moved, or the framing error.
-    mutating func pass(from input: OpaquePointer?, to output: OpaquePointer?) -> Result<Int, HTTPParseError> {
-        var moved = 0
-        while !isComplete {
-            let available = Buffers.length(input)
-            if available == 0 { break }
-            switch framing {
-            case .none:
-                return .success(moved)
-            case .untilClose:
-                evbuffer_add_buffer(output, input)
-                moved += available
-            case .contentLength:
-                let count = Int(min(remaining, UInt64(available)))
-                Buffers.move(count, from: input, to: output)
-                moved += count
-                remaining -= UInt64(count)
-            case .chunked:
-                var scanner = chunks!
-                var count = 0
-                if scanner.pendingData > 0 {
-                    count = Int(min(scanner.pendingData, UInt64(available)))
-                    scanner.skipData(count)
-                } else {
-                    var failure: HTTPParseError? = nil
-                    Buffers.forEachSegment(input) { segment in
-                        switch scanner.scan(segment) {
-                        case .needMore:
-                            count += segment.count
-                            return scanner.pendingData == 0
-                        case .done(let consumed):
-                            count += consumed
-                            return false
-                        case .failed(let error):
-                            failure = error
-                            return false
-                        }
-                    }
-                    if let failure {
-                        chunks = scanner
-                        return .failure(failure)
-                    }
+    func forEachSegment(from offset: Int, _ body: (UnsafeRawBufferPointer) -> Bool) {
+        guard let buffer, offset < evbuffer_get_length(buffer) else { return }
+        withUnsafeTemporaryAllocation(of: iovec.self, capacity: 16) { vectors in
+            var position = evbuffer_ptr()
+            var start = offset
+            while true {
+                if evbuffer_ptr_set(buffer, &position, start, EVBUFFER_PTR_SET) != 0 { return }
+                let count = evbuffer_peek(buffer, -1, &position, vectors.baseAddress, 16)
+                if count <= 0 { return }
+                let filled = min(Int(count), 16)
+                for index in 0..<filled {
+                    let vector = vectors[index]
+                    if !body(UnsafeRawBufferPointer(start: vector.iov_base, count: vector.iov_len)) { return }
+                    start += vector.iov_len
                 }
-                chunks = scanner
-                Buffers.move(count, from: input, to: output)
-                moved += count
+                if Int(count) <= 16 { return }
             }
         }
-        return .success(moved)
     }
 }

@@ -352,15 +352,13 @@ final class BufferedTransfer: CurlTransfer {
             return
         }
         let detail = errorText(code)
-        switch code {
-        case CURLE_OPERATION_TIMEDOUT:
-            completion(.failure(.timeout("\(target): \(detail)")))
-        case CURLE_PEER_FAILED_VERIFICATION, CURLE_SSL_CACERT_BADFILE, CURLE_SSL_CERTPROBLEM:
-            completion(.failure(.certificate("\(target): \(detail)")))
-        case CURLE_WRITE_ERROR where tooLarge:
-            completion(.failure(.unreachable("\(target): the answer is larger than \(limit) bytes")))
-        default:
-            completion(.failure(.unreachable("\(target): \(detail)")))
+        if code == CURLE_WRITE_ERROR && tooLarge {
+            return completion(.failure(.unreachable("\(target): the answer is larger than \(limit) bytes")))
+        }
+        switch UpstreamFailure(code) {
+        case .timeout: completion(.failure(.timeout("\(target): \(detail)")))
+        case .certificate: completion(.failure(.certificate("\(target): \(detail)")))
+        default: completion(.failure(.unreachable("\(target): \(detail)")))
         }
     }
 }

@@ -85,9 +85,3 @@ public final class Logger: @unchecked Sendable {
         return prefix + (millis < 10 ? "00" : millis < 100 ? "0" : "") + String(millis) + "Z"
     }
 }
-
-extension String {
-    func leftPadding(to width: Int) -> String {
-        count >= width ? self : String(repeating: "0", count: width - count) + self
-    }
-}

@@ -10,14 +10,6 @@ public struct ServerError: Error, CustomStringConvertible {
     public var description: String { message }
 }
 
-/// A connection the server keeps track of: a client connection, or an intercepted tunnel.
-protocol ServerConnection: AnyObject {
-    /// Nothing in flight: waiting for the next request.
-    var isIdle: Bool { get }
-    func close()
-    func abort(_ reason: String?)
-}
-
 /// What protected origins need at run time: the local CA, a token manager per provider, and where request
 /// bodies are spooled.
 public struct Interception: Sendable {
@@ -45,14 +37,12 @@ public struct Interception: Sendable {
 ///
 /// Lives on one loop thread. Connections are owned by `connections` and find the server through an unowned
 /// reference; the server outlives them all.
-public final class ProxyServer {
+public final class ProxyServer: ConnectionOwner {
     let loop: EventLoop
     public let logger: Logger
     private(set) var settings: ProxySettings
     private(set) var frontDoor: FrontDoor
     private(set) var resolver: Resolver
-    /// Output buffered toward a slow receiver before its sender is paused.
-    let highWater = 256 * 1024
 
     private var listener: OpaquePointer?
     private var connections: [ObjectIdentifier: any ServerConnection] = [:]
@@ -64,24 +54,18 @@ public final class ProxyServer {
     private(set) var tlsContexts: TLSServerContexts?
     private(set) var spoolDirectory: String
     /// DPoP keys by provider.
-    private var dpopKeys: [String: DPoPKey]
+    private let keys: DPoPKeyring
     private let stateDirectory: String?
-
-    /// The DPoP key that tokens with `thumbprint` are bound to: the one loaded at start, or the provider's
-    /// current key file when `proxyctl login --new-key` replaced it since.
-    func dpopKey(for provider: String, thumbprint: String?) -> DPoPKey? {
-        if let key = dpopKeys[provider], thumbprint == nil || key.thumbprint == thumbprint { return key }
-        guard let stateDirectory, let key = try? DPoPKey.load(stateDirectory: stateDirectory, provider: provider)
-        else { return nil }
-        dpopKeys[provider] = key
-        return thumbprint == nil || key.thumbprint == thumbprint ? key : nil
-    }
     /// Pipes for splicing tunnel bytes.
-    let pipes = PipePool()
+    private let pipes = PipePool()
     /// A buffer for tunnels that copy (where splice is not available).
-    var scratch = [UInt8](repeating: 0, count: 256 * 1024)
+    private let tunnelBuffer = TunnelBuffer()
     /// The latest DPoP nonce of each protected origin, from every response (RFC 9449 §9).
     let resourceNonces = DPoPNonces()
+    /// What new connections get; replaced on SIGHUP (connections in flight keep theirs).
+    private var context: ConnectionContext?
+    /// Step-up records and notices are file and process work: done off the loop, in order.
+    private let notices = DispatchQueue(label: "proxyctl.notices")
     private var nextID: UInt64 = 0
     private(set) var draining = false
     private var listenerPaused = false
@@ -107,8 +91,21 @@ public final class ProxyServer {
         self.tokens = TokenBroker(loop: loop, managers: interception?.managers ?? [:])
         self.tlsContexts = try interception?.ca.map { try TLSServerContexts(ca: $0) }
         self.spoolDirectory = interception?.spoolDirectory ?? NSTemporaryDirectory()
-        self.dpopKeys = interception?.dpopKeys ?? [:]
+        self.keys = DPoPKeyring(
+            loop: loop, keys: interception?.dpopKeys ?? [:], stateDirectory: interception?.stateDirectory)
         self.stateDirectory = interception?.stateDirectory
+    }
+
+    /// The context for connections accepted from now on: the current settings, front door and resolver.
+    private func currentContext() -> ConnectionContext {
+        if let context { return context }
+        let made = ConnectionContext(
+            loop: loop, logger: logger, frontDoor: frontDoor, resolver: resolver, curl: { [unowned self] in curl },
+            tokens: tokens,
+            tlsContexts: tlsContexts, spoolDirectory: spoolDirectory, nonces: resourceNonces, keys: keys,
+            pipes: pipes, tunnelBuffer: tunnelBuffer, owner: self)
+        context = made
+        return made
     }
 
     deinit {
@@ -123,6 +120,7 @@ public final class ProxyServer {
         let bound = try bind(settings.listen)
         boundAddress = bound
         frontDoor.boundAddress = bound
+        context = nil
         installSignals()
         startServeState()
         return bound
@@ -157,12 +155,6 @@ public final class ProxyServer {
         return ListenAddress(host: address.host, port: actual.port, isIPv6: address.isIPv6)
     }
 
-    /// Sets the per-bufferevent I/O sizes: large single reads and writes keep the syscall count per GiB low.
-    static func tune(_ bev: OpaquePointer?) {
-        bufferevent_set_max_single_read(bev, 256 * 1024)
-        bufferevent_set_max_single_write(bev, 256 * 1024)
-    }
-
     // MARK: - Accepting
 
     func accepted(fd: Int32, address: UnsafeMutablePointer<sockaddr>?, length: Int32) {
@@ -173,7 +165,7 @@ public final class ProxyServer {
         }
         nextID += 1
         _ = evutil_make_socket_nonblocking(fd)
-        let connection = ClientConnection(server: self, id: nextID, fd: fd, peer: peer)
+        let connection = ClientDriver(context: currentContext(), id: nextID, fd: fd, peer: peer)
         connections[ObjectIdentifier(connection)] = connection
         if connections.count >= settings.maxConnections && !listenerPaused {
             listenerPaused = true
@@ -210,9 +202,17 @@ public final class ProxyServer {
     private var serveStateTimer: LoopTimer?
 
     /// Counts an intercepted exchange for `proxyctl status`.
-    func count(origin: String, _ update: (inout ServeState.OriginCounts) -> Void) {
+    func record(_ record: ExchangeRecord) {
         guard serveState != nil else { return }
-        update(&serveState!.origins[origin, default: ServeState.OriginCounts()])
+        var counts = serveState!.origins[record.origin, default: ServeState.OriginCounts()]
+        counts.requests += 1
+        if record.keptClientAuthorization { counts.clientAuthorizationKept += 1 }
+        if record.attached { counts.tokenAttached += 1 }
+        if record.refreshed { counts.refreshed += 1 }
+        if record.nonceRetried { counts.nonceRetried += 1 }
+        if record.stepUp { counts.stepUps += 1 }
+        if record.answeredByProxy { counts.answeredByProxy += 1 }
+        serveState!.origins[record.origin] = counts
         serveStateDirty = true
     }
 
@@ -251,32 +251,38 @@ public final class ProxyServer {
     private var lastSignInNotice: [String: Int64] = [:]
 
     /// A protected origin asked for a stronger sign-in (RFC 9470): record it for `proxyctl step-up` and
-    /// `proxyctl status`, log it once, and run `notify_command`.
+    /// `proxyctl status`, log it once, and run `notify_command`. The store is files: off the loop.
     func stepUpRequired(origin: OriginConfig, challenge: Challenge) {
         let pending = PendingStepUp(
             origin: origin.url, provider: origin.provider, acrValues: challenge["acr_values"],
             maxAge: challenge["max_age"].flatMap { Int($0) }, at: Int64(time(nil)))
-        // Announced once while it is pending; after `proxyctl step-up` cleared it, the same challenge is new.
-        let store = stateDirectory.map { StepUpStore(stateDirectory: $0) }
-        let alreadyPending = store?.load().contains {
-            $0.origin == pending.origin && $0.acrValues == pending.acrValues && $0.maxAge == pending.maxAge
-        }
-        if alreadyPending == true { return }
-        var wanted: [String] = []
-        if let acr = pending.acrValues { wanted.append("acr_values \(acr)") }
-        if let maxAge = pending.maxAge { wanted.append("max_age \(maxAge)") }
-        let message =
-            "\(origin.url) requires a stronger sign-in\(wanted.isEmpty ? "" : " (\(wanted.joined(separator: ", ")))"); run: \(pending.command)"
-        logger.warn("step-up: \(message)")
-        if let store {
-            do {
-                try store.record(pending)
-            } catch {
-                logger.error("cannot record the step-up challenge: \(error)")
+        let stateDirectory = self.stateDirectory
+        let logger = self.logger
+        let notifyCommand = settings.notifyCommand
+        notices.async {
+            // Announced once while it is pending; after `proxyctl step-up` cleared it, the same challenge is new.
+            let store = stateDirectory.map { StepUpStore(stateDirectory: $0) }
+            let alreadyPending = store?.load().contains {
+                $0.origin == pending.origin && $0.acrValues == pending.acrValues && $0.maxAge == pending.maxAge
             }
+            if alreadyPending == true { return }
+            var wanted: [String] = []
+            if let acr = pending.acrValues { wanted.append("acr_values \(acr)") }
+            if let maxAge = pending.maxAge { wanted.append("max_age \(maxAge)") }
+            let message =
+                "\(origin.url) requires a stronger sign-in\(wanted.isEmpty ? "" : " (\(wanted.joined(separator: ", ")))"); run: \(pending.command)"
+            logger.warn("step-up: \(message)")
+            if let store {
+                do {
+                    try store.record(pending)
+                } catch {
+                    logger.error("cannot record the step-up challenge: \(error)")
+                }
+            }
+            Self.notify(
+                notifyCommand, logger: logger, event: "step_up", provider: origin.provider, origin: origin.url,
+                command: pending.command, message: message)
         }
-        notify(
-            event: "step_up", provider: origin.provider, origin: origin.url, command: pending.command, message: message)
     }
 
     /// Tokens for `provider` cannot be had without the user: say so (at most once a minute per provider).
@@ -286,15 +292,21 @@ public final class ProxyServer {
         lastSignInNotice[provider] = now
         let message = "\(reason) (requests to \(origin) get 401 until then)"
         logger.warn("sign-in needed: \(message)")
-        notify(
-            event: "sign_in", provider: provider, origin: origin, command: "proxyctl login \(provider)",
-            message: message)
+        let (notifyCommand, logger) = (settings.notifyCommand, self.logger)
+        notices.async {
+            Self.notify(
+                notifyCommand, logger: logger, event: "sign_in", provider: provider, origin: origin,
+                command: "proxyctl login \(provider)", message: message)
+        }
     }
 
     /// Runs `notify_command` with the message as its last argument and the details in the environment. No
     /// shell is involved; the proxy does not wait for it.
-    private func notify(event: String, provider: String, origin: String, command: String, message: String) {
-        guard let words = settings.notifyCommand, let first = words.first else { return }
+    private static func notify(
+        _ notifyCommand: [String]?, logger: Logger, event: String, provider: String, origin: String, command: String,
+        message: String
+    ) {
+        guard let words = notifyCommand, let first = words.first else { return }
         let process = Process()
         if first.contains("/") {
             process.executableURL = URL(fileURLWithPath: first)
@@ -370,9 +382,8 @@ public final class ProxyServer {
             evconnlistener_free(listener)
             self.listener = nil
         }
-        for connection in Array(connections.values) where connection.isIdle {
-            connection.close()
-        }
+        // Idle connections close at once; the others finish their exchange first.
+        for connection in Array(connections.values) { connection.shutdown() }
         if connections.isEmpty {
             logger.info("shutting down: no connections open")
             loop.stop()
@@ -412,6 +423,8 @@ public final class ProxyServer {
             resolver = Resolver(overrides: newSettings.resolve)
             frontDoor = FrontDoor(
                 settings: newSettings, credentials: credentials, boundAddress: boundAddress, origins: frontDoor.origins)
+            // New connections get the new settings; those in flight keep the ones they were accepted with.
+            context = nil
             logger.level = newSettings.logLevel
             logger.info("SIGHUP: configuration reloaded")
         }

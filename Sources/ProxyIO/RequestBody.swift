@@ -3,11 +3,10 @@ import Foundation
 import ProxyCore
 
 /// A request body kept so that the request can be sent again (after a token refresh or a DPoP nonce
-/// challenge): in memory up to `memoryLimit`, then in an unlinked 0600 file up to `spoolLimit`. A body
-/// larger than that stops being replayable: what is stored is sent, then the rest streams through a queue.
+/// challenge): in memory up to `memoryLimit`, then in an unlinked 0600 file. When the exchange says the body
+/// is too large to keep (`startStreaming`), what is stored is sent, then the rest streams through a queue.
 final class RequestBody {
     let memoryLimit: Int
-    let spoolLimit: Int
     private let spoolDirectory: String
     private var memory: [UInt8] = []
     private var spool: Int32 = -1
@@ -22,9 +21,8 @@ final class RequestBody {
     /// The body outgrew the spool: it can be sent once only.
     private(set) var streaming = false
 
-    init(memoryLimit: Int, spoolLimit: Int, spoolDirectory: String) {
+    init(memoryLimit: Int, spoolDirectory: String) {
         self.memoryLimit = memoryLimit
-        self.spoolLimit = max(spoolLimit, memoryLimit)
         self.spoolDirectory = spoolDirectory
     }
 
@@ -35,8 +33,8 @@ final class RequestBody {
     /// Bytes waiting in the streaming queue.
     var queued: Int { queue.count - queueStart }
 
-    /// Marks the body as one that will not fit (its Content-Length is over the limit): stream from the start.
-    func streamFromTheStart() { streaming = true }
+    /// From now on bytes are queued for the transfer and not kept (`ProtectedExchange` decides when).
+    func startStreaming() { streaming = true }
 
     func finish() { complete = true }
 
@@ -58,16 +56,7 @@ final class RequestBody {
             remaining = remaining.dropFirst(take)
         }
         if remaining.isEmpty { return }
-        let room = spoolLimit - stored
-        if room > 0 {
-            let take = min(room, remaining.count)
-            try writeSpool(UnsafeRawBufferPointer(rebasing: remaining.prefix(take)))
-            remaining = remaining.dropFirst(take)
-        }
-        if !remaining.isEmpty {
-            streaming = true
-            queue.append(contentsOf: remaining)
-        }
+        try writeSpool(UnsafeRawBufferPointer(rebasing: remaining))
     }
 
     private func writeSpool(_ bytes: UnsafeRawBufferPointer) throws {

@@ -11,10 +11,12 @@ import ProxyCore
 /// direction has delivered everything (half-close); the tunnel ends when both directions have, on an error,
 /// or after `idle_timeout` without bytes either way. Where splice is not available it copies instead.
 final class SpliceTunnel: ServerConnection {
-    unowned let server: ProxyServer
+    let context: ConnectionContext
     let id: UInt64
     let peer: String
-    let target: String
+    /// How the tunnel is named in its log line: "CONNECT host:port", or the request that was upgraded.
+    let label: String
+    let status: Int
     private let started: Int64
     private var lastActivity: Int64
     private var closed = false
@@ -51,27 +53,28 @@ final class SpliceTunnel: ServerConnection {
     }
 
     init(
-        server: ProxyServer, id: UInt64, peer: String, target: String, started: Int64, clientFD: Int32,
-        upstreamFD: Int32, toUpstream: [UInt8], toClient: [UInt8]
+        context: ConnectionContext, id: UInt64, peer: String, label: String, status: Int, started: Int64,
+        clientFD: Int32, upstreamFD: Int32, toUpstream: [UInt8], toClient: [UInt8]
     ) {
-        self.server = server
+        self.context = context
         self.id = id
         self.peer = peer
-        self.target = target
+        self.label = label
+        self.status = status
         self.started = started
         self.lastActivity = EventLoop.monotonicMilliseconds()
         self.clientFD = clientFD
         self.upstreamFD = upstreamFD
         up = Direction(source: clientFD, destination: upstreamFD, head: toUpstream)
         down = Direction(source: upstreamFD, destination: clientFD, head: toClient)
-        let context = Unmanaged.passUnretained(self).toOpaque()
+        let pointer = Unmanaged.passUnretained(self).toOpaque()
         for direction in [up, down] {
             direction.readEvent = event_new(
-                server.loop.base, direction.source, Int16(EV_READ | EV_PERSIST), tunnelReadCallback, context)
+                context.loop.base, direction.source, Int16(EV_READ | EV_PERSIST), tunnelReadCallback, pointer)
             direction.writeEvent = event_new(
-                server.loop.base, direction.destination, Int16(EV_WRITE | EV_PERSIST), tunnelWriteCallback, context)
+                context.loop.base, direction.destination, Int16(EV_WRITE | EV_PERSIST), tunnelWriteCallback, pointer)
         }
-        server.pipes.tunnelOpened()
+        context.pipes.tunnelOpened()
         for direction in [up, down] {
             if direction.pendingHead > 0 { flush(direction) } else { setReading(direction, true) }
         }
@@ -85,6 +88,9 @@ final class SpliceTunnel: ServerConnection {
     }
 
     var isIdle: Bool { false }
+
+    /// A tunnel has no requests to finish: it runs until its ends close or the shutdown grace runs out.
+    func shutdown() {}
 
     // MARK: - Events
 
@@ -102,14 +108,14 @@ final class SpliceTunnel: ServerConnection {
 
     private func idleCheck() {
         let quiet = EventLoop.monotonicMilliseconds() - lastActivity
-        if quiet >= Int64(server.settings.idleTimeout) { finish(reason: "idle timeout") }
+        if quiet >= Int64(context.settings.idleTimeout) { finish(reason: "idle timeout") }
     }
 
     private func setReading(_ direction: Direction, _ on: Bool) {
         guard direction.reading != on, !closed else { return }
         direction.reading = on
         if on {
-            var idle = timeval(milliseconds: server.settings.idleTimeout)
+            var idle = timeval(milliseconds: context.settings.idleTimeout)
             event_add(direction.readEvent, &idle)
         } else {
             event_del(direction.readEvent)
@@ -120,7 +126,7 @@ final class SpliceTunnel: ServerConnection {
         guard direction.writing != on, !closed else { return }
         direction.writing = on
         if on {
-            var idle = timeval(milliseconds: server.settings.idleTimeout)
+            var idle = timeval(milliseconds: context.settings.idleTimeout)
             event_add(direction.writeEvent, &idle)
         } else {
             event_del(direction.writeEvent)
@@ -134,7 +140,7 @@ final class SpliceTunnel: ServerConnection {
     private func pump(_ direction: Direction) {
         for _ in 0..<8 {
             guard !closed, direction.inPipe == 0, direction.pendingHead == 0, !direction.sourceEnded else { return }
-            guard let pipe = direction.pipe ?? server.pipes.take() else { return copy(direction) }
+            guard let pipe = direction.pipe ?? context.pipes.take() else { return copy(direction) }
             direction.pipe = pipe
             let moved = proxyctl_splice(direction.source, pipe.write, Self.chunk)
             if moved > 0 {
@@ -154,7 +160,7 @@ final class SpliceTunnel: ServerConnection {
                 return
             case EINVAL, ENOSYS:
                 // No splice for this kind of socket here: copy instead.
-                server.pipes.disable()
+                context.pipes.disable()
                 releasePipe(direction)
                 return copy(direction)
             default:
@@ -168,7 +174,7 @@ final class SpliceTunnel: ServerConnection {
         guard !closed else { return }
         while direction.pendingHead > 0 {
             let sent = direction.head[direction.headOffset...].withUnsafeBytes { raw in
-                send(direction.destination, raw.baseAddress, raw.count, Int32(MSG_NOSIGNAL))
+                send(direction.destination, raw.baseAddress, raw.count, proxyctl_msg_nosignal())
             }
             if sent > 0 {
                 direction.headOffset += sent
@@ -211,13 +217,13 @@ final class SpliceTunnel: ServerConnection {
     /// Without splice: read into the loop's scratch buffer and write what the destination takes; the rest
     /// becomes the direction's head.
     private func copy(_ direction: Direction) {
-        let count = server.scratch.withUnsafeMutableBytes { buffer in
+        let count = context.tunnelBuffer.bytes.withUnsafeMutableBytes { buffer in
             recv(direction.source, buffer.baseAddress, buffer.count, 0)
         }
         if count > 0 {
             direction.bytes += count
             lastActivity = EventLoop.monotonicMilliseconds()
-            direction.head = Array(server.scratch[0..<count])
+            direction.head = Array(context.tunnelBuffer.bytes[0..<count])
             direction.headOffset = 0
             flush(direction)
         } else if count == 0 {
@@ -237,7 +243,7 @@ final class SpliceTunnel: ServerConnection {
     private func passOnEnd(_ direction: Direction) {
         if !direction.shutDown {
             direction.shutDown = true
-            shutdown(direction.destination, Int32(SHUT_WR))
+            Glibc.shutdown(direction.destination, Int32(SHUT_WR))
         }
         releasePipe(direction)
         if up.finished && down.finished { finish(reason: nil) }
@@ -246,14 +252,14 @@ final class SpliceTunnel: ServerConnection {
     private func releasePipe(_ direction: Direction) {
         guard direction.inPipe == 0, let pipe = direction.pipe else { return }
         direction.pipe = nil
-        server.pipes.give(pipe)
+        context.pipes.give(pipe)
     }
 
     private func finish(reason: String?) {
         guard !closed else { return }
         let duration = EventLoop.monotonicMilliseconds() - started
-        server.logger.info(
-            "conn=\(id) client=\(peer) CONNECT \(target) status=200 up=\(up.bytes) down=\(down.bytes) duration=\(LogText.duration(duration))"
+        context.logger.info(
+            "conn=\(id) client=\(peer) \(label) status=\(status) up=\(up.bytes) down=\(down.bytes) duration=\(LogText.duration(duration))"
                 + (reason.map { " closed=\"\($0)\"" } ?? ""))
         close()
     }
@@ -277,8 +283,8 @@ final class SpliceTunnel: ServerConnection {
         closed = true
         Glibc.close(clientFD)
         Glibc.close(upstreamFD)
-        server.pipes.tunnelClosed()
-        server.connectionClosed(self)
+        context.pipes.tunnelClosed()
+        context.owner.connectionClosed(self)
     }
 
     /// Bytes per splice: the pool's pipes are enlarged to this size when the system allows.

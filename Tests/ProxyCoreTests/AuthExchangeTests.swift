@@ -116,11 +116,12 @@ import Testing
         var machine = exchange()
         _ = machine.start()
         guard
-            case .respond(let response) = machine.handle(.tokensFailed(.signInNeeded(reason: "not signed in to corp")))
+            case .respond(let answer) = machine.handle(.tokensFailed(.signInNeeded(reason: "not signed in to corp")))
         else {
             Issue.record("expected an answer of our own")
             return
         }
+        let response = answer.response
         #expect(response.status == 401)
         #expect(response.proxyStatus?.details?.contains("proxyctl login corp") == true)
     }
@@ -130,11 +131,12 @@ import Testing
         _ = machine.start()
         _ = machine.handle(.tokens(generation: 1))
         _ = machine.handle(Self.plain401)
-        guard case .respond(let response) = machine.handle(.refreshFailed(.unavailable(reason: "down", retryAfter: 30)))
+        guard case .respond(let answer) = machine.handle(.refreshFailed(.unavailable(reason: "down", retryAfter: 30)))
         else {
             Issue.record("expected an answer of our own")
             return
         }
+        let response = answer.response
         #expect(response.status == 503)
         #expect(response.extraFields.contains { $0.name == "Retry-After" && $0.value == "30" })
     }

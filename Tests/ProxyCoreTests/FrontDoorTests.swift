@@ -36,11 +36,11 @@ private func expectForward(
 private func expectResponse(
     _ decision: FrontDoorDecision, sourceLocation: SourceLocation = #_sourceLocation
 ) throws -> ProxyResponse {
-    guard case .respond(let response) = decision else {
+    guard case .respond(let answer) = decision else {
         Issue.record("expected a response, got \(decision)", sourceLocation: sourceLocation)
         throw TestSetupError(description: "not a response")
     }
-    return response
+    return answer.response
 }
 
 private func text(_ bytes: [UInt8]) -> String { String(decoding: bytes, as: UTF8.self) }
@@ -219,14 +219,15 @@ private func basic(_ userPass: String) -> String { "Basic " + Base64.encode(user
     }
 
     @Test func rejectCarriesTheStatusOfTheParseError() {
-        let answer = FrontDoor.reject(HTTPParseError(.startLineTooLong, "request line longer than 8192 bytes"))
+        let answer = ProxyAnswer.badRequest(HTTPParseError(.startLineTooLong, "request line longer than 8192 bytes"))
+            .response
         #expect(answer.status == 414)
         #expect(answer.close)
         #expect(
             answer.proxyStatus == ProxyStatus(error: .httpRequestError, details: "request line longer than 8192 bytes"))
         #expect(text(answer.serialized()).hasPrefix("HTTP/1.1 414 URI Too Long\r\n"))
-        #expect(FrontDoor.reject(HTTPParseError(.versionNotSupported, "x")).status == 505)
-        #expect(FrontDoor.reject(HTTPParseError(.headTooLarge, "x")).status == 431)
+        #expect(ProxyAnswer.badRequest(HTTPParseError(.versionNotSupported, "x")).status == 505)
+        #expect(ProxyAnswer.badRequest(HTTPParseError(.headTooLarge, "x")).status == 431)
     }
 
     // MARK: - Loops

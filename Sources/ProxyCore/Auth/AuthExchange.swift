@@ -1,5 +1,5 @@
 /// Why no token could be attached, as the exchange needs to know it.
-public enum TokenFailure: Sendable, Equatable {
+public enum TokenFailure: Error, Sendable, Equatable {
     /// No tokens, or the provider rejected the refresh token: the user must run `proxyctl login`.
     case signInNeeded(reason: String)
     /// The provider is unreachable or overloaded; retry after `retryAfter` seconds.
@@ -37,7 +37,7 @@ public struct AuthExchange: Sendable {
         /// Pass the origin's response to the client, with `proxyStatus` added when set.
         case deliver(proxyStatus: ProxyStatus?)
         /// Answer the client ourselves; the origin is not contacted (again).
-        case respond(ProxyResponse)
+        case respond(ProxyAnswer)
     }
 
     /// Where the exchange is.
@@ -72,6 +72,12 @@ public struct AuthExchange: Sendable {
         self.provider = provider
         self.replayable = replayable
         self.nonce = knownNonce
+    }
+
+    /// The origin's latest DPoP nonce as other exchanges saw it (RFC 9449 §9: a nonce is valid for the
+    /// origin, not for one request): used by the next proof unless this exchange's own responses bring one.
+    public mutating func learnNonce(_ latest: String) {
+        nonce = latest
     }
 
     public mutating func start() -> Action {
@@ -159,28 +165,12 @@ public struct AuthExchange: Sendable {
     }
 
     /// The proxy's own answer when no token can be attached.
-    func answer(for failure: TokenFailure) -> ProxyResponse {
+    func answer(for failure: TokenFailure) -> ProxyAnswer {
         switch failure {
-        case .signInNeeded(let reason):
-            return ProxyResponse(
-                status: 401,
-                proxyStatus: ProxyStatus(
-                    error: .httpRequestDenied, details: "sign-in needed: run proxyctl login \(provider)"),
-                message: "proxyctl: \(reason)")
+        case .signInNeeded(let reason): .signInNeeded(provider: provider, reason: reason)
         case .unavailable(let reason, let retryAfter):
-            let wait = max(1, retryAfter ?? 5)
-            return ProxyResponse(
-                status: 503,
-                proxyStatus: ProxyStatus(
-                    error: .proxyInternalResponse, details: "the identity provider is unavailable; retry in \(wait)s"),
-                message: "proxyctl: cannot get a token for \(origin): \(reason); retry in \(wait)s",
-                extraFields: [("Retry-After", String(wait))])
-        case .configuration(let reason):
-            return ProxyResponse(
-                status: 500,
-                proxyStatus: ProxyStatus(
-                    error: .proxyConfigurationError, details: "provider \(provider) is misconfigured"),
-                message: "proxyctl: cannot get a token for \(origin): \(reason)")
+            .providerUnavailable(origin: origin, reason: reason, retryAfter: max(1, retryAfter ?? 5))
+        case .configuration(let reason): .providerMisconfigured(origin: origin, provider: provider, reason: reason)
         }
     }
 }

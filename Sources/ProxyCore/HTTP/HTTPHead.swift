@@ -96,7 +96,8 @@ public struct HTTPHead: Sendable {
 
     /// Serialises the head for forwarding: `startLine` replaces the start line (when given), the field lines
     /// for which `drop` answers true are left out, `extra` lines are appended, everything else is copied
-    /// byte for byte.
+    /// byte for byte, except line ends: every line ends in CRLF (a response may use bare LF, RFC 9112 §2.2,
+    /// and the next recipient must not see two conventions in one head).
     public func serialized(
         startLine newStartLine: String? = nil,
         drop: (Int) -> Bool = { _ in false },
@@ -106,13 +107,19 @@ public struct HTTPHead: Sendable {
         out.reserveCapacity(bytes.count + 64)
         if let newStartLine {
             out.append(contentsOf: newStartLine.utf8)
+        } else {
+            out.append(contentsOf: bytes[startLine])
+        }
+        out.append(ASCII.cr)
+        out.append(ASCII.lf)
+        for index in fields.indices where !drop(index) {
+            var end = fields[index].line.upperBound
+            while end > fields[index].line.lowerBound && (bytes[end - 1] == ASCII.lf || bytes[end - 1] == ASCII.cr) {
+                end -= 1
+            }
+            out.append(contentsOf: bytes[fields[index].line.lowerBound..<end])
             out.append(ASCII.cr)
             out.append(ASCII.lf)
-        } else {
-            out.append(contentsOf: bytes[0..<fieldsStart])
-        }
-        for index in fields.indices where !drop(index) {
-            out.append(contentsOf: bytes[fields[index].line])
         }
         for (name, value) in extra {
             out.append(contentsOf: name.utf8)

@@ -33,19 +33,11 @@ public enum InterceptRefusal: Error, Sendable, Equatable {
     case misdirected(String)
     case unsupported(String)
 
-    public var response: ProxyResponse {
+    public var answer: ProxyAnswer {
         switch self {
-        case .badRequest(let error):
-            return FrontDoor.reject(error)
-        case .misdirected(let reason):
-            return ProxyResponse(
-                status: 421,
-                proxyStatus: ProxyStatus(error: .httpRequestDenied, details: reason),
-                message: "proxyctl: misdirected request: \(reason); no token was sent", close: true)
-        case .unsupported(let reason):
-            return ProxyResponse(
-                status: 501, proxyStatus: ProxyStatus(error: .httpRequestError, details: reason),
-                message: "proxyctl: \(reason)", close: true)
+        case .badRequest(let error): .badRequest(error)
+        case .misdirected(let reason): .misdirected(reason: reason)
+        case .unsupported(let reason): .unsupported(reason: reason)
         }
     }
 }
@@ -128,70 +120,51 @@ extension MessageSemantics {
                 expectsContinue: framing != .none && head.listElements(named: "expect").contains("100-continue")))
     }
 
-    /// The response head to send the client for an upstream response (which libcurl already de-chunked, or
-    /// received over HTTP/2): hop-by-hop fields removed, framing chosen anew. The reason phrase and field
-    /// values are the origin's bytes (obs-text need not be UTF-8); `extra` holds the proxy's own fields.
+    /// The response head to send an HTTP/1.1 client for an origin's response (which libcurl already
+    /// de-chunked, or received over HTTP/2): the hop-by-hop fields `MessageSemantics.response` found removed,
+    /// the framing chosen anew (the origin's Content-Length when it gave one, else chunked), the reason
+    /// phrase and field values as the origin's bytes (obs-text need not be UTF-8), the proxy's
+    /// `Proxy-Status` added when set.
     public static func interceptedResponseHead(
-        status: Int, reason: [UInt8]?, fields: [(name: String, value: [UInt8])], requestMethod: String,
-        close: Bool, extra: [(name: String, value: String)]
+        _ response: UpstreamResponse, requestMethod: String, close: Bool
     ) -> (head: [UInt8], framing: ResponseFramingToClient) {
-        let noBody = status < 200 || status == 204 || status == 304 || requestMethod == "HEAD"
-        var length: UInt64? = nil
-        var chunkedUpstream = false
-        var options: [String] = []
-        for (name, value) in fields {
-            switch name.lowercased() {
-            case "content-length": length = UInt64(String(decoding: value, as: UTF8.self).trimmingOWS())
-            case "transfer-encoding": chunkedUpstream = true
-            case "connection":
-                // Bytes and ASCII case folding, as the client reads them (see `HTTPHead.listElements`).
-                options += value.split(separator: UInt8(ascii: ",")).map {
-                    String(decoding: $0.map(ASCII.lower), as: UTF8.self).trimmingOWS()
-                }
-            default: break
-            }
-        }
+        let head = response.head
         let framing: ResponseFramingToClient
-        if noBody {
-            framing = .none
-        } else if let length, !chunkedUpstream {
-            framing = .contentLength(length)
+        switch response.semantics.framing {
+        case .none: framing = .none
+        case .contentLength(let length): framing = .contentLength(length)
+        case .chunked, .untilClose: framing = .chunked
+        }
+        var out: [UInt8] = []
+        out.reserveCapacity(head.bytes.count + 64)
+        out += "HTTP/1.1 \(head.status) ".utf8
+        // The reason phrase: the status line after "HTTP/1.1 200 ".
+        let reasonStart = head.startLine.lowerBound + 13
+        if reasonStart < head.startLine.upperBound {
+            out += head.bytes[reasonStart..<head.startLine.upperBound]
         } else {
-            framing = .chunked
+            out += ProxyResponse.reasonPhrase(head.status).utf8
         }
-        var head: [UInt8] = []
-        head.reserveCapacity(512)
-        head += "HTTP/1.1 \(status) ".utf8
-        if let reason, !reason.isEmpty {
-            head += reason
-        } else {
-            head += ProxyResponse.reasonPhrase(status).utf8
+        out += "\r\n".utf8
+        func append(_ name: some Sequence<UInt8>, _ value: some Sequence<UInt8>) {
+            out += name
+            out += ": ".utf8
+            out += value
+            out += "\r\n".utf8
         }
-        head += "\r\n".utf8
-        func append(_ name: String, _ value: some Sequence<UInt8>) {
-            head += name.utf8
-            head += ": ".utf8
-            head += value
-            head += "\r\n".utf8
+        for index in head.fields.indices where !response.semantics.dropped.contains(index) {
+            // Re-framed here: the origin's framing fields do not travel. A HEAD or 304 response keeps its
+            // Content-Length (it describes the would-be body).
+            if head.field(index, isNamed: "transfer-encoding") || head.field(index, isNamed: "trailer") { continue }
+            if head.field(index, isNamed: "content-length") && framing != .none { continue }
+            append(head.bytes[head.fields[index].name], head.valueBytes(at: index))
         }
-        for (name, value) in fields {
-            let lowered = name.lowercased()
-            if ["connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te", "trailer"]
-                .contains(lowered) || options.contains(lowered)
-            {
-                continue
-            }
-            // A HEAD or 304 response keeps its Content-Length (it describes the would-be body). A body's length is
-            // written once below: duplicates, "+5", or a Connection option naming it must not reach the client.
-            if lowered == "content-length" && framing != .none { continue }
-            append(name, value)
-        }
-        for (name, value) in extra { append(name, value.utf8) }
-        if case .contentLength(let length) = framing { append("Content-Length", String(length).utf8) }
-        if framing == .chunked { append("Transfer-Encoding", "chunked".utf8) }
-        if close { append("Connection", "close".utf8) }
-        head += "\r\n".utf8
-        return (head, framing)
+        if let proxyStatus = response.proxyStatus { append("Proxy-Status".utf8, proxyStatus.fieldValue.utf8) }
+        if case .contentLength(let length) = framing { append("Content-Length".utf8, String(length).utf8) }
+        if framing == .chunked { append("Transfer-Encoding".utf8, "chunked".utf8) }
+        if close { append("Connection".utf8, "close".utf8) }
+        out += "\r\n".utf8
+        return (out, framing)
     }
 }
 

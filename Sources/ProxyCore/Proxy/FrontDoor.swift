@@ -1,7 +1,7 @@
 /// What the proxy does with a request head: the whole decision, made without any I/O.
 public enum FrontDoorDecision: Sendable, Equatable {
-    /// Answer the client directly and (when `response.close`) close the connection.
-    case respond(ProxyResponse)
+    /// Answer the client directly and (when the answer's response closes) close the connection.
+    case respond(ProxyAnswer)
     /// Open a blind tunnel to `target`, through `upstream` when set.
     case tunnel(target: HostPort, upstream: UpstreamProxy?)
     /// Forward the request: connect to `target` (or `upstream`) and send `head`, then the body.
@@ -43,20 +43,10 @@ public struct FrontDoor: Sendable {
         self.origins = origins
     }
 
-    /// The answer for a head that could not be parsed.
-    public static func reject(_ error: HTTPParseError) -> ProxyResponse {
-        ProxyResponse(
-            status: error.status,
-            proxyStatus: ProxyStatus(error: .httpRequestError, details: error.reason),
-            message: "proxyctl: bad request: \(error.reason)",
-            close: true
-        )
-    }
-
     public func decide(_ head: HTTPHead) -> FrontDoorDecision {
         let semantics: RequestSemantics
         switch MessageSemantics.request(head) {
-        case .failure(let error): return .respond(Self.reject(error))
+        case .failure(let error): return .respond(.badRequest(error))
         case .success(let checked): semantics = checked
         }
 
@@ -65,53 +55,34 @@ public struct FrontDoor: Sendable {
             switch credentials.check(value) {
             case .allowed: break
             case .missing, .invalid:
+                // The body of the request (if any) was not read: the framing is unknown here.
                 return .respond(
-                    ProxyResponse(
-                        status: 407,
-                        proxyStatus: ProxyStatus(error: .httpRequestDenied, details: "proxy authentication required"),
-                        message: value == nil
-                            ? "proxyctl: this proxy requires a user name and password (Proxy-Authorization: Basic)"
-                            : "proxyctl: wrong proxy user name or password",
-                        extraFields: [("Proxy-Authenticate", "Basic realm=\"proxyctl\", charset=\"UTF-8\"")],
-                        // The body of the request (if any) was not read: the framing is unknown here.
-                        close: semantics.framing != .none || !semantics.keepAlive
-                    ))
+                    .proxyAuthenticationRequired(
+                        credentialsSent: value != nil, close: semantics.framing != .none || !semantics.keepAlive))
             }
         }
 
         switch semantics.target {
         case .notProxyRequest:
             return .respond(
-                ProxyResponse(
-                    status: 400,
-                    proxyStatus: ProxyStatus(error: .httpRequestError, details: "not a proxy request"),
-                    message:
-                        "proxyctl is a forward proxy, not a web server: set HTTPS_PROXY=http://\(boundAddress) and HTTP_PROXY=http://\(boundAddress) (or curl -x http://\(boundAddress) URL)",
-                    close: semantics.framing != .none || !semantics.keepAlive
-                ))
+                .notProxyRequest(
+                    listen: boundAddress.description, close: semantics.framing != .none || !semantics.keepAlive))
         case .connect(let target):
-            if isLoop(target) { return .respond(loopResponse(target)) }
+            if isLoop(target) { return .respond(.loopDetected(target)) }
             if let origin = origins.match(scheme: "https", authority: target) { return .interceptTunnel(origin) }
             return .tunnel(target: target, upstream: upstream(for: target))
         case .absolute(let url):
             guard url.scheme == "http" else {
-                return .respond(
-                    ProxyResponse(
-                        status: 400,
-                        proxyStatus: ProxyStatus(error: .httpRequestError, details: "https URL in a plain request"),
-                        message:
-                            "proxyctl: https:// URLs go through a CONNECT tunnel; configure this proxy as HTTPS_PROXY so the client sends CONNECT",
-                        close: semantics.framing != .none || !semantics.keepAlive
-                    ))
+                return .respond(.httpsURLInPlainRequest(close: semantics.framing != .none || !semantics.keepAlive))
             }
-            if isLoop(url.authority) { return .respond(loopResponse(url.authority)) }
+            if isLoop(url.authority) { return .respond(.loopDetected(url.authority)) }
             if let origin = origins.match(scheme: "http", authority: url.authority) {
                 let checked = MessageSemantics.interceptedRequest(head, scheme: "http", origin: url.authority) {
                     hasOwn in
                     origin.clientAuthorization == .replace || !hasOwn
                 }
                 switch checked {
-                case .failure(let refusal): return .respond(refusal.response)
+                case .failure(let refusal): return .respond(refusal.answer)
                 case .success(let request): return .interceptRequest(origin, request)
                 }
             }
@@ -157,14 +128,5 @@ public struct FrontDoor: Sendable {
         if target.host == "localhost" { return listensEverywhere || (listenAddress?.isLoopback ?? false) }
         // Listening on every address: any loopback address of this machine reaches us.
         return listensEverywhere && (targetAddress?.isLoopback ?? false)
-    }
-
-    private func loopResponse(_ target: HostPort) -> ProxyResponse {
-        ProxyResponse(
-            status: 508,
-            proxyStatus: ProxyStatus(error: .proxyLoopDetected, details: "the target is this proxy"),
-            message: "proxyctl: \(target) is this proxy itself; request the real destination instead",
-            close: true
-        )
     }
 }

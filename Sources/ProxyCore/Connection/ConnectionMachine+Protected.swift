@@ -1,0 +1,168 @@
+/// Requests to protected origins on an HTTP/1.1 connection: the body read into the replay store, the
+/// `ProtectedExchange` run, its response framed for an HTTP/1.1 client.
+extension ConnectionMachine {
+    static let continueResponse = Array("HTTP/1.1 100 Continue\r\n\r\n".utf8)
+    static let lastChunk = Array("0\r\n\r\n".utf8)
+
+    /// The settings of an exchange with `origin`, from this connection's snapshot.
+    func exchangeSettings(_ origin: OriginConfig) -> ProtectedExchange.Settings {
+        ProtectedExchange.Settings(
+            replaySpool: max(settings.replaySpool, settings.replayMemory), connectTimeout: settings.connectTimeout,
+            idleTimeout: settings.idleTimeout, responseHeadLimits: settings.headLimits,
+            resolve: settings.resolve[origin.authority.host].map {
+                "\(origin.authority.host):\(origin.authority.port):\($0)"
+            },
+            upstreamProxy: frontDoor.upstream(for: origin.authority))
+    }
+
+    mutating func beginProtected(
+        _ request: InterceptedRequest, origin: OriginConfig, kept: HostPort?, head: HTTPHead, _ out: inout [Action]
+    ) {
+        // One rule for both ways in (an https tunnel, a plain http:// origin): no upgrade reaches a protected
+        // origin with a token until WebSocket interception exists.
+        if request.upgrade {
+            return refuse(
+                head, origin: origin,
+                .unsupported(reason: "protocol upgrades (WebSocket) to protected origins are not supported"), &out)
+        }
+        var exchange = ProtectedExchange(
+            request: request, origin: origin, settings: exchangeSettings(origin), knownNonce: nil)
+        state = .intercepting(
+            Intercepting(
+                exchange: exchange, body: BodyReader(request.framing), started: now,
+                headRequest: request.method == "HEAD", framing: nil, kept: kept))
+        out.append(.arm(.idle, milliseconds: settings.idleTimeout))
+        out.append(.readClient(true))
+        if request.expectsContinue {
+            // RFC 9110 §10.1.1: this proxy reads the body before going upstream, so it answers the
+            // expectation itself instead of leaving the client waiting.
+            out.append(.writeClient(Self.continueResponse))
+        }
+        var outputs: [ProtectedExchange.Output] = []
+        exchange.start(&outputs)
+        if case .intercepting(var intercepting) = state {
+            intercepting.exchange = exchange
+            state = .intercepting(intercepting)
+        }
+        apply(outputs, &out)
+    }
+
+    /// Body bytes from the client into the replay store (chunk framing consumed, data kept).
+    mutating func pumpInterceptedBody(_ client: some ByteView, _ out: inout [Action]) {
+        guard case .intercepting(var intercepting) = state else { return }
+        if intercepting.body.done {
+            if client.count - clientOffset > settings.headLimits.maxHeadBytes { out.append(.readClient(false)) }
+            return
+        }
+        var kept = 0
+        var failure: HTTPParseError?
+        while !intercepting.body.done && client.count > clientOffset {
+            let available = client.count - clientOffset
+            if var scanner = intercepting.body.chunks {
+                if scanner.pendingData == 0 {
+                    var consumed = 0
+                    client.forEachSegment(from: clientOffset) { segment in
+                        let (taken, outcome) = scanner.scanFraming(segment)
+                        consumed += taken
+                        if case .failed(let error) = outcome {
+                            failure = error
+                            return false
+                        }
+                        return taken == segment.count && scanner.pendingData == 0 && !scanner.isFinished
+                    }
+                    if consumed > 0 {
+                        out.append(.consumeClient(consumed))
+                        clientOffset += consumed
+                    }
+                    intercepting.body.chunks = scanner
+                    if failure != nil { break }
+                    if scanner.isFinished { intercepting.body.done = true }
+                    continue
+                }
+                let count = Int(min(scanner.pendingData, UInt64(available)))
+                scanner.skipData(count)
+                intercepting.body.chunks = scanner
+                out.append(.keepBody(count))
+                clientOffset += count
+                kept += count
+            } else {
+                let count = Int(min(intercepting.body.remaining, UInt64(available)))
+                intercepting.body.remaining -= UInt64(count)
+                if intercepting.body.remaining == 0 { intercepting.body.done = true }
+                out.append(.keepBody(count))
+                clientOffset += count
+                kept += count
+            }
+        }
+        var outputs: [ProtectedExchange.Output] = []
+        if kept > 0 { intercepting.exchange.bodyReceived(kept, &outputs) }
+        if let failure {
+            out.append(.log(LogLine(.info, "bad request body reason=\"\(failure.reason)\"")))
+            intercepting.exchange.refuse(.badRequest(failure), &outputs)
+        } else if intercepting.body.done {
+            intercepting.exchange.bodyEnded(&outputs)
+        }
+        state = .intercepting(intercepting)
+        apply(outputs, &out)
+    }
+
+    /// Runs an event of the exchange in flight, if there is one.
+    mutating func exchangeEvent(
+        _ out: inout [Action], _ body: (inout ProtectedExchange, inout [ProtectedExchange.Output]) -> Void
+    ) {
+        guard case .intercepting(var intercepting) = state else { return }
+        var outputs: [ProtectedExchange.Output] = []
+        body(&intercepting.exchange, &outputs)
+        state = .intercepting(intercepting)
+        apply(outputs, &out)
+    }
+
+    /// Body bytes of the transfer's response (the hot path: one call per libcurl write callback).
+    mutating func transferBody(_ out: inout [Action]) {
+        guard case .intercepting(let intercepting) = state, intercepting.exchange.isDelivering,
+            let framing = intercepting.framing, framing != .none
+        else { return }
+        out.append(.writeResponseBody(chunked: framing == .chunked))
+    }
+
+    /// Carries the exchange's outputs over to this HTTP/1.1 connection.
+    mutating func apply(_ outputs: [ProtectedExchange.Output], _ out: inout [Action]) {
+        for output in outputs {
+            guard case .intercepting(var intercepting) = state else { return }
+            switch output {
+            case .deliverHead(let response):
+                let close = !intercepting.exchange.request.keepAlive || draining
+                let (head, framing) = MessageSemantics.interceptedResponseHead(
+                    response, requestMethod: intercepting.exchange.request.method, close: close)
+                intercepting.framing = framing
+                state = .intercepting(intercepting)
+                out.append(.writeClient(head))
+            case .deliverBody:
+                transferBody(&out)
+            case .endBody:
+                if intercepting.framing == .chunked { out.append(.writeClient(Self.lastChunk)) }
+            case .respond(let answer):
+                out.append(.writeClient(answer.response.serialized(headRequest: intercepting.headRequest)))
+            case .finished(let record):
+                out.append(.exchangeFinished(record))
+                exchangeDone(record, &out)
+            default:
+                out.append(.exchange(output, intercepting.exchange.origin))
+            }
+        }
+    }
+
+    /// The exchange ended: read the next request, or close.
+    private mutating func exchangeDone(_ record: ExchangeRecord, _ out: inout [Action]) {
+        guard case .intercepting(let intercepting) = state else { return }
+        // A body the client is still sending would be read as the next request: close instead.
+        let close =
+            record.close || !intercepting.exchange.isBodyComplete || !intercepting.exchange.request.keepAlive
+            || clientEOF || draining
+        if close {
+            closeAfterFlush(&out)
+        } else {
+            nextRequest(kept: intercepting.kept, &out)
+        }
+    }
+}

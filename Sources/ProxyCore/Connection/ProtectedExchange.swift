@@ -1,0 +1,516 @@
+/// One request to a protected origin, whatever protocol the client spoke (an HTTP/1.1 request on an
+/// intercepted connection or on the front door, later an HTTP/2 stream): keep the body for replay, attach
+/// the token through `AuthExchange` (refresh once and replay once on a 401, one DPoP nonce retry, step-up
+/// passed on), send the request upstream, check the response head, and deliver it or answer ourselves.
+///
+/// Pure: events in, outputs out. The I/O layer keeps the body bytes, runs the libcurl transfer the
+/// `.send` output describes (attaching the token of the named generation), and writes what `.deliverHead`
+/// and `.deliverBody` say. The client protocol layer (`ConnectionMachine` for HTTP/1.1) frames the head and
+/// the body for its client.
+public struct ProtectedExchange: Sendable {
+    /// What the exchange needs from the settings, captured when its connection was accepted.
+    public struct Settings: Sendable, Equatable {
+        /// Bodies up to this size are kept for replay (memory, then an unlinked spool file).
+        public var replaySpool: Int
+        public var connectTimeout: Int
+        public var idleTimeout: Int
+        /// Limits for the origin's response head (the same as the passthrough path's).
+        public var responseHeadLimits: HTTPHeadLimits
+        /// A fixed address for the origin's host (`resolve`), as "host:port:address".
+        public var resolve: String?
+        /// The upstream proxy for the origin's authority, if one applies.
+        public var upstreamProxy: UpstreamProxy?
+
+        public init(
+            replaySpool: Int, connectTimeout: Int, idleTimeout: Int, responseHeadLimits: HTTPHeadLimits,
+            resolve: String? = nil, upstreamProxy: UpstreamProxy? = nil
+        ) {
+            self.replaySpool = replaySpool
+            self.connectTimeout = connectTimeout
+            self.idleTimeout = idleTimeout
+            self.responseHeadLimits = responseHeadLimits
+            self.resolve = resolve
+            self.upstreamProxy = upstreamProxy
+        }
+    }
+
+    public enum Output: Sendable, Equatable {
+        /// Keep the body's bytes in memory or a file up to now; from here on they stream and are not kept.
+        case streamBody
+        /// The whole request body has been received.
+        case bodyEnded
+        /// Get usable tokens for the provider.
+        case getTokens(provider: String)
+        /// Refresh because the tokens of `replacing` were rejected (single-flight).
+        case refreshTokens(provider: String, replacing: Int64)
+        /// Start the upstream transfer the description says.
+        case send(UpstreamRequest)
+        /// Stop the upstream transfer (nothing of it is needed any more).
+        case cancelTransfer
+        /// Send the client the origin's response head.
+        case deliverHead(UpstreamResponse)
+        /// Pass the body bytes of the current upstream callback to the client.
+        case deliverBody
+        /// The response body is complete.
+        case endBody
+        /// Answer the client ourselves; nothing of a response has reached it.
+        case respond(ProxyAnswer)
+        /// Remember the origin's latest DPoP nonce for the next request (RFC 9449 §9).
+        case rememberNonce(String)
+        /// The origin demands a stronger sign-in (RFC 9470): record it for `proxyctl step-up`.
+        case recordStepUp(Challenge)
+        /// No token can be had without the user: tell them.
+        case signInNeeded(reason: String)
+        /// The exchange is over (`close`: the client connection cannot carry another request).
+        case finished(ExchangeRecord)
+    }
+
+    /// Where the exchange is. Each case says where it goes next.
+    enum Phase: Sendable, Equatable {
+        /// Receiving the body until it is complete or too large to keep. -> `.waitingForTokens`, `.sending`
+        case receivingBody
+        /// `.getTokens` or `.refreshTokens` issued. -> `.sending`, `.done` (answered)
+        case waitingForTokens
+        /// A transfer runs; its response head has not come. -> `.delivering`, `.discarding`, `.failing`
+        case sending
+        /// The head went to the client; body bytes follow. -> `.done`
+        case delivering
+        /// The transfer's response is not for the client (a retry follows when it ends). -> `.waitingForTokens`,
+        /// `.sending`
+        case discarding(then: AuthExchange.Action)
+        /// The response could not be used: answer `answer` when the transfer ends. -> `.done`
+        case failing(ProxyAnswer)
+        case done
+    }
+
+    public let request: InterceptedRequest
+    public let origin: OriginConfig
+    public let settings: Settings
+    /// Whether the proxy attaches its token (else the client's own Authorization travels).
+    private let attach: Bool
+    private let knownNonce: String?
+    /// The auth exchange, once sending has begun; nil when nothing is attached.
+    private var auth: AuthExchange?
+    private(set) var phase = Phase.receivingBody
+    private var bodyReceived = 0
+    private var bodyComplete = false
+    private var streaming = false
+    private var generation: Int64 = 0
+    private var responseHead: HTTPHeadParser
+    private var attempts = 0
+    private var delivered: UpstreamResponse?
+    private var answered: ProxyAnswer?
+    /// An upstream transfer is running (between `.send` and `transferFinished`).
+    private var transferRunning = false
+    private var begun = false
+
+    /// - Parameter knownNonce: the origin's last DPoP nonce, for the first proof (`TokenGrant` can bring a
+    ///   newer one).
+    public init(request: InterceptedRequest, origin: OriginConfig, settings: Settings, knownNonce: String?) {
+        self.request = request
+        self.origin = origin
+        self.settings = settings
+        self.responseHead = HTTPHeadParser(kind: .response, limits: settings.responseHeadLimits)
+        self.attach = origin.clientAuthorization == .replace || !request.clientAuthorization
+        self.knownNonce = knownNonce
+        if request.framing == .none { bodyComplete = true }
+    }
+
+    /// Whether the exchange has ended.
+    public var isFinished: Bool { phase == .done }
+    /// Whether the request body has arrived whole (only then can the client connection carry another request).
+    public var isBodyComplete: Bool { bodyComplete }
+    /// Whether the origin's response is being passed to the client.
+    public var isDelivering: Bool { phase == .delivering }
+    /// Whether a response head (the origin's or ours) reached the client.
+    public var responseStarted: Bool { delivered != nil || answered != nil }
+
+    // MARK: - The request body
+
+    /// Starts the exchange with the body bytes already there.
+    public mutating func start(_ out: inout [Output]) {
+        if bodyComplete { out.append(.bodyEnded) }
+        if case .contentLength(let length) = request.framing, length > UInt64(settings.replaySpool) {
+            // Too large to keep: stream it from the start, once.
+            streaming = true
+            out.append(.streamBody)
+        }
+        beginIfReady(&out)
+    }
+
+    /// The I/O layer kept `count` more body bytes (after `.streamBody`, queued them for the transfer).
+    public mutating func bodyReceived(_ count: Int, _ out: inout [Output]) {
+        bodyReceived += count
+        if !streaming && bodyReceived > settings.replaySpool {
+            streaming = true
+            out.append(.streamBody)
+        }
+        beginIfReady(&out)
+    }
+
+    /// The request body is complete.
+    public mutating func bodyEnded(_ out: inout [Output]) {
+        bodyComplete = true
+        out.append(.bodyEnded)
+        beginIfReady(&out)
+    }
+
+    /// The body could not be kept (the spool file could not be written).
+    public mutating func bodyNotKept(directory: String, _ out: inout [Output]) {
+        fail(.bodyNotKept(directory: directory), &out)
+    }
+
+    /// The request cannot go on (a malformed body): answer, or close when a response already started.
+    public mutating func refuse(_ answer: ProxyAnswer, _ out: inout [Output]) {
+        fail(answer, &out)
+    }
+
+    /// The request body can be sent again (for a refresh or a nonce retry).
+    public var replayable: Bool { !streaming }
+
+    private mutating func beginIfReady(_ out: inout [Output]) {
+        guard !begun, phase == .receivingBody, bodyComplete || streaming else { return }
+        begun = true
+        guard attach else {
+            send(credential: nil, &out)
+            return
+        }
+        // The body is replayable unless it outgrew the spool (or was known to be too large from the start).
+        var exchange = AuthExchange(
+            origin: origin.url, provider: origin.provider, replayable: !streaming, knownNonce: knownNonce)
+        let first = exchange.start()
+        auth = exchange
+        perform(first, &out)
+    }
+
+    // MARK: - Tokens
+
+    /// The answer to `.getTokens`.
+    public mutating func tokens(_ result: Result<TokenGrant, TokenFailure>, _ out: inout [Output]) {
+        guard phase == .waitingForTokens else { return }
+        switch result {
+        case .success(let grant):
+            generation = grant.generation
+            if let nonce = grant.dpopNonce { auth?.learnNonce(nonce) }
+            handle(.tokens(generation: grant.generation), &out)
+        case .failure(let failure):
+            handle(.tokensFailed(failure), &out)
+        }
+    }
+
+    /// The answer to `.refreshTokens`.
+    public mutating func refreshed(_ result: Result<TokenGrant, TokenFailure>, _ out: inout [Output]) {
+        guard phase == .waitingForTokens else { return }
+        switch result {
+        case .success(let grant):
+            generation = grant.generation
+            if let nonce = grant.dpopNonce { auth?.learnNonce(nonce) }
+            handle(.refreshed(generation: grant.generation), &out)
+        case .failure(let failure):
+            handle(.refreshFailed(failure), &out)
+        }
+    }
+
+    /// The token could not be attached: no DPoP key for it, or the proof could not be signed.
+    public mutating func credentialFailed(_ answer: ProxyAnswer, _ out: inout [Output]) {
+        transferRunning = false
+        fail(answer, &out)
+    }
+
+    private mutating func handle(_ event: AuthExchange.Event, _ out: inout [Output]) {
+        guard var exchange = auth else { return }
+        let action = exchange.handle(event)
+        auth = exchange
+        perform(action, &out)
+    }
+
+    private mutating func perform(_ action: AuthExchange.Action, _ out: inout [Output]) {
+        switch action {
+        case .getTokens:
+            phase = .waitingForTokens
+            out.append(.getTokens(provider: origin.provider))
+        case .refresh(let replacing):
+            phase = .waitingForTokens
+            out.append(.refreshTokens(provider: origin.provider, replacing: replacing))
+        case .send(let generation, let nonce):
+            send(credential: UpstreamRequest.Credential(generation: generation, dpopNonce: nonce), &out)
+        case .deliver:
+            // Only an origin's response leads to a delivery, and `responseComplete` handles that itself.
+            preconditionFailure("ProtectedExchange: a delivery without a response")
+        case .respond(let answer):
+            if case .signInNeeded(_, let reason) = answer { out.append(.signInNeeded(reason: reason)) }
+            fail(answer, &out)
+        }
+    }
+
+    // MARK: - Upstream
+
+    private mutating func send(credential: UpstreamRequest.Credential?, _ out: inout [Output]) {
+        attempts += 1
+        responseHead = HTTPHeadParser(kind: .response, limits: settings.responseHeadLimits)
+        phase = .sending
+        transferRunning = true
+        let body: UpstreamRequest.Body
+        switch request.framing {
+        case .none, .untilClose: body = .none
+        case .contentLength(let length): body = .length(Int(clamping: length))
+        case .chunked: body = bodyComplete && !streaming ? .length(bodyReceived) : .streaming
+        }
+        out.append(
+            .send(
+                UpstreamRequest(
+                    method: request.method,
+                    // `OPTIONS *` (asterisk-form): the URL names the origin, the target is sent as it came.
+                    url: request.target == "*" ? origin.url + "/" : origin.url + request.target,
+                    requestTarget: request.target == "*" ? "*" : nil, fields: request.upstreamFields,
+                    credential: credential, body: body, http2: origin.scheme == "https",
+                    connectTimeout: settings.connectTimeout, idleTimeout: settings.idleTimeout,
+                    caFile: origin.caFile, resolve: settings.resolve, upstreamProxy: settings.upstreamProxy,
+                    attempt: attempts)))
+    }
+
+    /// One line of the response head as libcurl hands it over (status line, field line or the empty line),
+    /// with its line terminator. Interim (1xx) heads are skipped; lines after the head (trailers) are ignored.
+    public mutating func upstreamHeaderLine(_ line: UnsafeRawBufferPointer, _ out: inout [Output]) {
+        guard phase == .sending else { return }
+        // libcurl names HTTP/2 and HTTP/3 responses "HTTP/2 200": read their status line as HTTP/1.1's.
+        if line.count > 7, line.starts(with: "HTTP/".utf8), line[6] == ASCII.space, line[5] != UInt8(ascii: "1") {
+            let fixed: [UInt8] = Array("HTTP/1.1".utf8) + line[6...]
+            fixed.withUnsafeBytes { responseHeadLine($0, &out) }
+        } else {
+            responseHeadLine(line, &out)
+        }
+    }
+
+    private mutating func responseHeadLine(_ line: UnsafeRawBufferPointer, _ out: inout [Output]) {
+        switch responseHead.parse(line) {
+        case .needMore:
+            return
+        case .failed(let error):
+            let hop = origin.authority
+            phase = .failing(
+                error.code == .headTooLarge
+                    ? .responseHeadTooLarge(hop) : .invalidResponse(hop, reason: error.reason))
+        case .complete(let head, _):
+            if head.status < 200 {
+                // 1xx answers are libcurl's business (it sent the body without Expect anyway).
+                responseHead = HTTPHeadParser(kind: .response, limits: settings.responseHeadLimits)
+                return
+            }
+            responseComplete(head, &out)
+        }
+    }
+
+    private mutating func responseComplete(_ head: HTTPHead, _ out: inout [Output]) {
+        let semantics: ResponseSemantics
+        switch MessageSemantics.response(head, requestMethod: request.method, upgradeRequested: false) {
+        case .failure(let error):
+            phase = .failing(.invalidResponse(origin.authority, reason: error.reason))
+            return
+        case .success(let checked): semantics = checked
+        }
+        let response = UpstreamResponse(head: head, semantics: semantics, proxyStatus: nil)
+        guard var exchange = auth else {
+            deliver(response, &out)
+            return
+        }
+        let challenges = ChallengeParser.parse(head.values(named: "www-authenticate"))
+        let nonce = head.values(named: "dpop-nonce").last
+        if let nonce { out.append(.rememberNonce(nonce)) }
+        let action = exchange.handle(.response(status: head.status, challenges: challenges, dpopNonce: nonce))
+        auth = exchange
+        switch action {
+        case .deliver(let proxyStatus):
+            if let challenge = exchange.stepUp { out.append(.recordStepUp(challenge)) }
+            var withStatus = response
+            withStatus.proxyStatus = proxyStatus
+            deliver(withStatus, &out)
+        case .send, .refresh:
+            // Retried once this transfer has ended; its body is not the client's business.
+            phase = .discarding(then: action)
+        case .getTokens, .respond:
+            perform(action, &out)
+        }
+    }
+
+    private mutating func deliver(_ response: UpstreamResponse, _ out: inout [Output]) {
+        phase = .delivering
+        delivered = response
+        out.append(.deliverHead(response))
+    }
+
+    /// Body bytes of the upstream response arrived.
+    public mutating func upstreamBody(_ out: inout [Output]) {
+        if phase == .delivering { out.append(.deliverBody) }
+    }
+
+    /// The transfer ended: `failure` nil when it completed.
+    public mutating func transferFinished(_ failure: (UpstreamFailure, detail: String)?, _ out: inout [Output]) {
+        guard transferRunning else { return }
+        transferRunning = false
+        switch phase {
+        case .failing(let answer):
+            fail(answer, &out)
+        case .discarding(let action):
+            perform(action, &out)
+        case .delivering:
+            if let failure {
+                // The response is cut short: the client sees the connection close before its end.
+                finish(close: true, note: "upstream failed mid-response: \(failure.detail)", &out)
+            } else {
+                out.append(.endBody)
+                finish(close: false, note: nil, &out)
+            }
+        case .sending:
+            let (kind, detail) = failure ?? (.incomplete, "no response")
+            fail(.upstreamFailed(kind, hop: origin.authority, detail: detail), &out)
+        case .receivingBody, .waitingForTokens, .done:
+            break
+        }
+    }
+
+    /// Ends the exchange with an answer of ours, or (when a response was already delivered) by closing.
+    private mutating func fail(_ answer: ProxyAnswer, _ out: inout [Output]) {
+        guard phase != .done else { return }
+        if transferRunning {
+            transferRunning = false
+            out.append(.cancelTransfer)
+        }
+        if delivered == nil {
+            answered = answer
+            out.append(.respond(answer))
+            finish(close: answer.response.close, note: answer.response.proxyStatus?.details, &out)
+        } else {
+            finish(close: true, note: answer.response.proxyStatus?.details, &out)
+        }
+    }
+
+    private mutating func finish(close: Bool, note: String?, _ out: inout [Output]) {
+        phase = .done
+        out.append(.finished(record(close: close, note: note)))
+    }
+
+    /// The client went away or the proxy shuts down: stop.
+    public mutating func abort(_ out: inout [Output]) {
+        guard phase != .done else { return }
+        if transferRunning {
+            transferRunning = false
+            out.append(.cancelTransfer)
+        }
+        finish(close: true, note: "aborted", &out)
+    }
+
+    private func record(close: Bool, note: String?) -> ExchangeRecord {
+        ExchangeRecord(
+            method: request.method, origin: origin.url, provider: origin.provider, target: request.target,
+            status: delivered?.head.status ?? answered?.status ?? 0, attempts: attempts,
+            keptClientAuthorization: begun && auth == nil, attached: auth != nil && generation != 0,
+            refreshed: auth?.refreshed ?? false, nonceRetried: auth?.nonceRetried ?? false,
+            stepUp: auth?.stepUp != nil, answeredByProxy: answered != nil, note: note, close: close)
+    }
+}
+
+/// Tokens the I/O layer holds for a request, named by their generation (the token itself never enters the
+/// machines), and the origin's latest DPoP nonce seen by any exchange.
+public struct TokenGrant: Sendable, Equatable {
+    public let generation: Int64
+    public let dpopNonce: String?
+
+    public init(generation: Int64, dpopNonce: String? = nil) {
+        self.generation = generation
+        self.dpopNonce = dpopNonce
+    }
+}
+
+/// A request to send upstream for a protected origin: everything the transfer needs, decided here; the
+/// I/O layer maps it onto libcurl. No secret is in it: the token is named by its generation.
+public struct UpstreamRequest: Sendable, Equatable {
+    /// Attach the tokens of `generation` (`Authorization`, and with DPoP a fresh proof carrying `dpopNonce`).
+    public struct Credential: Sendable, Equatable {
+        public let generation: Int64
+        public let dpopNonce: String?
+    }
+
+    public enum Body: Sendable, Equatable {
+        case none
+        /// The whole body is known: this many bytes.
+        case length(Int)
+        /// The body streams and its length is not known.
+        case streaming
+    }
+
+    public let method: String
+    public let url: String
+    /// A request target other than the URL's path (only `*`).
+    public let requestTarget: String?
+    /// Field lines as the client sent them, minus hop-by-hop fields, Host, framing and (when a token is
+    /// attached) its Authorization.
+    public let fields: [(name: String, value: [UInt8])]
+    public let credential: Credential?
+    public let body: Body
+    /// Offer HTTP/2 (https origins); HTTP/1.1 otherwise.
+    public let http2: Bool
+    public let connectTimeout: Int
+    /// The transfer ends when no byte moves for this long.
+    public let idleTimeout: Int
+    public let caFile: String?
+    /// "host:port:address" for a fixed address.
+    public let resolve: String?
+    public let upstreamProxy: UpstreamProxy?
+    /// 1 for the first send, 2 for a replay or retry.
+    public let attempt: Int
+
+    public static func == (lhs: Self, rhs: Self) -> Bool {
+        lhs.method == rhs.method && lhs.url == rhs.url && lhs.requestTarget == rhs.requestTarget
+            && lhs.fields.map(\.name) == rhs.fields.map(\.name)
+            && lhs.fields.map(\.value) == rhs.fields.map(\.value) && lhs.credential == rhs.credential
+            && lhs.body == rhs.body && lhs.http2 == rhs.http2 && lhs.connectTimeout == rhs.connectTimeout
+            && lhs.idleTimeout == rhs.idleTimeout && lhs.caFile == rhs.caFile && lhs.resolve == rhs.resolve
+            && lhs.upstreamProxy == rhs.upstreamProxy && lhs.attempt == rhs.attempt
+    }
+}
+
+/// The origin's response head, checked, and the `Proxy-Status` the proxy adds (a step-up, an unrepeated 401).
+public struct UpstreamResponse: Sendable {
+    public let head: HTTPHead
+    public let semantics: ResponseSemantics
+    public var proxyStatus: ProxyStatus?
+}
+
+extension UpstreamResponse: Equatable {
+    public static func == (lhs: Self, rhs: Self) -> Bool {
+        lhs.head.bytes == rhs.head.bytes && lhs.proxyStatus == rhs.proxyStatus
+    }
+}
+
+/// What an exchange with a protected origin came to: for the log line and the counters of `proxyctl status`.
+public struct ExchangeRecord: Sendable, Equatable {
+    public let method: String
+    public let origin: String
+    public let provider: String
+    public let target: String
+    /// The status the client got (the origin's, or the proxy's own answer); 0 when none.
+    public let status: Int
+    public let attempts: Int
+    public let keptClientAuthorization: Bool
+    public let attached: Bool
+    public let refreshed: Bool
+    public let nonceRetried: Bool
+    public let stepUp: Bool
+    public let answeredByProxy: Bool
+    public let note: String?
+    /// The client connection cannot carry another request (an answer that closes, a response cut short).
+    public let close: Bool
+
+    /// The access log line (after the `conn= client=` prefix): no token, no query.
+    public func logLine(up: Int, down: Int, milliseconds: Int64) -> String {
+        var line =
+            "\(method) \(origin)\(LogText.target(target)) status=\(status) up=\(up) down=\(down) duration=\(LogText.duration(milliseconds)) intercepted=\(provider)"
+        if keptClientAuthorization { line += " token=client" }
+        if attempts > 1 { line += " attempts=\(attempts)" }
+        if refreshed { line += " refreshed=1" }
+        if nonceRetried { line += " nonce_retry=1" }
+        if let note { line += " note=\"\(note)\"" }
+        return line
+    }
+}

@@ -1,0 +1,278 @@
+/// Every answer the proxy gives itself, in one catalogue: the status, the `Proxy-Status` error type and
+/// details (RFC 9209), and the one-line message naming the fix. Nothing else in the code base makes a
+/// `ProxyResponse`; a state machine decides which case applies, `response` says what it looks like.
+public enum ProxyAnswer: Sendable, Equatable {
+    // MARK: The request itself
+
+    /// A request head (or body framing) that cannot be read: 400, 414, 431 or 505 from the parse error.
+    case badRequest(HTTPParseError)
+    /// The request head did not arrive within header_timeout of its first byte (or of the accept).
+    case requestHeadTimeout(milliseconds: Int)
+    /// `proxy_auth_file` is set and the request has no or wrong credentials. `close` when the body, if any,
+    /// was not read.
+    case proxyAuthenticationRequired(credentialsSent: Bool, close: Bool)
+    /// An origin-form request (`GET /`): a client that took the proxy for a web server.
+    case notProxyRequest(listen: String, close: Bool)
+    /// `GET https://…` in a plain request instead of CONNECT.
+    case httpsURLInPlainRequest(close: Bool)
+    /// The target is this proxy's own listener.
+    case loopDetected(HostPort)
+
+    // MARK: Reaching the next hop
+
+    case dnsTimeout(HostPort, milliseconds: Int, viaProxy: Bool)
+    case dnsError(HostPort, reason: String, viaProxy: Bool)
+    case connectTimeout(HostPort, milliseconds: Int, viaProxy: Bool)
+    case connectRefused(HostPort, viaProxy: Bool)
+    case connectFailed(HostPort, reason: String, viaProxy: Bool)
+    /// The upstream proxy closed the connection before answering our CONNECT.
+    case upstreamProxyClosed(HostPort)
+    /// The upstream proxy did not answer our CONNECT within connect_timeout.
+    case upstreamProxyTimeout(HostPort)
+    /// The upstream proxy's answer to CONNECT could not be read.
+    case upstreamProxyMalformedAnswer(HostPort)
+    /// The upstream proxy answered 407: our configuration lacks (or has wrong) credentials.
+    case upstreamProxyCredentials(HostPort, credentialsConfigured: Bool)
+    /// The upstream proxy refused the CONNECT with another status.
+    case upstreamProxyRefused(HostPort, status: Int)
+
+    // MARK: The next hop's response
+
+    /// The connection closed (or was reset) before a complete response head arrived.
+    case responseIncomplete(HostPort)
+    /// No response within idle_timeout.
+    case responseTimeout(HostPort, milliseconds: Int)
+    /// A response head that breaks HTTP/1.1's rules (framing, syntax).
+    case invalidResponse(HostPort, reason: String)
+    /// A response head larger than the proxy reads.
+    case responseHeadTooLarge(HostPort)
+    /// A libcurl transfer to a protected origin that failed before its response head.
+    case upstreamFailed(UpstreamFailure, hop: HostPort, detail: String)
+
+    // MARK: Protected origins
+
+    /// A protected https origin, but no local CA to terminate TLS with.
+    case noLocalCA(origin: String)
+    /// The TLS server context for the origin could not be made.
+    case tlsSetupFailed(origin: String, reason: String)
+    /// Host, the absolute-form target or the SNI names another authority than the tunnel's: no token sent.
+    case misdirected(reason: String)
+    /// Something the proxy does not do on intercepted connections (CONNECT inside the tunnel, say).
+    case unsupported(reason: String)
+    /// No tokens, or the provider refused the refresh token: the user must sign in.
+    case signInNeeded(provider: String, reason: String)
+    /// The provider is unreachable or overloaded.
+    case providerUnavailable(origin: String, reason: String, retryAfter: Int)
+    /// proxy.conf or the provider's registration is wrong.
+    case providerMisconfigured(origin: String, provider: String, reason: String)
+    /// Tokens are DPoP-bound but the key they are bound to is not there.
+    case dpopKeyMissing(provider: String)
+    /// The DPoP proof could not be signed.
+    case dpopProofFailed(reason: String)
+    /// The request body could not be kept for replay (the spool file could not be written).
+    case bodyNotKept(directory: String)
+
+    /// The response: status, `Proxy-Status`, extra fields, one-line body, and whether the connection closes.
+    public var response: ProxyResponse {
+        switch self {
+        case .badRequest(let error):
+            return ProxyResponse(
+                status: error.status, proxyStatus: ProxyStatus(error: .httpRequestError, details: error.reason),
+                message: "proxyctl: bad request: \(error.reason)", close: true)
+        case .requestHeadTimeout(let milliseconds):
+            return ProxyResponse(
+                status: 408, proxyStatus: ProxyStatus(error: .httpRequestError, details: "request head incomplete"),
+                message:
+                    "proxyctl: the request head did not arrive within \(ConfigValue.describeDuration(milliseconds))",
+                close: true)
+        case .proxyAuthenticationRequired(let sent, let close):
+            return ProxyResponse(
+                status: 407,
+                proxyStatus: ProxyStatus(error: .httpRequestDenied, details: "proxy authentication required"),
+                message: sent
+                    ? "proxyctl: wrong proxy user name or password"
+                    : "proxyctl: this proxy requires a user name and password (Proxy-Authorization: Basic)",
+                extraFields: [("Proxy-Authenticate", "Basic realm=\"proxyctl\", charset=\"UTF-8\"")], close: close)
+        case .notProxyRequest(let listen, let close):
+            return ProxyResponse(
+                status: 400, proxyStatus: ProxyStatus(error: .httpRequestError, details: "not a proxy request"),
+                message:
+                    "proxyctl is a forward proxy, not a web server: set HTTPS_PROXY=http://\(listen) and HTTP_PROXY=http://\(listen) (or curl -x http://\(listen) URL)",
+                close: close)
+        case .httpsURLInPlainRequest(let close):
+            return ProxyResponse(
+                status: 400,
+                proxyStatus: ProxyStatus(error: .httpRequestError, details: "https URL in a plain request"),
+                message:
+                    "proxyctl: https:// URLs go through a CONNECT tunnel; configure this proxy as HTTPS_PROXY so the client sends CONNECT",
+                close: close)
+        case .loopDetected(let target):
+            return ProxyResponse(
+                status: 508, proxyStatus: ProxyStatus(error: .proxyLoopDetected, details: "the target is this proxy"),
+                message: "proxyctl: \(target) is this proxy itself; request the real destination instead", close: true)
+
+        case .dnsTimeout(let hop, let milliseconds, let viaProxy):
+            return Self.nextHop(
+                504, .dnsTimeout, hop, viaProxy,
+                "resolving \(hop.host) took longer than \(ConfigValue.describeDuration(milliseconds))")
+        case .dnsError(let hop, let reason, let viaProxy):
+            return Self.nextHop(502, .dnsError, hop, viaProxy, "cannot resolve \(hop.host): \(reason)")
+        case .connectTimeout(let hop, let milliseconds, let viaProxy):
+            return Self.nextHop(
+                504, .connectionTimeout, hop, viaProxy,
+                "connecting to \(hop) took longer than \(ConfigValue.describeDuration(milliseconds))")
+        case .connectRefused(let hop, let viaProxy):
+            return Self.nextHop(502, .connectionRefused, hop, viaProxy, "\(hop) refused the connection")
+        case .connectFailed(let hop, let reason, let viaProxy):
+            return Self.nextHop(502, .destinationUnavailable, hop, viaProxy, "cannot connect to \(hop): \(reason)")
+        case .upstreamProxyClosed(let hop):
+            return Self.nextHop(
+                502, .connectionTerminated, hop, true, "closed the connection during CONNECT")
+        case .upstreamProxyTimeout(let hop):
+            return Self.nextHop(504, .httpResponseTimeout, hop, true, "no answer to CONNECT")
+        case .upstreamProxyMalformedAnswer(let hop):
+            return Self.nextHop(502, .httpProtocolError, hop, true, "malformed answer to CONNECT")
+        case .upstreamProxyCredentials(let hop, let configured):
+            let detail =
+                configured
+                ? "the upstream proxy refused the credentials in upstream_proxy (407)"
+                : "the upstream proxy requires credentials (407); add user:password to upstream_proxy"
+            return ProxyResponse(
+                status: 502,
+                proxyStatus: ProxyStatus(
+                    error: .proxyConfigurationError, details: detail, receivedStatus: 407, nextHop: hop.description),
+                message: "proxyctl: \(detail)", close: true)
+        case .upstreamProxyRefused(let hop, let status):
+            let detail = "upstream proxy: answered \(status) to CONNECT"
+            return ProxyResponse(
+                status: 502,
+                proxyStatus: ProxyStatus(
+                    error: .connectionRefused, details: detail, receivedStatus: status, nextHop: hop.description),
+                message: "proxyctl: \(detail)", close: true)
+
+        case .responseIncomplete(let hop):
+            return Self.nextHop(
+                502, .httpResponseIncomplete, hop, false,
+                "\(hop) closed the connection before sending a complete response")
+        case .responseTimeout(let hop, let milliseconds):
+            return Self.nextHop(
+                504, .httpResponseTimeout, hop, false,
+                "\(hop) sent no response within \(ConfigValue.describeDuration(milliseconds))")
+        case .invalidResponse(let hop, let reason):
+            return ProxyResponse(
+                status: 502,
+                proxyStatus: ProxyStatus(
+                    error: .httpProtocolError, details: "invalid response: \(reason)", nextHop: hop.description),
+                message: "proxyctl: \(hop) sent an invalid response (\(reason))", close: true)
+        case .responseHeadTooLarge(let hop):
+            return Self.nextHop(
+                502, .httpResponseHeaderSectionSize, hop, false,
+                "\(hop) sent a response head larger than the proxy accepts")
+        case .upstreamFailed(let failure, let hop, let detail):
+            let (status, type, what) = failure.describe(hop)
+            let text = detail.isEmpty ? what : "\(what): \(detail)"
+            return ProxyResponse(
+                status: status, proxyStatus: ProxyStatus(error: type, details: text, nextHop: hop.description),
+                message: "proxyctl: \(text)", close: true)
+
+        case .noLocalCA(let origin):
+            return ProxyResponse(
+                status: 502, proxyStatus: ProxyStatus(error: .proxyConfigurationError, details: "no local CA"),
+                message: "proxyctl: \(origin) is protected but there is no local CA; run proxyctl ca init",
+                close: true)
+        case .tlsSetupFailed(let origin, let reason):
+            return ProxyResponse(
+                status: 502, proxyStatus: ProxyStatus(error: .proxyInternalError, details: "TLS set-up failed"),
+                message: "proxyctl: cannot set up TLS for \(origin): \(reason)", close: true)
+        case .misdirected(let reason):
+            return ProxyResponse(
+                status: 421, proxyStatus: ProxyStatus(error: .httpRequestDenied, details: reason),
+                message: "proxyctl: misdirected request: \(reason); no token was sent", close: true)
+        case .unsupported(let reason):
+            return ProxyResponse(
+                status: 501, proxyStatus: ProxyStatus(error: .httpRequestError, details: reason),
+                message: "proxyctl: \(reason)", close: true)
+        case .signInNeeded(let provider, let reason):
+            return ProxyResponse(
+                status: 401,
+                proxyStatus: ProxyStatus(
+                    error: .httpRequestDenied, details: "sign-in needed: run proxyctl login \(provider)"),
+                message: "proxyctl: \(reason)")
+        case .providerUnavailable(let origin, let reason, let retryAfter):
+            return ProxyResponse(
+                status: 503,
+                proxyStatus: ProxyStatus(
+                    error: .proxyInternalResponse,
+                    details: "the identity provider is unavailable; retry in \(retryAfter)s"),
+                message: "proxyctl: cannot get a token for \(origin): \(reason); retry in \(retryAfter)s",
+                extraFields: [("Retry-After", String(retryAfter))])
+        case .providerMisconfigured(let origin, let provider, let reason):
+            return ProxyResponse(
+                status: 500,
+                proxyStatus: ProxyStatus(
+                    error: .proxyConfigurationError, details: "provider \(provider) is misconfigured"),
+                message: "proxyctl: cannot get a token for \(origin): \(reason)")
+        case .dpopKeyMissing(let provider):
+            return ProxyResponse(
+                status: 401,
+                proxyStatus: ProxyStatus(
+                    error: .httpRequestDenied, details: "sign-in needed: run proxyctl login \(provider)"),
+                message: "proxyctl: the DPoP key for \(provider) is missing; run: proxyctl login \(provider)")
+        case .dpopProofFailed(let reason):
+            return ProxyResponse(
+                status: 500, proxyStatus: ProxyStatus(error: .proxyInternalError, details: "cannot sign a DPoP proof"),
+                message: "proxyctl: cannot sign a DPoP proof: \(reason)", close: true)
+        case .bodyNotKept(let directory):
+            return ProxyResponse(
+                status: 500,
+                proxyStatus: ProxyStatus(error: .proxyInternalError, details: "cannot keep the request body"),
+                message: "proxyctl: cannot write the request body to \(directory)", close: true)
+        }
+    }
+
+    /// The status the answer carries (for logs and playbooks).
+    public var status: Int { response.status }
+
+    /// An answer about reaching the next hop; through an upstream proxy the text says so.
+    private static func nextHop(
+        _ status: Int, _ type: ProxyStatus.ErrorType, _ hop: HostPort, _ viaProxy: Bool, _ message: String
+    ) -> ProxyResponse {
+        let text = viaProxy ? "upstream proxy: \(message)" : message
+        return ProxyResponse(
+            status: status, proxyStatus: ProxyStatus(error: type, details: text, nextHop: hop.description),
+            message: "proxyctl: \(text)", close: true)
+    }
+}
+
+/// Why a transfer to a protected origin failed before its response head: what libcurl's error codes
+/// (mapped in one place in ProxyIO) mean to the proxy and to the provider client alike.
+public enum UpstreamFailure: Sendable, Equatable {
+    case dns
+    case connect
+    case timeout
+    case certificate
+    case tls
+    /// The connection closed or broke before a complete response.
+    case incomplete
+    /// The upstream proxy failed or could not be resolved.
+    case proxy
+    /// The response head was larger than libcurl accepts.
+    case headTooLarge
+    case other
+
+    /// Status, `Proxy-Status` error type and the sentence for a person.
+    func describe(_ hop: HostPort) -> (Int, ProxyStatus.ErrorType, String) {
+        switch self {
+        case .dns: (502, .dnsError, "cannot resolve \(hop.host)")
+        case .connect: (502, .connectionRefused, "cannot connect to \(hop)")
+        case .timeout: (504, .connectionTimeout, "\(hop) did not answer in time")
+        case .certificate: (502, .tlsCertificateError, "the certificate of \(hop) does not verify")
+        case .tls: (502, .tlsProtocolError, "TLS with \(hop) failed")
+        case .incomplete: (502, .httpResponseIncomplete, "\(hop) closed the connection without a complete response")
+        case .proxy: (502, .proxyConfigurationError, "the upstream proxy failed")
+        case .headTooLarge:
+            (502, .httpResponseHeaderSectionSize, "\(hop) sent a response head larger than the proxy accepts")
+        case .other: (502, .proxyInternalError, "the request to \(hop) failed")
+        }
+    }
+}

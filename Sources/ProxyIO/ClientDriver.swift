@@ -1,0 +1,796 @@
+import CCurl
+import CLibevent
+import COpenSSL
+import Foundation
+import ProxyCore
+import ProxyOAuth
+import ProxyTLS
+
+/// Runs one client connection's `ConnectionMachine` on libevent: plain sockets and TLS-terminated ones
+/// alike (the bufferevent differs, the machine does not). It reports what happens as events, and carries
+/// out the actions: bytes between buffers, the upstream connection, timers, the libcurl transfer of an
+/// exchange with a protected origin, tunnels, logs.
+///
+/// It decides nothing about HTTP. What it does decide is mechanics: flow control (a reader is paused while
+/// the buffer toward its destination holds more than `highWater` bytes), where a kept request body is
+/// stored, and the libcurl options an `UpstreamRequest` maps to.
+///
+/// Owned by the server's connection table from accept to close; libevent and libcurl reach it through
+/// unretained context pointers, which `close()` disconnects (freeing the bufferevents, cancelling the
+/// transfer) before the table lets it go.
+final class ClientDriver: ServerConnection, TransferOwner {
+    let context: ConnectionContext
+    let id: UInt64
+    let peer: String
+    private var machine: ConnectionMachine
+    private var client: OpaquePointer?
+    /// The TLS session of an intercepted connection.
+    private var ssl: OpaquePointer?
+    private var upstream: OpaquePointer?
+    /// The upstream bufferevent is connecting (its first event is CONNECTED or the failure).
+    private var upstreamConnecting = false
+    private var addresses: [SocketAddress] = []
+    private var timers: [ConnectionTimer: LoopTimer] = [:]
+    /// When a byte last moved on this connection (either side, the transfer included).
+    private var lastActivity: Int64
+    private let started: Int64
+    private var closed = false
+    private var closingAfterFlush = false
+
+    // Flow control.
+    private var machineWantsClient = false
+    /// Reading from the client is paused because the buffer toward the next hop (or the transfer's body
+    /// queue) is full.
+    private var clientThrottled = false
+    /// Reading from the upstream (or the transfer) is paused because the client's output is full.
+    private var upstreamThrottled = false
+
+    // The exchange with a protected origin in flight.
+    private var transfer: InterceptTransfer?
+    private var body: RequestBody?
+    private var tokens: TokenSet?
+    private var transferData: UnsafeRawBufferPointer?
+    private var uploadPaused = false
+    private var exchangeUp = 0
+    private var exchangeDown = 0
+    private var exchangeStarted: Int64 = 0
+
+    // Events raised while actions run wait until they have all run (the views the machine saw stay valid).
+    private var handling = false
+    private var queued: [ConnectionMachine.Event] = []
+    private var actions: [ConnectionMachine.Action] = []
+    /// Work to do once the current events are handled (calls into libcurl that may call back).
+    private var afterHandling: [() -> Void] = []
+
+    /// A plain client connection on `fd`, just accepted.
+    init(context: ConnectionContext, id: UInt64, fd: Int32, peer: String) {
+        self.context = context
+        self.id = id
+        self.peer = peer
+        self.started = EventLoop.monotonicMilliseconds()
+        self.lastActivity = started
+        machine = ConnectionMachine(
+            role: .frontDoor, frontDoor: context.frontDoor, hasLocalCA: context.tlsContexts != nil)
+        client = bufferevent_socket_new(context.loop.base, fd, Int32(BEV_OPT_CLOSE_ON_FREE.rawValue))
+        _ = proxyctl_set_nodelay(fd)
+        setUpClient()
+        handle(.start)
+    }
+
+    /// A TLS-terminated connection for a protected origin, on `fd` or over `underlying` (a bufferevent that
+    /// already holds bytes the client sent early).
+    init(
+        context: ConnectionContext, id: UInt64, peer: String, origin: OriginConfig, ssl: OpaquePointer,
+        fd: Int32, underlying: OpaquePointer?
+    ) {
+        self.context = context
+        self.id = id
+        self.peer = peer
+        self.started = EventLoop.monotonicMilliseconds()
+        self.lastActivity = started
+        self.ssl = ssl
+        machine = ConnectionMachine(
+            role: .intercepted(origin), frontDoor: context.frontDoor, hasLocalCA: context.tlsContexts != nil)
+        let options = Int32(BEV_OPT_CLOSE_ON_FREE.rawValue | BEV_OPT_DEFER_CALLBACKS.rawValue)
+        if let underlying {
+            client = bufferevent_openssl_filter_new(
+                context.loop.base, underlying, ssl, BUFFEREVENT_SSL_ACCEPTING, options)
+        } else {
+            client = bufferevent_openssl_socket_new(context.loop.base, fd, ssl, BUFFEREVENT_SSL_ACCEPTING, options)
+        }
+        if let client { bufferevent_openssl_set_allow_dirty_shutdown(client, 1) }
+        setUpClient()
+        handle(.start)
+    }
+
+    private var contextPointer: UnsafeMutableRawPointer { Unmanaged.passUnretained(self).toOpaque() }
+
+    private func setUpClient() {
+        guard let client else {
+            context.logger.error("conn=\(id) cannot set up the client connection")
+            closed = true
+            return
+        }
+        Self.tune(client)
+        bufferevent_setcb(client, clientReadCallback, clientWriteCallback, clientEventCallback, contextPointer)
+        bufferevent_enable(client, Int16(EV_WRITE))
+    }
+
+    /// Large single reads and writes keep the syscall count per GiB low.
+    static func tune(_ bev: OpaquePointer?) {
+        bufferevent_set_max_single_read(bev, 256 * 1024)
+        bufferevent_set_max_single_write(bev, 256 * 1024)
+    }
+
+    var isIdle: Bool { machine.isIdle && transfer == nil }
+
+    // MARK: - Events into the machine
+
+    private func handle(_ event: ConnectionMachine.Event) {
+        if closed { return }
+        if handling {
+            queued.append(event)
+            return
+        }
+        handling = true
+        var next: ConnectionMachine.Event? = event
+        while let current = next, !closed {
+            actions.removeAll(keepingCapacity: true)
+            machine.handle(
+                current, client: EvbufferView(clientInput), upstream: EvbufferView(upstreamInput),
+                now: EventLoop.monotonicMilliseconds(), &actions)
+            run(actions)
+            next = queued.isEmpty ? nil : queued.removeFirst()
+        }
+        queued.removeAll()
+        handling = false
+        let work = afterHandling
+        afterHandling.removeAll()
+        for job in work where !closed { job() }
+    }
+
+    private var clientInput: OpaquePointer? { client.map { bufferevent_get_input($0) } }
+    private var upstreamInput: OpaquePointer? { upstream.map { bufferevent_get_input($0) } }
+
+    // MARK: - Actions
+
+    private func run(_ actions: [ConnectionMachine.Action]) {
+        for action in actions {
+            if closed {
+                // After the connection closed only bookkeeping remains.
+                switch action {
+                case .log(let line): log(line)
+                case .exchangeFinished(let record): exchangeFinished(record)
+                default: continue
+                }
+                continue
+            }
+            perform(action)
+        }
+    }
+
+    private func perform(_ action: ConnectionMachine.Action) {
+        switch action {
+        case .consumeClient(let count):
+            evbuffer_drain(clientInput, count)
+        case .writeClient(let bytes):
+            Buffers.append(bytes, to: clientOutput)
+            if body != nil { exchangeDown += bytes.count }
+            throttleUpstreamIfNeeded()
+        case .readClient(let on):
+            machineWantsClient = on
+            updateClientReading()
+        case .closeAfterFlush:
+            closingAfterFlush = true
+            if let client { bufferevent_disable(client, Int16(EV_READ)) }
+            if Buffers.length(clientOutput) == 0 { close() }
+        case .closeNow:
+            close()
+        case .resetClient:
+            if let client { proxyctl_set_linger_reset(bufferevent_getfd(client)) }
+            close()
+
+        case .resolve(let hop):
+            let bound = LoopBound(self, loop: context.loop)
+            context.resolver.resolve(hop, loop: context.loop) { result in
+                bound.value.resolved(result)
+            }
+        case .connect(let index):
+            connect(to: index)
+        case .closeUpstream:
+            precondition(upstream != nil, "closeUpstream without an upstream connection")
+            bufferevent_free(upstream)
+            upstream = nil
+            upstreamConnecting = false
+            upstreamThrottled = false
+            clientThrottled = false
+            updateClientReading()
+        case .writeUpstream(let bytes):
+            Buffers.append(bytes, to: upstreamOutput)
+            throttleClientIfNeeded()
+        case .consumeUpstream(let count):
+            evbuffer_drain(upstreamInput, count)
+        case .moveClientToUpstream(let count):
+            Buffers.move(count, from: clientInput, to: upstreamOutput)
+            throttleClientIfNeeded()
+        case .moveUpstreamToClient(let count):
+            Buffers.move(count, from: upstreamInput, to: clientOutput)
+            throttleUpstreamIfNeeded()
+        case .startTunnel(let label, let status):
+            startTunnel(label: label, status: status)
+        case .startInterception(let origin):
+            startInterception(origin)
+
+        case .arm(let timer, let milliseconds):
+            self.timer(timer).schedule(milliseconds: milliseconds)
+        case .disarm(let timer):
+            timers[timer]?.cancel()
+
+        case .keepBody(let count):
+            keepBody(count)
+        case .exchange(let output, let origin):
+            exchange(output, origin: origin)
+        case .writeResponseBody(let chunked):
+            guard let data = transferData, !data.isEmpty else { return }
+            let output = clientOutput
+            if chunked {
+                Buffers.append(Array((String(data.count, radix: 16) + "\r\n").utf8), to: output)
+                evbuffer_add(output, data.baseAddress, data.count)
+                evbuffer_add(output, "\r\n", 2)
+            } else {
+                evbuffer_add(output, data.baseAddress, data.count)
+            }
+            exchangeDown += data.count
+        case .exchangeFinished(let record):
+            exchangeFinished(record)
+        case .log(let line):
+            log(line)
+        }
+    }
+
+    private func log(_ line: LogLine) {
+        switch line.level {
+        case .debug: context.logger.debug("conn=\(id) client=\(peer) \(line.text)")
+        case .info: context.logger.info("conn=\(id) client=\(peer) \(line.text)")
+        case .warn: context.logger.warn("conn=\(id) client=\(peer) \(line.text)")
+        }
+    }
+
+    private func timer(_ kind: ConnectionTimer) -> LoopTimer {
+        if let existing = timers[kind] { return existing }
+        let made = LoopTimer(loop: context.loop) { [unowned self] in
+            handle(.timerFired(kind, lastActivity: lastActivity))
+        }
+        timers[kind] = made
+        return made
+    }
+
+    private var clientOutput: OpaquePointer? { client.map { bufferevent_get_output($0) } }
+    private var upstreamOutput: OpaquePointer? { upstream.map { bufferevent_get_output($0) } }
+
+    // MARK: - Flow control (mechanics: the machine says what it wants to read, buffers say when)
+
+    private func updateClientReading() {
+        guard let client else { return }
+        if machineWantsClient && !clientThrottled && !closingAfterFlush {
+            bufferevent_enable(client, Int16(EV_READ))
+        } else {
+            bufferevent_disable(client, Int16(EV_READ))
+        }
+    }
+
+    /// The buffer toward the next hop (or the transfer's body queue) is full: stop reading the client until
+    /// it drains below half.
+    private func throttleClientIfNeeded() {
+        let queued = upstream.map { Buffers.length(bufferevent_get_output($0)) } ?? (body?.queued ?? 0)
+        guard queued >= context.highWater, !clientThrottled else { return }
+        clientThrottled = true
+        if let upstream { bufferevent_setwatermark(upstream, Int16(EV_WRITE), context.highWater / 2, 0) }
+        updateClientReading()
+    }
+
+    private func clientMayReadAgain() {
+        guard clientThrottled else { return }
+        clientThrottled = false
+        if let upstream { bufferevent_setwatermark(upstream, Int16(EV_WRITE), 0, 0) }
+        updateClientReading()
+    }
+
+    /// The client's output is full: stop reading the next hop until it drains below half.
+    private func throttleUpstreamIfNeeded() {
+        guard Buffers.length(clientOutput) >= context.highWater, !upstreamThrottled, let client else { return }
+        upstreamThrottled = true
+        bufferevent_setwatermark(client, Int16(EV_WRITE), context.highWater / 2, 0)
+        if let upstream { bufferevent_disable(upstream, Int16(EV_READ)) }
+    }
+
+    private func upstreamMayReadAgain() {
+        guard upstreamThrottled, let client else { return }
+        upstreamThrottled = false
+        bufferevent_setwatermark(client, Int16(EV_WRITE), 0, 0)
+        if let upstream { bufferevent_enable(upstream, Int16(EV_READ)) }
+        if let transfer, transfer.paused {
+            transfer.paused = false
+            context.curl.resume(transfer)
+        }
+    }
+
+    // MARK: - Client callbacks
+
+    fileprivate func clientReadable() {
+        lastActivity = EventLoop.monotonicMilliseconds()
+        handle(.clientData)
+    }
+
+    fileprivate func clientWritable() {
+        lastActivity = EventLoop.monotonicMilliseconds()
+        if closingAfterFlush {
+            if Buffers.length(clientOutput) == 0 { close() }
+            return
+        }
+        upstreamMayReadAgain()
+    }
+
+    fileprivate func clientEvent(_ events: Int16) {
+        let what = Int32(events)
+        if what & Int32(BEV_EVENT_CONNECTED) != 0 {
+            lastActivity = EventLoop.monotonicMilliseconds()
+            handle(.tlsEstablished(serverName: ssl.flatMap { tlsServerName($0) }))
+            return
+        }
+        if let ssl, SSL_is_init_finished(ssl) == 0 {
+            handle(.tlsFailed(reason: tlsErrors()))
+            return
+        }
+        let eof = what & Int32(BEV_EVENT_EOF) != 0 && what & Int32(BEV_EVENT_ERROR) == 0
+        handle(.clientEnded(reset: !eof))
+    }
+
+    private func tlsErrors() -> String {
+        var messages: [String] = []
+        while let client {
+            let code = bufferevent_get_openssl_error(client)
+            if code == 0 { break }
+            var buffer = [CChar](repeating: 0, count: 200)
+            ERR_error_string_n(code, &buffer, buffer.count)
+            messages.append(String(decoding: buffer.prefix { $0 != 0 }.map { UInt8(bitPattern: $0) }, as: UTF8.self))
+        }
+        return messages.isEmpty ? "connection closed" : messages.joined(separator: "; ")
+    }
+
+    // MARK: - The next hop
+
+    private func resolved(_ result: Result<[SocketAddress], ResolveError>) {
+        switch result {
+        case .success(let found):
+            addresses = found
+            handle(.resolved(.addresses(found.count)))
+        case .failure(.notFound):
+            handle(.resolved(.notFound))
+        case .failure(.temporary(let reason)):
+            handle(.resolved(.failed(reason: reason)))
+        }
+    }
+
+    private func connect(to index: Int) {
+        precondition(upstream == nil, "a connect started while an upstream connection was still open")
+        guard index < addresses.count,
+            let bev = bufferevent_socket_new(context.loop.base, -1, Int32(BEV_OPT_CLOSE_ON_FREE.rawValue))
+        else {
+            queued.append(.upstreamConnectFailed(.other(reason: "cannot make a socket")))
+            return
+        }
+        upstream = bev
+        upstreamConnecting = true
+        bufferevent_setcb(bev, upstreamReadCallback, upstreamWriteCallback, upstreamEventCallback, contextPointer)
+        let status = addresses[index].withSockaddr { pointer, length in
+            bufferevent_socket_connect(bev, UnsafeMutablePointer(mutating: pointer), Int32(length))
+        }
+        if status != 0 { queued.append(.upstreamConnectFailed(Self.connectFailure(proxyctl_errno()))) }
+    }
+
+    private static func connectFailure(_ code: Int32) -> ConnectFailure {
+        switch code {
+        case ECONNREFUSED: .refused
+        case ETIMEDOUT: .timedOut
+        case 0: .other(reason: "unreachable")
+        default: .other(reason: String(cString: strerror(code)))
+        }
+    }
+
+    fileprivate func upstreamReadable() {
+        lastActivity = EventLoop.monotonicMilliseconds()
+        handle(.upstreamData)
+    }
+
+    fileprivate func upstreamWritable() {
+        lastActivity = EventLoop.monotonicMilliseconds()
+        clientMayReadAgain()
+    }
+
+    fileprivate func upstreamEvent(_ events: Int16) {
+        let what = Int32(events)
+        guard let upstream else { return }
+        if what & Int32(BEV_EVENT_CONNECTED) != 0 {
+            upstreamConnecting = false
+            let fd = bufferevent_getfd(upstream)
+            _ = proxyctl_set_nodelay(fd)
+            Self.tune(upstream)
+            bufferevent_enable(upstream, Int16(EV_READ | EV_WRITE))
+            lastActivity = EventLoop.monotonicMilliseconds()
+            handle(.upstreamConnected)
+            return
+        }
+        let error = what & Int32(BEV_EVENT_ERROR) != 0
+        if upstreamConnecting {
+            var code = proxyctl_socket_error(bufferevent_getfd(upstream))
+            if code == 0 { code = proxyctl_errno() }
+            if what & Int32(BEV_EVENT_TIMEOUT) != 0 { code = ETIMEDOUT }
+            handle(.upstreamConnectFailed(Self.connectFailure(code)))
+            return
+        }
+        handle(.upstreamEnded(reset: error))
+    }
+
+    // MARK: - Tunnels and interception
+
+    /// Hands both sockets to a `SpliceTunnel`, with whatever the bufferevents still hold (our "200
+    /// Connection established", bytes the client sent early, bytes after an upstream proxy's answer) as
+    /// the first bytes of each direction.
+    private func startTunnel(label: String, status: Int) {
+        guard let clientBev = client, let upstreamBev = upstream else {
+            return close()
+        }
+        let clientFD = bufferevent_getfd(clientBev)
+        let upstreamFD = bufferevent_getfd(upstreamBev)
+        // The bufferevents let go of their descriptors (setfd -1), so freeing them closes nothing. That also
+        // unfreezes their buffers, which can then be emptied.
+        bufferevent_setfd(clientBev, -1)
+        bufferevent_setfd(upstreamBev, -1)
+        let toClient = Self.take(bufferevent_get_output(clientBev)) + Self.take(bufferevent_get_input(upstreamBev))
+        let toUpstream = Self.take(bufferevent_get_output(upstreamBev)) + Self.take(bufferevent_get_input(clientBev))
+        bufferevent_free(clientBev)
+        client = nil
+        bufferevent_free(upstreamBev)
+        upstream = nil
+        let tunnel = SpliceTunnel(
+            context: context, id: id, peer: peer, label: label, status: status, started: started,
+            clientFD: clientFD,
+            upstreamFD: upstreamFD, toUpstream: toUpstream, toClient: toClient)
+        context.owner.adopt(tunnel)
+        finishHandOff()
+    }
+
+    /// Everything in `buffer`, removed from it. A bufferevent's buffers are frozen (the output at its front)
+    /// while it has a descriptor; call this after bufferevent_setfd(-1).
+    private static func take(_ buffer: OpaquePointer?) -> [UInt8] {
+        let count = Buffers.length(buffer)
+        guard count > 0 else { return [] }
+        var bytes = [UInt8](repeating: 0, count: count)
+        let taken = bytes.withUnsafeMutableBytes { evbuffer_remove(buffer, $0.baseAddress, count) }
+        precondition(taken == count, "a bufferevent buffer was still frozen")
+        return bytes
+    }
+
+    private static let connectEstablished = Array("HTTP/1.1 200 Connection established\r\n\r\n".utf8)
+
+    /// CONNECT to a protected origin: answer 200, then let a TLS driver take the socket over.
+    private func startInterception(_ origin: OriginConfig) {
+        guard let contexts = context.tlsContexts, let bev = client else {
+            queued.append(.interceptionFailed(origin, reason: "no local CA"))
+            return
+        }
+        let ssl: OpaquePointer
+        do {
+            ssl = try contexts.makeSSL(for: origin.authority.host)
+        } catch {
+            queued.append(.interceptionFailed(origin, reason: "\(error)"))
+            return
+        }
+        let fd = bufferevent_getfd(bev)
+        let session: ClientDriver
+        if Buffers.length(bufferevent_get_input(bev)) == 0 && Buffers.length(bufferevent_get_output(bev)) == 0
+            && Self.sendAll(fd, Self.connectEstablished)
+        {
+            // The usual case: TLS directly on the socket. The bufferevent lets go of the descriptor.
+            bufferevent_setfd(bev, -1)
+            bufferevent_free(bev)
+            client = nil
+            session = ClientDriver(
+                context: context, id: id, peer: peer, origin: origin, ssl: ssl, fd: fd, underlying: nil)
+        } else {
+            // The client sent bytes before our answer: TLS as a filter over the existing bufferevent, which
+            // keeps them (and sends the 200 first).
+            Buffers.append(Self.connectEstablished, to: bufferevent_get_output(bev))
+            bufferevent_setcb(bev, nil, nil, nil, nil)
+            client = nil
+            session = ClientDriver(
+                context: context, id: id, peer: peer, origin: origin, ssl: ssl, fd: -1, underlying: bev)
+        }
+        context.owner.adopt(session)
+        finishHandOff()
+    }
+
+    /// Writes a short answer straight to a fresh socket; false if it did not all go out at once.
+    private static func sendAll(_ fd: Int32, _ bytes: [UInt8]) -> Bool {
+        bytes.withUnsafeBytes { raw in
+            let sent = Glibc.send(fd, raw.baseAddress, raw.count, proxyctl_msg_nosignal())
+            return sent == raw.count
+        }
+    }
+
+    /// Another connection took the sockets: this one is done without closing them.
+    private func finishHandOff() {
+        closed = true
+        timers.removeAll()
+        context.owner.connectionClosed(self)
+    }
+
+    // MARK: - The exchange with a protected origin
+
+    private func requestBody() -> RequestBody {
+        if let body { return body }
+        let made = RequestBody(
+            memoryLimit: context.settings.replayMemory, spoolDirectory: context.spoolDirectory)
+        body = made
+        exchangeStarted = EventLoop.monotonicMilliseconds()
+        exchangeUp = 0
+        exchangeDown = 0
+        return made
+    }
+
+    private func keepBody(_ count: Int) {
+        let body = requestBody()
+        var remaining = count
+        var failed = false
+        Buffers.forEachSegment(clientInput) { segment in
+            let piece = UnsafeRawBufferPointer(rebasing: segment.prefix(remaining))
+            do { try body.append(piece) } catch {
+                failed = true
+                return false
+            }
+            remaining -= piece.count
+            return remaining > 0
+        }
+        evbuffer_drain(clientInput, count)
+        if failed {
+            queued.append(.bodyNotKept(directory: context.spoolDirectory))
+            return
+        }
+        throttleClientIfNeeded()
+        resumeUploadLater()
+    }
+
+    private func resumeUploadLater() {
+        guard uploadPaused else { return }
+        afterHandling.append { [unowned self] in
+            guard uploadPaused, let transfer else { return }
+            uploadPaused = false
+            context.curl.resume(transfer)
+        }
+    }
+
+    /// The origin of the exchange in flight (for the nonce a token grant carries).
+    private var exchangeOrigin: OriginConfig?
+
+    private func exchange(_ output: ProtectedExchange.Output, origin: OriginConfig) {
+        exchangeOrigin = origin
+        switch output {
+        case .streamBody:
+            requestBody().startStreaming()
+        case .bodyEnded:
+            requestBody().finish()
+            resumeUploadLater()
+        case .getTokens(let provider):
+            _ = requestBody()
+            context.tokens.tokens(provider) { [weak self] result in self?.tokensArrived(result, refreshed: false) }
+        case .refreshTokens(let provider, let generation):
+            context.tokens.refresh(provider, replacing: generation) { [weak self] result in
+                self?.tokensArrived(result, refreshed: true)
+            }
+        case .send(let request):
+            send(request, origin: origin)
+        case .cancelTransfer:
+            if let transfer {
+                context.curl.cancel(transfer)
+                self.transfer = nil
+            }
+        case .rememberNonce(let nonce):
+            context.nonces.remember(nonce, for: origin.url)
+        case .recordStepUp(let challenge):
+            context.owner.stepUpRequired(origin: origin, challenge: challenge)
+        case .signInNeeded(let reason):
+            context.owner.signInNeeded(provider: origin.provider, origin: origin.url, reason: reason)
+        case .deliverHead, .deliverBody, .endBody, .respond, .finished:
+            // The machine frames these for the client itself.
+            break
+        }
+    }
+
+    private func tokensArrived(_ result: Result<TokenSet, AuthError>, refreshed: Bool) {
+        guard !closed else { return }
+        let grant: Result<TokenGrant, TokenFailure>
+        switch result {
+        case .success(let fresh):
+            tokens = fresh
+            grant = .success(
+                TokenGrant(
+                    generation: fresh.generation,
+                    dpopNonce: exchangeOrigin.flatMap { context.nonces.nonce(for: $0.url) }))
+        case .failure(let error):
+            grant = .failure(error.tokenFailure)
+        }
+        handle(refreshed ? .refreshed(grant) : .tokens(grant))
+    }
+
+    /// Starts the libcurl transfer for `request`, with the token of its generation attached.
+    private func send(_ request: UpstreamRequest, origin: OriginConfig) {
+        var authorization: [(name: String, value: [UInt8])] = []
+        if request.credential != nil, let tokens {
+            authorization.append(("Authorization", Array("\(tokens.tokenType) \(tokens.accessToken)".utf8)))
+            if tokens.tokenType == "DPoP" {
+                guard let key = context.keys.cached(provider: origin.provider, thumbprint: tokens.dpopThumbprint) else {
+                    // The key was replaced (`proxyctl login --new-key`): read it off the loop, then send.
+                    context.keys.load(provider: origin.provider, thumbprint: tokens.dpopThumbprint) { [weak self] key in
+                        guard let self, !self.closed else { return }
+                        if key == nil {
+                            self.handle(.credentialFailed(.dpopKeyMissing(provider: origin.provider)))
+                        } else {
+                            self.send(request, origin: origin)
+                        }
+                    }
+                    return
+                }
+                do {
+                    // RFC 9449 §7: a fresh proof for every request, replays included, bound to the token (ath).
+                    let proof = try key.proof(
+                        method: request.method, url: request.url, accessToken: tokens.accessToken,
+                        nonce: request.credential?.dpopNonce, now: Int64(time(nil)))
+                    authorization.append(("DPoP", Array(proof.utf8)))
+                } catch {
+                    queued.append(.credentialFailed(.dpopProofFailed(reason: "\(error)")))
+                    return
+                }
+            }
+        }
+        let made = InterceptTransfer(owner: self, request: request, authorization: authorization, body: requestBody())
+        transfer = made
+        uploadPaused = false
+        context.curl.add(made)
+    }
+
+    // TransferOwner: libcurl's callbacks, at the top of the loop (never inside `handle`).
+
+    func transferHeader(_ line: UnsafeRawBufferPointer) {
+        guard !closed else { return }
+        precondition(!handling, "a libcurl callback inside an event of the same connection")
+        lastActivity = EventLoop.monotonicMilliseconds()
+        var out: [ConnectionMachine.Action] = []
+        machine.transferHeaderLine(line, now: lastActivity, &out)
+        handling = true
+        run(out)
+        handling = false
+        if !queued.isEmpty {
+            let first = queued.removeFirst()
+            handle(first)
+        }
+    }
+
+    func transferBody(_ data: UnsafeRawBufferPointer) -> Int {
+        guard !closed else { return data.count }
+        precondition(!handling, "a libcurl callback inside an event of the same connection")
+        lastActivity = EventLoop.monotonicMilliseconds()
+        if Buffers.length(clientOutput) >= context.highWater, let transfer, let client {
+            // A slow client pauses the transfer; the client's write callback resumes it.
+            transfer.paused = true
+            upstreamThrottled = true
+            bufferevent_setwatermark(client, Int16(EV_WRITE), context.highWater / 2, 0)
+            return proxyctl_writefunc_pause()
+        }
+        transferData = data
+        handle(.transferBody)
+        transferData = nil
+        return data.count
+    }
+
+    func transferRead(_ buffer: UnsafeMutableRawBufferPointer) -> Int {
+        guard let body else { return 0 }
+        let count = body.read(at: transfer?.uploadOffset ?? 0, into: buffer)
+        if count > 0 {
+            transfer?.uploadOffset += count
+            exchangeUp += count
+            lastActivity = EventLoop.monotonicMilliseconds()
+            if body.streaming && body.queued < context.highWater / 2 { clientMayReadAgain() }
+            return count
+        }
+        if body.complete { return 0 }
+        uploadPaused = true
+        clientMayReadAgain()
+        return proxyctl_readfunc_pause()
+    }
+
+    func transferSeek(_ offset: Int) -> Bool {
+        guard let body, body.replayable, offset <= body.stored else { return false }
+        transfer?.uploadOffset = offset
+        return true
+    }
+
+    func transferFinished(_ failure: UpstreamFailure?, detail: String) {
+        transfer = nil
+        guard !closed else { return }
+        handle(.transferFinished(failure, detail: detail))
+    }
+
+    private func exchangeFinished(_ record: ExchangeRecord) {
+        let duration = EventLoop.monotonicMilliseconds() - (exchangeStarted == 0 ? started : exchangeStarted)
+        context.owner.record(record)
+        if context.logger.enabled(.info) {
+            context.logger.info(
+                "conn=\(id) client=\(peer) \(record.logLine(up: exchangeUp, down: exchangeDown, milliseconds: duration))"
+            )
+        }
+        if let transfer {
+            context.curl.cancel(transfer)
+            self.transfer = nil
+        }
+        body = nil
+        tokens = nil
+        exchangeOrigin = nil
+        exchangeStarted = 0
+    }
+
+    // MARK: - Ending
+
+    func shutdown() { handle(.shutdown) }
+
+    /// Ends the connection at once (the shutdown grace ran out).
+    func abort(_ reason: String?) {
+        handle(.abort(reason: reason))
+        close()
+    }
+
+    func close() {
+        guard !closed else { return }
+        closed = true
+        if let transfer {
+            context.curl.cancel(transfer)
+            self.transfer = nil
+        }
+        timers.removeAll()
+        if let upstream {
+            bufferevent_free(upstream)
+            self.upstream = nil
+        }
+        if let client {
+            bufferevent_free(client)
+            self.client = nil
+        }
+        if case .intercepted(let origin) = machine.role {
+            context.logger.debug(
+                "conn=\(id) client=\(peer) CONNECT \(origin.authority) intercepted: \(machine.requests) request(s) in \(LogText.duration(EventLoop.monotonicMilliseconds() - started))"
+            )
+        }
+        context.owner.connectionClosed(self)
+    }
+}
+
+// MARK: - libevent callbacks (context: the ClientDriver, unretained; the server's table owns it)
+
+private let clientReadCallback: bufferevent_data_cb = { _, context in
+    Unmanaged<ClientDriver>.fromOpaque(context!).takeUnretainedValue().clientReadable()
+}
+private let clientWriteCallback: bufferevent_data_cb = { _, context in
+    Unmanaged<ClientDriver>.fromOpaque(context!).takeUnretainedValue().clientWritable()
+}
+private let clientEventCallback: bufferevent_event_cb = { _, events, context in
+    Unmanaged<ClientDriver>.fromOpaque(context!).takeUnretainedValue().clientEvent(events)
+}
+private let upstreamReadCallback: bufferevent_data_cb = { _, context in
+    Unmanaged<ClientDriver>.fromOpaque(context!).takeUnretainedValue().upstreamReadable()
+}
+private let upstreamWriteCallback: bufferevent_data_cb = { _, context in
+    Unmanaged<ClientDriver>.fromOpaque(context!).takeUnretainedValue().upstreamWritable()
+}
+private let upstreamEventCallback: bufferevent_event_cb = { _, events, context in
+    Unmanaged<ClientDriver>.fromOpaque(context!).takeUnretainedValue().upstreamEvent(events)
+}

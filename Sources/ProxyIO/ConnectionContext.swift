@@ -1,0 +1,120 @@
+import Foundation
+import ProxyCore
+import ProxyOAuth
+import ProxyTLS
+
+/// What a connection may use, captured when it is accepted: the settings snapshot (through its front
+/// door), the resolver, libcurl, tokens, TLS contexts, the logger, and the few things it reports back to
+/// the server. A SIGHUP makes a new context for new connections; connections in flight keep theirs, so a
+/// reload never changes the timeouts or the next hop of an exchange under way.
+final class ConnectionContext {
+    let loop: EventLoop
+    let logger: Logger
+    /// The decisions for request heads and the `[proxy]` settings they were made with.
+    let frontDoor: FrontDoor
+    let resolver: Resolver
+    /// libcurl's multi handle for requests to protected origins (shared by every context of the server), made
+    /// on first use: a proxy that only passes traffic through never opens curl's descriptors.
+    var curl: CurlMulti { curlProvider() }
+    private let curlProvider: () -> CurlMulti
+    let tokens: TokenBroker
+    /// TLS contexts with leaves from the local CA; nil without protected https origins or a CA.
+    let tlsContexts: TLSServerContexts?
+    let spoolDirectory: String
+    /// The latest DPoP nonce of each protected origin, from every response (RFC 9449 §9).
+    let nonces: DPoPNonces
+    let keys: DPoPKeyring
+    /// Pipes and a copy buffer for tunnels.
+    let pipes: PipePool
+    let tunnelBuffer: TunnelBuffer
+    /// What connections tell the server: they closed, one hands over to another, exchanges and notices.
+    unowned let owner: any ConnectionOwner
+    /// Output buffered toward a slow receiver before its sender is paused.
+    let highWater = 256 * 1024
+
+    init(
+        loop: EventLoop, logger: Logger, frontDoor: FrontDoor, resolver: Resolver, curl: @escaping () -> CurlMulti,
+        tokens: TokenBroker, tlsContexts: TLSServerContexts?, spoolDirectory: String, nonces: DPoPNonces,
+        keys: DPoPKeyring, pipes: PipePool, tunnelBuffer: TunnelBuffer, owner: any ConnectionOwner
+    ) {
+        self.loop = loop
+        self.logger = logger
+        self.frontDoor = frontDoor
+        self.resolver = resolver
+        self.curlProvider = curl
+        self.tokens = tokens
+        self.tlsContexts = tlsContexts
+        self.spoolDirectory = spoolDirectory
+        self.nonces = nonces
+        self.keys = keys
+        self.pipes = pipes
+        self.tunnelBuffer = tunnelBuffer
+        self.owner = owner
+    }
+
+    var settings: ProxySettings { frontDoor.settings }
+}
+
+/// The server as its connections see it: a narrow interface instead of the whole server.
+protocol ConnectionOwner: AnyObject {
+    /// Tracks a connection made by another one (a tunnel, or a TLS session, takes a client connection over).
+    func adopt(_ connection: any ServerConnection)
+    func connectionClosed(_ connection: any ServerConnection)
+    /// Counts an exchange with a protected origin for `proxyctl status`.
+    func record(_ record: ExchangeRecord)
+    /// A protected origin asked for a stronger sign-in (RFC 9470).
+    func stepUpRequired(origin: OriginConfig, challenge: Challenge)
+    /// Tokens for a provider cannot be had without the user.
+    func signInNeeded(provider: String, origin: String, reason: String)
+}
+
+/// A connection the server keeps track of: a client connection, an intercepted TLS session, or a tunnel.
+protocol ServerConnection: AnyObject {
+    /// Nothing in flight: waiting for the next request.
+    var isIdle: Bool { get }
+    /// The proxy is shutting down: finish what is in flight, then close.
+    func shutdown()
+    func abort(_ reason: String?)
+}
+
+/// One copy buffer for the tunnels of a loop that cannot splice.
+final class TunnelBuffer {
+    var bytes = [UInt8](repeating: 0, count: 256 * 1024)
+}
+
+/// The DPoP keys tokens are bound to, by provider. The key loaded at start is used while the tokens'
+/// thumbprint matches it; after `proxyctl login --new-key` the new key file is read on a worker thread, not
+/// on the loop.
+final class DPoPKeyring {
+    private let loop: EventLoop
+    private var keys: [String: DPoPKey]
+    private let stateDirectory: String?
+
+    init(loop: EventLoop, keys: [String: DPoPKey], stateDirectory: String?) {
+        self.loop = loop
+        self.keys = keys
+        self.stateDirectory = stateDirectory
+    }
+
+    /// The key for tokens with `thumbprint` (nil: any), if it is at hand.
+    func cached(provider: String, thumbprint: String?) -> DPoPKey? {
+        guard let key = keys[provider], thumbprint == nil || key.thumbprint == thumbprint else { return nil }
+        return key
+    }
+
+    /// Reads the provider's key file off the loop; `completion` runs on the loop with the key, or nil when
+    /// there is none or it does not match `thumbprint`.
+    func load(provider: String, thumbprint: String?, completion: @escaping (DPoPKey?) -> Void) {
+        guard let stateDirectory else { return completion(nil) }
+        let callback = LoopBound(completion, loop: loop)
+        let ring = LoopBound(self, loop: loop)
+        let loop = self.loop
+        DispatchQueue.global().async {
+            let key = try? DPoPKey.load(stateDirectory: stateDirectory, provider: provider)
+            loop.post {
+                if let key { ring.value.keys[provider] = key }
+                callback.value(key.flatMap { thumbprint == nil || $0.thumbprint == thumbprint ? $0 : nil })
+            }
+        }
+    }
+}

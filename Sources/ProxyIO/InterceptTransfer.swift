@@ -1,0 +1,143 @@
+import CCurl
+import Foundation
+import ProxyCore
+
+/// Who receives an intercept transfer's callbacks (the client connection's driver).
+protocol TransferOwner: AnyObject {
+    /// CURLOPT_HEADERFUNCTION: one line of a response head (or a trailer), terminator included.
+    func transferHeader(_ line: UnsafeRawBufferPointer)
+    /// CURLOPT_WRITEFUNCTION: body bytes; returns the count taken, or CURL_WRITEFUNC_PAUSE.
+    func transferBody(_ data: UnsafeRawBufferPointer) -> Int
+    /// CURLOPT_READFUNCTION: request body bytes; 0 at the end, or CURL_READFUNC_PAUSE.
+    func transferRead(_ buffer: UnsafeMutableRawBufferPointer) -> Int
+    /// CURLOPT_SEEKFUNCTION: rewind the request body (libcurl resends it on a new HTTP/2 stream, say).
+    func transferSeek(_ offset: Int) -> Bool
+    func transferFinished(_ failure: UpstreamFailure?, detail: String)
+}
+
+/// The libcurl transfer of one request to a protected origin: an `UpstreamRequest` (decided by
+/// `ProtectedExchange`) mapped onto easy-handle options, its callbacks passed to the owner.
+final class InterceptTransfer: CurlTransfer {
+    unowned let owner: any TransferOwner
+    /// Bytes of the request body handed to libcurl so far (the read callback's position).
+    var uploadOffset = 0
+    /// The response is paused because the client is slow.
+    var paused = false
+
+    /// - Parameter authorization: the `Authorization` (and `DPoP`) fields for the request's credential.
+    init(
+        owner: any TransferOwner, request: UpstreamRequest, authorization: [(name: String, value: [UInt8])],
+        body: RequestBody
+    ) {
+        self.owner = owner
+        super.init()
+        setURL(request.url)
+        var headers = request.fields + authorization
+        // libcurl adds fields of its own unless told not to: keep the request as the client made it.
+        headers.append(("Expect", []))
+        if !headers.contains(where: { $0.name.lowercased() == "accept" }) { headers.append(("Accept", [])) }
+        let hasBody = request.body != .none
+        if hasBody && !headers.contains(where: { $0.name.lowercased() == "content-type" }) {
+            headers.append(("Content-Type", []))
+        }
+        setHeaders(headers)
+        // The target reaches the origin byte for byte: no dot-segment removal.
+        _ = proxyctl_easy_setopt_long(easy, CURLOPT_PATH_AS_IS, 1)
+        if let target = request.requestTarget {
+            _ = proxyctl_easy_setopt_string(easy, CURLOPT_REQUEST_TARGET, target)
+        }
+        switch request.method {
+        case "GET" where !hasBody:
+            _ = proxyctl_easy_setopt_long(easy, CURLOPT_HTTPGET, 1)
+        case "HEAD" where !hasBody:
+            _ = proxyctl_easy_setopt_long(easy, CURLOPT_NOBODY, 1)
+        default:
+            if hasBody {
+                _ = proxyctl_easy_setopt_long(easy, CURLOPT_POST, 1)
+                let size: curl_off_t
+                if case .length(let length) = request.body { size = curl_off_t(length) } else { size = -1 }
+                _ = proxyctl_easy_setopt_off(easy, CURLOPT_POSTFIELDSIZE_LARGE, size)
+                let context = Unmanaged.passUnretained(self).toOpaque()
+                _ = proxyctl_easy_setopt_read_cb(easy, transferReadCallback)
+                _ = proxyctl_easy_setopt_ptr(easy, CURLOPT_READDATA, context)
+                _ = proxyctl_easy_setopt_seek_cb(easy, transferSeekCallback)
+                _ = proxyctl_easy_setopt_ptr(easy, CURLOPT_SEEKDATA, context)
+            }
+            if request.method != "POST" || !hasBody {
+                _ = proxyctl_easy_setopt_string(easy, CURLOPT_CUSTOMREQUEST, request.method)
+            }
+        }
+        _ = proxyctl_easy_setopt_long(
+            easy, CURLOPT_HTTP_VERSION, request.http2 ? CURL_HTTP_VERSION_2TLS : CURL_HTTP_VERSION_1_1)
+        _ = proxyctl_easy_setopt_long(easy, CURLOPT_PIPEWAIT, 1)
+        _ = proxyctl_easy_setopt_long(easy, CURLOPT_BUFFERSIZE, 256 * 1024)
+        _ = proxyctl_easy_setopt_long(easy, CURLOPT_CONNECTTIMEOUT_MS, request.connectTimeout)
+        // The transfer ends when no byte moved for idle_timeout.
+        _ = proxyctl_easy_setopt_long(easy, CURLOPT_LOW_SPEED_LIMIT, 1)
+        _ = proxyctl_easy_setopt_long(easy, CURLOPT_LOW_SPEED_TIME, max(1, request.idleTimeout / 1000))
+        if let caFile = request.caFile { _ = proxyctl_easy_setopt_string(easy, CURLOPT_CAINFO, caFile) }
+        if let resolve = request.resolve { setResolve([resolve]) }
+        if let proxy = request.upstreamProxy {
+            _ = proxyctl_easy_setopt_string(easy, CURLOPT_PROXY, "http://\(proxy.address)")
+            if let user = proxy.username {
+                _ = proxyctl_easy_setopt_string(easy, CURLOPT_PROXYUSERNAME, user)
+                _ = proxyctl_easy_setopt_string(easy, CURLOPT_PROXYPASSWORD, proxy.password ?? "")
+            }
+        } else {
+            // Never pick up HTTPS_PROXY from the environment: that may be this very proxy.
+            _ = proxyctl_easy_setopt_string(easy, CURLOPT_PROXY, "")
+        }
+    }
+
+    override func header(_ line: UnsafeRawBufferPointer) -> Bool {
+        owner.transferHeader(line)
+        return true
+    }
+
+    override func body(_ data: UnsafeRawBufferPointer) -> Int { owner.transferBody(data) }
+
+    override func finish(_ code: CURLcode) {
+        if code == CURLE_OK {
+            owner.transferFinished(nil, detail: "")
+        } else {
+            owner.transferFinished(UpstreamFailure(code), detail: errorText(code))
+        }
+    }
+}
+
+extension UpstreamFailure {
+    /// What a libcurl error code means to the proxy: the one table for the intercept path and the
+    /// provider client.
+    init(_ code: CURLcode) {
+        switch code {
+        case CURLE_COULDNT_RESOLVE_HOST: self = .dns
+        case CURLE_COULDNT_CONNECT: self = .connect
+        case CURLE_OPERATION_TIMEDOUT: self = .timeout
+        case CURLE_PEER_FAILED_VERIFICATION, CURLE_SSL_CACERT_BADFILE, CURLE_SSL_CERTPROBLEM: self = .certificate
+        case CURLE_SSL_CONNECT_ERROR: self = .tls
+        case CURLE_GOT_NOTHING, CURLE_RECV_ERROR, CURLE_SEND_ERROR, CURLE_PARTIAL_FILE, CURLE_HTTP2,
+            CURLE_HTTP2_STREAM:
+            self = .incomplete
+        case CURLE_COULDNT_RESOLVE_PROXY, CURLE_PROXY: self = .proxy
+        // libcurl refuses a response head above its limit (CURL_MAX_HTTP_HEADER) as out of memory.
+        case CURLE_OUT_OF_MEMORY: self = .headTooLarge
+        default: self = .other
+        }
+    }
+}
+
+// CURLOPT_READFUNCTION: fill the buffer with request body bytes; CURL_READFUNC_PAUSE when none are there yet.
+private let transferReadCallback:
+    @convention(c) (UnsafeMutablePointer<CChar>?, Int, Int, UnsafeMutableRawPointer?) -> Int = {
+        buffer, size, count, context in
+        let transfer = Unmanaged<InterceptTransfer>.fromOpaque(context!).takeUnretainedValue()
+        return transfer.owner.transferRead(UnsafeMutableRawBufferPointer(start: buffer, count: size * count))
+    }
+
+// CURLOPT_SEEKFUNCTION: 0 = done, 2 = cannot seek (the body streamed and is gone).
+private let transferSeekCallback: @convention(c) (UnsafeMutableRawPointer?, curl_off_t, Int32) -> Int32 = {
+    context, offset, origin in
+    let transfer = Unmanaged<InterceptTransfer>.fromOpaque(context!).takeUnretainedValue()
+    guard origin == SEEK_SET else { return 2 }
+    return transfer.owner.transferSeek(Int(offset)) ? 0 : 2
+}
