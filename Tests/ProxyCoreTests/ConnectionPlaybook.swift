@@ -122,12 +122,16 @@ struct Playbook {
         now = until
     }
 
-    /// A transfer header line, as libcurl gives it.
+    /// A transfer's response head, handed over line by line as libcurl's header callback does.
     mutating func transferHead(_ text: String) {
-        for line in text.split(separator: "\n", omittingEmptySubsequences: false).dropLast() {
-            let bytes = Array((line + "\n").utf8)
+        // Bytes, not Characters: "\r\n" is one Character in Swift.
+        let bytes = Array(text.utf8)
+        var start = 0
+        for index in bytes.indices where bytes[index] == 0x0A {
+            let line = Array(bytes[start...index])
+            start = index + 1
             var actions: [Action] = []
-            bytes.withUnsafeBytes { machine.transferHeaderLine($0, now: now, &actions) }
+            line.withUnsafeBytes { machine.transferHeaderLine($0, now: now, &actions) }
             apply(actions)
         }
     }

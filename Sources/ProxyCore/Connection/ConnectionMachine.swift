@@ -223,7 +223,7 @@ public struct ConnectionMachine: Sendable {
     var draining = false
     /// Set on an intercepted connection whose SNI names another host: every request gets 421.
     var misdirected: String?
-    /// Requests handled on this connection.
+    /// Request heads begun on this connection: read whole, refused as malformed, or cut by the head deadline.
     public private(set) var requests = 0
     var now: Int64 = 0
     /// Bytes of the client's and the upstream's input views already accounted for by actions of the event
@@ -443,6 +443,7 @@ public struct ConnectionMachine: Sendable {
             }
             state = .readingHead(reading)
         case .failed(let error):
+            requests += 1
             state = .readingHead(reading)
             out.append(.log(LogLine(.info, "rejected status=\(error.status) reason=\"\(error.reason)\"")))
             respond(.badRequest(error), headRequest: false, &out)
@@ -622,6 +623,7 @@ public struct ConnectionMachine: Sendable {
             close(&out)
         case (.head, .readingHead(let reading)):
             if reading.parser.hasPartialHead {
+                requests += 1
                 out.append(.log(LogLine(.info, "status=408 answered-by=proxyctl reason=\"request head incomplete\"")))
                 respond(.requestHeadTimeout(milliseconds: settings.headerTimeout), headRequest: false, &out)
             } else {

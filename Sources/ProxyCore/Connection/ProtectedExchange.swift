@@ -67,15 +67,17 @@ public struct ProtectedExchange: Sendable {
 
     /// Where the exchange is. Each case says where it goes next.
     enum Phase: Sendable, Equatable {
-        /// Receiving the body until it is complete or too large to keep. -> `.waitingForTokens`, `.sending`
+        /// Receiving the body until it is complete or too large to keep. -> `.gettingTokens`, `.sending`
         case receivingBody
-        /// `.getTokens` or `.refreshTokens` issued. -> `.sending`, `.done` (answered)
-        case waitingForTokens
+        /// `.getTokens` issued. -> `.sending`, `.done` (answered)
+        case gettingTokens
+        /// `.refreshTokens` issued after a 401. -> `.sending` (the replay), `.done` (answered)
+        case refreshing
         /// A transfer runs; its response head has not come. -> `.delivering`, `.discarding`, `.failing`
         case sending
         /// The head went to the client; body bytes follow. -> `.done`
         case delivering
-        /// The transfer's response is not for the client (a retry follows when it ends). -> `.waitingForTokens`,
+        /// The transfer's response is not for the client (a retry follows when it ends). -> `.refreshing`,
         /// `.sending`
         case discarding(then: AuthExchange.Action)
         /// The response could not be used: answer `answer` when the transfer ends. -> `.done`
@@ -187,7 +189,7 @@ public struct ProtectedExchange: Sendable {
 
     /// The answer to `.getTokens`.
     public mutating func tokens(_ result: Result<TokenGrant, TokenFailure>, _ out: inout [Output]) {
-        guard phase == .waitingForTokens else { return }
+        guard phase == .gettingTokens else { return }
         switch result {
         case .success(let grant):
             generation = grant.generation
@@ -200,7 +202,7 @@ public struct ProtectedExchange: Sendable {
 
     /// The answer to `.refreshTokens`.
     public mutating func refreshed(_ result: Result<TokenGrant, TokenFailure>, _ out: inout [Output]) {
-        guard phase == .waitingForTokens else { return }
+        guard phase == .refreshing else { return }
         switch result {
         case .success(let grant):
             generation = grant.generation
@@ -212,7 +214,9 @@ public struct ProtectedExchange: Sendable {
     }
 
     /// The token could not be attached: no DPoP key for it, or the proof could not be signed.
+    /// Only right after `.send`: the I/O layer then started no transfer.
     public mutating func credentialFailed(_ answer: ProxyAnswer, _ out: inout [Output]) {
+        guard phase == .sending, !responseHead.hasPartialHead else { return }
         transferRunning = false
         fail(answer, &out)
     }
@@ -227,10 +231,10 @@ public struct ProtectedExchange: Sendable {
     private mutating func perform(_ action: AuthExchange.Action, _ out: inout [Output]) {
         switch action {
         case .getTokens:
-            phase = .waitingForTokens
+            phase = .gettingTokens
             out.append(.getTokens(provider: origin.provider))
         case .refresh(let replacing):
-            phase = .waitingForTokens
+            phase = .refreshing
             out.append(.refreshTokens(provider: origin.provider, replacing: replacing))
         case .send(let generation, let nonce):
             send(credential: UpstreamRequest.Credential(generation: generation, dpopNonce: nonce), &out)
@@ -364,7 +368,7 @@ public struct ProtectedExchange: Sendable {
         case .sending:
             let (kind, detail) = failure ?? (.incomplete, "no response")
             fail(.upstreamFailed(kind, hop: origin.authority, detail: detail), &out)
-        case .receivingBody, .waitingForTokens, .done:
+        case .receivingBody, .gettingTokens, .refreshing, .done:
             break
         }
     }

@@ -129,9 +129,12 @@ extension MessageSemantics {
         _ response: UpstreamResponse, requestMethod: String, close: Bool
     ) -> (head: [UInt8], framing: ResponseFramingToClient) {
         let head = response.head
+        let status = head.status
+        let noBody = status < 200 || status == 204 || status == 304 || requestMethod == "HEAD"
         let framing: ResponseFramingToClient
         switch response.semantics.framing {
-        case .none: framing = .none
+        // A response that may have a body but has none (Content-Length: 0) says so with its own length.
+        case .none: framing = noBody ? .none : .contentLength(0)
         case .contentLength(let length): framing = .contentLength(length)
         case .chunked, .untilClose: framing = .chunked
         }

@@ -338,7 +338,8 @@ private func exchange(_ parsed: [Challenge], random: inout InputRandom) {
                     proxyStatus.fieldValue.utf8.allSatisfy { $0 >= 0x20 && $0 < 0x7F }, "Proxy-Status not printable")
             }
             return
-        case .respond(let response):
+        case .respond(let answer):
+            let response = answer.response
             let failure: TokenFailure
             switch lastEvent {
             case .tokensFailed(let given)?, .refreshFailed(let given)?: failure = given

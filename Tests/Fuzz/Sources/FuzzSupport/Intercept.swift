@@ -20,7 +20,6 @@ private let someOrigins: [(scheme: String, authority: String)] = [
 ]
 
 private let responseMethods = ["GET", "HEAD", "POST", "DELETE"]
-private let fallbackStatuses = [200, 201, 204, 206, 301, 304, 401, 403, 404, 500, 100, 101, 103]
 
 /// `HTTP/` at the start: a response head for `interceptedResponseHead`; anything else: request heads for
 /// `interceptedRequest`.
@@ -164,7 +163,7 @@ func checkInterceptedRequest(
 
 /// A refused request gets a response that parses, and a 421 never for a request that names the origin.
 private func checkRefusal(_ refusal: InterceptRefusal, head: HTTPHead, scheme: String, origin: HostPort) {
-    let response = refusal.response
+    let response = refusal.answer.response
     invariant(response.close, "a refused intercepted request keeps the connection")
     var parser = HTTPHeadParser(kind: .response, limits: generousLimits)
     guard case .complete(let parsed, _) = parser.parse(response.serialized()) else {
@@ -196,102 +195,107 @@ private func checkRefusal(_ refusal: InterceptRefusal, head: HTTPHead, scheme: S
 
 // MARK: - Responses
 
-/// A response head the way the header callback in ProxyIO collects it from libcurl: the status line, then
-/// every line with a colon as name and OWS-trimmed value, up to the empty line.
-private struct UpstreamHead {
-    var status = 0
-    var reason: [UInt8]? = nil
-    var fields: [(name: String, value: [UInt8])] = []
-    /// Whether an HTTP/1.1 server could have sent it: a three-digit status, a reason phrase and field lines
-    /// that `HTTPHeadParser` accepts. Only then must the head the proxy builds be valid.
-    var valid = true
+/// The origin every response harness exchange belongs to.
+private let responseOrigin: OriginConfig = {
+    var origin = OriginConfig(scheme: "https", authority: HostPort(host: "api.example.com", port: 443, kind: .name))
+    origin.provider = "corp"
+    return origin
+}()
+
+/// Lines of a response head as libcurl hands them to the header callback: each with its terminator.
+private func headerLines(_ input: [UInt8]) -> [[UInt8]] {
+    var lines: [[UInt8]] = []
+    var start = 0
+    for index in input.indices where input[index] == 0x0A {
+        lines.append(Array(input[start...index]))
+        start = index + 1
+    }
+    if start < input.count { lines.append(Array(input[start...]) + [0x0D, 0x0A]) }
+    return lines
 }
 
-private func upstreamHead(_ input: [UInt8], random: inout InputRandom) -> UpstreamHead {
-    var head = UpstreamHead()
-    var sawStatus = false
-    // On the raw bytes, as libcurl hands them over: field values and the reason may carry any obs-text byte.
-    for rawLine in input.split(separator: 0x0A, omittingEmptySubsequences: false) {
-        var line = rawLine[...]
-        while let last = line.last, last == 0x0A || last == 0x0D { line = line.dropLast() }
-        if line.starts(with: "HTTP/".utf8) {
-            let parts = line.split(separator: 0x20, maxSplits: 2, omittingEmptySubsequences: false)
-            let digits = parts.count > 1 ? Array(parts[1]) : []
-            head.status = Int(String(decoding: digits, as: UTF8.self)) ?? 0
-            head.reason = parts.count > 2 && line.starts(with: "HTTP/1".utf8) ? Array(parts[2]) : nil
-            head.fields = []
-            head.valid = digits.count == 3 && digits.allSatisfy { $0 >= 0x30 && $0 <= 0x39 } && head.status >= 100
-            if let reason = head.reason, !reason.allSatisfy(isFieldValueByte) { head.valid = false }
-            sawStatus = true
-            continue
-        }
-        if line.isEmpty { break }
-        guard let colon = line.firstIndex(of: UInt8(ascii: ":")) else {
-            head.valid = false
-            continue
-        }
-        let name = line[..<colon]
-        var value = line[(colon + 1)...]
-        while let first = value.first, first == 0x20 || first == 0x09 { value = value.dropFirst() }
-        while let last = value.last, last == 0x20 || last == 0x09 { value = value.dropLast() }
-        head.fields.append((String(decoding: name, as: UTF8.self), Array(value)))
-        if name.isEmpty || !name.allSatisfy(isTokenByte) || !value.allSatisfy(isFieldValueByte) {
-            head.valid = false
-        }
-    }
-    if !sawStatus {
-        head.status = fallbackStatuses[random.next(in: 0...(fallbackStatuses.count - 1))]
-    }
-    return head
-}
-
+/// The intercept path's response side, end to end in ProxyCore: header lines into a `ProtectedExchange`
+/// (which parses them with `HTTPHeadParser` and checks them with `MessageSemantics.response`), then the
+/// head an HTTP/1.1 client gets. Whatever the origin sends, the client gets one well-framed head, or a 502.
 private func fuzzInterceptedResponse(_ input: [UInt8]) {
     var random = InputRandom(input, salt: 0x32)
-    let upstream = upstreamHead(input, random: &random)
     let method = responseMethods[random.next(in: 0...(responseMethods.count - 1))]
+    let attach = random.nextBool()
+    var head = "\(method) /resource HTTP/1.1\r\nHost: api.example.com\r\n"
+    if !attach { head += "Authorization: Bearer client-own\r\n" }
+    var parser = HTTPHeadParser(kind: .request)
+    guard case .complete(let requestHead, _) = parser.parse(Array((head + "\r\n").utf8)),
+        case .success(let request) = MessageSemantics.interceptedRequest(
+            requestHead, scheme: "https", origin: responseOrigin.authority, attachToken: { !$0 })
+    else { return invariant(false, "the harness request does not parse") }
+    var exchange = ProtectedExchange(
+        request: request, origin: responseOrigin,
+        settings: ProtectedExchange.Settings(
+            replaySpool: 1 << 20, connectTimeout: 1_000, idleTimeout: 1_000, responseHeadLimits: HTTPHeadLimits()),
+        knownNonce: nil)
+    var outputs: [ProtectedExchange.Output] = []
+    exchange.start(&outputs)
+    if attach { exchange.tokens(.success(TokenGrant(generation: 1)), &outputs) }
+    invariant(outputs.contains { if case .send = $0 { true } else { false } }, "the exchange did not send")
+    outputs = []
+    for line in headerLines(input) {
+        line.withUnsafeBytes { exchange.upstreamHeaderLine($0, &outputs) }
+    }
+    exchange.transferFinished(nil, &outputs)
+
+    var delivered: UpstreamResponse?
+    var answered: ProxyAnswer?
+    for output in outputs {
+        switch output {
+        case .deliverHead(let response):
+            invariant(delivered == nil && answered == nil, "two response heads for one request")
+            delivered = response
+        case .respond(let answer):
+            invariant(delivered == nil && answered == nil, "an answer after a response head")
+            answered = answer
+        case .send, .refreshTokens, .getTokens:
+            // A 401 with a token attached: refreshed and replayed, not the client's business.
+            invariant(attach, "a retry without a token attached")
+        default:
+            break
+        }
+    }
+    if let answered {
+        invariant(answered.status == 502, "the proxy answered \(answered.status) for an upstream head")
+    }
+    guard let delivered else { return }
     let close = random.nextBool()
-    let extra: [(name: String, value: String)] =
-        random.nextBool()
-        ? [
-            (
-                "Proxy-Status",
-                ProxyStatus(details: "step-up required: run proxyctl step-up", receivedStatus: 401).fieldValue
-            )
-        ]
-        : []
-    let (out, framing) = MessageSemantics.interceptedResponseHead(
-        status: upstream.status, reason: upstream.reason, fields: upstream.fields, requestMethod: method,
-        close: close, extra: extra)
-    guard upstream.valid else { return }
+    let (out, framing) = MessageSemantics.interceptedResponseHead(delivered, requestMethod: method, close: close)
+    let status = delivered.head.status
+    let noBody = status < 200 || status == 204 || status == 304 || method == "HEAD"
+    invariant(noBody == (framing == .none), "framing \(framing) for a \(status) to \(method)")
 
-    let noBody = upstream.status < 200 || upstream.status == 204 || upstream.status == 304 || method == "HEAD"
-    invariant(noBody == (framing == .none), "framing \(framing) for a \(upstream.status) to \(method)")
-
-    var parser = HTTPHeadParser(kind: .response, limits: generousLimits)
-    guard case .complete(let head, let consumed) = parser.parse(out) else {
+    var clientParser = HTTPHeadParser(kind: .response, limits: generousLimits)
+    guard case .complete(let sent, let consumed) = clientParser.parse(out) else {
         return invariant(
             false, "the head for the client does not parse: \(text(Array(out.prefix(300))).debugDescription)")
     }
     invariant(consumed == out.count, "the head for the client has trailing bytes")
-    invariant(head.status == upstream.status && head.version == .http1_1, "status line \(head.status) \(head.version)")
+    invariant(sent.status == status && sent.version == .http1_1, "status line \(sent.status) \(sent.version)")
+    invariant(!out.indices.dropFirst().contains { out[$0] == 0x0A && out[$0 - 1] != 0x0D }, "a bare LF")
 
     // Framing: exactly one, the one announced.
-    let lengths = head.indices(named: "content-length")
-    let codings = head.indices(named: "transfer-encoding")
+    let lengths = sent.indices(named: "content-length")
+    let codings = sent.indices(named: "transfer-encoding")
     switch framing {
     case .chunked:
         invariant(
-            codings.count == 1 && head.value(at: codings[0]) == "chunked" && lengths.isEmpty,
+            codings.count == 1 && sent.value(at: codings[0]) == "chunked" && lengths.isEmpty,
             "chunked framing with \(codings.count) Transfer-Encoding and \(lengths.count) Content-Length fields")
     case .contentLength(let length):
         invariant(codings.isEmpty, "Content-Length framing with a Transfer-Encoding")
         invariant(
-            lengths.count == 1 && head.value(at: lengths[0]) == String(length),
-            "Content-Length framing of \(length) with Content-Length \(lengths.map { head.value(at: $0) })")
+            lengths.count == 1 && sent.value(at: lengths[0]) == String(length),
+            "Content-Length framing of \(length) with Content-Length \(lengths.map { sent.value(at: $0) })")
     case .none:
         invariant(codings.isEmpty, "no body, but a Transfer-Encoding")
     }
-    switch MessageSemantics.response(head, requestMethod: method, upgradeRequested: upstream.status == 101) {
+    switch MessageSemantics.response(sent, requestMethod: method, upgradeRequested: false) {
     case .success(let semantics):
         let expected: BodyFraming
         switch framing {
@@ -300,56 +304,36 @@ private func fuzzInterceptedResponse(_ input: [UInt8]) {
         case .contentLength(let length): expected = length == 0 ? .none : .contentLength(length)
         }
         invariant(semantics.framing == expected, "the client reads \(semantics.framing), the proxy sends \(framing)")
-        invariant(
-            semantics.serverCloses == close || semantics.framing == .untilClose || upstream.status == 101,
-            "the client thinks the connection closes: \(semantics.serverCloses), the proxy: \(close)")
+        invariant(semantics.serverCloses == close, "the client thinks the connection closes: \(semantics.serverCloses)")
     case .failure(let error):
         invariant(false, "the head for the client is invalid: \(error)")
     }
 
-    // Every end-to-end field of the upstream, in order, then the proxy's own.
+    // Every end-to-end field of the origin's head, in order and byte for byte, then the proxy's own.
+    let upstream = delivered.head
     var options = Set<[UInt8]>()
-    for (name, value) in upstream.fields where asciiLowercased(bytes(name)) == bytes("connection") {
-        for element in value.split(separator: UInt8(ascii: ","), omittingEmptySubsequences: true) {
-            var trimmed = element[...]
-            while let first = trimmed.first, first == 0x20 || first == 0x09 { trimmed.removeFirst() }
-            while let last = trimmed.last, last == 0x20 || last == 0x09 { trimmed.removeLast() }
-            options.insert(asciiLowercased(trimmed))
-        }
-    }
+    for element in upstream.listElements(named: "connection") { options.insert(bytes(element)) }
     let framingFields: Set<[UInt8]> = [bytes("content-length"), bytes("transfer-encoding"), bytes("connection")]
-    let extraNames = Set(extra.map { asciiLowercased(bytes($0.name)) })
-    let expectedFields = upstream.fields.filter { field in
-        let name = asciiLowercased(bytes(field.name))
+    let proxyFields: Set<[UInt8]> = [bytes("proxy-status")]
+    let expectedFields = upstream.fields.indices.filter { index in
+        let name = asciiLowercased(upstream.bytes[upstream.fields[index].name])
         return !hopByHopResponse.contains(name) && !options.contains(name) && !framingFields.contains(name)
-            && !extraNames.contains(name)
+            && !proxyFields.contains(name)
     }
-    let sent = head.fields.indices.filter { index in
-        let name = asciiLowercased(head.bytes[head.fields[index].name])
-        return !framingFields.contains(name) && !extraNames.contains(name)
+    let sentFields = sent.fields.indices.filter { index in
+        let name = asciiLowercased(sent.bytes[sent.fields[index].name])
+        return !framingFields.contains(name) && !proxyFields.contains(name)
     }
     invariant(
-        sent.map { head.name(at: $0) } == expectedFields.map(\.name)
-            && sent.map { Array(head.valueBytes(at: $0)) } == expectedFields.map(\.value),
-        "fields for the client \(sent.map { head.name(at: $0) }), expected \(expectedFields.map(\.name))")
-    for (name, value) in extra {
-        invariant(
-            head.fields.indices.contains { head.name(at: $0) == name && head.value(at: $0) == value }, "\(name) lost")
-    }
-    let connections = head.indices(named: "connection")
+        sentFields.map { sent.name(at: $0) } == expectedFields.map { upstream.name(at: $0) }
+            && sentFields.map { Array(sent.valueBytes(at: $0)) }
+                == expectedFields.map {
+                    Array(upstream.valueBytes(at: $0))
+                },
+        "fields for the client \(sentFields.map { sent.name(at: $0) }), expected \(expectedFields.map { upstream.name(at: $0) })"
+    )
+    let connections = sent.indices(named: "connection")
     invariant(
-        connections.count == (close ? 1 : 0) && connections.allSatisfy { head.value(at: $0) == "close" },
-        "Connection fields \(connections.map { head.value(at: $0) }) with close \(close)")
+        connections.count == (close ? 1 : 0) && connections.allSatisfy { sent.value(at: $0) == "close" },
+        "Connection fields \(connections.map { sent.value(at: $0) }) with close \(close)")
 }
-
-private func isTokenByte(_ byte: UInt8) -> Bool {
-    switch byte {
-    case UInt8(ascii: "a")...UInt8(ascii: "z"), UInt8(ascii: "A")...UInt8(ascii: "Z"),
-        UInt8(ascii: "0")...UInt8(ascii: "9"):
-        return true
-    default:
-        return "!#$%&'*+-.^_`|~".utf8.contains(byte)
-    }
-}
-
-private func isFieldValueByte(_ byte: UInt8) -> Bool { byte == 0x09 || (byte >= 0x20 && byte != 0x7F) }

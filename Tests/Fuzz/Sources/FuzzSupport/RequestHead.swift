@@ -140,8 +140,9 @@ private func checkDecision(
     _ decision: FrontDoorDecision, door: FrontDoor, head: HTTPHead, semantics: Result<RequestSemantics, HTTPParseError>
 ) {
     switch decision {
-    case .respond(let response):
+    case .respond(let answer):
         // With a body; the answer to HEAD is the same head without it.
+        let response = answer.response
         let out = response.serialized()
         var parser = HTTPHeadParser(kind: .response, limits: generousLimits)
         guard case .complete(let responseHead, let consumed) = parser.parse(out) else {
