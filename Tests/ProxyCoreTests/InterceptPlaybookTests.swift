@@ -1,0 +1,354 @@
+import Foundation
+import Testing
+
+@testable import ProxyCore
+
+/// Requests to protected origins as playbooks: inside an intercepted TLS connection and on the front door
+/// (a protected http:// origin). What the origin gets is the `send` output (no token in it, only its
+/// generation); what the client gets is bytes.
+@Suite struct InterceptPlaybooks {
+    typealias Output = ProtectedExchange.Output
+
+    static let origin = Origins.https
+
+    /// An intercepted connection after its TLS handshake with the right SNI.
+    static func tunnel(_ settings: ProxySettings = Playbook.settings) -> Playbook {
+        var p = Playbook.intercepted(origin, settings: settings)
+        p.event(.tlsEstablished(serverName: "API.test."))
+        return p
+    }
+
+    static func sends(_ actions: [ConnectionMachine.Action]) -> [UpstreamRequest] {
+        actions.compactMap { if case .exchange(.send(let request), _) = $0 { request } else { nil } }
+    }
+
+    static func outputs(_ actions: [ConnectionMachine.Action]) -> [Output] {
+        actions.compactMap { if case .exchange(let output, _) = $0 { output } else { nil } }
+    }
+
+    @Test func attachesTheTokenAndDeliversTheResponse() {
+        var p = Self.tunnel()
+        p.client("GET /me?x=1 HTTP/1.1\r\nHost: api.test\r\nAccept: */*\r\n\r\n")
+        #expect(Self.outputs(p.next()) == [.bodyEnded, .getTokens(provider: "corp")])
+        p.event(.tokens(.success(TokenGrant(generation: 7, dpopNonce: "n-cached"))))
+        let sent = Self.sends(p.next())
+        #expect(sent.count == 1)
+        #expect(sent.first?.url == "https://api.test/me?x=1")
+        #expect(sent.first?.credential == UpstreamRequest.Credential(generation: 7, dpopNonce: "n-cached"))
+        #expect(sent.first?.fields.map(\.name) == ["Accept"])
+        #expect(sent.first?.body == UpstreamRequest.Body.none)
+        p.transferHead("HTTP/2 200 \r\ncontent-type: text/plain\r\ncontent-length: 5\r\n\r\n")
+        #expect(p.clientGot() == "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\nContent-Length: 5\r\n\r\n")
+        p.event(.transferBody)
+        #expect(p.next() == [.writeResponseBody(chunked: false)])
+        p.event(.transferFinished(nil, detail: ""))
+        guard case .exchangeFinished(let record) = p.next().first else {
+            Issue.record("the exchange did not finish")
+            return
+        }
+        #expect(
+            record.logLine(up: 0, down: 73, milliseconds: 12)
+                == "GET https://api.test/me?... status=200 up=0 down=73 duration=12ms intercepted=corp")
+        #expect(p.machine.isIdle && p.timers[.keepAlive] != nil)
+    }
+
+    @Test func refreshesOnceAndReplaysOnceOnA401() {
+        var p = Self.tunnel()
+        p.client("POST /items HTTP/1.1\r\nHost: api.test\r\nContent-Length: 4\r\n\r\nbody")
+        #expect(p.keptBody == Array("body".utf8))
+        p.event(.tokens(.success(TokenGrant(generation: 1))))
+        _ = p.next()
+        p.transferHead("HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer error=\"invalid_token\"\r\n\r\n")
+        #expect(p.clientGot() == "", "the 401 is not the client's business")
+        p.event(.transferFinished(nil, detail: ""))
+        #expect(Self.outputs(p.next()) == [.refreshTokens(provider: "corp", replacing: 1)])
+        // A late answer of the wrong kind changes nothing.
+        p.event(.tokens(.success(TokenGrant(generation: 9))))
+        #expect(p.next() == [])
+        p.event(.refreshed(.success(TokenGrant(generation: 2))))
+        let replay = Self.sends(p.next())
+        #expect(replay.map(\.attempt) == [2] && replay.first?.credential?.generation == 2)
+        #expect(replay.first?.body == .length(4))
+        p.transferHead("HTTP/1.1 201 Created\r\nContent-Length: 0\r\n\r\n")
+        p.event(.transferFinished(nil, detail: ""))
+        #expect(p.clientGot() == "HTTP/1.1 201 Created\r\nContent-Length: 0\r\n\r\n")
+        guard case .exchangeFinished(let record) = p.next().last else {
+            Issue.record("not finished")
+            return
+        }
+        #expect(record.refreshed && record.attempts == 2)
+        #expect(record.logLine(up: 8, down: 40, milliseconds: 5).hasSuffix("attempts=2 refreshed=1"))
+    }
+
+    @Test func retriesOnceWithTheDPoPNonceItAskedFor() {
+        var p = Self.tunnel()
+        p.client("GET /d HTTP/1.1\r\nHost: api.test\r\n\r\n")
+        p.event(.tokens(.success(TokenGrant(generation: 3))))
+        _ = p.next()
+        p.transferHead(
+            "HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: DPoP error=\"use_dpop_nonce\"\r\nDPoP-Nonce: fresh-1\r\n\r\n"
+        )
+        #expect(Self.outputs(p.next()) == [.rememberNonce("fresh-1")])
+        p.event(.transferFinished(nil, detail: ""))
+        #expect(Self.sends(p.next()).first?.credential == .init(generation: 3, dpopNonce: "fresh-1"))
+        // Asked again: not retried twice, passed on with Proxy-Status.
+        p.transferHead(
+            "HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: DPoP error=\"use_dpop_nonce\"\r\nDPoP-Nonce: fresh-2\r\nContent-Length: 0\r\n\r\n"
+        )
+        let head = p.clientGot()
+        #expect(head.hasPrefix("HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: DPoP error=\"use_dpop_nonce\"\r\n"))
+        #expect(
+            head.contains(
+                "Proxy-Status: proxyctl; received-status=401; details=\"the origin asked for a DPoP nonce again"))
+    }
+
+    @Test func aStepUpChallengeIsPassedOnAndRecorded() {
+        var p = Self.tunnel()
+        p.client("GET /admin HTTP/1.1\r\nHost: api.test\r\n\r\n")
+        p.event(.tokens(.success(TokenGrant(generation: 1))))
+        _ = p.next()
+        p.transferHead(
+            "HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer error=\"insufficient_user_authentication\", acr_values=\"urn:mfa\"\r\nContent-Length: 0\r\n\r\n"
+        )
+        let outputs = Self.outputs(p.next())
+        #expect(outputs.count == 1)
+        if case .recordStepUp(let challenge) = outputs.first { #expect(challenge["acr_values"] == "urn:mfa") }
+        let head = p.clientGot()
+        #expect(
+            head.contains("details=\"step-up required (acr_values urn:mfa): run proxyctl step-up https://api.test\""))
+    }
+
+    @Test(arguments: [
+        (TokenFailure.signInNeeded(reason: "not signed in to corp"), "HTTP/1.1 401 Unauthorized", false),
+        (.unavailable(reason: "timed out", retryAfter: 30), "HTTP/1.1 503 Service Unavailable", false),
+        (.configuration(reason: "unknown client"), "HTTP/1.1 500 Internal Server Error", false),
+    ])
+    func noTokenIsAnsweredByTheProxy(failure: TokenFailure, status: String, closes: Bool) {
+        var p = Self.tunnel()
+        p.client("GET /x HTTP/1.1\r\nHost: api.test\r\n\r\n")
+        _ = p.next()
+        p.event(.tokens(.failure(failure)))
+        let answer = p.clientGot()
+        #expect(answer.hasPrefix(status))
+        if case .unavailable = failure { #expect(answer.contains("Retry-After: 30\r\n")) }
+        let notable = p.next()
+        if case .signInNeeded = failure {
+            #expect(Self.outputs(notable) == [.signInNeeded(reason: "not signed in to corp")])
+        }
+        #expect((p.clientClosed != nil) == closes, "a keep-alive connection outlives an answer about tokens")
+    }
+
+    @Test func theClientsOwnAuthorizationIsKeptAndNothingAttached() {
+        var p = Self.tunnel()
+        p.client("GET /x HTTP/1.1\r\nHost: api.test\r\nAuthorization: Basic dTpw\r\n\r\n")
+        let sent = Self.sends(p.next())
+        #expect(sent.first?.credential == nil)
+        #expect(sent.first?.fields.map(\.name) == ["Authorization"])
+    }
+
+    @Test func aChunkedBodyIsDecodedIntoTheReplayStore() {
+        var p = Self.tunnel()
+        p.client("PUT /u HTTP/1.1\r\nHost: api.test\r\nTransfer-Encoding: chunked\r\n\r\n3;x=1\r\nabc\r\n")
+        #expect(Self.outputs(p.next()) == [], "nothing is sent before the body is complete")
+        p.client("2\r\nde\r\n0\r\nX-Trailer: 1\r\n\r\n")
+        #expect(p.keptBody == Array("abcde".utf8))
+        #expect(p.clientIn.isEmpty)
+        p.event(.tokens(.success(TokenGrant(generation: 1))))
+        #expect(Self.sends(p.next()).first?.body == .length(5))
+    }
+
+    @Test func aBodyTooLargeToKeepStreamsAndIsNotReplayed() {
+        var p = Self.tunnel()
+        p.client(
+            "POST /big HTTP/1.1\r\nHost: api.test\r\nContent-Length: 2000\r\n\r\n" + String(repeating: "x", count: 100))
+        #expect(Self.outputs(p.next()) == [.streamBody, .getTokens(provider: "corp")])
+        p.event(.tokens(.success(TokenGrant(generation: 1))))
+        #expect(Self.sends(p.next()).first?.body == .length(2000), "sent before the body is complete")
+        p.transferHead("HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\n\r\n")
+        #expect(p.clientGot().contains("the request body was too large to keep"))
+    }
+
+    @Test func expectContinueIsAnsweredByTheProxy() {
+        var p = Self.tunnel()
+        p.client("POST /c HTTP/1.1\r\nHost: api.test\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n")
+        #expect(p.clientGot() == "HTTP/1.1 100 Continue\r\n\r\n")
+        p.client("ok")
+        #expect(Self.outputs(p.next()) == [.bodyEnded, .getTokens(provider: "corp")])
+    }
+
+    @Test func pipelinedRequestsInsideTheTunnelWaitTheirTurn() {
+        var p = Self.tunnel()
+        p.client("GET /1 HTTP/1.1\r\nHost: api.test\r\n\r\nGET /2 HTTP/1.1\r\nHost: api.test\r\n\r\n")
+        p.event(.tokens(.success(TokenGrant(generation: 1))))
+        #expect(Self.sends(p.next()).map(\.url) == ["https://api.test/1"])
+        p.transferHead("HTTP/1.1 204 No Content\r\n\r\n")
+        p.event(.transferFinished(nil, detail: ""))
+        #expect(Self.outputs(p.next()) == [.bodyEnded, .getTokens(provider: "corp")], "the second one starts")
+        p.event(.tokens(.success(TokenGrant(generation: 1))))
+        #expect(Self.sends(p.next()).map(\.url) == ["https://api.test/2"])
+    }
+
+    @Test func aServerNameForAnotherHostMakesEveryRequest421() {
+        var p = Playbook.intercepted(Self.origin)
+        p.event(.tlsEstablished(serverName: "evil.test"))
+        p.client("GET /x HTTP/1.1\r\nHost: api.test\r\n\r\n")
+        let answer = p.clientGot()
+        #expect(answer.hasPrefix("HTTP/1.1 421 Misdirected Request"))
+        #expect(answer.contains("the TLS server name evil.test does not match the tunnel's api.test"))
+        #expect(Self.outputs(p.next()).isEmpty, "no token asked for")
+    }
+
+    @Test(arguments: [
+        "GET /x HTTP/1.1\r\nHost: other.test\r\n\r\n", "GET /x HTTP/1.1\r\nHost: api.test:8443\r\n\r\n",
+        "GET https://other.test/x HTTP/1.1\r\nHost: api.test\r\n\r\n",
+    ])
+    func aHostForAnotherOriginIs421WithoutAToken(request: String) {
+        var p = Self.tunnel()
+        p.client(request)
+        #expect(p.clientGot().hasPrefix("HTTP/1.1 421 Misdirected Request"))
+        #expect(Self.outputs(p.next()).isEmpty)
+    }
+
+    @Test func upgradesAreRefusedTheSameWayInsideAndOutside() {
+        var inside = Self.tunnel()
+        inside.client("GET /ws HTTP/1.1\r\nHost: api.test\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
+        var outside = Playbook.frontDoor(origins: [Origins.http])
+        outside.client(
+            "GET http://127.0.0.1:9000/ws HTTP/1.1\r\nHost: 127.0.0.1:9000\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+        )
+        let answers = [inside.clientGot(), outside.clientGot()]
+        for answer in answers {
+            #expect(answer.hasPrefix("HTTP/1.1 501 Not Implemented"))
+            #expect(answer.contains("protocol upgrades (WebSocket) to protected origins are not supported"))
+        }
+        #expect(Self.outputs(inside.next()).isEmpty && Self.outputs(outside.next()).isEmpty)
+    }
+
+    @Test(arguments: [
+        ("HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 8\r\n\r\n", "error=http_protocol_error"),
+        ("HTTP/1.1 200 OK\r\nContent-Length: +5\r\n\r\n", "error=http_protocol_error"),
+        ("HTTP/1.1 2xx OK\r\n\r\n", "error=http_protocol_error"),
+    ])
+    func anUnusableResponseHeadIs502(head: String, error: String) {
+        var p = Self.tunnel()
+        p.client("GET /x HTTP/1.1\r\nHost: api.test\r\n\r\n")
+        p.event(.tokens(.success(TokenGrant(generation: 1))))
+        p.transferHead(head)
+        #expect(p.clientGot() == "")
+        p.event(.transferFinished(nil, detail: ""))
+        let answer = p.clientGot()
+        #expect(answer.hasPrefix("HTTP/1.1 502 Bad Gateway") && answer.contains(error), "\(answer)")
+    }
+
+    @Test func aTooLargeResponseHeadIsNamed() {
+        var settings = Playbook.settings
+        settings.headLimits = HTTPHeadLimits(maxStartLine: 8192, maxHeadBytes: 200, maxFields: 100)
+        var p = Self.tunnel(settings)
+        p.client("GET /x HTTP/1.1\r\nHost: api.test\r\n\r\n")
+        p.event(.tokens(.success(TokenGrant(generation: 1))))
+        p.transferHead("HTTP/1.1 200 OK\r\nX-Big: \(String(repeating: "b", count: 300))\r\n\r\n")
+        p.event(.transferFinished(nil, detail: ""))
+        #expect(p.clientGot().contains("error=http_response_header_section_size"))
+    }
+
+    @Test(arguments: [
+        (UpstreamFailure.connect, "HTTP/1.1 502", "error=connection_refused"),
+        (.timeout, "HTTP/1.1 504", "error=connection_timeout"),
+        (.certificate, "HTTP/1.1 502", "error=tls_certificate_error"),
+        (.headTooLarge, "HTTP/1.1 502", "error=http_response_header_section_size"),
+    ])
+    func aFailedTransferIsAnsweredWithItsCause(failure: UpstreamFailure, status: String, error: String) {
+        var p = Self.tunnel()
+        p.client("GET /x HTTP/1.1\r\nHost: api.test\r\n\r\n")
+        p.event(.tokens(.success(TokenGrant(generation: 1))))
+        p.event(.transferFinished(failure, detail: "curl says why"))
+        let answer = p.clientGot()
+        #expect(answer.hasPrefix(status) && answer.contains(error) && answer.contains("curl says why"), "\(answer)")
+        #expect(p.clientClosed == .closeAfterFlush)
+    }
+
+    @Test func aResponseCutShortClosesTheConnection() {
+        var p = Self.tunnel()
+        p.client("GET /x HTTP/1.1\r\nHost: api.test\r\n\r\n")
+        p.event(.tokens(.success(TokenGrant(generation: 1))))
+        p.transferHead("HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n")
+        p.event(.transferFinished(.incomplete, detail: "recv failure"))
+        #expect(p.clientClosed == .closeAfterFlush)
+    }
+
+    @Test func aClientThatGoesAwayMidBodyStopsTheTransfer() {
+        var p = Self.tunnel()
+        p.client("POST /big HTTP/1.1\r\nHost: api.test\r\nContent-Length: 2000\r\n\r\nxx")
+        p.event(.tokens(.success(TokenGrant(generation: 1))))
+        _ = p.next()
+        p.event(.clientEnded(reset: false))
+        let notable = p.next()
+        #expect(notable.contains(.exchange(.cancelTransfer, Self.origin)))
+        #expect(notable.last == .closeNow)
+    }
+
+    @Test func connectInsideTheTunnelIs501() {
+        var p = Self.tunnel()
+        p.client("CONNECT other.test:443 HTTP/1.1\r\nHost: other.test:443\r\n\r\n")
+        #expect(p.clientGot().hasPrefix("HTTP/1.1 501 Not Implemented"))
+    }
+
+    @Test func aHandshakeThatFailsOrStallsEndsTheConnection() {
+        var failed = Playbook.intercepted(Self.origin)
+        failed.event(.tlsFailed(reason: "unknown ca"))
+        #expect(failed.next() == [.closeNow])
+        #expect(failed.lastLog.contains("does the client trust the local CA? see proxyctl env"))
+        var stalled = Playbook.intercepted(Self.origin)
+        stalled.wait(20_000)
+        #expect(stalled.next() == [.closeNow])
+    }
+}
+
+/// Every sequence of a small alphabet of events up to a depth, from a few starting points: the driver's rules
+/// hold after each (checked by `Playbook`), nothing follows a close, and the machine never stops answering
+/// events with a crash. The fuzz target `FuzzConnection` goes deeper at random.
+@Suite struct ConnectionMachineWalk {
+    static let events: [(String, @Sendable (inout Playbook) -> Void)] = [
+        ("get", { $0.client(ForwardingPlaybooks.get) }),
+        ("post", { $0.client("POST http://o.test/p HTTP/1.1\r\nHost: o.test\r\nContent-Length: 1\r\n\r\nx") }),
+        ("connect", { $0.client("CONNECT b.test:443 HTTP/1.1\r\n\r\n") }),
+        ("protected", { $0.client("GET /x HTTP/1.1\r\nHost: api.test\r\n\r\n") }),
+        ("resolved", { $0.event(.resolved(.addresses(2))) }),
+        ("connected", { if $0.upstreamOpen { $0.event(.upstreamConnected) } }),
+        ("refused", { if $0.upstreamOpen { $0.event(.upstreamConnectFailed(.refused)) } }),
+        ("response", { if $0.upstreamOpen { $0.upstream(ForwardingPlaybooks.ok) } }),
+        ("upstreamEnds", { if $0.upstreamOpen { $0.upstreamEnds() } }),
+        ("clientEnds", { $0.event(.clientEnded(reset: false)) }),
+        ("tokens", { $0.event(.tokens(.success(TokenGrant(generation: 1)))) }),
+        (
+            "transfer",
+            {
+                $0.transferHead("HTTP/1.1 401 Unauthorized\r\n\r\n"); $0.event(.transferFinished(nil, detail: ""))
+            }
+        ),
+        ("time", { $0.wait(12_000) }),
+    ]
+
+    static func walk(_ start: Playbook, depth: Int, path: [String] = []) -> Int {
+        guard depth > 0, start.clientClosed == nil else { return 1 }
+        var count = 0
+        for (name, event) in events {
+            var p = start
+            event(&p)
+            count += walk(p, depth: depth - 1, path: path + [name])
+        }
+        return count
+    }
+
+    @Test(arguments: [false, true])
+    func everySequenceKeepsTheRules(intercepted: Bool) {
+        var start: Playbook
+        if intercepted {
+            start = InterceptPlaybooks.tunnel()
+        } else {
+            start = Playbook.frontDoor(origins: [Origins.http])
+        }
+        let sequences = Self.walk(start, depth: 4)
+        #expect(sequences > 1_000)
+    }
+}
