@@ -1,3 +1,5 @@
+import ProxyCore
+
 /// What went wrong with sign-in or tokens, in the four categories the proxy and the CLI act on
 /// (modelled on the Versola SDK's error categories). Messages never contain a token, a code or a verifier.
 public enum AuthError: Error, Sendable, Equatable, CustomStringConvertible {
@@ -55,8 +57,7 @@ public struct OAuthErrorResponse: Sendable, Equatable {
     }
 
     static func sanitize(_ text: String, limit: Int) -> String {
-        let cleaned = String(text.unicodeScalars.map { $0.value >= 0x20 && $0.value < 0x7F ? Character($0) : "?" })
-        return cleaned.count > limit ? String(cleaned.prefix(limit)) + "..." : cleaned
+        ASCII.clip(text, limit: limit)
     }
 
     /// "access_denied: The user said no"

@@ -104,7 +104,7 @@ public enum FormEncoding {
                 UInt8(ascii: "~"):
                 out.unicodeScalars.append(Unicode.Scalar(byte))
             default:
-                out += "%" + String(byte, radix: 16, uppercase: true).leftPadded(to: 2)
+                out += "%" + String(byte, radix: 16, uppercase: true).leftPadding(to: 2)
             }
         }
         return out
@@ -145,11 +145,5 @@ public enum FormEncoding {
         case 0x61...0x66: byte - 0x61 + 10
         default: nil
         }
-    }
-}
-
-extension String {
-    func leftPadded(to width: Int) -> String {
-        count >= width ? self : String(repeating: "0", count: width - count) + self
     }
 }

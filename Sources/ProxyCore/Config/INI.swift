@@ -146,6 +146,6 @@ public struct INIDocument: Sendable {
     }
 
     static func clip(_ text: String) -> String {
-        text.count > 60 ? String(text.prefix(60)) + "..." : text
+        ASCII.clip(text, limit: 60)
     }
 }

@@ -23,6 +23,12 @@ public struct OriginConfig: Sendable, Equatable {
         self.authority = authority
     }
 
+    /// Whether the proxy attaches its token to a request whose client did (or did not) send its own
+    /// Authorization: the one place `client_authorization` is applied.
+    public func attachesToken(clientHasAuthorization: Bool) -> Bool {
+        clientAuthorization == .replace || !clientHasAuthorization
+    }
+
     /// `https://api.example.com` or `http://127.0.0.1:8000`: the default port is left out.
     public var url: String {
         let defaultPort = scheme == "https" ? 443 : 80

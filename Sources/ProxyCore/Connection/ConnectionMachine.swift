@@ -510,7 +510,7 @@ public struct ConnectionMachine: Sendable {
             return refuse(head, origin: origin, .misdirected(reason: misdirected), &out)
         }
         let checked = MessageSemantics.interceptedRequest(head, scheme: "https", origin: origin.authority) { hasOwn in
-            origin.clientAuthorization == .replace || !hasOwn
+            origin.attachesToken(clientHasAuthorization: hasOwn)
         }
         switch checked {
         case .failure(let refusal):

@@ -67,6 +67,6 @@ public enum ServerName {
         // ASCII case folding only: Unicode lower-casing would map other names onto this one.
         let folded = String(decoding: name.utf8.map(ASCII.lower), as: UTF8.self)
         if folded == tunnel.host { return nil }
-        return "the TLS server name \(LogText.clip(serverName)) does not match the tunnel's \(tunnel.host)"
+        return "the TLS server name \(ASCII.clip(serverName)) does not match the tunnel's \(tunnel.host)"
     }
 }

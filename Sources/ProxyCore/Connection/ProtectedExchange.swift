@@ -113,7 +113,7 @@ public struct ProtectedExchange: Sendable {
         self.origin = origin
         self.settings = settings
         self.responseHead = HTTPHeadParser(kind: .response, limits: settings.responseHeadLimits)
-        self.attach = origin.clientAuthorization == .replace || !request.clientAuthorization
+        self.attach = origin.attachesToken(clientHasAuthorization: request.clientAuthorization)
         self.knownNonce = knownNonce
         if request.framing == .none { bodyComplete = true }
     }

@@ -1,6 +1,6 @@
 /// Byte classes from RFC 9110 §5.6 and RFC 3986, as lookup tables so that parsing a head costs one load
 /// per byte.
-enum ASCII {
+public enum ASCII {
     static let cr: UInt8 = 0x0D
     static let lf: UInt8 = 0x0A
     static let space: UInt8 = 0x20
@@ -78,7 +78,21 @@ enum ASCII {
         }
     }
 
-    /// A printable, length-capped rendering of untrusted bytes for an error message.
+    /// Text from outside (the wire, a provider, a file) for a message or a log line: printable ASCII kept,
+    /// anything else shown as "?", at most `limit` characters and "..." when cut. The one clipping rule.
+    public static func clip(_ text: some StringProtocol, limit: Int = 80) -> String {
+        var out = ""
+        var count = 0
+        for scalar in text.unicodeScalars {
+            if count == limit { return out + "..." }
+            out.unicodeScalars.append(scalar.value >= 0x20 && scalar.value < 0x7F ? scalar : "?")
+            count += 1
+        }
+        return out
+    }
+
+    /// Bytes for an error message about exactly those bytes (a field name, a JSON member): printable ASCII
+    /// kept, others and the quote characters escaped as \xNN, at most `limit` bytes.
     static func printable(_ bytes: some Sequence<UInt8>, limit: Int = 40) -> String {
         var out = ""
         for (count, byte) in bytes.enumerated() {
@@ -89,15 +103,9 @@ enum ASCII {
             if byte >= 0x20 && byte < 0x7F && byte != UInt8(ascii: "\"") && byte != UInt8(ascii: "\\") {
                 out.unicodeScalars.append(Unicode.Scalar(byte))
             } else {
-                out += "\\x" + String(byte, radix: 16, uppercase: true).leftPadded(to: 2)
+                out += "\\x" + String(byte, radix: 16, uppercase: true).leftPadding(to: 2)
             }
         }
         return out
-    }
-}
-
-extension String {
-    func leftPadded(to width: Int, with pad: Character = "0") -> String {
-        count >= width ? self : String(repeating: pad, count: width - count) + self
     }
 }

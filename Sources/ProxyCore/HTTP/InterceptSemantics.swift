@@ -100,16 +100,15 @@ extension MessageSemantics {
         let attach = attachToken(clientAuthorization)
         var fields: [(name: String, value: [UInt8])] = []
         for index in head.fields.indices {
-            if head.field(index, isNamed: "connection") || head.field(index, isNamed: "proxy-connection")
-                || head.field(index, isNamed: "keep-alive") || head.field(index, isNamed: "te")
-                || head.field(index, isNamed: "upgrade") || head.field(index, isNamed: "proxy-authorization")
-                || head.field(index, isNamed: "host") || head.field(index, isNamed: "content-length")
-                || head.field(index, isNamed: "transfer-encoding") || head.field(index, isNamed: "expect")
+            // Hop-by-hop fields (the one table in MessageSemantics, with the Connection options), and what the
+            // transfer sets itself: Host (the URL), the framing, Expect (the proxy answered 100 itself).
+            if isHopByHop(head, index, options: options, keepUpgrade: false) || head.field(index, isNamed: "host")
+                || head.field(index, isNamed: "content-length") || head.field(index, isNamed: "transfer-encoding")
+                || head.field(index, isNamed: "expect")
             {
                 continue
             }
             if attach && head.field(index, isNamed: "authorization") { continue }
-            if !options.isEmpty && options.contains(head.name(at: index).lowercased()) { continue }
             fields.append((head.name(at: index), Array(head.valueBytes(at: index))))
         }
         return .success(

@@ -188,7 +188,7 @@ public enum MessageSemantics {
         return .success(length)
     }
 
-    private static func isHopByHop(_ head: HTTPHead, _ index: Int, options: [String], keepUpgrade: Bool) -> Bool {
+    static func isHopByHop(_ head: HTTPHead, _ index: Int, options: [String], keepUpgrade: Bool) -> Bool {
         for name in alwaysHopByHop where head.field(index, isNamed: name) {
             if keepUpgrade && head.field(index, isNamed: "upgrade") { return false }
             return true

@@ -165,7 +165,7 @@ public enum JSON {
             case "\r": out += "\\r"
             case "\t": out += "\\t"
             case _ where scalar.value < 0x20:
-                out += "\\u" + String(scalar.value, radix: 16).leftPadded(to: 4)
+                out += "\\u" + String(scalar.value, radix: 16).leftPadding(to: 4)
             default: out.unicodeScalars.append(scalar)
             }
         }

@@ -79,7 +79,7 @@ public struct FrontDoor: Sendable {
             if let origin = origins.match(scheme: "http", authority: url.authority) {
                 let checked = MessageSemantics.interceptedRequest(head, scheme: "http", origin: url.authority) {
                     hasOwn in
-                    origin.clientAuthorization == .replace || !hasOwn
+                    origin.attachesToken(clientHasAuthorization: hasOwn)
                 }
                 switch checked {
                 case .failure(let refusal): return .respond(refusal.answer)

@@ -10,7 +10,7 @@ public enum LogText {
     /// A raw request target, cut at the query for the same reason, at most 200 characters.
     public static func target(_ target: String) -> String {
         let (path, query) = TargetText.split(target, at: "?")
-        return printable(String(path.prefix(200))) + (query == nil ? "" : "?...")
+        return ASCII.clip(path, limit: 200) + (query == nil ? "" : "?...")
     }
 
     /// "830ms", "2.05s".
@@ -20,16 +20,6 @@ public enum LogText {
             : "\(milliseconds / 1000).\(String(milliseconds % 1000 / 10).leftPadding(to: 2))s"
     }
 
-    /// Text from the wire for a log line or a message: printable ASCII (others become "?"), at most
-    /// `limit` characters, "..." when cut.
-    public static func clip(_ text: String, limit: Int = 80) -> String {
-        let printable = String(text.unicodeScalars.map { $0.value >= 0x20 && $0.value < 0x7F ? Character($0) : "?" })
-        return printable.count > limit ? String(printable.prefix(limit)) + "..." : printable
-    }
-
-    private static func printable(_ text: String) -> String {
-        String(text.unicodeScalars.map { $0.value >= 0x21 && $0.value < 0x7F ? Character($0) : "?" })
-    }
 }
 
 extension String {
