@@ -55,7 +55,7 @@ enum ServeCommand {
         default:
             break
         }
-        raiseFileLimit(logger: logger, connections: configuration.proxy.maxConnections)
+        let fileLimit = raiseFileLimit(logger: logger, settings: configuration.proxy)
 
         EventLoop.initializeLibraries()
         let loop = EventLoop()
@@ -108,7 +108,8 @@ enum ServeCommand {
         do {
             server = try ProxyServer(
                 loop: loop, logger: logger, settings: configuration.proxy, credentials: credentials,
-                origins: configuration.origins, interception: interception, reload: reload)
+                origins: configuration.origins, interception: interception, reload: reload,
+                fileLimit: fileLimit)
         } catch {
             throw CommandFailure(message: "cannot set up interception: \(error)")
         }
@@ -169,19 +170,25 @@ enum ServeCommand {
         return ca
     }
 
-    /// Each tunnel holds two descriptors: raise the soft limit to the hard one so `max_connections` fits.
-    static func raiseFileLimit(logger: Logger, connections: Int) {
+    /// Each connection may hold two descriptors: raise the soft open-file limit to the hard one, derive the
+    /// connection limits from it, and say what they are (and when an explicit max_connections cannot fit).
+    static func raiseFileLimit(logger: Logger, settings: ProxySettings) -> Int {
         var limit = rlimit()
-        guard getrlimit(Int32(RLIMIT_NOFILE.rawValue), &limit) == 0 else { return }
-        if limit.rlim_cur < limit.rlim_max {
+        if getrlimit(Int32(RLIMIT_NOFILE.rawValue), &limit) == 0 && limit.rlim_cur < limit.rlim_max {
             limit.rlim_cur = limit.rlim_max
             _ = setrlimit(Int32(RLIMIT_NOFILE.rawValue), &limit)
         }
-        let needed = rlim_t(connections * 2 + 64)
-        if limit.rlim_cur < needed {
+        let fileLimit = ProxyServer.openFileLimit()
+        let admission = Admission(settings: settings, fileLimit: fileLimit)
+        logger.info(
+            "max_connections \(admission.maxConnections), \(admission.maxPerClient) per client address (open-file limit \(fileLimit))"
+        )
+        let needed = admission.maxConnections * 2 + Admission.reservedFiles
+        if fileLimit < needed {
             logger.warn(
-                "the open-file limit (\(limit.rlim_cur)) is below what max_connections = \(connections) needs (\(needed)); raise it with ulimit -n or lower max_connections"
+                "the open-file limit (\(fileLimit)) is below what max_connections = \(admission.maxConnections) needs (\(needed)); raise it with ulimit -n or lower max_connections"
             )
         }
+        return fileLimit
     }
 }

@@ -22,6 +22,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
     let context: ConnectionContext
     let id: UInt64
     let peer: String
+    let clientAddress: String
     private var machine: ConnectionMachine
     private var client: OpaquePointer?
     /// The TLS session of an intercepted connection.
@@ -63,15 +64,16 @@ final class ClientDriver: ServerConnection, TransferOwner {
     private var afterHandling: [() -> Void] = []
 
     /// A plain client connection on `fd`, just accepted.
-    init(context: ConnectionContext, id: UInt64, fd: Int32, peer: String) {
+    init(context: ConnectionContext, id: UInt64, fd: Int32, peer: String, client: String) {
         self.context = context
         self.id = id
         self.peer = peer
+        self.clientAddress = client
         self.started = EventLoop.monotonicMilliseconds()
         self.lastActivity = started
         machine = ConnectionMachine(
             role: .frontDoor, frontDoor: context.frontDoor, hasLocalCA: context.tlsContexts != nil)
-        client = bufferevent_socket_new(context.loop.base, fd, Int32(BEV_OPT_CLOSE_ON_FREE.rawValue))
+        self.client = bufferevent_socket_new(context.loop.base, fd, Int32(BEV_OPT_CLOSE_ON_FREE.rawValue))
         _ = proxyctl_set_nodelay(fd)
         setUpClient()
         handle(.start)
@@ -80,12 +82,13 @@ final class ClientDriver: ServerConnection, TransferOwner {
     /// A TLS-terminated connection for a protected origin, on `fd` or over `underlying` (a bufferevent that
     /// already holds bytes the client sent early).
     init(
-        context: ConnectionContext, id: UInt64, peer: String, origin: OriginConfig, ssl: OpaquePointer,
-        fd: Int32, underlying: OpaquePointer?
+        context: ConnectionContext, id: UInt64, peer: String, client: String, origin: OriginConfig,
+        ssl: OpaquePointer, fd: Int32, underlying: OpaquePointer?
     ) {
         self.context = context
         self.id = id
         self.peer = peer
+        self.clientAddress = client
         self.started = EventLoop.monotonicMilliseconds()
         self.lastActivity = started
         self.ssl = ssl
@@ -93,12 +96,12 @@ final class ClientDriver: ServerConnection, TransferOwner {
             role: .intercepted(origin), frontDoor: context.frontDoor, hasLocalCA: context.tlsContexts != nil)
         let options = Int32(BEV_OPT_CLOSE_ON_FREE.rawValue | BEV_OPT_DEFER_CALLBACKS.rawValue)
         if let underlying {
-            client = bufferevent_openssl_filter_new(
+            self.client = bufferevent_openssl_filter_new(
                 context.loop.base, underlying, ssl, BUFFEREVENT_SSL_ACCEPTING, options)
         } else {
-            client = bufferevent_openssl_socket_new(context.loop.base, fd, ssl, BUFFEREVENT_SSL_ACCEPTING, options)
+            self.client = bufferevent_openssl_socket_new(context.loop.base, fd, ssl, BUFFEREVENT_SSL_ACCEPTING, options)
         }
-        if let client { bufferevent_openssl_set_allow_dirty_shutdown(client, 1) }
+        if let bev = self.client { bufferevent_openssl_set_allow_dirty_shutdown(bev, 1) }
         setUpClient()
         handle(.start)
     }
@@ -454,7 +457,8 @@ final class ClientDriver: ServerConnection, TransferOwner {
         bufferevent_free(upstreamBev)
         upstream = nil
         let tunnel = SpliceTunnel(
-            context: context, id: id, peer: peer, label: label, status: status, started: started,
+            context: context, id: id, peer: peer, client: clientAddress, label: label, status: status,
+            started: started,
             clientFD: clientFD,
             upstreamFD: upstreamFD, toUpstream: toUpstream, toClient: toClient)
         context.owner.adopt(tunnel)
@@ -497,7 +501,8 @@ final class ClientDriver: ServerConnection, TransferOwner {
             bufferevent_free(bev)
             client = nil
             session = ClientDriver(
-                context: context, id: id, peer: peer, origin: origin, ssl: ssl, fd: fd, underlying: nil)
+                context: context, id: id, peer: peer, client: clientAddress, origin: origin, ssl: ssl, fd: fd,
+                underlying: nil)
         } else {
             // The client sent bytes before our answer: TLS as a filter over the existing bufferevent, which
             // keeps them (and sends the 200 first).
@@ -505,7 +510,8 @@ final class ClientDriver: ServerConnection, TransferOwner {
             bufferevent_setcb(bev, nil, nil, nil, nil)
             client = nil
             session = ClientDriver(
-                context: context, id: id, peer: peer, origin: origin, ssl: ssl, fd: -1, underlying: bev)
+                context: context, id: id, peer: peer, client: clientAddress, origin: origin, ssl: ssl, fd: -1,
+                underlying: bev)
         }
         context.owner.adopt(session)
         finishHandOff()

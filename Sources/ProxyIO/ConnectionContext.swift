@@ -70,6 +70,8 @@ protocol ConnectionOwner: AnyObject {
 
 /// A connection the server keeps track of: a client connection, an intercepted TLS session, or a tunnel.
 protocol ServerConnection: AnyObject {
+    /// The client's address (without the port), for `max_connections_per_client`.
+    var clientAddress: String { get }
     /// Nothing in flight: waiting for the next request.
     var isIdle: Bool { get }
     /// The proxy is shutting down: finish what is in flight, then close.

@@ -46,6 +46,11 @@ public final class ProxyServer: ConnectionOwner {
 
     private var listener: OpaquePointer?
     private var connections: [ObjectIdentifier: any ServerConnection] = [:]
+    /// Connections open per client address, for `max_connections_per_client`.
+    private var clientCounts: [String: Int] = [:]
+    /// The limits on connections, from the settings and the open-file limit.
+    private(set) var admission: Admission
+    private let fileLimit: Int
     /// libcurl's multi handle for requests to protected origins (connection reuse, HTTP/2).
     private(set) lazy var curl = CurlMulti(loop: loop)
     /// Tokens for protected origins.
@@ -78,8 +83,10 @@ public final class ProxyServer: ConnectionOwner {
     public init(
         loop: EventLoop, logger: Logger, settings: ProxySettings, credentials: ProxyCredentials?,
         origins: OriginTable = OriginTable(), interception: Interception? = nil,
-        reload: (() -> Result<(ProxySettings, ProxyCredentials?), any Error>)? = nil
+        reload: (() -> Result<(ProxySettings, ProxyCredentials?), any Error>)? = nil, fileLimit: Int? = nil
     ) throws {
+        self.fileLimit = fileLimit ?? Self.openFileLimit()
+        self.admission = Admission(settings: settings, fileLimit: self.fileLimit)
         self.loop = loop
         self.logger = logger
         self.settings = settings
@@ -157,22 +164,50 @@ public final class ProxyServer: ConnectionOwner {
 
     // MARK: - Accepting
 
+    /// The process's open-file limit (its soft limit, which serve raises to the hard one first).
+    public static func openFileLimit() -> Int {
+        var limit = rlimit()
+        guard getrlimit(Int32(RLIMIT_NOFILE.rawValue), &limit) == 0 else { return 1024 }
+        // RLIM_INFINITY is all ones (the macro does not import as an unsigned constant).
+        return limit.rlim_cur >= rlim_t(Int.max) ? 1 << 20 : Int(limit.rlim_cur)
+    }
+
     func accepted(fd: Int32, address: UnsafeMutablePointer<sockaddr>?, length: Int32) {
-        let peer = address.map { SocketAddress($0, length: socklen_t(length)).description } ?? "-"
+        let socketAddress = address.map { SocketAddress($0, length: socklen_t(length)) }
+        let peer = socketAddress?.description ?? "-"
+        let client = socketAddress?.ipString ?? "-"
         if draining {
             Glibc.close(fd)
             return
         }
-        nextID += 1
         _ = evutil_make_socket_nonblocking(fd)
-        let connection = ClientDriver(context: currentContext(), id: nextID, fd: fd, peer: peer)
-        connections[ObjectIdentifier(connection)] = connection
-        if connections.count >= settings.maxConnections && !listenerPaused {
-            listenerPaused = true
-            evconnlistener_disable(listener)
-            logger.warn("max_connections (\(settings.maxConnections)) reached; new connections wait")
+        if let answer = admission.decide(open: connections.count, fromClient: clientCounts[client, default: 0]) {
+            turnAway(fd, answer, client: client)
+            return
+        }
+        nextID += 1
+        let connection = ClientDriver(context: currentContext(), id: nextID, fd: fd, peer: peer, client: client)
+        adopt(connection)
+    }
+
+    /// Answers a client the proxy cannot serve now and closes: one write to a fresh socket, never a wait.
+    private func turnAway(_ fd: Int32, _ answer: ProxyAnswer, client: String) {
+        let bytes = answer.response.serialized()
+        _ = bytes.withUnsafeBytes { Glibc.send(fd, $0.baseAddress, $0.count, proxyctl_msg_nosignal()) }
+        Glibc.close(fd)
+        turnedAway += 1
+        let now = EventLoop.monotonicMilliseconds()
+        if now - lastTurnAwayLog >= 10_000 {
+            lastTurnAwayLog = now
+            logger.warn(
+                "turned away \(turnedAway) connection(s) with 503 (last from \(client)): \(answer.response.proxyStatus?.details ?? "")"
+            )
+            turnedAway = 0
         }
     }
+
+    private var turnedAway = 0
+    private var lastTurnAwayLog: Int64 = -10_000
 
     /// accept(2) failed. Out of descriptors (EMFILE, ENFILE) or memory, the listening socket stays readable
     /// and the loop would spin: pause accepting for a moment instead.
@@ -185,7 +220,7 @@ public final class ProxyServer: ConnectionOwner {
         evconnlistener_disable(listener)
         let timer = LoopTimer(loop: loop) { [unowned self] in
             acceptRetryTimer = nil
-            guard listenerPaused, !draining, connections.count < settings.maxConnections else { return }
+            guard listenerPaused, !draining else { return }
             listenerPaused = false
             evconnlistener_enable(self.listener)
         }
@@ -330,16 +365,20 @@ public final class ProxyServer: ConnectionOwner {
         }
     }
 
-    /// Tracks a connection made by another one (an intercepted tunnel takes over a client connection).
+    /// Tracks a connection: one just accepted, or one made by another (a tunnel or a TLS session takes a
+    /// client connection over; the old one closes right after, so the count of its address stays the same).
     func adopt(_ connection: any ServerConnection) {
         connections[ObjectIdentifier(connection)] = connection
+        clientCounts[connection.clientAddress, default: 0] += 1
     }
 
     func connectionClosed(_ connection: any ServerConnection) {
-        connections.removeValue(forKey: ObjectIdentifier(connection))
-        if listenerPaused && connections.count < settings.maxConnections && !draining {
-            listenerPaused = false
-            evconnlistener_enable(listener)
+        guard connections.removeValue(forKey: ObjectIdentifier(connection)) != nil else { return }
+        let address = connection.clientAddress
+        if let count = clientCounts[address], count > 1 {
+            clientCounts[address] = count - 1
+        } else {
+            clientCounts.removeValue(forKey: address)
         }
         if draining && connections.isEmpty {
             logger.info("all connections finished; exiting")
@@ -420,6 +459,7 @@ public final class ProxyServer: ConnectionOwner {
                 logger.info("listening on http://\(boundAddress)")
             }
             settings = newSettings
+            admission = Admission(settings: newSettings, fileLimit: fileLimit)
             resolver = Resolver(overrides: newSettings.resolve)
             frontDoor = FrontDoor(
                 settings: newSettings, credentials: credentials, boundAddress: boundAddress, origins: frontDoor.origins)

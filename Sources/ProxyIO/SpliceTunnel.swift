@@ -14,6 +14,7 @@ final class SpliceTunnel: ServerConnection {
     let context: ConnectionContext
     let id: UInt64
     let peer: String
+    let clientAddress: String
     /// How the tunnel is named in its log line: "CONNECT host:port", or the request that was upgraded.
     let label: String
     let status: Int
@@ -53,12 +54,13 @@ final class SpliceTunnel: ServerConnection {
     }
 
     init(
-        context: ConnectionContext, id: UInt64, peer: String, label: String, status: Int, started: Int64,
-        clientFD: Int32, upstreamFD: Int32, toUpstream: [UInt8], toClient: [UInt8]
+        context: ConnectionContext, id: UInt64, peer: String, client: String, label: String, status: Int,
+        started: Int64, clientFD: Int32, upstreamFD: Int32, toUpstream: [UInt8], toClient: [UInt8]
     ) {
         self.context = context
         self.id = id
         self.peer = peer
+        self.clientAddress = client
         self.label = label
         self.status = status
         self.started = started

@@ -43,7 +43,7 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(configuration.proxy.headerTimeout == 30_000)
         #expect(configuration.proxy.shutdownGrace == 10_000)
         #expect(configuration.proxy.headLimits == HTTPHeadLimits())
-        #expect(configuration.proxy.maxConnections == 4096)
+        #expect(configuration.proxy.maxConnections == nil)
         #expect(configuration.proxy.logLevel == .info)
         #expect(configuration.proxy.stateDir == nil)
     }
@@ -65,6 +65,7 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
             max_header_bytes = 1MiB
             max_headers = 200
             max_connections = 100
+            max_connections_per_client = 25
             replay_memory = 2MiB
             replay_spool = 16MiB
             resolve = api.test=127.0.0.1, Git.Test.=::1
@@ -92,9 +93,10 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(proxy.shutdownGrace == 0)
         #expect(proxy.headLimits == HTTPHeadLimits(maxStartLine: 16384, maxHeadBytes: 1 << 20, maxFields: 200))
         #expect(proxy.maxConnections == 100)
+        #expect(proxy.maxConnectionsPerClient == 25)
         #expect(proxy.logLevel == .debug)
         #expect(proxy.stateDir == "/home/ada/state")
-        #expect(ConfigParser.proxyKeys.count == 19)
+        #expect(ConfigParser.proxyKeys.count == 20)
         for key in ConfigParser.proxyKeys {
             #expect(text.contains("\n\(key) = "), "\(key) is not covered")
         }
@@ -359,5 +361,38 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(a != ConfigError(file: "f", line: 1, section: "proxy", key: nil, "one message"))
         #expect(a.description == "f:1: [proxy] k: one message")
         #expect(ConfigError(file: "f", line: nil, "m").description == "f: m")
+    }
+}
+
+@Suite struct AdmissionTests {
+    @Test func limitsComeFromTheOpenFileLimitUnlessSet() {
+        let derived = Admission(settings: ProxySettings(), fileLimit: 20_000)
+        #expect(derived.maxConnections == 9_968 && derived.maxPerClient == 2_492)
+        #expect(Admission(settings: ProxySettings(), fileLimit: 100).maxConnections == 18)
+        #expect(Admission(settings: ProxySettings(), fileLimit: 10).maxConnections == 16)
+        var settings = ProxySettings()
+        settings.maxConnections = 10
+        settings.maxConnectionsPerClient = 50
+        let set = Admission(settings: settings, fileLimit: 20_000)
+        #expect(set.maxConnections == 10 && set.maxPerClient == 10, "per client never above the total")
+    }
+
+    @Test func beyondALimitTheClientIsToldAtOnce() {
+        var settings = ProxySettings()
+        settings.maxConnections = 4
+        settings.maxConnectionsPerClient = 2
+        let admission = Admission(settings: settings, fileLimit: 1_000)
+        #expect(admission.decide(open: 3, fromClient: 1) == nil)
+        #expect(admission.decide(open: 4, fromClient: 0) == .overCapacity(limit: 4))
+        #expect(admission.decide(open: 2, fromClient: 2) == .tooManyFromClient(limit: 2))
+        let response = ProxyAnswer.overCapacity(limit: 4).response
+        #expect(response.status == 503 && response.close)
+        #expect(response.proxyStatus?.error == .connectionLimitReached)
+        #expect(response.extraFields.map(\.name) == ["Retry-After"])
+    }
+
+    @Test func theKeyIsParsed() throws {
+        let configuration = try config("[proxy]\nmax_connections_per_client = 7\n")
+        #expect(configuration.proxy.maxConnectionsPerClient == 7)
     }
 }

@@ -45,8 +45,11 @@ public struct ProxySettings: Sendable, Equatable {
     /// On SIGTERM or SIGINT, open transfers may finish for this long.
     public var shutdownGrace = 10_000
     public var headLimits = HTTPHeadLimits()
-    /// Most client connections open at once; further connections wait in the kernel's backlog.
-    public var maxConnections = 4096
+    /// Most client connections (tunnels included) open at once; nil derives it from the open-file limit
+    /// (`Admission.connections(fileLimit:)`). Beyond it, new clients get 503 at once.
+    public var maxConnections: Int? = nil
+    /// Most connections open at once from one client address; nil is a quarter of `maxConnections`.
+    public var maxConnectionsPerClient: Int? = nil
     public var logLevel = LogLevel.info
     /// Request bodies to protected origins are kept in memory up to this size so they can be replayed.
     public var replayMemory = 1 << 20
@@ -268,6 +271,7 @@ public struct ConfigParser: Sendable {
             case "max_header_bytes": size(1024, 16 << 20) { settings.headLimits.maxHeadBytes = $0 }
             case "max_headers": count(8, 10_000) { settings.headLimits.maxFields = $0 }
             case "max_connections": count(1, 1_000_000) { settings.maxConnections = $0 }
+            case "max_connections_per_client": count(1, 1_000_000) { settings.maxConnectionsPerClient = $0 }
             case "replay_memory": size(0, 1 << 30) { settings.replayMemory = $0 }
             case "replay_spool": size(0, 1 << 40) { settings.replaySpool = $0 }
             case "resolve":
@@ -305,7 +309,8 @@ public struct ConfigParser: Sendable {
     public static let proxyKeys = [
         "listen", "upstream_proxy", "no_upstream_proxy", "proxy_auth_file", "connect_timeout", "idle_timeout",
         "keepalive_timeout", "header_timeout", "shutdown_grace", "max_request_line", "max_header_bytes",
-        "max_headers", "max_connections", "replay_memory", "replay_spool", "resolve", "notify_command", "log_level",
+        "max_headers", "max_connections", "max_connections_per_client", "replay_memory", "replay_spool", "resolve",
+        "notify_command", "log_level",
         "state_dir",
     ]
 }

@@ -17,6 +17,10 @@ public enum ProxyAnswer: Sendable, Equatable {
     case httpsURLInPlainRequest(close: Bool)
     /// The target is this proxy's own listener.
     case loopDetected(HostPort)
+    /// `max_connections` connections are open: a new one is turned away at once.
+    case overCapacity(limit: Int)
+    /// `max_connections_per_client` connections from this address are open.
+    case tooManyFromClient(limit: Int)
 
     // MARK: Reaching the next hop
 
@@ -110,6 +114,23 @@ public enum ProxyAnswer: Sendable, Equatable {
             return ProxyResponse(
                 status: 508, proxyStatus: ProxyStatus(error: .proxyLoopDetected, details: "the target is this proxy"),
                 message: "proxyctl: \(target) is this proxy itself; request the real destination instead", close: true)
+        case .overCapacity(let limit):
+            return ProxyResponse(
+                status: 503,
+                proxyStatus: ProxyStatus(
+                    error: .connectionLimitReached, details: "\(limit) connections are open (max_connections)"),
+                message:
+                    "proxyctl: the proxy has \(limit) connections open, its limit; retry shortly, or raise max_connections",
+                extraFields: [("Retry-After", "1")], close: true)
+        case .tooManyFromClient(let limit):
+            return ProxyResponse(
+                status: 503,
+                proxyStatus: ProxyStatus(
+                    error: .connectionLimitReached,
+                    details: "\(limit) connections from this address are open (max_connections_per_client)"),
+                message:
+                    "proxyctl: this address has \(limit) connections open, its limit; close some, or raise max_connections_per_client",
+                extraFields: [("Retry-After", "1")], close: true)
 
         case .dnsTimeout(let hop, let milliseconds, let viaProxy):
             return Self.nextHop(

@@ -62,7 +62,7 @@ private func checkConfig(_ config: String, lineCount: Int) -> ConfigSummary {
         invariant((256...(1 << 20)).contains(proxy.headLimits.maxStartLine), "max_request_line out of range")
         invariant((1024...(16 << 20)).contains(proxy.headLimits.maxHeadBytes), "max_header_bytes out of range")
         invariant((8...10_000).contains(proxy.headLimits.maxFields), "max_headers out of range")
-        invariant((1...1_000_000).contains(proxy.maxConnections), "max_connections out of range")
+        invariant(proxy.maxConnections.map { (1...1_000_000).contains($0) } ?? true, "max_connections out of range")
         invariant((0...(1 << 30)).contains(proxy.replayMemory), "replay_memory out of range")
         invariant((0...(1 << 40)).contains(proxy.replaySpool), "replay_spool out of range")
         for (host, address) in proxy.resolve {
