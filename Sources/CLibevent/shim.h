@@ -28,6 +28,11 @@
 
 #include <openssl/ssl.h>
 
+#include <linux/netlink.h>
+#include <linux/sock_diag.h>
+#include <linux/inet_diag.h>
+#include <string.h>
+
 // evsignal_new is a function-like macro.
 static inline struct event *proxyctl_evsignal_new(struct event_base *base, int signum,
                                                   event_callback_fn cb, void *arg) {
@@ -69,6 +74,64 @@ static inline int proxyctl_msg_nosignal(void) { return MSG_NOSIGNAL; }
 static inline int proxyctl_set_linger_reset(int fd) {
     struct linger option = {1, 0};
     return setsockopt(fd, SOL_SOCKET, SO_LINGER, &option, sizeof(option));
+}
+
+// The uid owning the other end of the accepted TCP connection `fd` when both ends are on this machine (a
+// loopback client, or one connecting to one of this machine's addresses): a NETLINK_SOCK_DIAG query for
+// the client socket's exact 4-tuple, as ss(8) makes. -1 when it is not known (a remote peer, no netlink).
+// No privilege is needed. IPv4-mapped IPv6 peers are looked up as the IPv4 sockets they are.
+static inline long proxyctl_tcp_peer_uid(int fd) {
+    struct sockaddr_storage local, peer;
+    socklen_t local_length = sizeof local, peer_length = sizeof peer;
+    if (getsockname(fd, (struct sockaddr *)&local, &local_length) != 0) return -1;
+    if (getpeername(fd, (struct sockaddr *)&peer, &peer_length) != 0) return -1;
+    struct { struct nlmsghdr header; struct inet_diag_req_v2 request; } message;
+    memset(&message, 0, sizeof message);
+    message.header.nlmsg_len = sizeof message;
+    message.header.nlmsg_type = SOCK_DIAG_BY_FAMILY;
+    message.header.nlmsg_flags = NLM_F_REQUEST;
+    message.request.sdiag_protocol = IPPROTO_TCP;
+    message.request.idiag_states = ~0U;
+    message.request.id.idiag_cookie[0] = INET_DIAG_NOCOOKIE;
+    message.request.id.idiag_cookie[1] = INET_DIAG_NOCOOKIE;
+    // The client's socket: its source is our peer, its destination our local address.
+    if (local.ss_family == AF_INET) {
+        struct sockaddr_in *l = (struct sockaddr_in *)&local, *p = (struct sockaddr_in *)&peer;
+        message.request.sdiag_family = AF_INET;
+        message.request.id.idiag_sport = p->sin_port;
+        message.request.id.idiag_dport = l->sin_port;
+        memcpy(message.request.id.idiag_src, &p->sin_addr, 4);
+        memcpy(message.request.id.idiag_dst, &l->sin_addr, 4);
+    } else if (local.ss_family == AF_INET6) {
+        struct sockaddr_in6 *l = (struct sockaddr_in6 *)&local, *p = (struct sockaddr_in6 *)&peer;
+        message.request.id.idiag_sport = p->sin6_port;
+        message.request.id.idiag_dport = l->sin6_port;
+        if (IN6_IS_ADDR_V4MAPPED(&p->sin6_addr) && IN6_IS_ADDR_V4MAPPED(&l->sin6_addr)) {
+            message.request.sdiag_family = AF_INET;
+            memcpy(message.request.id.idiag_src, &p->sin6_addr.s6_addr[12], 4);
+            memcpy(message.request.id.idiag_dst, &l->sin6_addr.s6_addr[12], 4);
+        } else {
+            message.request.sdiag_family = AF_INET6;
+            memcpy(message.request.id.idiag_src, &p->sin6_addr, 16);
+            memcpy(message.request.id.idiag_dst, &l->sin6_addr, 16);
+        }
+    } else {
+        return -1;
+    }
+    int link = socket(AF_NETLINK, SOCK_DGRAM | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
+    if (link < 0) return -1;
+    long uid = -1;
+    if (send(link, &message, sizeof message, 0) == (ssize_t)sizeof message) {
+        char answer[1024];
+        ssize_t length = recv(link, answer, sizeof answer, 0);
+        struct nlmsghdr *reply = (struct nlmsghdr *)answer;
+        if (length > 0 && NLMSG_OK(reply, (unsigned)length) && reply->nlmsg_type == SOCK_DIAG_BY_FAMILY) {
+            struct inet_diag_msg *found = (struct inet_diag_msg *)NLMSG_DATA(reply);
+            uid = found->idiag_uid;
+        }
+    }
+    close(link);
+    return uid;
 }
 
 // glibc defines EAI_NODATA (a name with no addresses) only under _GNU_SOURCE, which must not be set

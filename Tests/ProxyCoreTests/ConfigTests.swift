@@ -66,6 +66,8 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
             max_headers = 200
             max_connections = 100
             max_connections_per_client = 25
+            protected_users = any
+            passthrough_users = Owner
             replay_memory = 2MiB
             replay_spool = 16MiB
             resolve = api.test=127.0.0.1, Git.Test.=::1
@@ -94,9 +96,10 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(proxy.headLimits == HTTPHeadLimits(maxStartLine: 16384, maxHeadBytes: 1 << 20, maxFields: 200))
         #expect(proxy.maxConnections == 100)
         #expect(proxy.maxConnectionsPerClient == 25)
+        #expect(proxy.protectedUsers == .any && proxy.passthroughUsers == .owner)
         #expect(proxy.logLevel == .debug)
         #expect(proxy.stateDir == "/home/ada/state")
-        #expect(ConfigParser.proxyKeys.count == 20)
+        #expect(ConfigParser.proxyKeys.count == 22)
         for key in ConfigParser.proxyKeys {
             #expect(text.contains("\n\(key) = "), "\(key) is not covered")
         }

@@ -442,3 +442,79 @@ private func basic(_ userPass: String) -> String { "Basic " + Base64.encode(user
         #expect(try parseHead(bytes, kind: .response).status == 599)
     }
 }
+
+/// `protected_users` and `passthrough_users`: the tokens are the proxy's user's, and loopback is no access
+/// control on a shared machine.
+@Suite struct LocalUserTests {
+    static func door(
+        protected: UserScope = .owner, passthrough: UserScope = .any, credentials: Bool = false
+    )
+        -> FrontDoor
+    {
+        var settings = ProxySettings()
+        settings.protectedUsers = protected
+        settings.passthroughUsers = passthrough
+        var origin = OriginConfig(scheme: "https", authority: HostPort(host: "api.test", port: 443, kind: .name))
+        origin.provider = "corp"
+        return FrontDoor(
+            settings: settings,
+            credentials: credentials ? try! ProxyCredentials.parse("ada:secret\n", file: "users").get() : nil,
+            boundAddress: ListenAddress(host: "127.0.0.1", port: 8080, isIPv6: false), origins: OriginTable([origin]))
+    }
+
+    static let protectedHead = try! parseHead("CONNECT api.test:443 HTTP/1.1\r\nHost: api.test:443\r\n\r\n")
+    static let passthroughHead = try! parseHead("CONNECT other.test:443 HTTP/1.1\r\nHost: other.test:443\r\n\r\n")
+
+    @Test func theOwnerGetsEverything() {
+        #expect(
+            Self.door().decide(Self.protectedHead, peer: .owner) == .interceptTunnel(Self.door().origins.origins[0]))
+        if case .tunnel = Self.door().decide(Self.passthroughHead, peer: .owner) {} else { Issue.record("no tunnel") }
+    }
+
+    @Test func anotherUserGets403ForProtectedOriginsAndPassthroughByDefault() throws {
+        let answer = try #require(
+            {
+                if case .respond(let a) = Self.door().decide(Self.protectedHead, peer: .otherUser(uid: 1001)) {
+                    a
+                } else {
+                    nil
+                }
+            }())
+        let response = answer.response
+        #expect(response.status == 403 && response.close)
+        #expect(response.proxyStatus?.error == .httpRequestDenied)
+        #expect(
+            response.message.contains("not another user (uid 1001)")
+                && response.message.contains("protected_users = any"))
+        if case .tunnel = Self.door().decide(Self.passthroughHead, peer: .otherUser(uid: 1001)) {
+        } else {
+            Issue.record("passthrough stays open to other users by default")
+        }
+        guard
+            case .respond(let denied) = Self.door(passthrough: .owner).decide(
+                Self.passthroughHead, peer: .otherUser(uid: 7))
+        else {
+            Issue.record("passthrough_users = owner lets another user through")
+            return
+        }
+        #expect(denied.response.message.contains("passthrough_users = any"))
+    }
+
+    @Test func anUnknownPeerNeedsTheProxyCredential() {
+        guard case .respond(let answer) = Self.door().decide(Self.protectedHead, peer: .unknown) else {
+            Issue.record("an unidentified peer got the tokens")
+            return
+        }
+        #expect(answer.response.message.contains("a client whose user cannot be told"))
+        let withCredentials = Self.door(credentials: true)
+        let head = try! parseHead(
+            "CONNECT api.test:443 HTTP/1.1\r\nHost: api.test:443\r\nProxy-Authorization: Basic YWRhOnNlY3JldA==\r\n\r\n"
+        )
+        #expect(withCredentials.decide(head, peer: .unknown) == .interceptTunnel(withCredentials.origins.origins[0]))
+    }
+
+    @Test func anyLetsEveryoneIn() {
+        let door = Self.door(protected: .any)
+        #expect(door.decide(Self.protectedHead, peer: .otherUser(uid: 5)) == .interceptTunnel(door.origins.origins[0]))
+    }
+}

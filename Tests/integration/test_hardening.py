@@ -4,10 +4,15 @@ slot, and the limits follow the open-file limit. Each test failed against the pr
 
 from __future__ import annotations
 
+import os
 import resource
+import shutil
 import socket
+import subprocess
 import time
 from pathlib import Path
+
+import pytest
 
 import support
 from support import Reader
@@ -118,3 +123,59 @@ def test_the_connection_limits_follow_the_open_file_limit(proxy):
                    rf"\(open-file limit {hard}\)")
     limits = Path(f"/proc/{proxy.pid}/limits").read_text()
     assert any(line.startswith("Max open files") and f" {hard} " in line for line in limits.splitlines())
+
+
+# MARK: - Other local users (loopback is no access control on a shared machine)
+
+OTHER_USER = "nobody"
+
+
+def as_other_user(*command: str) -> subprocess.CompletedProcess:
+    """Runs `command` as another local user (needs root, as CI and this sandbox have)."""
+    return subprocess.run(["runuser", "-u", OTHER_USER, "--", *command], capture_output=True, text=True,
+                          timeout=60, env=support.clean_env())
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("runuser") is None,
+                                reason="running a client as another user needs root and runuser")
+
+
+def protected_http_config(origin_port: int, **keys: str) -> str:
+    return (support.config(log_level="info", connect_timeout="5s", shutdown_grace="3s", **keys)
+            + "\n[provider corp]\nissuer = https://login.example.test\nclient_id = proxyctl\n\n"
+            + f"[origin http://127.0.0.1:{origin_port}]\nprovider = corp\n")
+
+
+@needs_root
+def test_another_local_user_cannot_use_the_protected_origins(proxy_factory, echo_origin, http_origin):
+    """`su otheruser -c "curl -x ... https://api…/me"` once got the signed-in user's data. Now the proxy asks the
+    kernel who owns the client socket: another user gets 403 for protected origins (the request never reaches
+    the origin), while passthrough stays open to everyone by default."""
+    proxy = proxy_factory(raw_config=protected_http_config(echo_origin.port))
+    protected_url = echo_origin.url("/me")
+    other = as_other_user("curl", "-sS", "-o", "/dev/null", "-D", "-", "-x", proxy.url, protected_url)
+    assert other.returncode == 0, other.stderr
+    assert other.stdout.startswith("HTTP/1.1 403 Forbidden"), other.stdout
+    assert 'Proxy-Status: proxyctl; error=http_request_denied; details="protected origins (and the tokens for them) ' \
+           'serve only the user running proxyctl (protected_users)"' in other.stdout
+    assert not echo_origin.requests_with("/me")
+    # The owner (this test runs as the user the proxy runs as) gets past the user rule: not signed in, 401.
+    owner = subprocess.run(["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "-x", proxy.url, protected_url],
+                           capture_output=True, text=True, timeout=60, env=support.clean_env())
+    assert owner.stdout == "401"
+    # Passthrough is open to other users unless passthrough_users = owner.
+    passthrough = as_other_user("curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "-x", proxy.url,
+                                http_origin.url("/open"))
+    assert passthrough.stdout == "200", passthrough.stderr
+
+
+@needs_root
+def test_passthrough_can_be_kept_to_the_owner_too(proxy_factory, http_origin):
+    proxy = proxy_factory(passthrough_users="owner")
+    other = as_other_user("curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "-x", proxy.url,
+                          http_origin.url("/closed"))
+    assert other.stdout == "403"
+    mine = subprocess.run(["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "-x", proxy.url,
+                           http_origin.url("/mine")], capture_output=True, text=True, timeout=60,
+                          env=support.clean_env())
+    assert mine.stdout == "200"

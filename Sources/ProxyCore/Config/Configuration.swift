@@ -27,6 +27,14 @@ public enum LogLevel: Int, Sendable, Comparable, CaseIterable, CustomStringConve
     public static func < (lhs: Self, rhs: Self) -> Bool { lhs.rawValue < rhs.rawValue }
 }
 
+/// Which local users a part of the proxy serves.
+public enum UserScope: String, Sendable, Equatable {
+    /// Only the user the proxy runs as (the one whose tokens it holds).
+    case owner
+    /// Anyone who can reach the listener.
+    case any
+}
+
 /// The `[proxy]` section: the listener, the way out, timeouts and limits.
 public struct ProxySettings: Sendable, Equatable {
     public var listen = ListenAddress.default
@@ -34,6 +42,11 @@ public struct ProxySettings: Sendable, Equatable {
     public var noUpstreamProxy = BypassList()
     /// File of `user:password` lines; when set, clients must authenticate with Basic.
     public var proxyAuthFile: String? = nil
+    /// Who may use the protected origins (and so the signed-in user's tokens): by default only processes of
+    /// the user the proxy runs as (loopback is no access control on a shared machine).
+    public var protectedUsers = UserScope.owner
+    /// Who may use passthrough (blind tunnels, forwarded plain HTTP).
+    public var passthroughUsers = UserScope.any
     /// DNS resolution plus TCP connect, milliseconds.
     public var connectTimeout = 10_000
     /// A tunnel or a body transfer with no bytes either way for this long is closed.
@@ -262,6 +275,15 @@ public struct ConfigParser: Sendable {
             case "proxy_auth_file":
                 guard !entry.value.isEmpty else { return fail("expected the path of a file of user:password lines") }
                 settings.proxyAuthFile = resolvePath(entry.value)
+            case "protected_users", "passthrough_users":
+                guard let scope = UserScope(rawValue: entry.value.lowercased()) else {
+                    return fail("expected owner or any, \(got())")
+                }
+                if entry.key == "protected_users" {
+                    settings.protectedUsers = scope
+                } else {
+                    settings.passthroughUsers = scope
+                }
             case "connect_timeout": duration { settings.connectTimeout = $0 }
             case "idle_timeout": duration { settings.idleTimeout = $0 }
             case "keepalive_timeout": duration { settings.keepAliveTimeout = $0 }
@@ -307,7 +329,8 @@ public struct ConfigParser: Sendable {
 
     /// Every key of `[proxy]`, in the order of proxy.conf.example.
     public static let proxyKeys = [
-        "listen", "upstream_proxy", "no_upstream_proxy", "proxy_auth_file", "connect_timeout", "idle_timeout",
+        "listen", "upstream_proxy", "no_upstream_proxy", "proxy_auth_file", "protected_users", "passthrough_users",
+        "connect_timeout", "idle_timeout",
         "keepalive_timeout", "header_timeout", "shutdown_grace", "max_request_line", "max_header_bytes",
         "max_headers", "max_connections", "max_connections_per_client", "replay_memory", "replay_spool", "resolve",
         "notify_command", "log_level",

@@ -217,6 +217,8 @@ public struct ConnectionMachine: Sendable {
     public let role: Role
     public let frontDoor: FrontDoor
     let hasLocalCA: Bool
+    /// Who is on the other end (for the front door's user rules).
+    let peer: PeerIdentity
     var state: State
     /// The client closed its sending side; the answer in flight can still go back.
     var clientEOF = false
@@ -234,10 +236,12 @@ public struct ConnectionMachine: Sendable {
     /// - Parameters:
     ///   - frontDoor: the decisions and settings snapshot taken when the connection was accepted.
     ///   - hasLocalCA: whether protected https origins can be intercepted (else they get 502).
-    public init(role: Role, frontDoor: FrontDoor, hasLocalCA: Bool) {
+    ///   - peer: who is on the other end, when the I/O layer could tell.
+    public init(role: Role, frontDoor: FrontDoor, hasLocalCA: Bool, peer: PeerIdentity = .owner) {
         self.role = role
         self.frontDoor = frontDoor
         self.hasLocalCA = hasLocalCA
+        self.peer = peer
         switch role {
         case .frontDoor:
             state = .readingHead(ReadingHead(parser: Self.requestParser(frontDoor), deadlineArmed: true, kept: nil))
@@ -461,7 +465,7 @@ public struct ConnectionMachine: Sendable {
     }
 
     private mutating func decide(_ head: HTTPHead, kept: HostPort?, _ out: inout [Action]) {
-        switch frontDoor.decide(head) {
+        switch frontDoor.decide(head, peer: peer) {
         case .respond(let answer):
             var line = "\(head.method) \(LogText.target(head.target)) status=\(answer.status) answered-by=proxyctl"
             if let details = answer.response.proxyStatus?.details { line += " reason=\"\(details)\"" }

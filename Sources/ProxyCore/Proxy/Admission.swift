@@ -33,3 +33,23 @@ public struct Admission: Sendable, Equatable {
         return nil
     }
 }
+
+/// Who is on the other end of a client connection, as far as the machine can tell.
+public enum PeerIdentity: Sendable, Equatable {
+    /// A process of the user the proxy runs as.
+    case owner
+    /// A process of another user of this machine.
+    case otherUser(uid: Int)
+    /// Not known: a peer on another machine, or a lookup that failed.
+    case unknown
+
+    /// Whether `scope` admits this peer. An unknown peer is admitted only where `proxy_auth_file` makes every
+    /// client authenticate (a listener beyond loopback requires it): the credential is then the control.
+    public func admitted(by scope: UserScope, authenticated: Bool) -> Bool {
+        switch (scope, self) {
+        case (.any, _), (.owner, .owner): true
+        case (.owner, .otherUser): false
+        case (.owner, .unknown): authenticated
+        }
+    }
+}

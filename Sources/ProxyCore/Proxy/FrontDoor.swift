@@ -43,7 +43,27 @@ public struct FrontDoor: Sendable {
         self.origins = origins
     }
 
-    public func decide(_ head: HTTPHead) -> FrontDoorDecision {
+    /// - Parameter peer: who is on the other end, for `protected_users` and `passthrough_users`.
+    public func decide(_ head: HTTPHead, peer: PeerIdentity = .owner) -> FrontDoorDecision {
+        let decision = route(head)
+        // Local users: the tokens are the proxy's user's; loopback is no access control on a shared machine.
+        let authenticated = credentials != nil
+        switch decision {
+        case .interceptTunnel, .interceptRequest:
+            if !peer.admitted(by: settings.protectedUsers, authenticated: authenticated) {
+                return .respond(.notForThisUser(peer, protected: true))
+            }
+        case .tunnel, .forward:
+            if !peer.admitted(by: settings.passthroughUsers, authenticated: authenticated) {
+                return .respond(.notForThisUser(peer, protected: false))
+            }
+        case .respond:
+            break
+        }
+        return decision
+    }
+
+    private func route(_ head: HTTPHead) -> FrontDoorDecision {
         let semantics: RequestSemantics
         switch MessageSemantics.request(head) {
         case .failure(let error): return .respond(.badRequest(error))

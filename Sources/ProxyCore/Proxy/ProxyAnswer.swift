@@ -17,6 +17,9 @@ public enum ProxyAnswer: Sendable, Equatable {
     case httpsURLInPlainRequest(close: Bool)
     /// The target is this proxy's own listener.
     case loopDetected(HostPort)
+    /// A local user other than the proxy's (or one the proxy cannot identify) asked for what the settings keep
+    /// for the proxy's own user: a protected origin (`protected: true`, its tokens) or passthrough.
+    case notForThisUser(PeerIdentity, protected: Bool)
     /// `max_connections` connections are open: a new one is turned away at once.
     case overCapacity(limit: Int)
     /// `max_connections_per_client` connections from this address are open.
@@ -114,6 +117,22 @@ public enum ProxyAnswer: Sendable, Equatable {
             return ProxyResponse(
                 status: 508, proxyStatus: ProxyStatus(error: .proxyLoopDetected, details: "the target is this proxy"),
                 message: "proxyctl: \(target) is this proxy itself; request the real destination instead", close: true)
+        case .notForThisUser(let peer, let protected):
+            let who: String
+            switch peer {
+            case .otherUser(let uid): who = "another user (uid \(uid))"
+            case .unknown: who = "a client whose user cannot be told"
+            case .owner: who = "this user"
+            }
+            let what = protected ? "protected origins (and the tokens for them)" : "this proxy"
+            let key = protected ? "protected_users" : "passthrough_users"
+            return ProxyResponse(
+                status: 403,
+                proxyStatus: ProxyStatus(
+                    error: .httpRequestDenied, details: "\(what) serve only the user running proxyctl (\(key))"),
+                message:
+                    "proxyctl: \(what) serve only the user who runs this proxy, not \(who); run your own proxyctl, or set \(key) = any",
+                close: true)
         case .overCapacity(let limit):
             return ProxyResponse(
                 status: 503,
