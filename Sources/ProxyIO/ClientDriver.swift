@@ -378,7 +378,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
         switch result {
         case .success(let found):
             addresses = found
-            handle(.resolved(.addresses(found.count)))
+            handle(.resolved(.addresses(found.map(\.ipString))))
         case .failure(.notFound):
             handle(.resolved(.notFound))
         case .failure(.temporary(let reason)):

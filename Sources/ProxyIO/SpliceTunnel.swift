@@ -166,7 +166,7 @@ final class SpliceTunnel: ServerConnection {
                 releasePipe(direction)
                 return copy(direction)
             default:
-                return finish(reason: "connection error")
+                return broke(direction.source, passTo: direction.destination)
             }
         }
     }
@@ -187,7 +187,7 @@ final class SpliceTunnel: ServerConnection {
                 setWriting(direction, true)
                 return
             }
-            return finish(reason: "connection error")
+            return broke(direction.destination, passTo: direction.source)
         }
         if !direction.head.isEmpty {
             direction.head = []
@@ -205,7 +205,7 @@ final class SpliceTunnel: ServerConnection {
                 setWriting(direction, true)
                 return
             }
-            return finish(reason: "connection error")
+            return broke(direction.destination, passTo: direction.source)
         }
         releasePipe(direction)
         setWriting(direction, false)
@@ -231,7 +231,7 @@ final class SpliceTunnel: ServerConnection {
         } else if count == 0 {
             sourceEnded(direction)
         } else if proxyctl_errno() != EAGAIN && proxyctl_errno() != EINTR {
-            finish(reason: "connection error")
+            broke(direction.source, passTo: direction.destination)
         }
     }
 
@@ -255,6 +255,17 @@ final class SpliceTunnel: ServerConnection {
         guard direction.inPipe == 0, let pipe = direction.pipe else { return }
         direction.pipe = nil
         context.pipes.give(pipe)
+    }
+
+    /// One side's connection broke (reset, or another error): the other side gets a reset too, so that it
+    /// does not take a cut stream for a complete one (a clean close would look like the end of a
+    /// read-until-close body).
+    private func broke(_ fd: Int32, passTo other: Int32) {
+        let code = proxyctl_errno()
+        proxyctl_set_linger_reset(other)
+        finish(
+            reason: fd == clientFD
+                ? "client connection error" : "upstream connection error: \(String(cString: strerror(code)))")
     }
 
     private func finish(reason: String?) {

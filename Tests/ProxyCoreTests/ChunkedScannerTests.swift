@@ -103,13 +103,19 @@ private func scan(_ text: String) -> ScanResult { scan([text.bytes]) }
     }
 
     @Test func largestChunkSize() {
-        // 16 hex digits: the largest size a UInt64 holds.
+        // 2^63 - 1: the largest size a next hop with signed 64-bit lengths reads the same way.
         var scanner = ChunkedScanner()
-        #expect(scanner.scan("FFFFFFFFFFFFFFFF\r\n".bytes) == .needMore)
-        #expect(scanner.pendingData == UInt64.max)
+        #expect(scanner.scan("7FFFFFFFFFFFFFFF\r\n".bytes) == .needMore)
+        #expect(scanner.pendingData == UInt64(Int64.max))
         #expect(scanner.scan([UInt8](repeating: 0x61, count: 4096)) == .needMore)
-        #expect(scanner.pendingData == UInt64.max - 4096)
+        #expect(scanner.pendingData == UInt64(Int64.max) - 4096)
         #expect(scanner.dataBytes == 4096)
+        for tooLarge in ["8000000000000000\r\n", "FFFFFFFFFFFFFFFF\r\n", "00000000000000000008000000000000000\r\n"] {
+            var refused = ChunkedScanner()
+            #expect(
+                refused.scan(tooLarge.bytes) == .failed(HTTPParseError(.badChunk, "chunk size too large")),
+                "\(tooLarge)")
+        }
     }
 
     @Test func largeChunkPassesWithoutFalseFraming() {

@@ -15,7 +15,7 @@ import Testing
         p.client(Self.get)
         #expect(p.next() == [.resolve(hop("o.test:80"))])
         #expect(p.timers[.connect] != nil && p.timers[.head] == nil)
-        p.event(.resolved(.addresses(1)))
+        p.event(.resolved(.addresses(Playbook.addresses(1))))
         #expect(p.next() == [.connect(address: 0)])
         p.event(.upstreamConnected)
         #expect(p.upstreamGot() == "GET /a HTTP/1.1\nHost: o.test\n\n".crlf)
@@ -335,7 +335,7 @@ import Testing
     @Test func triesEachAddressThenAnswersWithTheLastFailure() {
         var p = Playbook.frontDoor()
         p.client("CONNECT b.test:443 HTTP/1.1\nHost: b.test:443\n\n".crlf)
-        p.event(.resolved(.addresses(2)))
+        p.event(.resolved(.addresses(Playbook.addresses(2))))
         p.event(.upstreamConnectFailed(.other(reason: "No route to host")))
         p.event(.upstreamConnectFailed(.refused))
         #expect(p.connects == [0, 1])
@@ -360,13 +360,13 @@ import Testing
         var q = Playbook.frontDoor()
         q.client("CONNECT slow.test:443 HTTP/1.1\nHost: slow.test:443\n\n".crlf)
         _ = q.next()
-        q.event(.resolved(.addresses(1)))
+        q.event(.resolved(.addresses(Playbook.addresses(1))))
         q.wait(5_000)
         #expect(
             q.clientGot().hasPrefix("HTTP/1.1 504 Gateway Timeout\r\nProxy-Status: proxyctl; error=connection_timeout"))
         #expect(q.next() == [.connect(address: 0), .closeUpstream, .closeAfterFlush])
         // A late answer of the resolver changes nothing.
-        q.event(.resolved(.addresses(1)))
+        q.event(.resolved(.addresses(Playbook.addresses(1))))
         #expect(q.next() == [])
     }
 }
@@ -526,5 +526,72 @@ enum Origins {
         var origin = OriginConfig(scheme: "http", authority: hop("127.0.0.1:9000"))
         origin.provider = "corp"
         return origin
+    }
+}
+
+/// Requests that would come back to the proxy itself: 508 before anything is connected.
+@Suite struct LoopPlaybooks {
+    @Test(arguments: ["[::ffff:127.0.0.1]:8080", "[::ffff:7f00:1]:8080", "127.0.0.1:8080", "0.0.0.0:8080"])
+    func anAddressOfTheListenerIsALoop(target: String) {
+        var p = Playbook.frontDoor()
+        p.client("CONNECT \(target) HTTP/1.1\r\nHost: \(target)\r\n\r\n")
+        #expect(
+            p.clientGot().hasPrefix("HTTP/1.1 508 Loop Detected\r\nProxy-Status: proxyctl; error=proxy_loop_detected"))
+        #expect(p.next() == [.closeAfterFlush])
+    }
+
+    @Test func aNameThatResolvesToTheListenerIsALoop() {
+        var p = Playbook.frontDoor()
+        p.client("CONNECT alias.test:8080 HTTP/1.1\r\nHost: alias.test:8080\r\n\r\n")
+        p.event(.resolved(.addresses(["192.0.2.7", "::ffff:127.0.0.1"])))
+        #expect(p.clientGot().hasPrefix("HTTP/1.1 508 Loop Detected"))
+        #expect(p.connects.isEmpty)
+        #expect(p.lastLog.contains("alias.test:8080 resolves to this proxy"))
+        var other = Playbook.frontDoor()
+        other.client("CONNECT alias.test:9090 HTTP/1.1\r\nHost: alias.test:9090\r\n\r\n")
+        other.event(.resolved(.addresses(["127.0.0.1"])))
+        #expect(other.connects == [0], "another port of the same address is no loop")
+    }
+}
+
+/// Framing values and trailers that two hops could read differently.
+@Suite struct FramingLimitPlaybooks {
+    @Test func aContentLengthBeyondTwoToTheSixtyThreeIsRefused() {
+        var p = Playbook.frontDoor()
+        p.client("POST http://o.test/ HTTP/1.1\r\nHost: o.test\r\nContent-Length: 9223372036854775808\r\n\r\n")
+        #expect(p.clientGot().contains("Content-Length too large"))
+        var ok = Playbook.frontDoor()
+        ok.client("POST http://o.test/ HTTP/1.1\r\nHost: o.test\r\nContent-Length: 9223372036854775807\r\n\r\n")
+        #expect(ok.next() == [.resolve(hop("o.test:80"))])
+    }
+
+    @Test func aChunkSizeBeyondTwoToTheSixtyThreeIsRefused() {
+        var p = Playbook.frontDoor()
+        p.client("POST http://o.test/u HTTP/1.1\r\nHost: o.test\r\nTransfer-Encoding: chunked\r\n\r\n")
+        p.connectUpstream()
+        _ = (p.next(), p.upstreamGot())
+        p.client("8000000000000000\r\n")
+        #expect(p.clientGot().contains("chunk size too large"))
+        var ok = Playbook.frontDoor()
+        ok.client("POST http://o.test/u HTTP/1.1\r\nHost: o.test\r\nTransfer-Encoding: chunked\r\n\r\n")
+        ok.connectUpstream()
+        _ = ok.upstreamGot()
+        ok.client("7fffffffffffffff\r\nabc")
+        #expect(ok.upstreamGot() == "7fffffffffffffff\r\nabc")
+    }
+
+    @Test func framingAndRoutingFieldsInATrailerAreDropped() {
+        var p = Playbook.frontDoor()
+        p.client("POST http://o.test/u HTTP/1.1\r\nHost: o.test\r\nTransfer-Encoding: chunked\r\n\r\n")
+        p.connectUpstream()
+        _ = p.upstreamGot()
+        p.client("3\r\nabc\r\n0\r\nX-Sum: 1\r\nContent-Length: 5\r\n")
+        #expect(p.upstreamGot() == "3\r\nabc\r\n0\r\n", "the trailer section waits until it is complete")
+        p.client("content-length: 9\r\nProxy-Authorization: Basic eA==\r\nX-End: 2\r\n\r\n")
+        #expect(p.upstreamGot() == "X-Sum: 1\r\nX-End: 2\r\n\r\n")
+        p.upstream(
+            "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\nHost: evil.test\r\nX-T: 1\r\n\r\n")
+        #expect(p.clientGot() == "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\nX-T: 1\r\n\r\n")
+        #expect(p.machine.isIdle)
     }
 }

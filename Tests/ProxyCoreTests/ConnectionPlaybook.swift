@@ -101,9 +101,12 @@ struct Playbook {
         event(.upstreamData)
     }
 
+    /// `count` addresses of the next hop (none of them the proxy's own).
+    static func addresses(_ count: Int) -> [String] { (0..<count).map { "192.0.2.\($0 + 1)" } }
+
     /// The next hop resolves to `count` addresses and the first connect succeeds.
     mutating func connectUpstream(addresses count: Int = 1) {
-        event(.resolved(.addresses(count)))
+        event(.resolved(.addresses(Self.addresses(count))))
         event(.upstreamConnected)
     }
 

@@ -313,7 +313,7 @@ import Testing
         ("post", { $0.client("POST http://o.test/p HTTP/1.1\r\nHost: o.test\r\nContent-Length: 1\r\n\r\nx") }),
         ("connect", { $0.client("CONNECT b.test:443 HTTP/1.1\r\n\r\n") }),
         ("protected", { $0.client("GET /x HTTP/1.1\r\nHost: api.test\r\n\r\n") }),
-        ("resolved", { $0.event(.resolved(.addresses(2))) }),
+        ("resolved", { $0.event(.resolved(.addresses(Playbook.addresses(2)))) }),
         ("connected", { if $0.upstreamOpen { $0.event(.upstreamConnected) } }),
         ("refused", { if $0.upstreamOpen { $0.event(.upstreamConnectFailed(.refused)) } }),
         ("response", { if $0.upstreamOpen { $0.upstream(ForwardingPlaybooks.ok) } }),

@@ -202,8 +202,14 @@ private func droppedNames(_ semantics: RequestSemantics, _ head: HTTPHead) -> [S
         let (zero, _) = try acceptedRequest("POST http://a/ HTTP/1.1", "Host: a", "Content-Length: 0")
         #expect(zero.framing == .none)
         let (big, _) = try acceptedRequest(
-            "POST http://a/ HTTP/1.1", "Host: a", "Content-Length: 9999999999999999999")
-        #expect(big.framing == .contentLength(9_999_999_999_999_999_999))
+            "POST http://a/ HTTP/1.1", "Host: a", "Content-Length: 9223372036854775807")
+        #expect(big.framing == .contentLength(UInt64(Int64.max)))
+        let head = try parseHead("POST http://a/ HTTP/1.1\r\nHost: a\r\nContent-Length: 9223372036854775808\r\n\r\n")
+        guard case .failure(let error) = MessageSemantics.request(head) else {
+            Issue.record("a Content-Length beyond 2^63 - 1 was accepted")
+            return
+        }
+        #expect(error.reason == "Content-Length too large")
     }
 
     @Test(arguments: [

@@ -189,3 +189,90 @@ def test_a_protected_http_origin_without_sign_in_is_401_naming_the_login(proxy_f
     assert answer.status == 401
     assert "run proxyctl login corp" in answer.header("proxy-status")
     assert not echo_origin.requests_with(f"/data/{tag}")
+
+
+# MARK: - Resets and trailers
+
+
+class ResettingOrigin:
+    """Accepts a connection, reads what comes, sends `payload`, then resets the connection (SO_LINGER 0)."""
+
+    def __init__(self, payload: bytes):
+        self.payload = payload
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(8)
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def authority(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            sock.settimeout(5)
+            try:
+                sock.recv(65536)
+                sock.sendall(self.payload)
+                time.sleep(0.2)
+            except OSError:
+                pass
+            support.reset_close(sock)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def read_until_end(sock: socket.socket) -> tuple[bytes, str]:
+    """Everything the socket delivers, and how it ended: "eof" (a clean close) or "reset"."""
+    data = b""
+    sock.settimeout(10)
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            return data, "reset"
+        if not chunk:
+            return data, "eof"
+        data += chunk
+
+
+def test_an_origin_reset_reaches_the_client_of_a_tunnel_as_a_reset(proxy):
+    origin = ResettingOrigin(b"some bytes")
+    try:
+        sock, _, answer = support.open_tunnel(proxy.port, origin.authority)
+        assert answer.status == 200
+        with sock:
+            sock.sendall(b"hello")
+            data, end = read_until_end(sock)
+        assert data == b"some bytes"
+        assert end == "reset", "a reset upstream reached the client as a clean close"
+    finally:
+        origin.close()
+
+
+def test_a_read_until_close_body_cut_by_a_reset_is_not_taken_for_complete(proxy, curl):
+    """A response framed by the close, then a reset: curl must fail (it once exited 0 with a cut body)."""
+    origin = ResettingOrigin(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\npartial body")
+    try:
+        result = curl("-x", proxy.url, f"http://{origin.authority}/cut")
+        assert result.returncode != 0, "curl took a body cut by a reset for a complete one"
+        assert b"reset" in result.stderr.lower() or result.returncode in (18, 56), result.stderr
+    finally:
+        origin.close()
+
+
+def test_framing_and_routing_fields_in_a_trailer_do_not_travel(proxy, echo_origin):
+    tag = token()
+    body = (b"5\r\nhello\r\n0\r\nX-Checksum: abc\r\nContent-Length: 999\r\nHost: evil.test\r\n"
+            b"Proxy-Authorization: Basic c2VjcmV0\r\nX-After: 1\r\n\r\n")
+    with proxy.connect() as sock:
+        sock.sendall(request("POST", echo_origin, f"/trailer/{tag}", "Transfer-Encoding: chunked\r\n") + body)
+        assert Reader(sock).read_response().status == 200
+    received = echo_origin.wait_request(f"/trailer/{tag}")
+    assert received.body == b"5\r\nhello\r\n0\r\nX-Checksum: abc\r\nX-After: 1\r\n\r\n"

@@ -40,16 +40,27 @@ extension ByteView {
     }
 }
 
+/// What becomes of the next bytes of a body passed on: moved on unchanged, or dropped (a trailer line that
+/// must not travel).
+public enum BodySpan: Sendable, Equatable {
+    case pass(Int)
+    case drop(Int)
+}
+
 /// How far a body passed on unchanged has got, following its framing (RFC 9112 §6.3): by count for
 /// Content-Length, by `ChunkedScanner` for chunked bodies (chunk data is counted, not looked at), or
-/// everything until the sender closes. It decides how many bytes of a view belong to the body; moving them
-/// is the I/O layer's job.
+/// everything until the sender closes. It decides what the bytes of a view are (body to pass on, a trailer
+/// line to drop); moving them is the I/O layer's job. A chunked body's trailer section is held back until it
+/// is complete (at most `ChunkedScanner.maxTrailers` bytes), so that forbidden trailer lines can be left out.
 public struct BodyProgress: Sendable {
     public private(set) var framing: BodyFraming
     private var remaining: UInt64 = 0
     private var chunks: ChunkedScanner?
     /// A read-until-close body ended (the sender closed).
     private var closed = false
+    /// Chunked: body bytes already given out as spans (the scanner's `position` runs ahead while a trailer
+    /// section is held back).
+    private var released: UInt64 = 0
 
     public init(_ framing: BodyFraming) {
         self.framing = framing
@@ -65,7 +76,7 @@ public struct BodyProgress: Sendable {
         switch framing {
         case .none: true
         case .contentLength: remaining == 0
-        case .chunked: chunks?.isFinished ?? true
+        case .chunked: (chunks?.isFinished ?? true) && released == chunks?.position ?? 0
         case .untilClose: closed
         }
     }
@@ -73,51 +84,70 @@ public struct BodyProgress: Sendable {
     /// The sender closed: the end of a read-until-close body.
     public mutating func senderClosed() { closed = true }
 
-    /// How many bytes of `view`, from `offset` on, belong to the body; they count as passed on. A framing
-    /// error in a chunked body fails.
-    public mutating func take(from view: some ByteView, at offset: Int) -> Result<Int, HTTPParseError> {
-        var taken = 0
-        while !isComplete {
-            let available = view.count - offset - taken
-            if available <= 0 { break }
-            switch framing {
-            case .none:
-                return .success(taken)
-            case .untilClose:
-                taken += available
-            case .contentLength:
-                let count = Int(min(remaining, UInt64(available)))
-                remaining -= UInt64(count)
-                taken += count
-            case .chunked:
-                var scanner = chunks!
-                if scanner.pendingData > 0 {
-                    let count = Int(min(scanner.pendingData, UInt64(available)))
-                    scanner.skipData(count)
-                    taken += count
-                } else {
-                    var failure: HTTPParseError? = nil
-                    var count = 0
-                    view.forEachSegment(from: offset + taken) { segment in
-                        switch scanner.scan(segment) {
-                        case .needMore:
-                            count += segment.count
-                            return scanner.pendingData == 0
-                        case .done(let consumed):
-                            count += consumed
-                            return false
-                        case .failed(let error):
-                            failure = error
-                            return false
-                        }
-                    }
-                    chunks = scanner
-                    if let failure { return .failure(failure) }
-                    taken += count
-                }
-                chunks = scanner
-            }
+    /// What the bytes of `view` from `offset` on are: spans appended to `spans`, in order. A framing error
+    /// in a chunked body fails.
+    public mutating func take(
+        from view: some ByteView, at offset: Int, into spans: inout [BodySpan]
+    ) -> HTTPParseError? {
+        switch framing {
+        case .none:
+            return nil
+        case .untilClose:
+            if !closed && view.count > offset { spans.append(.pass(view.count - offset)) }
+            return nil
+        case .contentLength:
+            let count = Int(min(remaining, UInt64(max(0, view.count - offset))))
+            remaining -= UInt64(count)
+            if count > 0 { spans.append(.pass(count)) }
+            return nil
+        case .chunked:
+            return takeChunked(from: view, at: offset, into: &spans)
         }
-        return .success(taken)
+    }
+
+    private mutating func takeChunked(
+        from view: some ByteView, at offset: Int, into spans: inout [BodySpan]
+    ) -> HTTPParseError? {
+        var scanner = chunks!
+        // Bytes of the view the scanner has seen already (a trailer section held back).
+        let held = Int(scanner.position - released)
+        var cursor = offset + held
+        var failure: HTTPParseError? = nil
+        while !scanner.isFinished && cursor < view.count && failure == nil {
+            if scanner.pendingData > 0 {
+                let count = Int(min(scanner.pendingData, UInt64(view.count - cursor)))
+                scanner.skipData(count)
+                cursor += count
+                continue
+            }
+            var scanned = 0
+            view.forEachSegment(from: cursor) { segment in
+                switch scanner.scan(segment) {
+                case .needMore:
+                    scanned += segment.count
+                    return scanner.pendingData == 0
+                case .done(let consumed):
+                    scanned += consumed
+                    return false
+                case .failed(let error):
+                    failure = error
+                    return false
+                }
+            }
+            cursor += scanned
+        }
+        chunks = scanner
+        if let failure { return failure }
+        // Release what may go: everything before the trailer section, and the section once it is complete.
+        let releasable = scanner.isFinished ? scanner.position : min(scanner.position, scanner.trailerStart ?? .max)
+        var next = released
+        for line in scanner.droppedTrailers where line.lowerBound >= released && scanner.isFinished {
+            if line.lowerBound > next { spans.append(.pass(Int(line.lowerBound - next))) }
+            spans.append(.drop(line.count))
+            next = line.upperBound
+        }
+        if releasable > next { spans.append(.pass(Int(releasable - next))) }
+        released = max(released, releasable)
+        return nil
     }
 }

@@ -12,8 +12,20 @@ extension ConnectionMachine {
     mutating func resolved(_ outcome: ResolveOutcome, _ out: inout [Action]) {
         guard case .connecting(var connecting) = state, connecting.addresses == nil else { return }
         switch outcome {
-        case .addresses(let count) where count > 0:
-            connecting.addresses = count
+        case .addresses(let found) where !found.isEmpty:
+            // A name (or an alias of an address) that leads back to this proxy would loop.
+            if found.contains(where: { frontDoor.isLoop(HostPort(host: $0, port: connecting.hop.port, kind: .name)) }) {
+                out.append(
+                    .log(
+                        LogLine(
+                            .info,
+                            "\(connecting.logTarget) status=508 error=proxy_loop_detected reason=\"\(connecting.hop) resolves to this proxy\""
+                        )))
+                leaveUpstream(&out)
+                respond(.loopDetected(connecting.hop), headRequest: false, &out)
+                return
+            }
+            connecting.addresses = found.count
             state = .connecting(connecting)
             tryNextAddress(&out)
         case .addresses, .notFound:
@@ -172,8 +184,8 @@ extension ConnectionMachine {
             if client.count - clientOffset > settings.headLimits.maxHeadBytes { out.append(.readClient(false)) }
             return
         }
-        switch forwarding.request.take(from: client, at: clientOffset) {
-        case .failure(let error):
+        spans.removeAll(keepingCapacity: true)
+        if let error = forwarding.request.take(from: client, at: clientOffset, into: &spans) {
             out.append(.log(LogLine(.info, "bad request body reason=\"\(error.reason)\"")))
             if forwarding.clientSawResponse {
                 abort(reason: "malformed request body", &out)
@@ -181,14 +193,20 @@ extension ConnectionMachine {
                 leaveUpstream(&out)
                 respond(.badRequest(error), headRequest: false, &out)
             }
-        case .success(let count):
-            if count > 0 {
-                out.append(.moveClientToUpstream(count))
-                clientOffset += count
-                forwarding.bytesUp += count
-            }
-            state = .forwarding(forwarding)
+            return
         }
+        for span in spans {
+            switch span {
+            case .pass(let count):
+                out.append(.moveClientToUpstream(count))
+                forwarding.bytesUp += count
+                clientOffset += count
+            case .drop(let count):
+                out.append(.consumeClient(count))
+                clientOffset += count
+            }
+        }
+        state = .forwarding(forwarding)
     }
 
     /// Reads the response head, then passes the body on.
@@ -272,16 +290,21 @@ extension ConnectionMachine {
             }
         }
         var body = forwarding.response!
-        switch body.take(from: upstream, at: upstreamOffset) {
-        case .failure(let error):
+        spans.removeAll(keepingCapacity: true)
+        if let error = body.take(from: upstream, at: upstreamOffset, into: &spans) {
             forwarding.response = body
             state = .forwarding(forwarding)
             return badResponse(.invalidResponse(forwarding.hop, reason: error.reason), &out)
-        case .success(let count):
-            if count > 0 {
+        }
+        for span in spans {
+            switch span {
+            case .pass(let count):
                 out.append(.moveUpstreamToClient(count))
-                upstreamOffset += count
                 forwarding.bytesDown += count
+                upstreamOffset += count
+            case .drop(let count):
+                out.append(.consumeUpstream(count))
+                upstreamOffset += count
             }
         }
         forwarding.response = body

@@ -232,6 +232,8 @@ public struct ConnectionMachine: Sendable {
     /// being handled (the views do not change until the actions run).
     var clientOffset = 0
     var upstreamOffset = 0
+    /// Scratch space for `BodyProgress.take` (kept to avoid an allocation per read).
+    var spans: [BodySpan] = []
 
     /// - Parameters:
     ///   - frontDoor: the decisions and settings snapshot taken when the connection was accepted.

@@ -15,8 +15,8 @@ public enum ConnectionTimer: Sendable, Equatable, Hashable, CaseIterable {
 
 /// The answer of the resolver for the next hop.
 public enum ResolveOutcome: Sendable, Equatable {
-    /// `count` addresses, tried in order.
-    case addresses(Int)
+    /// The addresses (IP text), tried in order.
+    case addresses([String])
     case notFound
     case failed(reason: String)
 }

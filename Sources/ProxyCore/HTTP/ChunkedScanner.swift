@@ -48,6 +48,23 @@ public struct ChunkedScanner: Sendable {
     private var trailerBytes = 0
     /// Total chunk data bytes seen, for logs and limits.
     public private(set) var dataBytes: UInt64 = 0
+    /// Bytes of the body scanned or skipped so far.
+    public private(set) var position: UInt64 = 0
+    /// Where the trailer section starts (just after the last chunk's size line), once it has.
+    public private(set) var trailerStart: UInt64?
+    /// Trailer lines a forwarder must drop, as ranges of body positions (line terminator included).
+    public private(set) var droppedTrailers: [Range<UInt64>] = []
+    private var trailerLineStart: UInt64 = 0
+    private var trailerName: [UInt8] = []
+
+    /// Fields that must not come in a trailer (RFC 9110 §6.5.1): framing, routing and hop-by-hop fields, and
+    /// the proxy's own credentials. A later hop that merged them into the head could read another framing
+    /// or target than this proxy checked, so they are not passed on.
+    static let forbiddenTrailers: Set<[UInt8]> = Set(
+        [
+            "content-length", "transfer-encoding", "host", "trailer", "connection", "proxy-connection",
+            "keep-alive", "te", "upgrade", "proxy-authorization",
+        ].map { Array($0.utf8) })
 
     public init() {}
 
@@ -65,6 +82,7 @@ public struct ChunkedScanner: Sendable {
             preconditionFailure("skipData beyond the current chunk")
         }
         dataBytes += UInt64(count)
+        position += UInt64(count)
         state = remaining == UInt64(count) ? .dataCR : .data(remaining: remaining - UInt64(count))
     }
 
@@ -105,11 +123,13 @@ public struct ChunkedScanner: Sendable {
 
     /// One framing byte. Returns an error, or nil to go on.
     private mutating func step(_ byte: UInt8) -> HTTPParseError? {
+        position += 1
         switch state {
         case .size(let digits, let value):
             lineLength += 1
             if let hex = ASCII.hexValue(byte) {
-                guard digits < 16 else { return fail("chunk size too large") }
+                // Sizes beyond 2^63 - 1 are refused: a next hop with signed 64-bit lengths would read another one.
+                guard digits < 16, value <= UInt64(Int64.max) >> 4 else { return fail("chunk size too large") }
                 state = .size(digits: digits + 1, value: value << 4 | UInt64(hex))
             } else if digits == 0 {
                 return fail("chunk size is not hexadecimal")
@@ -144,7 +164,13 @@ public struct ChunkedScanner: Sendable {
         case .sizeLF(let value):
             guard byte == ASCII.lf else { return fail("chunk size line not ended by CRLF") }
             lineLength = 0
-            state = value == 0 ? .trailerLineStart : .data(remaining: value)
+            if value == 0 {
+                state = .trailerLineStart
+                trailerStart = position
+                trailerLineStart = position
+            } else {
+                state = .data(remaining: value)
+            }
         case .data:
             preconditionFailure("data is skipped, not stepped")
         case .dataCR:
@@ -160,6 +186,7 @@ public struct ChunkedScanner: Sendable {
             } else if byte == ASCII.space || byte == ASCII.tab || !ASCII.tchar[Int(byte)] {
                 return fail("malformed trailer field")
             } else {
+                trailerName = [ASCII.lower(byte)]
                 state = .trailerName
             }
         case .trailerName:
@@ -170,6 +197,8 @@ public struct ChunkedScanner: Sendable {
                 state = .trailerLine
             } else if !ASCII.tchar[Int(byte)] {
                 return fail("malformed trailer field name")
+            } else if trailerName.count < 32 {
+                trailerName.append(ASCII.lower(byte))
             }
         case .trailerLine:
             trailerBytes += 1
@@ -182,6 +211,10 @@ public struct ChunkedScanner: Sendable {
         case .trailerLF(let final):
             trailerBytes += 1
             guard byte == ASCII.lf else { return fail("trailer line not ended by CRLF") }
+            if !final && Self.forbiddenTrailers.contains(trailerName) {
+                droppedTrailers.append(trailerLineStart..<position)
+            }
+            trailerLineStart = position
             state = final ? .finished : .trailerLineStart
         case .finished:
             preconditionFailure("scanning past the end of a chunked body")

@@ -96,6 +96,12 @@ public enum IPAddress: Sendable, Hashable {
         return (high, low)
     }
 
+    /// An IPv4-mapped IPv6 address (`::ffff:127.0.0.1`) as the IPv4 address it is; others unchanged.
+    public var unmapped: IPAddress {
+        if case .v6(0, let low) = self, low >> 32 == 0xFFFF { return .v4(UInt32(low & 0xFFFF_FFFF)) }
+        return self
+    }
+
     /// Whether this is a loopback address (127.0.0.0/8, ::1, or IPv4-mapped loopback).
     public var isLoopback: Bool {
         switch self {

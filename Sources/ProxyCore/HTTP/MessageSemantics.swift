@@ -179,6 +179,10 @@ public enum MessageSemantics {
                     return .failure(HTTPParseError(.badFraming, "invalid Content-Length"))
                 }
                 let parsed = trimmed.reduce(UInt64(0)) { $0 * 10 + UInt64($1 - 0x30) }
+                // Lengths beyond 2^63 - 1: a next hop with signed 64-bit lengths would read another one.
+                guard parsed <= UInt64(Int64.max) else {
+                    return .failure(HTTPParseError(.badFraming, "Content-Length too large"))
+                }
                 if let length, length != parsed {
                     return .failure(HTTPParseError(.badFraming, "conflicting Content-Length values"))
                 }

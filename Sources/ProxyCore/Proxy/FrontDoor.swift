@@ -136,11 +136,13 @@ public struct FrontDoor: Sendable {
         return proxy
     }
 
-    /// A request whose target is this proxy itself would come back to us forever.
-    func isLoop(_ target: HostPort) -> Bool {
+    /// A request whose target is this proxy itself would come back to us forever. IPv4-mapped IPv6 forms
+    /// (`[::ffff:127.0.0.1]`, `[::ffff:7f00:1]`) are the IPv4 addresses they map; a name is checked again
+    /// once resolved (`ConnectionMachine` compares every address it would connect to).
+    public func isLoop(_ target: HostPort) -> Bool {
         guard target.port == boundAddress.port else { return false }
-        let listenAddress = IPAddress.parse(boundAddress.host)
-        let targetAddress = IPAddress.parse(target.host)
+        let listenAddress = IPAddress.parse(boundAddress.host)?.unmapped
+        let targetAddress = IPAddress.parse(target.host)?.unmapped
         if let targetAddress, targetAddress == listenAddress { return true }
         // Connecting to 0.0.0.0 or :: reaches this machine on Linux.
         if targetAddress == .v4(0) || targetAddress == .v6(0, 0) { return true }

@@ -27,6 +27,19 @@ public func fuzzChunked(_ data: UnsafeBufferPointer<UInt8>) {
             "scanFraming and skipData disagree with scan (\(split)):\n  scan:        \(whole)\n  scanFraming: \(decoded)"
         )
     }
+    // What a forwarder passes on (BodyProgress): the same bytes however the input arrives, the body's own
+    // bytes less the dropped trailer lines, and no framing or routing field left in the trailer section.
+    let forwardedWhole = forward(input, split: .whole)
+    for split in [Split.mixed(salt: 6), .tiny(salt: 7)] {
+        let other = forward(input, split: split)
+        invariant(other == forwardedWhole, "BodyProgress depends on the split: \(other.count) vs \(forwardedWhole.count)")
+    }
+    if case .done(let end, _) = whole, let passed = forwardedWhole.passed {
+        invariant(passed.count <= end, "more bytes passed than the body has")
+        var reparsed = ChunkedScanner()
+        invariant(reparsed.scan(passed) == .done(consumed: passed.count), "the forwarded body does not scan whole")
+        invariant(reparsed.droppedTrailers.isEmpty, "a forbidden trailer was forwarded")
+    }
     if case .done(let end, let dataBytes) = whole {
         invariant(dataBytes <= UInt64(end), "more data bytes than bytes consumed")
         // The body is exactly the bytes up to `end`: scanning just those ends at the same place.
@@ -106,4 +119,40 @@ private func scanDecoding(_ input: [UInt8], split: Split) -> ChunkedResult {
     }
     invariant(!scanner.isFinished, "finished without saying done")
     return .needMore(dataBytes: scanner.dataBytes, pendingData: scanner.pendingData)
+}
+
+/// The bytes a forwarder passes on for `input` arriving in the pieces `split` gives, and the bytes it dropped;
+/// `passed` is nil on a framing error.
+private struct Forwarded: Equatable {
+    var passed: [UInt8]?
+    var dropped = 0
+    var count: Int { passed?.count ?? -1 }
+}
+
+private func forward(_ input: [UInt8], split: Split) -> Forwarded {
+    var progress = BodyProgress(.chunked)
+    var buffer: [UInt8] = []
+    var result = Forwarded(passed: [])
+    var spans: [BodySpan] = []
+    for piece in split.pieces(of: input) {
+        buffer += input[piece]
+        spans.removeAll()
+        if progress.take(from: buffer, at: 0, into: &spans) != nil { return Forwarded(passed: nil) }
+        var offset = 0
+        for span in spans {
+            switch span {
+            case .pass(let count):
+                invariant(count > 0 && offset + count <= buffer.count, "pass \(count) beyond the buffer")
+                result.passed! += buffer[offset..<offset + count]
+                offset += count
+            case .drop(let count):
+                invariant(count > 0 && offset + count <= buffer.count, "drop \(count) beyond the buffer")
+                result.dropped += count
+                offset += count
+            }
+        }
+        buffer.removeFirst(offset)
+        if progress.isComplete { break }
+    }
+    return result
 }

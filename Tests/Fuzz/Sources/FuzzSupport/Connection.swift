@@ -140,7 +140,11 @@ struct ConnectionHarness {
         case 2 where upstreamOpen: upstream(reader.chunk())
         case 3 where upstreamOpen:
             upstream(Array(upstreamTemplates[Int(reader.byte() ?? 0) % upstreamTemplates.count].utf8))
-        case 4: event(.resolved(opcode & 1 == 0 ? .addresses(Int(opcode & 3)) : .notFound))
+        case 4:
+            // Addresses of the next hop; with bit 3, one of them is the proxy's own listener (a loop).
+            var found = (0..<Int(opcode & 3)).map { "192.0.2.\($0 + 1)" }
+            if opcode & 8 != 0 { found.append("::ffff:127.0.0.1") }
+            event(.resolved(opcode & 1 == 0 ? .addresses(found) : .notFound))
         case 5 where upstreamOpen: event(opcode & 1 == 0 ? .upstreamConnected : .upstreamConnectFailed(.refused))
         case 6 where upstreamOpen: event(.upstreamEnded(reset: opcode & 1 == 1))
         case 7: event(.clientEnded(reset: opcode & 1 == 1))
