@@ -117,9 +117,10 @@ class SigningKey:
     def public_jwk(self) -> dict:
         pub = self.key.public_key().public_numbers()
         if self.alg == "ES256":
-            return {"kty": "EC", "crv": "P-256", "x": b64url_uint(pub.x, 32), "y": b64url_uint(pub.y, 32), "kid": self.kid,
-                    "alg": self.alg, "use": "sig"}
-        return {"kty": "RSA", "n": b64url_uint(pub.n), "e": b64url_uint(pub.e), "kid": self.kid, "alg": self.alg, "use": "sig"}
+            return {"kty": "EC", "crv": "P-256", "x": b64url_uint(pub.x, 32), "y": b64url_uint(pub.y, 32),
+                    "kid": self.kid, "alg": self.alg, "use": "sig"}
+        return {"kty": "RSA", "n": b64url_uint(pub.n), "e": b64url_uint(pub.e), "kid": self.kid, "alg": self.alg,
+                "use": "sig"}
 
     def sign(self, data: bytes) -> bytes:
         if self.alg == "RS256":

@@ -40,6 +40,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from fixtures import config
 from fixtures.content import expected_sha256, write_generated
 from fixtures.http import free_port
+from fixtures.pki import new_key_pem
 from fixtures.jose import (DPoPError, DPoPVerifier, access_token_hash, b64url, ec_public_jwk, jwk_thumbprint,
                            key_file_thumbprint, normalized_htu, unverified_claims, verify_dpop_proof)
 from idp_fake import FakeIdP, Fault
@@ -251,12 +252,6 @@ def glewlwyd_proofs(idp: Glewlwyd, htm: str, htu: str) -> list[str]:
     rows = glewlwyd_db(idp, "SELECT gpod_jkt FROM gpo_dpop WHERE gpod_htm = ? AND gpod_htu = ? ORDER BY gpod_id",
                        htm, htu)
     return [row[0] for row in rows]
-
-
-def new_key_pem() -> bytes:
-    key = ec.generate_private_key(ec.SECP256R1())
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
 
 
 def make_proof(key, method: str, url: str, token: str | None = None, header: dict | None = None,
