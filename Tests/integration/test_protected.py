@@ -35,7 +35,7 @@ from cryptography.hazmat.primitives import serialization
 
 from fixtures import config
 from fixtures.content import MiB, expected_sha256, write_generated
-from fixtures.http import CurlAnswer, Reader, curl, free_port, open_tunnel
+from fixtures.http import CurlAnswer, Reader, free_port, open_tunnel, run_curl
 from fixtures.jose import unverified_claims
 from fixtures.pki import CertificateAuthority
 from fixtures.proxy import Proxy, clean_env, poll, proxyctl_bin
@@ -165,8 +165,8 @@ class Deployment:
 
     def curl(self, url: str, *args: str, timeout: float = 120) -> CurlAnswer:
         """curl with only the environment `proxyctl env` set up: the proxy, the CA bundle."""
-        return curl(url, "--suppress-connect-headers", *args, env=self.client_env(), scratch=self.ws.root / "curl",
-                    timeout=timeout)
+        return run_curl(url, "--suppress-connect-headers", *args, env=self.client_env(),
+                        scratch=self.ws.root / "curl", timeout=timeout)
 
     def curl_parallel(self, urls: list[str], timeout: float = 120) -> list[int]:
         """All `urls` at once with curl --parallel (one tunnel each); their status codes.

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from fixtures import config
-from fixtures.http import CurlAnswer, curl, free_port
+from fixtures.http import CurlAnswer, free_port, run_curl
 from fixtures.jose import unverified_claims
 from fixtures.proxy import Proxy, clean_env, poll, proxyctl_bin
 from idp_fake import FakeIdP, jws
@@ -196,8 +196,8 @@ class World:
 
     def curl(self, url: str, *args: str) -> CurlAnswer:
         """curl through the proxy, trusting the proxy's local CA; the same arguments every time."""
-        answer = curl(url, "--proxy", self.proxy.url, "--cacert", str(self.state / "ca" / "ca.pem"), *args,
-                      env=clean_env(), scratch=self.root / "curl", timeout=30)
+        answer = run_curl(url, "--proxy", self.proxy.url, "--cacert", str(self.state / "ca" / "ca.pem"), *args,
+                          env=clean_env(), scratch=self.root / "curl", timeout=30)
         self.curls.append(answer)
         self.last_curl = time.monotonic()
         return answer
