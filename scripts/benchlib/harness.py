@@ -400,11 +400,7 @@ MaxClients 2000
 Allow 127.0.0.1
 ViaProxyName "tinyproxy"
 """)
-        child = self.processes.start(
-            ["tinyproxy", "-d", "-c", str(conf)], stderr=open(work / "stderr.log", "wb")
-        )
-        wait_for_port(port, child, "tinyproxy")
-        return Proxy("tinyproxy", port, child, log_path)
+        return self._started("tinyproxy", port, ["tinyproxy", "-d", "-c", str(conf)], work, log_path)
 
     def _start_squid(self, work: Path) -> Proxy:
         port = free_port()
@@ -429,11 +425,13 @@ max_filedescriptors 16384
 shutdown_lifetime 0 seconds
 visible_hostname localhost
 """)
-        child = self.processes.start(
-            ["squid", "-N", "-f", str(conf)], stderr=open(work / "stderr.log", "wb")
-        )
-        wait_for_port(port, child, "squid")
-        return Proxy("squid", port, child, log_path)
+        return self._started("squid", port, ["squid", "-N", "-f", str(conf)], work, log_path)
+
+    def _started(self, name: str, port: int, argv: list[str], work: Path, log_path: Path) -> Proxy:
+        """Starts `argv` (stderr to a file in `work`) and waits until it listens on `port`."""
+        child = self.processes.start(argv, stderr=open(work / "stderr.log", "wb"))
+        wait_for_port(port, child, name)
+        return Proxy(name, port, child, log_path)
 
 
 # MARK: - The intercept path: a protected origin whose requests get a token attached
