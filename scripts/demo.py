@@ -5,46 +5,35 @@ against the provider's keys), an unprotected HTTPS site, and proxyctl; then it d
 the commands shown as they run. The "browser" that signs in is scripted (Tests/integration/browser.py):
 it types the demo user's password into glewlwyd for you.
 """
-import datetime
-import http.server
 import json
 import os
 import re
 import shutil
-import socket
-import ssl
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
+from pathlib import Path
+
+import fixtures_on_path  # noqa: F401  (Tests/integration on sys.path: the fixtures below)
+from fixtures.http import free_port
+from fixtures.jose import AccessTokenVerifier, TokenError
+from fixtures.pki import CertificateAuthority, ServerIdentity
+from fixtures.tls_server import QuietHandler, TLSHTTPServer
+from idp_glewlwyd import Glewlwyd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "Tests", "integration"))
-
-import jwt  # noqa: E402  (PyJWT, from the venv)
-from cryptography import x509  # noqa: E402
-from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
-from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
-from cryptography.x509.oid import NameOID  # noqa: E402
-from idp_glewlwyd import Glewlwyd  # noqa: E402
 
 BIN = os.environ.get("PROXYCTL_BIN", os.path.join(ROOT, ".build", "release", "proxyctl"))
 BOLD, CYAN, DIM, RESET = "\033[1m", "\033[36m", "\033[2m", "\033[0m"
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def say(text):
+def say(text: str) -> None:
     print(f"\n{BOLD}{text}{RESET}", flush=True)
 
 
-def run(args, env, show=None, check=False):
+def run(args: list[str], env: dict[str, str], show: str | None = None,
+        check: bool = False) -> subprocess.CompletedProcess:
     """Runs a command, printing it as a user would type it and its output."""
     print(f"{CYAN}$ {show or ' '.join(args)}{RESET}", flush=True)
     result = subprocess.run(args, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
@@ -55,50 +44,22 @@ def run(args, env, show=None, check=False):
     return result
 
 
-def make_tls(directory, name):
+def make_tls(directory: Path, name: str) -> ServerIdentity:
     """A CA and a leaf for `name` (the demo sites' own certificates)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"demo CA for {name}")])
-    ca = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
-          .not_valid_after(now + datetime.timedelta(days=2))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True).sign(key, hashes.SHA256()))
-    leaf_key = ec.generate_private_key(ec.SECP256R1())
-    leaf = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-            .issuer_name(subject).public_key(leaf_key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=2))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False).sign(key, hashes.SHA256()))
-    paths = {k: os.path.join(directory, f"{name}-{k}.pem") for k in ("ca", "cert", "key")}
-    with open(paths["ca"], "wb") as f:
-        f.write(ca.public_bytes(serialization.Encoding.PEM))
-    with open(paths["cert"], "wb") as f:
-        f.write(leaf.public_bytes(serialization.Encoding.PEM))
-    with open(paths["key"], "wb") as f:
-        f.write(leaf_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption()))
-    return paths
+    return CertificateAuthority.make(f"demo CA for {name}").issue(directory / name, [name])
 
 
-def serve_https(port, paths, handler):
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(paths["cert"], paths["key"])
-    server.socket = context.wrap_socket(server.socket, server_side=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
+def serve_https(port: int, identity: ServerIdentity, handler: type[QuietHandler]) -> TLSHTTPServer:
+    """An HTTPS server on 127.0.0.1:`port` presenting `identity`, serving in the background."""
+    return TLSHTTPServer(handler, identity.server_context(), port=port).start()
 
 
-def api_handler(idp, step_up_after):
+def api_handler(idp: Glewlwyd, step_up_after: list[int]) -> type[QuietHandler]:
     """The protected API: /me needs a valid token; /payroll also needs a sign-in after `step_up_after[0]`."""
-    keys = jwt.PyJWKClient(idp.discovery()["jwks_uri"])
+    verifier = AccessTokenVerifier()
+    verifier.trust(idp.issuer(), idp.discovery()["jwks_uri"])
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args):
-            pass
-
+    class Handler(QuietHandler):
         def answer(self, status, body, extra=()):
             data = (json.dumps(body, indent=None) + "\n").encode()
             self.send_response(status)
@@ -112,10 +73,9 @@ def api_handler(idp, step_up_after):
         def do_GET(self):
             scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
             try:
-                claims = jwt.decode(token, keys.get_signing_key_from_jwt(token).key, algorithms=["RS256"],
-                                    issuer=idp.issuer(), options={"verify_aud": False})
-            except Exception as error:  # noqa: BLE001 (any failure is a 401)
-                return self.answer(401, {"error": "invalid_token", "detail": type(error).__name__},
+                claims = verifier.verify(token)
+            except TokenError as error:
+                return self.answer(401, {"error": "invalid_token", "detail": str(error)},
                                    [("WWW-Authenticate", 'Bearer error="invalid_token"')])
             if self.path == "/payroll" and claims["iat"] < step_up_after[0]:
                 return self.answer(401, {"error": "insufficient_user_authentication"},
@@ -127,12 +87,7 @@ def api_handler(idp, step_up_after):
     return Handler
 
 
-class Site(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args):
-        pass
-
+class Site(QuietHandler):
     def do_GET(self):
         body = f"Hello from an unprotected site. Authorization header seen: {self.headers.get('Authorization')}\n"
         data = body.encode()
@@ -142,13 +97,13 @@ class Site(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-def main():
+def main() -> None:
     work = tempfile.mkdtemp(prefix="proxyctl-demo.")
     processes = []
     try:
         callback, api_port, site_port, proxy_port = free_port(), free_port(), free_port(), free_port()
-        api_tls = make_tls(work, "api.demo.test")
-        site_tls = make_tls(work, "www.demo.test")
+        api_tls = make_tls(Path(work), "api.demo.test")
+        site_tls = make_tls(Path(work), "www.demo.test")
         say("Starting a real OpenID provider (glewlwyd) on loopback, with a short access-token lifetime (8 s)")
         with Glewlwyd(redirect_ports=[callback], access_token_duration=8) as idp:
             print(f"  issuer: {idp.issuer()}")
@@ -176,7 +131,7 @@ redirect_port = {callback}
 
 [origin https://api.demo.test:{api_port}]
 provider = demo
-ca_file = {api_tls['ca']}
+ca_file = {api_tls.ca_pem}
 """)
             env = dict(os.environ, HOME=home, PROXYCTL_CONFIG=config, PATH=os.path.dirname(BIN) + ":" + os.environ["PATH"],
                        BROWSER=f"{sys.executable} {os.path.join(ROOT, 'Tests', 'integration', 'browser.py')}",
@@ -209,7 +164,7 @@ ca_file = {api_tls['ca']}
             run(["curl", "-sS", f"https://api.demo.test:{api_port}/me"], env, show=f"curl https://api.demo.test:{api_port}/me")
 
             say("4. The unprotected site passes through a blind tunnel: its own certificate, no token")
-            run(["curl", "-sS", "--cacert", site_tls["ca"], f"https://www.demo.test:{site_port}/"], env,
+            run(["curl", "-sS", "--cacert", str(site_tls.ca_pem), f"https://www.demo.test:{site_port}/"], env,
                 show=f"curl --cacert www-ca.pem https://www.demo.test:{site_port}/")
 
             say("5. Wait for the access token to expire: the proxy refreshes it and the request just works")

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-import support
-from support import EchoOrigin, Origin, Proxy, Tinyproxy
+from fixtures import config
+from fixtures.origins import EchoOrigin, Origin, Tinyproxy
+from fixtures.pki import ServerIdentity
+from fixtures.proxy import Proxy, clean_env, proxyctl_bin
 
 
 def pytest_configure(config):
@@ -26,7 +28,7 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
-    return f"proxyctl: {support.proxyctl_bin()}"
+    return f"proxyctl: {proxyctl_bin()}"
 
 
 _measurements: list[tuple[str, str, object]] = []
@@ -69,7 +71,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture(scope="session", autouse=True)
 def _binary_exists():
-    path = support.proxyctl_bin()
+    path = proxyctl_bin()
     if not os.access(path, os.X_OK):
         pytest.exit(
             f"{path} is not an executable; build it (swift build -c release --product proxyctl) "
@@ -84,8 +86,9 @@ def session_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def cert(session_dir):
-    return support.make_cert(session_dir)
+def cert(session_dir) -> ServerIdentity:
+    """The HTTPS origin's certificate (localhost, 127.0.0.1) and its CA: clients trust `cert.ca_pem`."""
+    return ServerIdentity.make(session_dir / "origin-tls", "origin", ["localhost", "127.0.0.1"])
 
 
 @pytest.fixture(scope="session")
@@ -121,7 +124,7 @@ class ProxyFactory:
     def __call__(self, listen: str | None = "127.0.0.1:0", raw_config: str | None = None,
                  args: tuple[str, ...] = (), start: bool = True, **keys) -> Proxy:
         """Starts proxyctl with a [proxy] section made of DEFAULTS and `keys` (or with `raw_config`)."""
-        text = raw_config if raw_config is not None else support.config(**{**DEFAULTS, **keys})
+        text = raw_config if raw_config is not None else config.proxy(**{**DEFAULTS, **keys})
         proxy = Proxy(self.tmp_path / f"proxy{len(self.started)}", text, listen=listen, args=args)
         self.started.append(proxy)
         return proxy.start() if start else proxy
@@ -172,7 +175,7 @@ def curl():
         pytest.skip("curl is not installed")
 
     def run(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
-        return subprocess.run([path, "-sS", *args], capture_output=True, timeout=timeout, env=support.clean_env(),
+        return subprocess.run([path, "-sS", *args], capture_output=True, timeout=timeout, env=clean_env(),
                               **kwargs)
 
     return run

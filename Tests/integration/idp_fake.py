@@ -42,7 +42,8 @@ Control API (Python only):
   tokens       issue_tokens(), introspect(access_token), refresh_token_state(rt), revoke_refresh_token(rt),
                revoke_all(), expire_access_tokens(); settings are plain attributes (idp.expires_in = 5, ...)
   helpers      authorization_url(redirect_uri, code_challenge, ...), login_browser(url) -> Location,
-               pkce_pair(), jwk_thumbprint(jwk), jws(...), dpop_hook (called for requests with a DPoP header)
+               pkce_pair(), jws(...), dpop_hook (called for requests with a DPoP header); base64url and RFC 7638
+               thumbprints come from fixtures.jose
 """
 from __future__ import annotations
 
@@ -60,9 +61,12 @@ import time
 import urllib.parse
 from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Tuple
 
+import requests
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
+
+from fixtures.jose import b64url, b64url_uint, jwk_thumbprint, unverified_header
 
 ENDPOINTS = ("discovery", "jwks", "authorize", "par", "token", "device_authorization", "device", "revoke",
              "userinfo", "unknown")
@@ -75,29 +79,10 @@ DEVICE_OUTCOMES = ("authorization_pending", "slow_down", "expired_token", "acces
 
 # ---------------------------------------------------------------------------------------------- JOSE
 
-def b64u(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
-
-
-def b64u_decode(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-
-
-def _uint(n: int, size: Optional[int] = None) -> str:
-    return b64u(n.to_bytes(size or (n.bit_length() + 7) // 8 or 1, "big"))
-
-
-def jwk_thumbprint(jwk: dict) -> str:
-    """RFC 7638 SHA-256 thumbprint (what DPoP's `jkt` / `cnf.jkt` carry)."""
-    required = {"EC": ("crv", "kty", "x", "y"), "RSA": ("e", "kty", "n"), "OKP": ("crv", "kty", "x")}[jwk["kty"]]
-    canonical = json.dumps({k: jwk[k] for k in required}, separators=(",", ":"), sort_keys=True)
-    return b64u(hashlib.sha256(canonical.encode()).digest())
-
-
 def pkce_pair() -> Tuple[str, str]:
     """(code_verifier, S256 code_challenge)."""
-    verifier = b64u(secrets.token_bytes(48))
-    return verifier, b64u(hashlib.sha256(verifier.encode()).digest())
+    verifier = b64url(secrets.token_bytes(48))
+    return verifier, b64url(hashlib.sha256(verifier.encode()).digest())
 
 
 _KEY_CACHE: Dict[Tuple[str, int], Any] = {}
@@ -132,9 +117,10 @@ class SigningKey:
     def public_jwk(self) -> dict:
         pub = self.key.public_key().public_numbers()
         if self.alg == "ES256":
-            return {"kty": "EC", "crv": "P-256", "x": _uint(pub.x, 32), "y": _uint(pub.y, 32), "kid": self.kid,
-                    "alg": self.alg, "use": "sig"}
-        return {"kty": "RSA", "n": _uint(pub.n), "e": _uint(pub.e), "kid": self.kid, "alg": self.alg, "use": "sig"}
+            return {"kty": "EC", "crv": "P-256", "x": b64url_uint(pub.x, 32), "y": b64url_uint(pub.y, 32),
+                    "kid": self.kid, "alg": self.alg, "use": "sig"}
+        return {"kty": "RSA", "n": b64url_uint(pub.n), "e": b64url_uint(pub.e), "kid": self.kid, "alg": self.alg,
+                "use": "sig"}
 
     def sign(self, data: bytes) -> bytes:
         if self.alg == "RS256":
@@ -150,20 +136,14 @@ def jws(claims: dict, key: Optional[SigningKey], typ: str = "JWT", alg_none: boo
     """A compact JWS. `alg_none` makes an unsigned `alg: none` token; `bad_signature` corrupts the signature."""
     header = {"typ": typ, "alg": "none"} if alg_none else {"typ": typ, "alg": key.alg, "kid": key.kid}
     header.update(extra_header or {})
-    signing_input = (b64u(json.dumps(header, separators=(",", ":")).encode()) + "." +
-                     b64u(json.dumps(claims, separators=(",", ":")).encode()))
+    signing_input = (b64url(json.dumps(header, separators=(",", ":")).encode()) + "." +
+                     b64url(json.dumps(claims, separators=(",", ":")).encode()))
     if alg_none:
         return signing_input + "."
     signature = bytearray(key.sign(signing_input.encode()))
     if bad_signature:
         signature[len(signature) // 2] ^= 0x01
-    return signing_input + "." + b64u(bytes(signature))
-
-
-def jwt_parts(token: str) -> Tuple[dict, dict]:
-    """(header, claims) of a compact JWT, unverified."""
-    head, body = token.split(".")[:2]
-    return json.loads(b64u_decode(head)), json.loads(b64u_decode(body))
+    return signing_input + "." + b64url(bytes(signature))
 
 
 # ---------------------------------------------------------------------------------------------- faults
@@ -724,7 +704,6 @@ class FakeIdP:
 
     def login_browser(self, authorization_url: str) -> str:
         """Play the browser: GET the authorization URL and return the Location it redirects to (not followed)."""
-        import requests  # local: the module itself needs only the standard library and cryptography
         r = requests.get(authorization_url, allow_redirects=False, timeout=10)
         if r.status_code not in (302, 303) or "Location" not in r.headers:
             raise RuntimeError(f"authorization endpoint answered {r.status_code}: {r.text[:200]}")
@@ -1009,7 +988,7 @@ class FakeIdP:
             return (400, {"error": "invalid_grant", "error_description": "redirect_uri mismatch"})
         if code.code_challenge:
             verifier = form.get("code_verifier", "")
-            if b64u(hashlib.sha256(verifier.encode()).digest()) != code.code_challenge:
+            if b64url(hashlib.sha256(verifier.encode()).digest()) != code.code_challenge:
                 return (400, {"error": "invalid_grant", "error_description": "PKCE verification failed"})
         elif form.get("code_verifier"):
             return (400, {"error": "invalid_grant", "error_description": "no code_challenge was sent"})
@@ -1120,7 +1099,7 @@ class FakeIdP:
         digest = hashlib.sha256(access_token.encode()).digest()
         claims: Dict[str, Any] = {"iss": self.issuer, "sub": self.claims["sub"], "aud": client_id, "azp": client_id,
                                   "iat": now, "exp": now + self.id_token_lifetime, "auth_time": auth_time,
-                                  "at_hash": b64u(digest[:16]), "name": self.claims.get("name"),
+                                  "at_hash": b64url(digest[:16]), "name": self.claims.get("name"),
                                   "email": self.claims.get("email")}
         if nonce is not None:
             claims["nonce"] = nonce
@@ -1170,7 +1149,7 @@ def _dpop_jkt(proof: str) -> Optional[str]:
     """The thumbprint of the key in a DPoP proof's header, WITHOUT verifying anything (verification: later,
     through FakeIdP.dpop_hook)."""
     try:
-        header, _claims = jwt_parts(proof)
+        header = unverified_header(proof)
         if header.get("typ") != "dpop+jwt" or not isinstance(header.get("jwk"), dict):
             return None
         return jwk_thumbprint(header["jwk"])

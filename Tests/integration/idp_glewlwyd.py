@@ -36,7 +36,6 @@ import hmac
 import json
 import os
 import shutil
-import socket
 import sqlite3
 import struct
 import subprocess
@@ -49,6 +48,9 @@ from typing import Iterable, Optional
 import requests
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
+from fixtures.http import free_port
+from fixtures.jose import b64url_uint
+
 GLEWLWYD_BIN = shutil.which("glewlwyd") or "/usr/bin/glewlwyd"
 INIT_SQL = "/usr/share/doc/glewlwyd/database/init.sqlite3.sql.gz"
 MODULE_ROOT = "/usr/lib/glewlwyd"
@@ -57,13 +59,6 @@ MODULE_ROOT = "/usr/lib/glewlwyd"
 def glewlwyd_available() -> bool:
     """True when the Debian package is installed (tests can skip on False)."""
     return os.path.exists(GLEWLWYD_BIN) and os.path.exists(INIT_SQL)
-
-
-def free_port() -> int:
-    """A port the OS says is free on 127.0.0.1 (there is a short window before the server binds it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fast_tmp() -> Optional[str]:
@@ -81,24 +76,18 @@ def hotp(secret_b32: str, counter: int, digits: int = 6) -> str:
     return str(code).zfill(digits)
 
 
-def _b64u_uint(n: int) -> str:
-    raw = n.to_bytes((n.bit_length() + 7) // 8 or 1, "big")
-    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
-
-
 def _private_jwk(key, kid: str, alg: str) -> dict:
     if isinstance(key, rsa.RSAPrivateKey):
         pn = key.private_numbers()
         pub = pn.public_numbers
-        return {"kty": "RSA", "kid": kid, "alg": alg, "use": "sig", "n": _b64u_uint(pub.n), "e": _b64u_uint(pub.e),
-                "d": _b64u_uint(pn.d), "p": _b64u_uint(pn.p), "q": _b64u_uint(pn.q), "dp": _b64u_uint(pn.dmp1),
-                "dq": _b64u_uint(pn.dmq1), "qi": _b64u_uint(pn.iqmp)}
+        return {"kty": "RSA", "kid": kid, "alg": alg, "use": "sig", "n": b64url_uint(pub.n), "e": b64url_uint(pub.e),
+                "d": b64url_uint(pn.d), "p": b64url_uint(pn.p), "q": b64url_uint(pn.q), "dp": b64url_uint(pn.dmp1),
+                "dq": b64url_uint(pn.dmq1), "qi": b64url_uint(pn.iqmp)}
     pn = key.private_numbers()
     pub = pn.public_numbers
     size = (key.curve.key_size + 7) // 8
-    enc = lambda v: base64.urlsafe_b64encode(v.to_bytes(size, "big")).rstrip(b"=").decode()  # noqa: E731
-    return {"kty": "EC", "kid": kid, "alg": alg, "use": "sig", "crv": "P-256", "x": enc(pub.x), "y": enc(pub.y),
-            "d": enc(pn.private_value)}
+    return {"kty": "EC", "kid": kid, "alg": alg, "use": "sig", "crv": "P-256", "x": b64url_uint(pub.x, size),
+            "y": b64url_uint(pub.y, size), "d": b64url_uint(pn.private_value, size)}
 
 
 # The OIDC plugin's full parameter set as glewlwyd 2.7.5's admin UI sends it (webapp/admin.js defaults);

@@ -1,16 +1,15 @@
-"""A protected resource server for the protected-origin tests, with its own test CA, and the CA helpers the
-name-constraint tests use to sign certificates with any CA key.
+"""A protected resource server for the protected-origin and DPoP tests.
 
 `ResourceServer` is an HTTPS server on 127.0.0.1 (port from the kernel) whose certificate names the host
-names it is reached as through proxyctl's `resolve` setting (e.g. `api.test`), signed by a CA made here with
-`cryptography` (`server.ca.ca_pem` is the file to give as the origin's `ca_file`). It checks every Bearer
-token the way an OAuth 2.0 resource server does (RFC 6750, RFC 9068), with PyJWT and the JWKS of the
-issuers it was told to trust (`trust(issuer, jwks_uri)`): `typ` at+jwt, the signature (RS256/PS256/ES256,
-key by `kid`, JWKS fetched again once for an unknown kid), `iss`, `exp`, `iat`, `sub`, `jti`.
+names it is reached as through proxyctl's `resolve` setting (e.g. `api.test`), signed by a test CA of its own
+(fixtures.pki; `server.ca_pem` is the file to give as the origin's `ca_file`). It checks every Bearer token
+the way an OAuth 2.0 resource server does (RFC 6750, RFC 9068) with fixtures.jose's AccessTokenVerifier and
+the JWKS of the issuers it was told to trust (`trust(issuer, jwks_uri)`): `typ` at+jwt, the signature
+(RS256/PS256/ES256, key by `kid`, JWKS fetched again once for an unknown kid), `iss`, `exp`, `iat`, `sub`, `jti`.
 
     GET|POST|PUT|... /anything       200 JSON: method, path, host, body size and SHA-256, the token's sub, jti,
                                      iss, aud, scope
-    GET /download/SIZE               SIZE bytes of support.generate() content (Content-Length)
+    GET /download/SIZE               SIZE bytes of fixtures.content.generate() (Content-Length)
     GET /redirect?to=URL             302 to URL (never followed by anyone but the client)
     GET /public/...                  200 JSON about the request, no token needed
     /repo.git/...                    `git http-backend` (CGI) for the bare repository made by `make_git_repo`
@@ -26,376 +25,34 @@ valid token with 401 invalid_token (forcing proxyctl's refresh-and-replay path),
 token until the end.
 
 DPoP mode (`ResourceServer(..., dpop=True)`, RFC 9449 §7): a request may also come as `Authorization: DPoP
-<token>` with one `DPoP` proof, which `DPoPVerifier` checks with PyJWT/cryptography (not proxyctl's JOSE code):
-`typ` dpop+jwt, alg ES256, a public EC P-256 `jwk` without private members, the signature over that key,
-`htm` = the method, `htu` = the normalised request URL (https, Host field lower-case, default port left out,
-no query or fragment), `iat` within ±60 s, a `jti` never seen before, `ath` = base64url(SHA-256(token)), and
-the token's `cnf.jkt` = the proof key's RFC 7638 thumbprint. A DPoP-bound token sent as Bearer is refused.
-Nonces (RFC 9449 §9), per authority: with `rs.dpop.require_nonce = True` a proof without the current nonce
-gets 401 `WWW-Authenticate: DPoP error="use_dpop_nonce"` and `DPoP-Nonce`; with `rs.dpop.rotate_on_success`
-every 200 hands out the next nonce (the old one then fails); `rs.dpop.new_nonce(authority)` makes the
-client's nonce stale. Refusals in DPoP mode use the DPoP scheme (`error="invalid_token"`,
-`error="invalid_dpop_proof"`). Without `dpop=True` nothing changes: Bearer only, as above.
+<token>` with one `DPoP` proof, which fixtures.jose's `DPoPVerifier` checks (PyJWT, not proxyctl's JOSE code)
+against the request URL `https://HOST-FIELD/PATH`, the token and the token's `cnf.jkt`: every check of RFC 9449
+§4.3 and a `jti` never seen before. A DPoP-bound token sent as Bearer is refused, and so is a token without
+`cnf.jkt` sent as DPoP. Nonces (RFC 9449 §9), per authority: with `rs.dpop.require_nonce = True` a proof
+without the current nonce gets 401 `WWW-Authenticate: DPoP error="use_dpop_nonce"` and `DPoP-Nonce`; with
+`rs.dpop.rotate_on_success` every 200 hands out the next nonce (the old one then fails);
+`rs.dpop.new_nonce(authority)` makes the client's nonce stale. Refusals in DPoP mode use the DPoP scheme
+(`error="invalid_token"`, `error="invalid_dpop_proof"`). Without `dpop=True` nothing changes: Bearer only, as
+above.
 """
 
 from __future__ import annotations
 
-import base64
-import datetime
-import hashlib
-import http.server
-import ipaddress
 import json
 import os
-import secrets
 import shutil
-import socket
-import socketserver
-import ssl
 import subprocess
 import threading
-import time
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import jwt
-import requests
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-import support
-from support import MiB
-
-# MARK: - Certificates
-
-
-def _now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
-
-
-def _pem(cert: x509.Certificate) -> bytes:
-    return cert.public_bytes(serialization.Encoding.PEM)
-
-
-def _key_pem(key) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
-
-
-def make_ca(common_name: str):
-    """A self-signed EC P-256 CA (no name constraints): (key, certificate)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "proxyctl tests"),
-                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name).issuer_name(name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(_now() - datetime.timedelta(days=1))
-        .not_valid_after(_now() + datetime.timedelta(days=30))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                                     data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                                     crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .sign(key, hashes.SHA256())
-    )
-    return key, cert
-
-
-def sign_leaf(ca_key, ca_cert: x509.Certificate, names: list, common_name: str | None = None):
-    """A TLS server certificate signed by (ca_key, ca_cert) for `names` (str: DNS name, ipaddress object: IP
-    address): (key, certificate). Works with any CA key `cryptography` can load, proxyctl's own included."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    sans = [x509.IPAddress(n) if isinstance(n, (ipaddress.IPv4Address, ipaddress.IPv6Address)) else x509.DNSName(n)
-            for n in names]
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name or str(names[0]))])
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject).issuer_name(ca_cert.subject).public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(_now() - datetime.timedelta(hours=1))
-        .not_valid_after(_now() + datetime.timedelta(days=2))
-        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
-                                     data_encipherment=False, key_agreement=False, key_cert_sign=False,
-                                     crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    return key, cert
-
-
-def write_pair(directory: Path, stem: str, key, cert: x509.Certificate) -> tuple[Path, Path]:
-    """Writes STEM.pem (the certificate) and STEM-key.pem (0600); returns both paths."""
-    directory.mkdir(parents=True, exist_ok=True)
-    cert_path, key_path = directory / f"{stem}.pem", directory / f"{stem}-key.pem"
-    cert_path.write_bytes(_pem(cert))
-    key_path.write_bytes(_key_pem(key))
-    os.chmod(key_path, 0o600)
-    return cert_path, key_path
-
-
-def fingerprint(der: bytes) -> str:
-    return hashlib.sha256(der).hexdigest()
-
-
-@dataclass
-class ServerIdentity:
-    """A test CA and a leaf it signed for some host names, as files."""
-    ca_pem: Path
-    cert_pem: Path
-    key_pem: Path
-    leaf_der: bytes
-    ca_der: bytes
-
-    @classmethod
-    def make(cls, directory: Path, label: str, hosts: list[str]) -> "ServerIdentity":
-        ca_key, ca_cert = make_ca(f"{label} test CA")
-        key, leaf = sign_leaf(ca_key, ca_cert, list(hosts))
-        directory.mkdir(parents=True, exist_ok=True)
-        ca_pem = directory / "ca.pem"
-        ca_pem.write_bytes(_pem(ca_cert))
-        cert_pem, key_pem = write_pair(directory, "server", key, leaf)
-        return cls(ca_pem, cert_pem, key_pem, leaf.public_bytes(serialization.Encoding.DER),
-                   ca_cert.public_bytes(serialization.Encoding.DER))
-
-    @property
-    def leaf_sha256(self) -> str:
-        return fingerprint(self.leaf_der)
-
-    def server_context(self) -> ssl.SSLContext:
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.load_cert_chain(self.cert_pem, self.key_pem)
-        return context
-
-
-# MARK: - Token verification
-
-
-class TokenError(Exception):
-    pass
-
-
-class Verifier:
-    """Checks access tokens against the JWKS of trusted issuers (PyJWT + cryptography)."""
-
-    ALGORITHMS = ["RS256", "PS256", "ES256"]
-
-    def __init__(self, leeway: int = 0):
-        self.leeway = leeway                         # seconds of clock skew allowed on exp and iat
-        self.issuers: dict[str, str] = {}            # iss -> jwks_uri
-        self.keys: dict[tuple[str, str], object] = {}
-        self.lock = threading.Lock()
-        self.http = requests.Session()
-        self.http.trust_env = False                  # never through a proxy from the test's environment
-
-    def trust(self, issuer: str, jwks_uri: str) -> None:
-        with self.lock:
-            self.issuers[issuer] = jwks_uri
-
-    def _fetch(self, issuer: str) -> None:
-        answer = self.http.get(self.issuers[issuer], timeout=10)
-        answer.raise_for_status()
-        for jwk in answer.json().get("keys", []):
-            if "kid" in jwk and jwk.get("use", "sig") == "sig":
-                self.keys[(issuer, jwk["kid"])] = jwt.PyJWK(jwk).key
-
-    def _key(self, issuer: str, kid: str):
-        with self.lock:
-            if (issuer, kid) not in self.keys:
-                self._fetch(issuer)          # RFC 7517: an unknown kid may be a new key; fetch once more
-            key = self.keys.get((issuer, kid))
-        if key is None:
-            raise TokenError(f"unknown key {kid!r}")
-        return key
-
-    def verify(self, token: str) -> dict:
-        try:
-            header = jwt.get_unverified_header(token)
-            unverified = jwt.decode(token, options={"verify_signature": False})
-        except jwt.PyJWTError as error:
-            raise TokenError(f"not a JWT: {error}") from None
-        # RFC 9068 §4: the resource server checks that typ is at+jwt.
-        if str(header.get("typ", "")).lower() not in ("at+jwt", "application/at+jwt"):
-            raise TokenError(f"typ is {header.get('typ')!r}, not at+jwt")
-        issuer = unverified.get("iss")
-        if issuer not in self.issuers:
-            raise TokenError(f"untrusted issuer {issuer!r}")
-        key = self._key(issuer, header.get("kid", ""))
-        try:
-            return jwt.decode(token, key, algorithms=self.ALGORITHMS, issuer=issuer, leeway=self.leeway,
-                              options={"require": ["exp", "iat", "iss", "sub", "jti"], "verify_aud": False})
-        except jwt.PyJWTError as error:
-            raise TokenError(str(error) or type(error).__name__) from None
-
-
-# MARK: - DPoP proofs (RFC 9449), verified with PyJWT and cryptography
-
-
-# JWK members that only a private key has (RFC 7518 §6.2.2, §6.3.2, §6.4.1).
-PRIVATE_JWK_MEMBERS = frozenset({"d", "p", "q", "dp", "dq", "qi", "oth", "k"})
-DPOP_MAX_SKEW = 60
-
-
-class DPoPError(Exception):
-    """A refused proof; `error` is the DPoP error code of the challenge (invalid_dpop_proof, use_dpop_nonce)."""
-
-    def __init__(self, message: str, error: str = "invalid_dpop_proof"):
-        super().__init__(message)
-        self.error = error
-
-
-def b64url(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
-
-
-def jwk_thumbprint(jwk: dict) -> str:
-    """RFC 7638 SHA-256 thumbprint of a public JWK (EC or RSA): the required members, sorted, no spaces."""
-    required = {"EC": ("crv", "kty", "x", "y"), "RSA": ("e", "kty", "n"), "OKP": ("crv", "kty", "x")}[jwk["kty"]]
-    canonical = json.dumps({k: jwk[k] for k in required}, separators=(",", ":"), sort_keys=True)
-    return b64url(hashlib.sha256(canonical.encode()).digest())
-
-
-def ec_public_jwk(public_key) -> dict:
-    """The JWK of a P-256 public key (RFC 7518 §6.2.1: x and y padded to 32 bytes)."""
-    numbers = public_key.public_numbers()
-    return {"kty": "EC", "crv": "P-256", "x": b64url(numbers.x.to_bytes(32, "big")),
-            "y": b64url(numbers.y.to_bytes(32, "big"))}
-
-
-def key_file_thumbprint(path: Path) -> str:
-    """The RFC 7638 thumbprint of the EC private key in a PEM file (proxyctl's DPoP key file)."""
-    key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
-    return jwk_thumbprint(ec_public_jwk(key.public_key()))
-
-
-def access_token_hash(token: str) -> str:
-    """RFC 9449 §4.2 `ath`: base64url(SHA-256(ASCII(token)))."""
-    return b64url(hashlib.sha256(token.encode("ascii")).digest())
-
-
-def normalized_htu(url: str) -> str:
-    """The `htu` a proof for `url` must carry (RFC 9449 §4.3, RFC 3986 §6.2.2-6.2.3): scheme and host
-    lower-case, the scheme's default port left out, an empty path as /, no query, no fragment."""
-    parts = urllib.parse.urlsplit(url)
-    scheme = parts.scheme.lower()
-    host = (parts.hostname or "").lower()
-    if ":" in host:
-        host = f"[{host}]"
-    port = parts.port
-    authority = host if port is None or port == {"https": 443, "http": 80}.get(scheme) else f"{host}:{port}"
-    return f"{scheme}://{authority}{parts.path or '/'}"
-
-
-@dataclass
-class Proof:
-    """A verified DPoP proof."""
-    raw: str = field(repr=False)
-    header: dict
-    claims: dict
-    jkt: str
-
-    @property
-    def jti(self) -> str:
-        return self.claims["jti"]
-
-    @property
-    def nonce(self) -> str | None:
-        return self.claims.get("nonce")
-
-
-def verify_dpop_proof(proof: str, method: str, url: str, access_token: str | None = None,
-                      now: float | None = None, max_skew: int = DPOP_MAX_SKEW) -> Proof:
-    """Checks one proof as RFC 9449 §4.3 says, except the stateful parts (jti replay, nonce): DPoPVerifier.
-    With `access_token`, `ath` must bind it; without, there must be no `ath` (a token request)."""
-    try:
-        header = jwt.get_unverified_header(proof)
-    except jwt.PyJWTError as error:
-        raise DPoPError(f"not a JWS: {error}") from None
-    if header.get("typ") != "dpop+jwt":
-        raise DPoPError(f"typ is {header.get('typ')!r}, not dpop+jwt")
-    if header.get("alg") != "ES256":
-        raise DPoPError(f"alg is {header.get('alg')!r}, not ES256")
-    jwk = header.get("jwk")
-    if not isinstance(jwk, dict):
-        raise DPoPError("no jwk in the header")
-    leaked = sorted(PRIVATE_JWK_MEMBERS & set(jwk))
-    if leaked:
-        raise DPoPError(f"the jwk has private members {leaked}")
-    if jwk.get("kty") != "EC" or jwk.get("crv") != "P-256":
-        raise DPoPError(f"the jwk is {jwk.get('kty')}/{jwk.get('crv')}, not EC/P-256")
-    try:
-        key = jwt.PyJWK(jwk, algorithm="ES256").key
-        claims = jwt.decode(proof, key, algorithms=["ES256"],
-                            options={"verify_aud": False, "verify_iat": False, "verify_exp": False,
-                                     "verify_nbf": False, "require": ["jti", "htm", "htu", "iat"]})
-    except jwt.PyJWTError as error:
-        raise DPoPError(f"bad proof: {error}") from None
-    if claims["htm"] != method:
-        raise DPoPError(f"htm {claims['htm']!r} is not the method {method!r}")
-    expected = normalized_htu(url)
-    if claims["htu"] != expected:
-        raise DPoPError(f"htu {claims['htu']!r} is not {expected!r}")
-    iat = claims["iat"]
-    now = time.time() if now is None else now
-    if not isinstance(iat, int) or isinstance(iat, bool) or abs(now - iat) > max_skew:
-        raise DPoPError(f"iat {iat!r} is not within {max_skew}s of now")
-    if not isinstance(claims["jti"], str) or len(claims["jti"]) < 16:
-        raise DPoPError("jti is too short to be unique")
-    if access_token is not None:
-        if claims.get("ath") != access_token_hash(access_token):
-            raise DPoPError("ath does not match the access token")
-    elif "ath" in claims:
-        raise DPoPError("ath in a proof that goes with no access token")
-    return Proof(proof, header, claims, jwk_thumbprint(jwk))
-
-
-class DPoPVerifier:
-    """Proofs with replay detection (every jti once) and server nonces per authority (RFC 9449 §9)."""
-
-    def __init__(self, max_skew: int = DPOP_MAX_SKEW):
-        self.max_skew = max_skew
-        self.lock = threading.Lock()
-        self.jtis: set[str] = set()
-        self.require_nonce = False
-        self.rotate_on_success = False
-        self.nonces: dict[str, str] = {}          # authority -> the nonce accepted now
-        self.issued: list[str] = []               # every nonce handed out (for the tests' secret scans)
-        self.proofs: list[str] = []               # every proof received (likewise)
-
-    def new_nonce(self, authority: str) -> str:
-        """A new current nonce for `authority`; the previous one stops working."""
-        nonce = secrets.token_urlsafe(24)
-        with self.lock:
-            self.nonces[authority.lower()] = nonce
-            self.issued.append(nonce)
-        return nonce
-
-    def current_nonce(self, authority: str) -> str:
-        with self.lock:
-            nonce = self.nonces.get(authority.lower())
-        return nonce or self.new_nonce(authority)
-
-    def check(self, proof: str, method: str, url: str, authority: str, access_token: str | None = None) -> Proof:
-        with self.lock:
-            self.proofs.append(proof)
-        verified = verify_dpop_proof(proof, method, url, access_token, max_skew=self.max_skew)
-        with self.lock:
-            if verified.jti in self.jtis:
-                raise DPoPError(f"jti {verified.jti!r} was used before (a replayed proof)")
-            self.jtis.add(verified.jti)
-        if self.require_nonce:
-            current = self.current_nonce(authority)
-            if verified.nonce != current:
-                raise DPoPError("a fresh nonce is needed" if verified.nonce else "a nonce is needed",
-                                error="use_dpop_nonce")
-        return verified
+from fixtures.content import generate
+from fixtures.http import auth_param, field_value, field_values
+from fixtures.jose import AccessTokenVerifier, DPoPError, DPoPVerifier, Proof, TokenError
+from fixtures.pki import ServerIdentity
+from fixtures.proxy import clean_env
+from fixtures.tls_server import QuietHandler, TLSHTTPServer
 
 
 # MARK: - The server
@@ -421,13 +78,10 @@ class Seen:
     response_headers: list[tuple[str, str]] = field(default_factory=list)  # extra fields of the answer
 
     def header(self, name: str) -> str | None:
-        for key, value in self.headers:
-            if key.lower() == name.lower():
-                return value
-        return None
+        return field_value(self.headers, name)
 
     def header_values(self, name: str) -> list[str]:
-        return [value for key, value in self.headers if key.lower() == name.lower()]
+        return field_values(self.headers, name)
 
     @property
     def host(self) -> str | None:
@@ -438,62 +92,14 @@ class Seen:
         return self.claims.get("jti") if self.claims else None
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class _Handler(QuietHandler):
     server_version = "resource-server"
-    sys_version = ""
-
-    def log_message(self, format, *args):  # noqa: A002 - quiet
-        pass
-
-    def handle(self):
-        try:
-            super().handle()
-        except (ConnectionError, ssl.SSLError, TimeoutError, OSError):
-            pass
 
     # Every method goes through one path.
     def do_GET(self):
         self._serve()
 
     do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = do_OPTIONS = do_GET
-
-    def _read_body(self, keep: bool) -> tuple[int, str, bytes]:
-        digest = hashlib.sha256()
-        kept = bytearray()
-        size = 0
-
-        def take(data: bytes):
-            nonlocal size
-            digest.update(data)
-            size += len(data)
-            if keep:
-                kept.extend(data)
-
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            while True:
-                line = self.rfile.readline(65537)
-                length = int(line.split(b";")[0].strip(), 16)
-                if length == 0:
-                    while self.rfile.readline(65537) not in (b"\r\n", b"\n", b""):
-                        pass
-                    break
-                while length > 0:
-                    data = self.rfile.read(min(length, MiB))
-                    if not data:
-                        raise ConnectionError("body cut short")
-                    take(data)
-                    length -= len(data)
-                self.rfile.readline(3)
-        else:
-            remaining = int(self.headers.get("Content-Length", "0") or 0)
-            while remaining > 0:
-                data = self.rfile.read(min(remaining, MiB))
-                if not data:
-                    raise ConnectionError("body cut short")
-                take(data)
-                remaining -= len(data)
-        return size, digest.hexdigest(), bytes(kept)
 
     def _send(self, status: int, body: bytes = b"", content_type: str = "application/json",
               headers: list[tuple[str, str]] = ()) -> None:
@@ -516,11 +122,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         is_git = url.path.startswith("/repo.git/")
         seen = rs._record_start(self.server.local.number, self.command, self.path, list(self.headers.items()))
         try:
-            seen.body_size, seen.body_sha256, body = self._read_body(keep=is_git)
+            received = self.read_body(keep=is_git)
         except (ConnectionError, ValueError, OSError):
             seen.error = "body cut short"
             self.close_connection = True
             return
+        seen.body_size, seen.body_sha256 = received.size, received.sha256
         public = not rs.require_token or url.path.startswith("/public/")
         if not public:
             verdict = rs._check(seen)
@@ -541,7 +148,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             info.update({"token_type": "DPoP", "dpop_jkt": seen.proof.jkt, "proof_jti": seen.proof.jti})
         parts = url.path.strip("/").split("/")
         if is_git:
-            seen.status = rs._git(self, url, body)
+            seen.status = rs._git(self, url, bytes(received.data))
         elif parts[0] == "download" and len(parts) == 2:
             seen.status = 200
             self._download(int(parts[1]))
@@ -562,46 +169,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Content-Length", str(size))
         self.end_headers()
-        for block in support.generate(size):
+        for block in generate(size):
             self.wfile.write(block)
-
-
-class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
-    daemon_threads = True
-    allow_reuse_address = False
-    request_queue_size = 1024
-
-    def __init__(self, owner: "ResourceServer", tls: ssl.SSLContext):
-        self.owner = owner
-        self.tls = tls
-        self.connections = 0
-        self.count_lock = threading.Lock()
-        self.local = threading.local()  # the number of the connection this thread serves
-        super().__init__(("127.0.0.1", 0), _Handler)
-
-    def finish_request(self, request, client_address):
-        # The TLS handshake runs in the connection's thread, not in the accepting one.
-        with self.count_lock:
-            self.connections += 1
-            number = self.connections
-        try:
-            request.settimeout(30)
-            tls = self.tls.wrap_socket(request, server_side=True)
-            tls.settimeout(120)
-        except (ssl.SSLError, OSError):
-            return
-        self.local.number = number
-        try:
-            super().finish_request(tls, client_address)
-        finally:
-            try:
-                tls.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            tls.close()
-
-    def handle_error(self, request, client_address):
-        pass
 
 
 class ResourceServer:
@@ -614,17 +183,14 @@ class ResourceServer:
         self.require_token = require_token
         self.dpop: DPoPVerifier | None = DPoPVerifier() if dpop else None
         self.identity = ServerIdentity.make(workdir / "tls", label, self.hosts)
-        self.verifier = Verifier()
+        self.verifier = AccessTokenVerifier()
         self.lock = threading.Lock()
         self.requests: list[Seen] = []
         self._reject = 0
         self.revoked: set[str] = set()
         self.git_root: Path | None = None
-        self.server = _Server(self, self.identity.server_context())
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
-                                       daemon=True)
-        self.thread.start()
+        self.server = TLSHTTPServer(_Handler, self.identity.server_context(), io_timeout=120, owner=self).start()
+        self.port = self.server.port
 
     # --- addresses
 
@@ -692,7 +258,7 @@ class ResourceServer:
             seen.claims = self.verifier.verify(seen.token)
         except TokenError as error:
             seen.error = str(error)
-            return realm + f', error="invalid_token", error_description="{_quote(str(error))}"'
+            return realm + f', error="invalid_token", error_description="{auth_param(str(error))}"'
         if self.dpop is not None and isinstance(seen.claims.get("cnf"), dict):
             # RFC 9449 §7.1: a DPoP-bound token is not accepted as a Bearer token.
             seen.error = "a DPoP-bound token sent as Bearer"
@@ -723,21 +289,21 @@ class ResourceServer:
             seen.claims = self.verifier.verify(token)
         except TokenError as error:
             seen.error, seen.dpop_error = str(error), "invalid_token"
-            return challenge + f', error="invalid_token", error_description="{_quote(str(error))}"'
+            return challenge + f', error="invalid_token", error_description="{auth_param(str(error))}"'
+        cnf = seen.claims.get("cnf")
+        bound = cnf.get("jkt") if isinstance(cnf, dict) else None
+        if bound is None:
+            seen.error, seen.dpop_error = "a token without cnf.jkt sent as DPoP", "invalid_token"
+            return challenge + f', error="invalid_token", error_description="{seen.error}"'
         authority = seen.host or ""
         url = f"https://{authority}{seen.path}"
         try:
-            seen.proof = self.dpop.check(proofs[0], seen.method, url, authority, access_token=token)
+            seen.proof = self.dpop.check(proofs[0], seen.method, url, authority, access_token=token, jkt=bound)
         except DPoPError as error:
             seen.error, seen.dpop_error = str(error), error.error
             if error.error == "use_dpop_nonce":
                 seen.response_headers.append(("DPoP-Nonce", self.dpop.current_nonce(authority)))
-            return challenge + f', error="{error.error}", error_description="{_quote(str(error))}"'
-        cnf = seen.claims.get("cnf")
-        bound = cnf.get("jkt") if isinstance(cnf, dict) else None
-        if bound != seen.proof.jkt:
-            seen.error, seen.dpop_error = f"cnf.jkt {bound!r} is not the proof key's thumbprint", "invalid_token"
-            return challenge + f', error="invalid_token", error_description="{_quote(seen.error)}"'
+            return challenge + f', error="{error.error}", error_description="{auth_param(str(error))}"'
         verdict = self._test_rejections(seen, challenge)
         if verdict is not None:
             seen.dpop_error = "invalid_token"
@@ -808,20 +374,15 @@ class ResourceServer:
         return status
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def _quote(text: str) -> str:
-    return text.replace("\\", "\\\\").replace('"', "'")[:200]
+        self.server.close()
 
 
 def git_env(home: Path, **extra: str) -> dict[str, str]:
     """An environment for git that reads no user or system configuration."""
     home.mkdir(parents=True, exist_ok=True)
-    env = support.clean_env(HOME=str(home), GIT_CONFIG_NOSYSTEM="1", GIT_TERMINAL_PROMPT="0",
-                            GIT_AUTHOR_NAME="Test", GIT_AUTHOR_EMAIL="test@example.test",
-                            GIT_COMMITTER_NAME="Test", GIT_COMMITTER_EMAIL="test@example.test")
+    env = clean_env(HOME=str(home), GIT_CONFIG_NOSYSTEM="1", GIT_TERMINAL_PROMPT="0",
+                    GIT_AUTHOR_NAME="Test", GIT_AUTHOR_EMAIL="test@example.test",
+                    GIT_COMMITTER_NAME="Test", GIT_COMMITTER_EMAIL="test@example.test")
     env.pop("GIT_DIR", None)
     env.update(extra)
     return env

@@ -30,9 +30,11 @@ from typing import Optional
 
 import pytest
 
-import support
+from fixtures import config
+from fixtures.http import free_port
+from fixtures.proxy import clean_env, proxyctl_bin
 from idp_fake import FakeIdP
-from idp_glewlwyd import Glewlwyd, free_port, glewlwyd_available
+from idp_glewlwyd import Glewlwyd, glewlwyd_available
 
 HERE = Path(__file__).resolve().parent
 BROWSER_SCRIPT = HERE / "recording_browser.py"
@@ -61,18 +63,6 @@ class Result:
     def __str__(self) -> str:
         return (f"$ proxyctl {' '.join(self.argv)}  -> exit {self.returncode} in {self.elapsed:.1f}s\n"
                 f"--- stdout\n{self.stdout}--- stderr\n{self.stderr}" + (f"--- notes\n{self.notes}" if self.notes else ""))
-
-
-def provider_section(name: str, issuer: str, client_id: Optional[str] = "proxyctl-test", **keys) -> str:
-    """A [provider NAME] section; keys as written in proxy.conf (`param_audience` -> `param.audience`)."""
-    lines = [f"[provider {name}]", f"issuer = {issuer}"]
-    if client_id is not None:
-        lines.append(f"client_id = {client_id}")
-    for key, value in keys.items():
-        if value is not None:
-            key = "param." + key[len("param_"):] if key.startswith("param_") else key
-            lines.append(f"{key} = {value}")
-    return "\n".join(lines) + "\n"
 
 
 class Running:
@@ -175,7 +165,7 @@ class Workspace:
     # ------------------------------------------------------------------ configuration
 
     def write_config(self, *sections: str, state_dir: bool = True, path: Optional[Path] = None) -> Path:
-        text = "[proxy]\n" + (f"state_dir = {self.state_dir}\n" if state_dir else "") + "\n" + "\n".join(sections)
+        text = config.proxy(state_dir=self.state_dir if state_dir else None) + "".join(sections)
         target = path or self.config_path
         target.write_text(text)
         return target
@@ -184,7 +174,7 @@ class Workspace:
             **extra: str) -> dict[str, str]:
         """The environment of a run. `browser`: None (no $BROWSER), or the scripted browser's mode
         (glewlwyd, fake, none)."""
-        env = support.clean_env()
+        env = clean_env()
         for key in list(env):
             if key.startswith(("XDG_", "SSH_", "PROXYCTL_")) or key in ("BROWSER", "DISPLAY", "WAYLAND_DISPLAY"):
                 del env[key]
@@ -211,7 +201,7 @@ class Workspace:
 
     def start(self, *args: str, env: Optional[dict] = None, umask: int = -1, **env_options) -> Running:
         argv = [str(a) for a in args]
-        process = subprocess.Popen([support.proxyctl_bin(), *argv], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        process = subprocess.Popen([proxyctl_bin(), *argv], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True, env=env or self.env(**env_options),
                                    cwd=self.root, umask=umask)
         running = Running(self, argv, process, time.monotonic())
@@ -238,20 +228,7 @@ class Workspace:
 
     def harvest(self) -> None:
         """Remembers the secrets now in the token files and the browser's visits."""
-        tokens_dir = self.state_dir / "tokens"
-        if tokens_dir.is_dir():
-            for path in tokens_dir.glob("*.json"):
-                try:
-                    data = json.loads(path.read_text())
-                except (OSError, ValueError):
-                    continue
-                for key in ("access_token", "refresh_token", "id_token"):
-                    if isinstance(data.get(key), str):
-                        self.secrets.add(data[key])
-        for url in self.visits():
-            query = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)
-            for code in query.get("code", []):
-                self.secrets.add(code)
+        self.secrets |= seen_secrets(self.state_dir, self.visits())
 
     def browser_urls(self) -> list[str]:
         """The URLs proxyctl handed to the scripted browser."""
@@ -300,6 +277,21 @@ class Workspace:
     def close(self) -> None:
         for running in self.running:
             running.kill()
+
+
+def seen_secrets(state_dir: Path, visits: list[str]) -> set[str]:
+    """The tokens in state_dir's token files, and the authorization codes in the URLs the browser visited."""
+    found: set[str] = set()
+    for path in (state_dir / "tokens").glob("*.json"):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        found.update(data[key] for key in ("access_token", "refresh_token", "id_token")
+                     if isinstance(data.get(key), str))
+    for url in visits:
+        found.update(urllib.parse.parse_qs(urllib.parse.urlsplit(url).query).get("code", []))
+    return found
 
 
 def fake_secrets(idp: FakeIdP) -> set[str]:
@@ -362,14 +354,14 @@ def glewlwyd_workspace(ws: Workspace, factory, name: str = "glew", plugin: str =
     idp = factory(redirect_ports=[port], **provider_keys.pop("idp_options", {}))
     keys = dict(scopes="openid profile email", redirect_port=port, login_timeout="20s")
     keys.update(provider_keys)
-    ws.write_config(provider_section(name, idp.issuer(plugin), idp.client_id, **keys))
+    ws.write_config(config.provider(name, idp.issuer(plugin), idp.client_id, **keys))
     return idp
 
 
 def fake_workspace(ws: Workspace, idp: FakeIdP, name: str = "fake", **provider_keys) -> None:
     keys = dict(scopes="openid profile email", redirect_port=0, login_timeout="20s")
     keys.update(provider_keys)
-    ws.write_config(provider_section(name, idp.issuer, idp.client_id, **keys))
+    ws.write_config(config.provider(name, idp.issuer, idp.client_id, **keys))
 
 
 def printed_url(text: str, marker: str) -> str:

@@ -1,12 +1,12 @@
 """A protected HTTPS resource that demands step-up authentication (RFC 9470), for test_stepup.py.
 
 `StepUpServer` listens on 127.0.0.1 (port from the kernel) with a certificate for the host names it is reached
-as through proxyctl's `resolve` setting, signed by a test CA of its own (`server.ca_pem` is the origin's
-`ca_file`). It checks every access token as an OAuth 2.0 resource server does (RFC 6750, RFC 9068): PyJWT
-against the JWKS of the issuers it trusts (`trust(issuer, jwks_uri)`), `typ` at+jwt, signature, `iss`, `exp`,
-`iat`, `sub`, `jti`. A DPoP-bound token (`cnf.jkt`) must come as `Authorization: DPoP` with a proof (RFC 9449
-§7) whose signature, `htm`, `htu`, `ath`, `iat`, `jti` and key thumbprint are checked; a Bearer token with
-`cnf` is refused.
+as through proxyctl's `resolve` setting, signed by a test CA of its own (fixtures.pki; `server.ca_pem` is the
+origin's `ca_file`). It checks every access token as an OAuth 2.0 resource server does (RFC 6750, RFC 9068),
+with fixtures.jose's AccessTokenVerifier against the JWKS of the issuers it trusts (`trust(issuer, jwks_uri)`):
+`typ` at+jwt, signature, `iss`, `exp`, `iat`, `sub`, `jti`. A DPoP-bound token (`cnf.jkt`) must come as
+`Authorization: DPoP` with a proof (RFC 9449 §7) that fixtures.jose's DPoPVerifier takes (every check of §4.3,
+the key the token is bound to, a `jti` never seen before); a Bearer token with `cnf` is refused.
 
 What a path demands is set per path prefix with `require(prefix, ...)` (the longest prefix wins):
 
@@ -34,124 +34,17 @@ WWW-Authenticate and body sent. Tokens are kept in memory only and never printed
 
 from __future__ import annotations
 
-import datetime
-import hashlib
-import http.server
 import json
-import socket
-import socketserver
-import ssl
 import threading
 import time
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import jwt
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-# One token verifier and one RFC 7638 thumbprint for both resource-server fixtures.
-from resource_server import TokenError, Verifier, b64url, jwk_thumbprint
-
-# MARK: - A test CA and the server's certificate
-
-
-def _now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
-
-
-def make_identity(directory: Path, hosts: list[str]) -> tuple[Path, Path, Path]:
-    """A CA and a leaf for `hosts`, as files: (ca.pem, server.pem, server-key.pem)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "proxyctl tests"),
-                         x509.NameAttribute(NameOID.COMMON_NAME, "step-up test CA")])
-    ca = (x509.CertificateBuilder()
-          .subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number())
-          .not_valid_before(_now() - datetime.timedelta(days=1))
-          .not_valid_after(_now() + datetime.timedelta(days=30))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                                       data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                                       crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
-          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-          .sign(ca_key, hashes.SHA256()))
-    key = ec.generate_private_key(ec.SECP256R1())
-    leaf = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
-            .issuer_name(ca_name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(_now() - datetime.timedelta(hours=1))
-            .not_valid_after(_now() + datetime.timedelta(days=2))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(h) for h in hosts]), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
-                                         data_encipherment=False, key_agreement=False, key_cert_sign=False,
-                                         crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    ca_pem, cert_pem, key_pem = directory / "ca.pem", directory / "server.pem", directory / "server-key.pem"
-    ca_pem.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    cert_pem.write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
-    key_pem.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
-    key_pem.chmod(0o600)
-    return ca_pem, cert_pem, key_pem
-
-
-# MARK: - Tokens and DPoP proofs
-
-
-class Refused(Exception):
-    """A token or proof the server does not take: 401 invalid_token (or use_dpop_nonce)."""
-
-    def __init__(self, message: str, kind: str = "invalid_token"):
-        super().__init__(message)
-        self.kind = kind
-
-
-def verify_proof(proof: str | None, method: str, htu: str, token: str, jkt: str, seen_jtis: set[str],
-                 nonce: str | None) -> dict:
-    """RFC 9449 §4.3 and §7.1: the proof's claims, or Refused."""
-    if not proof:
-        raise Refused("a DPoP token without a DPoP proof")
-    try:
-        header = jwt.get_unverified_header(proof)
-    except jwt.PyJWTError as error:
-        raise Refused(f"unreadable DPoP proof: {error}") from None
-    jwk = header.get("jwk")
-    if header.get("typ") != "dpop+jwt" or not isinstance(jwk, dict) or "d" in jwk:
-        raise Refused("DPoP proof without typ dpop+jwt and a public jwk")
-    if header.get("alg") not in ("ES256", "RS256", "PS256"):
-        raise Refused(f"DPoP proof alg {header.get('alg')!r}")
-    try:
-        claims = jwt.decode(proof, jwt.PyJWK(jwk).key, algorithms=[header["alg"]],
-                            options={"require": ["iat", "jti", "htm", "htu"], "verify_aud": False,
-                                     "verify_iat": False})
-    except jwt.PyJWTError as error:
-        raise Refused(f"DPoP proof: {error}") from None
-    if claims["htm"] != method:
-        raise Refused(f"DPoP proof htm {claims['htm']!r} for a {method}")
-    if claims["htu"].lower() != htu.lower():
-        raise Refused(f"DPoP proof htu {claims['htu']!r}, expected {htu!r}")
-    if abs(time.time() - float(claims["iat"])) > 60:
-        raise Refused("DPoP proof iat too far from now")
-    if claims.get("ath") != b64url(hashlib.sha256(token.encode()).digest()):
-        raise Refused("DPoP proof ath does not match the access token")
-    if jwk_thumbprint(jwk) != jkt:
-        raise Refused("DPoP proof key is not the one the token is bound to")
-    if claims["jti"] in seen_jtis:
-        raise Refused("DPoP proof jti used before")
-    seen_jtis.add(claims["jti"])
-    if nonce is not None and claims.get("nonce") != nonce:
-        raise Refused("DPoP nonce required", kind="use_dpop_nonce")
-    return claims
-
+from fixtures.http import auth_param, field_value
+from fixtures.jose import AccessTokenVerifier, DPoPError, DPoPVerifier, TokenError
+from fixtures.pki import ServerIdentity
+from fixtures.tls_server import QuietHandler, TLSHTTPServer
 
 # MARK: - Requirements and records
 
@@ -179,13 +72,10 @@ class Seen:
     www_authenticate: str | None = None
     body: bytes = b""
     token: str | None = field(default=None, repr=False)
-    proof: dict | None = None
+    proof: dict | None = None                 # the claims of the verified DPoP proof
 
     def header(self, name: str) -> str | None:
-        for key, value in self.headers:
-            if key.lower() == name.lower():
-                return value
-        return None
+        return field_value(self.headers, name)
 
     @property
     def host(self) -> str | None:
@@ -200,23 +90,8 @@ def sign_in_time(claims: dict) -> int:
     return int(claims["iat"])
 
 
-def _quote(text: str) -> str:
-    return text.replace("\\", "\\\\").replace('"', "'")
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class _Handler(QuietHandler):
     server_version = "stepup-server"
-    sys_version = ""
-
-    def log_message(self, format, *args):  # noqa: A002 - quiet
-        pass
-
-    def handle(self):
-        try:
-            super().handle()
-        except (ConnectionError, ssl.SSLError, TimeoutError, OSError):
-            pass
 
     def do_GET(self):
         self.server.owner._serve(self)
@@ -224,53 +99,20 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     do_POST = do_PUT = do_DELETE = do_HEAD = do_GET
 
 
-class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
-    daemon_threads = True
-    allow_reuse_address = False
-
-    def __init__(self, owner: "StepUpServer", tls: ssl.SSLContext):
-        self.owner = owner
-        self.tls = tls
-        super().__init__(("127.0.0.1", 0), _Handler)
-
-    def finish_request(self, request, client_address):
-        try:
-            request.settimeout(30)
-            tls = self.tls.wrap_socket(request, server_side=True)
-            tls.settimeout(60)
-        except (ssl.SSLError, OSError):
-            return
-        try:
-            super().finish_request(tls, client_address)
-        finally:
-            try:
-                tls.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            tls.close()
-
-    def handle_error(self, request, client_address):
-        pass
-
-
 class StepUpServer:
     """See the module docstring."""
 
     def __init__(self, workdir: Path, hosts: list[str]):
         self.hosts = list(hosts)
-        self.ca_pem, cert_pem, key_pem = make_identity(workdir, self.hosts)
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.load_cert_chain(cert_pem, key_pem)
-        self.verifier = Verifier(leeway=5)
+        identity = ServerIdentity.make(workdir, "step-up", self.hosts)
+        self.ca_pem = identity.ca_pem
+        self.verifier = AccessTokenVerifier(leeway=5)
+        self.dpop = DPoPVerifier()
         self.lock = threading.Lock()
         self.requirements: dict[str, Requirement] = {}
         self.requests: list[Seen] = []
-        self.proof_jtis: set[str] = set()
-        self.server = _Server(self, context)
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
-                                       daemon=True)
-        self.thread.start()
+        self.server = TLSHTTPServer(_Handler, identity.server_context(), io_timeout=60, owner=self).start()
+        self.port = self.server.port
 
     # --- addresses
 
@@ -303,8 +145,7 @@ class StepUpServer:
         return [s for s in seen if path is None or s.path.startswith(path)]
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.close()
 
     # --- serving
 
@@ -317,9 +158,7 @@ class StepUpServer:
         with self.lock:
             seen = Seen(len(self.requests) + 1, handler.command, handler.path, list(handler.headers.items()))
             self.requests.append(seen)
-        length = int(handler.headers.get("Content-Length", "0") or 0)
-        if length:
-            handler.rfile.read(length)
+        handler.read_body()
         requirement = self._requirement(urllib.parse.urlsplit(handler.path).path)
         status, headers, body = self._decide(handler, seen, requirement)
         seen.status, seen.body = status, body
@@ -341,7 +180,7 @@ class StepUpServer:
             seen.kind, seen.error = kind, error
             challenge = f'{scheme} realm="stepup"'
             if kind != "no_token":
-                challenge += f', error="{kind}", error_description="{_quote(error)}"'
+                challenge += f', error="{kind}", error_description="{auth_param(error)}"'
             body = json.dumps({"error": kind, "error_description": error, "path": seen.path}).encode()
             return 401, [("WWW-Authenticate", challenge + extra), *headers], body
 
@@ -365,14 +204,15 @@ class StepUpServer:
         if scheme == "Bearer" and jkt:
             return refuse("invalid_token", "a DPoP-bound token sent as a Bearer token")
         if scheme == "DPoP":
-            htu = f"https://{seen.host}{urllib.parse.urlsplit(seen.path).path}"
+            proof = seen.header("DPoP")
+            if not proof:
+                return refuse("invalid_token", "a DPoP token without a DPoP proof")
             nonce = requirement.dpop_nonce if requirement else None
             try:
-                with self.lock:
-                    seen.proof = verify_proof(seen.header("DPoP"), seen.method, htu, token, jkt, self.proof_jtis,
-                                              nonce)
-            except Refused as error:
-                if error.kind == "use_dpop_nonce":
+                seen.proof = self.dpop.check(proof, seen.method, f"https://{seen.host}{seen.path}", seen.host or "",
+                                             access_token=token, jkt=jkt, nonce=nonce).claims
+            except DPoPError as error:
+                if error.error == "use_dpop_nonce":
                     # RFC 9449 §9: the challenge names only the nonce error.
                     seen.kind, seen.error = "use_dpop_nonce", str(error)
                     body = json.dumps({"error": "use_dpop_nonce"}).encode()

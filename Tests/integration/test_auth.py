@@ -8,8 +8,9 @@ import uuid
 import pytest
 import requests
 
-import support
-from support import Reader
+from fixtures.http import Reader, Response, basic
+from fixtures.proxy import run_proxyctl
+
 
 USER, PASSWORD = "alice", "Wonderland-Pa55w0rd"
 OTHER_USER, OTHER_PASSWORD = "bob", "Another-S3cret"
@@ -46,7 +47,7 @@ def secrets_in(text: str) -> list[str]:
     return found
 
 
-def assert_407(response: support.Response) -> None:
+def assert_407(response: Response) -> None:
     assert response.status == 407, response.head
     assert response.header("proxy-authenticate").startswith("Basic realm="), response.head
     assert response.header("proxy-status").startswith("proxyctl; error=http_request_denied")
@@ -69,7 +70,7 @@ def test_no_credentials_is_407(form, auth_proxy, echo_origin):
 def test_wrong_credentials_are_407(password, auth_proxy, echo_origin):
     with auth_proxy.connect() as sock:
         sock.sendall(f"GET {echo_origin.url('/wrong')} HTTP/1.1\r\nHost: {echo_origin.authority}\r\n"
-                     f"Proxy-Authorization: {support.basic(USER, password)}\r\n\r\n".encode())
+                     f"Proxy-Authorization: {basic(USER, password)}\r\n\r\n".encode())
         assert_407(Reader(sock).read_response())
     assert not secrets_in(auth_proxy.log())
 
@@ -88,7 +89,7 @@ def test_right_credentials_work_and_the_origin_never_sees_them(auth_proxy, echo_
             sock = auth_proxy.connect()
             reader = Reader(sock)
         sock.sendall(f"GET {echo_origin.url('/auth/' + tag)} HTTP/1.1\r\nHost: {echo_origin.authority}\r\n"
-                     f"Proxy-Authorization: {support.basic(USER, PASSWORD)}\r\nX-After: 1\r\n\r\n".encode())
+                     f"Proxy-Authorization: {basic(USER, PASSWORD)}\r\nX-After: 1\r\n\r\n".encode())
         response = reader.read_response()
         sock.close()
     assert response.status == 200
@@ -101,7 +102,7 @@ def test_right_credentials_work_and_the_origin_never_sees_them(auth_proxy, echo_
 def test_right_credentials_open_a_tunnel(auth_proxy, https_origin, cert, curl):
     for user, password in ((USER, PASSWORD), (OTHER_USER, OTHER_PASSWORD)):
         result = curl("--fail", "-x", f"http://{user}:{password}@127.0.0.1:{auth_proxy.port}",
-                      "--cacert", str(cert.cert_pem), https_origin.url("/authed-tunnel", host="localhost"))
+                      "--cacert", str(cert.ca_pem), https_origin.url("/authed-tunnel", host="localhost"))
         assert result.returncode == 0, result.stderr
         assert result.stdout == b"origin GET /authed-tunnel\n"
     auth_proxy.wait_log(rf"CONNECT localhost:{https_origin.port} status=200", count=2)
@@ -122,12 +123,12 @@ def test_requests_with_credentials_in_the_proxy_url(auth_proxy, http_origin):
 def test_refuses_to_listen_on_all_interfaces_without_proxy_auth_file(tmp_path):
     conf = tmp_path / "open.conf"
     conf.write_text("[proxy]\nlog_level = info\n")
-    result = support.run_proxyctl(tmp_path, "serve", "--config", str(conf), "--listen", "0.0.0.0:0")
+    result = run_proxyctl(tmp_path, "serve", "--config", str(conf), "--listen", "0.0.0.0:0")
     assert result.returncode == 1
     assert "proxy_auth_file" in result.stderr and "0.0.0.0" in result.stderr
 
     conf.write_text("[proxy]\nlog_level = info\nlisten = 0.0.0.0:0\n")
-    result = support.run_proxyctl(tmp_path, "serve", "--config", str(conf))
+    result = run_proxyctl(tmp_path, "serve", "--config", str(conf))
     assert result.returncode == 1
     assert f"{conf}:3:" in result.stderr and "proxy_auth_file" in result.stderr
 
@@ -137,7 +138,7 @@ def test_refuses_an_auth_file_others_can_read(mode, tmp_path, auth_file):
     auth_file.chmod(mode)
     conf = tmp_path / "auth.conf"
     conf.write_text(f"[proxy]\nlisten = 0.0.0.0:0\nproxy_auth_file = {auth_file}\n")
-    result = support.run_proxyctl(tmp_path, "serve", "--config", str(conf))
+    result = run_proxyctl(tmp_path, "serve", "--config", str(conf))
     assert result.returncode == 1
     assert "chmod 600" in result.stderr and str(auth_file) in result.stderr
     assert PASSWORD not in result.stderr + result.stdout

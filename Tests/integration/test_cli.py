@@ -3,14 +3,14 @@
 import os
 import subprocess
 
-import support
+from fixtures.proxy import clean_env, proxyctl_bin
 
 
 def run(*args, home, env=None, stdin=subprocess.DEVNULL):
-    full = support.clean_env(HOME=str(home), XDG_CONFIG_HOME=str(home / "xdg"), XDG_STATE_HOME=str(home / "state"))
+    full = clean_env(HOME=str(home), XDG_CONFIG_HOME=str(home / "xdg"), XDG_STATE_HOME=str(home / "state"))
     full.pop("PROXYCTL_CONFIG", None)
     full.update(env or {})
-    return subprocess.run([support.proxyctl_bin(), *args], env=full, capture_output=True, text=True, timeout=30,
+    return subprocess.run([proxyctl_bin(), *args], env=full, capture_output=True, text=True, timeout=30,
                           stdin=stdin)
 
 

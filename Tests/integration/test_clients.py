@@ -9,8 +9,8 @@ import httpx
 import pytest
 import requests
 
-import support
-from support import MiB
+from fixtures.content import MiB, expected_sha256, generate
+
 
 SIZE = 8 * MiB + 1
 
@@ -27,7 +27,7 @@ def proxy_env(monkeypatch, proxy):
 
 def check_download(body: bytes) -> None:
     assert len(body) == SIZE
-    assert hashlib.sha256(body).hexdigest() == support.expected_sha256(SIZE)
+    assert hashlib.sha256(body).hexdigest() == expected_sha256(SIZE)
 
 
 @pytest.mark.parametrize("scheme", ["http", "https"])
@@ -37,12 +37,12 @@ def test_requests_with_proxies_parameter(scheme, proxy, http_origin, https_origi
     with requests.Session() as session:
         session.trust_env = False
         with session.get(origin.url(f"/gen/{SIZE}", host="localhost"), proxies={scheme: proxy.url},
-                         verify=str(cert.cert_pem), timeout=30) as answer:
+                         verify=str(cert.ca_pem), timeout=30) as answer:
             assert answer.status_code == 200
             check_download(answer.content)
-        upload = b"".join(support.generate(2 * MiB))
+        upload = b"".join(generate(2 * MiB))
         with session.post(origin.url("/upload", host="localhost"), data=upload, proxies={scheme: proxy.url},
-                          verify=str(cert.cert_pem), timeout=30) as answer:
+                          verify=str(cert.ca_pem), timeout=30) as answer:
             assert answer.json()["sha256"] == hashlib.sha256(upload).hexdigest()
     if scheme == "http":
         proxy.wait_log(rf"GET http://localhost:{http_origin.port}/gen/{SIZE} status=200", since=mark)
@@ -55,7 +55,7 @@ def test_requests_with_proxy_environment(scheme, proxy_env, http_origin, https_o
     mark = proxy_env.mark()
     baseline_fds = proxy_env.fd_count()
     with requests.Session() as session:  # trust_env is on: the proxy comes from HTTP_PROXY / HTTPS_PROXY
-        with session.get(origin.url(f"/gen/{SIZE}?chunked=1", host="localhost"), verify=str(cert.cert_pem),
+        with session.get(origin.url(f"/gen/{SIZE}?chunked=1", host="localhost"), verify=str(cert.ca_pem),
                          timeout=30) as answer:
             assert answer.status_code == 200
             check_download(answer.content)
@@ -71,7 +71,7 @@ def test_requests_with_proxy_environment(scheme, proxy_env, http_origin, https_o
 @pytest.mark.parametrize("scheme", ["http", "https"])
 def test_httpx_with_proxy_parameter(scheme, proxy, http_origin, https_origin, cert):
     origin = https_origin if scheme == "https" else http_origin
-    with httpx.Client(proxy=proxy.url, verify=str(cert.cert_pem), trust_env=False, timeout=30) as client:
+    with httpx.Client(proxy=proxy.url, verify=str(cert.ca_pem), trust_env=False, timeout=30) as client:
         digest = hashlib.sha256()
         size = 0
         with client.stream("GET", origin.url(f"/gen/{SIZE}", host="localhost")) as answer:
@@ -79,18 +79,18 @@ def test_httpx_with_proxy_parameter(scheme, proxy, http_origin, https_origin, ce
             for block in answer.iter_bytes():
                 digest.update(block)
                 size += len(block)
-        assert size == SIZE and digest.hexdigest() == support.expected_sha256(SIZE)
-        answer = client.post(origin.url("/upload", host="localhost"), content=support.generate(3 * MiB))
+        assert size == SIZE and digest.hexdigest() == expected_sha256(SIZE)
+        answer = client.post(origin.url("/upload", host="localhost"), content=generate(3 * MiB))
         assert answer.status_code == 200
         # httpx streams a generator body with chunked framing.
-        assert json.loads(answer.content)["sha256"] == support.expected_sha256(3 * MiB)
+        assert json.loads(answer.content)["sha256"] == expected_sha256(3 * MiB)
 
 
 @pytest.mark.parametrize("scheme", ["http", "https"])
 def test_httpx_with_proxy_environment(scheme, proxy_env, http_origin, https_origin, cert):
     origin = https_origin if scheme == "https" else http_origin
     mark = proxy_env.mark()
-    with httpx.Client(verify=str(cert.cert_pem), trust_env=True, timeout=30) as client:
+    with httpx.Client(verify=str(cert.ca_pem), trust_env=True, timeout=30) as client:
         for index in range(3):
             answer = client.get(origin.url(f"/httpx-env/{index}", host="localhost"))
             assert answer.status_code == 200

@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
-import support
-from support import Reader
+from fixtures import config
+from fixtures.http import Reader, open_tunnel, reset_close
 
 
 def token() -> str:
@@ -161,9 +161,9 @@ def test_a_websocket_upgrade_on_passthrough_becomes_a_tunnel(proxy, echo_origin)
 
 def protected_http_config(port: int, origin_port: int) -> str:
     """A proxy with one protected http:// origin on loopback, never signed in."""
-    return (support.config(listen=f"127.0.0.1:{port}", log_level="info", connect_timeout="5s", shutdown_grace="3s")
-            + "\n[provider corp]\nissuer = https://login.example.test\nclient_id = proxyctl\n\n"
-            + f"[origin http://127.0.0.1:{origin_port}]\nprovider = corp\n")
+    return (config.proxy(listen=f"127.0.0.1:{port}", log_level="info", connect_timeout="5s", shutdown_grace="3s")
+            + config.provider("corp", "https://login.example.test", client_id="proxyctl")
+            + config.origin(f"http://127.0.0.1:{origin_port}", "corp"))
 
 
 def test_an_upgrade_to_a_protected_http_origin_is_refused_like_inside_a_tunnel(proxy_factory, echo_origin):
@@ -222,7 +222,7 @@ class ResettingOrigin:
                 time.sleep(0.2)
             except OSError:
                 pass
-            support.reset_close(sock)
+            reset_close(sock)
 
     def close(self) -> None:
         self.listener.close()
@@ -245,7 +245,7 @@ def read_until_end(sock: socket.socket) -> tuple[bytes, str]:
 def test_an_origin_reset_reaches_the_client_of_a_tunnel_as_a_reset(proxy):
     origin = ResettingOrigin(b"some bytes")
     try:
-        sock, _, answer = support.open_tunnel(proxy.port, origin.authority)
+        sock, _, answer = open_tunnel(proxy.port, origin.authority)
         assert answer.status == 200
         with sock:
             sock.sendall(b"hello")

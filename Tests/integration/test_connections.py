@@ -10,8 +10,8 @@ import uuid
 
 import requests
 
-import support
-from support import Reader
+from fixtures.content import MiB, expected_sha256, write_generated
+from fixtures.http import Reader, open_tunnel
 
 
 def token() -> str:
@@ -60,7 +60,7 @@ def test_keepalive_tunnel_carries_many_requests(proxy, https_origin, cert):
     # A raw TLS client rather than requests: urllib3 may keep a tunnelled connection open after
     # Session.close(), and this test needs to know when the tunnel ends.
     mark = proxy.mark()
-    sock, _, answer = support.open_tunnel(proxy.port, f"localhost:{https_origin.port}")
+    sock, _, answer = open_tunnel(proxy.port, f"localhost:{https_origin.port}")
     assert answer.status == 200
     with cert.client_context().wrap_socket(sock, server_hostname="localhost") as tls:
         reader = Reader(tls)
@@ -95,15 +95,15 @@ def test_pipelining_three_requests_in_one_write(proxy, echo_origin):
 
 
 def test_chunked_upload_with_curl(proxy, http_origin, https_origin, cert, curl, tmp_path):
-    size = 8 * support.MiB + 333
-    data = support.write_generated(tmp_path / "chunked.bin", size)
+    size = 8 * MiB + 333
+    data = write_generated(tmp_path / "chunked.bin", size)
     for origin in (http_origin, https_origin):
-        result = curl("--fail", "-x", proxy.url, "--cacert", str(cert.cert_pem), "-H", "Transfer-Encoding: chunked",
+        result = curl("--fail", "-x", proxy.url, "--cacert", str(cert.ca_pem), "-H", "Transfer-Encoding: chunked",
                       "--data-binary", f"@{data}", origin.url("/upload", host="localhost"))
         assert result.returncode == 0, result.stderr
         answer = json.loads(result.stdout)
         assert answer["size"] == size, origin.scheme
-        assert answer["sha256"] == support.expected_sha256(size), origin.scheme
+        assert answer["sha256"] == expected_sha256(size), origin.scheme
 
 
 def test_chunked_upload_raw_with_extensions_and_trailers(proxy, echo_origin):

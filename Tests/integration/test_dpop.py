@@ -19,6 +19,7 @@ the proxy ever writes.
 from __future__ import annotations
 
 import base64
+import functools
 import http.client
 import json
 import os
@@ -36,12 +37,16 @@ import requests
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-import support
+from fixtures import config
+from fixtures.content import expected_sha256, write_generated
+from fixtures.http import free_port
+from fixtures.pki import new_key_pem
+from fixtures.jose import (DPoPError, DPoPVerifier, access_token_hash, b64url, ec_public_jwk, jwk_thumbprint,
+                           key_file_thumbprint, normalized_htu, unverified_claims, verify_dpop_proof)
 from idp_fake import FakeIdP, Fault
-from idp_glewlwyd import Glewlwyd, free_port, glewlwyd_available
-from resource_server import (DPoPError, DPoPVerifier, ResourceServer, access_token_hash, b64url, ec_public_jwk,
-                             jwk_thumbprint, key_file_thumbprint, normalized_htu, verify_dpop_proof)
-from test_protected import Deployment, Workspace, jwt_claims
+from idp_glewlwyd import Glewlwyd, glewlwyd_available
+from resource_server import ResourceServer
+from test_protected import Deployment, Workspace
 
 pytestmark = pytest.mark.skipif(not glewlwyd_available(), reason="glewlwyd is not installed (scripts/bootstrap test)")
 
@@ -55,34 +60,15 @@ GLEW = "glew"               # the module's provider: glewlwyd plugin oidc, dpop_
 # MARK: - Configuration and CLI helpers
 
 
-def provider_section(name: str, issuer: str, redirect_port: int, dpop_required: bool | None = True,
-                     binding: str | None = "dpop", **extra: str) -> str:
-    lines = [f"[provider {name}]", f"issuer = {issuer}", "client_id = proxyctl-test", f"scopes = {SCOPES}",
-             f"redirect_port = {redirect_port}", "login_timeout = 20s"]
-    if binding is not None:
-        lines.append(f"token_binding = {binding}")
-    if dpop_required is not None:
-        lines.append(f"dpop_required = {'true' if dpop_required else 'false'}")
-    lines += [f"{key} = {value}" for key, value in extra.items()]
-    return "\n".join(lines) + "\n\n"
-
-
-def origin_section(url: str, provider: str, ca_file: Path | None = None) -> str:
-    text = f"[origin {url}]\nprovider = {provider}\n"
-    if ca_file is not None:
-        text += f"ca_file = {ca_file}\n"
-    return text + "\n"
+# This module's providers: DPoP-bound tokens, DPoP required, its scopes and a short sign-in timeout.
+provider_section = functools.partial(config.provider, scopes=SCOPES, redirect_port=0, login_timeout="20s",
+                                     token_binding="dpop", dpop_required=True)
 
 
 class DebugWorkspace(Workspace):
     """test_protected's Workspace, with the proxy logging at debug level (the most it ever writes)."""
 
-    def write_config(self, port: int) -> None:
-        self.port = port
-        head = support.config(listen=f"127.0.0.1:{port}", log_level="debug", connect_timeout="5s",
-                              shutdown_grace="3s", state_dir=str(self.state), resolve=self.resolve,
-                              **self.proxy_keys)
-        self.config_path.write_text(head + "\n" + self.sections)
+    LOG_LEVEL = "debug"
 
     def key_path(self, provider: str) -> Path:
         return self.state / "keys" / f"{provider}.dpop.pem"
@@ -268,12 +254,6 @@ def glewlwyd_proofs(idp: Glewlwyd, htm: str, htu: str) -> list[str]:
     return [row[0] for row in rows]
 
 
-def new_key_pem() -> bytes:
-    key = ec.generate_private_key(ec.SECP256R1())
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
-
-
 def make_proof(key, method: str, url: str, token: str | None = None, header: dict | None = None,
                **claims) -> str:
     """A proof signed here (for the negative tests of the verifier)."""
@@ -323,9 +303,9 @@ def rs(module_dir, idp, hygiene):
 def glew(module_dir, idp, rs, hygiene):
     """Signed in to glewlwyd (plugin oidc) with DPoP; the CA made; the proxy running for the resource
     server (https://dpop.test:PORT) and glewlwyd itself (http://127.0.0.1:PORT, for its userinfo)."""
-    sections = (provider_section(GLEW, idp.issuer("oidc"), idp.callback_port)
-                + origin_section(f"https://{DAPI}:{rs.port}", GLEW, rs.ca_pem)
-                + origin_section(f"http://127.0.0.1:{idp.port}", GLEW))
+    sections = (provider_section(GLEW, idp.issuer("oidc"), redirect_port=idp.callback_port)
+                + config.origin(f"https://{DAPI}:{rs.port}", GLEW, ca_file=rs.ca_pem)
+                + config.origin(f"http://127.0.0.1:{idp.port}", GLEW))
     ws = DebugWorkspace(module_dir / "glew", sections, f"{DAPI}=127.0.0.1", replay_memory="1MiB",
                         replay_spool="64MiB")
     hygiene.run("proxyctl ca init", ws.ca_init())
@@ -405,7 +385,8 @@ def test_refresh_is_bound_to_the_key(module_dir, idp, hygiene):
     with a sign-in-again message (and nothing is spent); glewlwyd too refuses a refresh signed with another
     key; signing in again binds the tokens to the key now in the file."""
     name = "bind"
-    ws = DebugWorkspace(module_dir / name, provider_section(name, idp.issuer("oidc"), idp.callback_port), None)
+    ws = DebugWorkspace(module_dir / name,
+                        provider_section(name, idp.issuer("oidc"), redirect_port=idp.callback_port), None)
     hygiene.sources.append(lambda: [("key file", ws.key_path(name)), ("tokens", ws.stored(name))])
     done = login(ws, name, idp, hygiene)
     assert done.returncode == 0, done.stderr
@@ -422,7 +403,7 @@ def test_refresh_is_bound_to_the_key(module_dir, idp, hygiene):
     assert second["access_token"] != first["access_token"] and second["refresh_token"] != first["refresh_token"]
     assert refreshed.stdout.strip() == second["access_token"]
     assert second["token_type"] == "DPoP" and second["dpop_jkt"] == thumbprint
-    assert jwt_claims(second["access_token"])["cnf"] == {"jkt": thumbprint}
+    assert unverified_claims(second["access_token"])["cnf"] == {"jkt": thumbprint}
     # The refresh carried a proof with the key (glewlwyd recorded two token requests with it: code, refresh).
     assert glewlwyd_proofs(idp, "POST", idp.token_endpoint("oidc")).count(thumbprint) == 2
 
@@ -467,7 +448,7 @@ def test_refresh_is_bound_to_the_key(module_dir, idp, hygiene):
     assert "Made a new DPoP key" not in relogin.stderr      # it used the key in the file
     fresh = ws.tokens(name)
     assert fresh["dpop_jkt"] == ws.thumbprint(name) != thumbprint
-    assert jwt_claims(fresh["access_token"])["cnf"] == {"jkt": fresh["dpop_jkt"]}
+    assert unverified_claims(fresh["access_token"])["cnf"] == {"jkt": fresh["dpop_jkt"]}
     hygiene.assert_clean()
 
 
@@ -477,8 +458,8 @@ def test_refresh_is_bound_to_the_key(module_dir, idp, hygiene):
 def test_mandatory_rotating_nonces_at_glewlwyd(module_dir, idp, hygiene):
     name = "nonce"
     userinfo = idp.issuer("oidcnonce") + "/userinfo"
-    sections = (provider_section(name, idp.issuer("oidcnonce"), idp.callback_port)
-                + origin_section(f"http://127.0.0.1:{idp.port}", name))
+    sections = (provider_section(name, idp.issuer("oidcnonce"), redirect_port=idp.callback_port)
+                + config.origin(f"http://127.0.0.1:{idp.port}", name))
     ws = DebugWorkspace(module_dir / name, sections, None)
     hygiene.sources.append(lambda: [("key file", ws.key_path(name)), ("tokens", ws.stored(name))])
     # The authorization server's nonce path: glewlwyd refuses every token request without its nonce, and
@@ -488,7 +469,7 @@ def test_mandatory_rotating_nonces_at_glewlwyd(module_dir, idp, hygiene):
     thumbprint = ws.thumbprint(name)
     tokens = ws.tokens(name)
     assert tokens["token_type"] == "DPoP" and tokens["dpop_jkt"] == thumbprint
-    assert jwt_claims(tokens["access_token"])["cnf"] == {"jkt": thumbprint}
+    assert unverified_claims(tokens["access_token"])["cnf"] == {"jkt": thumbprint}
     assert glewlwyd_db(idp, "SELECT count(*) FROM gpo_dpop_client_nonce")[0][0] >= 1
 
     dep = Deployment(ws, ws.start_proxy())
@@ -553,7 +534,7 @@ class BearerAnyway(FakeIdP):
 
 
 def fake_workspace(root: Path, fake: FakeIdP, name: str, required: bool | None) -> DebugWorkspace:
-    return DebugWorkspace(root, provider_section(name, fake.issuer, 0, dpop_required=required), None)
+    return DebugWorkspace(root, provider_section(name, fake.issuer, redirect_port=0, dpop_required=required), None)
 
 
 def fake_login(ws: DebugWorkspace, name: str, hygiene: Hygiene, fake: FakeIdP) -> subprocess.CompletedProcess:
@@ -656,7 +637,7 @@ def test_token_requests_carry_verified_proofs_and_answer_nonce_challenges(tmp_pa
         tokens = ws.tokens("fake")
         hygiene.add_tokens(tokens)
         assert tokens["token_type"] == "DPoP" and tokens["dpop_jkt"] == thumbprint
-        assert jwt_claims(tokens["access_token"])["cnf"] == {"jkt": thumbprint}
+        assert unverified_claims(tokens["access_token"])["cnf"] == {"jkt": thumbprint}
 
         # Refresh in a new process (no nonce known): challenged once, then accepted.
         verifier.new_nonce(authority)
@@ -691,7 +672,7 @@ def test_token_requests_carry_verified_proofs_and_answer_nonce_challenges(tmp_pa
 
 def test_pushed_authorization_request_carries_dpop_jkt(tmp_path, hygiene):
     with FakeIdP() as fake:
-        ws = DebugWorkspace(tmp_path, provider_section("par", fake.issuer, 0, use_par="always"), None)
+        ws = DebugWorkspace(tmp_path, provider_section("par", fake.issuer, redirect_port=0, use_par="always"), None)
         done = fake_login(ws, "par", hygiene, fake)
         assert done.returncode == 0, done.stderr
         thumbprint = ws.thumbprint("par")
@@ -838,8 +819,8 @@ def test_get_through_the_proxy_carries_a_verified_proof(glew, rs, hygiene):
 
 def post_body(ws: DebugWorkspace, name: str, size: int) -> tuple[Path, str]:
     path = ws.root / name
-    support.write_generated(path, size)
-    return path, support.expected_sha256(size)
+    write_generated(path, size)
+    return path, expected_sha256(size)
 
 
 def test_resource_nonces_challenge_and_rotation_through_the_proxy(glew, rs, hygiene):
@@ -916,7 +897,8 @@ def test_forced_401_refreshes_and_replays_the_post_with_a_fresh_proof(glew, rs, 
         hygiene.add_tokens(after)
         assert after["generation"] == before["generation"] + 1
         thumbprint = ws.thumbprint(GLEW)
-        assert after["dpop_jkt"] == thumbprint and jwt_claims(after["access_token"])["cnf"] == {"jkt": thumbprint}
+        assert after["dpop_jkt"] == thumbprint
+        assert unverified_claims(after["access_token"])["cnf"] == {"jkt": thumbprint}
         first, second = rs.since(seen_mark)
         assert (first.status, first.dpop_error, second.status) == (401, "invalid_token", 200)
         assert first.body_sha256 == second.body_sha256 == digest and first.body_size == second.body_size

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-import support
-from support import Reader
+from fixtures.http import Reader, Response
+
 
 LIMITS = dict(max_request_line="1KiB", max_header_bytes="4KiB", max_headers=20)
 
@@ -22,14 +22,14 @@ def strict_proxy(proxy_factory):
     return proxy_factory(**LIMITS)
 
 
-def exchange(proxy, raw: bytes) -> tuple[support.Response, Reader]:
+def exchange(proxy, raw: bytes) -> tuple[Response, Reader]:
     sock = proxy.connect()
     sock.sendall(raw)
     reader = Reader(sock)
     return reader.read_response(), reader
 
 
-def assert_proxy_answer(response: support.Response, status: int, error: str) -> None:
+def assert_proxy_answer(response: Response, status: int, error: str) -> None:
     assert response.status == status, response.head
     proxy_status = response.header("proxy-status")
     assert proxy_status is not None, response.head

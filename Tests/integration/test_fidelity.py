@@ -7,8 +7,9 @@ import hashlib
 import ssl
 import uuid
 
-import support
-from support import Reader
+from fixtures.content import MiB, expected_sha256
+from fixtures.http import Reader, open_tunnel
+from fixtures.proxy import clean_env
 
 
 def token() -> str:
@@ -175,23 +176,23 @@ def test_read_until_close_response_is_delivered_then_closed(proxy, echo_origin):
 
 
 def test_generated_content_in_each_framing(proxy, http_origin):
-    size = 3 * support.MiB + 12345
+    size = 3 * MiB + 12345
     for query in ("", "?chunked=1", "?close=1"):
         with proxy.connect() as sock:
             sock.sendall(f"GET {http_origin.url(f'/gen/{size}{query}')} HTTP/1.1\r\n"
                          f"Host: {http_origin.authority}\r\n\r\n".encode())
             response = Reader(sock).read_response()
         assert response.status == 200, query
-        assert hashlib.sha256(response.body).hexdigest() == support.expected_sha256(size), query
+        assert hashlib.sha256(response.body).hexdigest() == expected_sha256(size), query
 
 
 def test_tunnel_shows_the_origins_own_certificate(proxy, https_origin, cert):
-    sock, reader, answer = support.open_tunnel(proxy.port, f"localhost:{https_origin.port}")
+    sock, reader, answer = open_tunnel(proxy.port, f"localhost:{https_origin.port}")
     assert answer.status == 200
     with cert.client_context().wrap_socket(sock, server_hostname="localhost") as tls:
         der = tls.getpeercert(binary_form=True)
-        assert der == cert.der
-        assert hashlib.sha256(der).hexdigest() == cert.sha256
+        assert der == cert.leaf_der
+        assert hashlib.sha256(der).hexdigest() == cert.leaf_sha256
         tls.sendall(f"GET /cert HTTP/1.1\r\nHost: localhost:{https_origin.port}\r\nConnection: close\r\n\r\n"
                     .encode())
         assert Reader(tls).read_response().status == 200
@@ -208,9 +209,9 @@ def test_tunnel_certificate_seen_by_openssl_cli(proxy, https_origin, cert, tmp_p
         pytest.skip("openssl CLI not installed")
     result = subprocess.run(
         ["openssl", "s_client", "-proxy", proxy.address, "-connect", f"localhost:{https_origin.port}",
-         "-servername", "localhost", "-CAfile", str(cert.cert_pem), "-verify_return_error", "-showcerts"],
-        input=b"", capture_output=True, timeout=30, env=support.clean_env())
+         "-servername", "localhost", "-CAfile", str(cert.ca_pem), "-verify_return_error", "-showcerts"],
+        input=b"", capture_output=True, timeout=30, env=clean_env())
     assert result.returncode == 0, result.stderr
     pem = result.stdout.split(b"-----BEGIN CERTIFICATE-----", 1)[1].split(b"-----END CERTIFICATE-----", 1)[0]
     assert ssl.PEM_cert_to_DER_cert(
-        "-----BEGIN CERTIFICATE-----" + pem.decode() + "-----END CERTIFICATE-----\n") == cert.der
+        "-----BEGIN CERTIFICATE-----" + pem.decode() + "-----END CERTIFICATE-----\n") == cert.leaf_der

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-import support
-from support import Reader
+from fixtures import config
+from fixtures.http import Reader
+from fixtures.proxy import clean_env, poll
 
 
 def test_a_head_sent_one_byte_at_a_time_meets_a_total_deadline(proxy_factory, http_origin):
@@ -88,7 +89,7 @@ def test_a_full_proxy_answers_503_at_once(proxy_factory, http_origin):
                 sock.sendall(f"GET {http_origin.url('/after')} HTTP/1.1\r\nHost: {http_origin.authority}\r\n\r\n"
                              .encode())
                 return Reader(sock).read_response().status == 200
-        support.poll(served, 5, interval=0.1, message="a freed slot to be used")
+        poll(served, 5, interval=0.1, message="a freed slot to be used")
     finally:
         for sock in holders:
             sock.close()
@@ -133,7 +134,7 @@ OTHER_USER = "nobody"
 def as_other_user(*command: str) -> subprocess.CompletedProcess:
     """Runs `command` as another local user (needs root, as CI and this sandbox have)."""
     return subprocess.run(["runuser", "-u", OTHER_USER, "--", *command], capture_output=True, text=True,
-                          timeout=60, env=support.clean_env())
+                          timeout=60, env=clean_env())
 
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("runuser") is None,
@@ -141,9 +142,9 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("runuser") is 
 
 
 def protected_http_config(origin_port: int, **keys: str) -> str:
-    return (support.config(log_level="info", connect_timeout="5s", shutdown_grace="3s", **keys)
-            + "\n[provider corp]\nissuer = https://login.example.test\nclient_id = proxyctl\n\n"
-            + f"[origin http://127.0.0.1:{origin_port}]\nprovider = corp\n")
+    return (config.proxy(log_level="info", connect_timeout="5s", shutdown_grace="3s", **keys)
+            + config.provider("corp", "https://login.example.test", client_id="proxyctl")
+            + config.origin(f"http://127.0.0.1:{origin_port}", "corp"))
 
 
 @needs_root
@@ -161,7 +162,7 @@ def test_another_local_user_cannot_use_the_protected_origins(proxy_factory, echo
     assert not echo_origin.requests_with("/me")
     # The owner (this test runs as the user the proxy runs as) gets past the user rule: not signed in, 401.
     owner = subprocess.run(["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "-x", proxy.url, protected_url],
-                           capture_output=True, text=True, timeout=60, env=support.clean_env())
+                           capture_output=True, text=True, timeout=60, env=clean_env())
     assert owner.stdout == "401"
     # Passthrough is open to other users unless passthrough_users = owner.
     passthrough = as_other_user("curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "-x", proxy.url,
@@ -177,5 +178,5 @@ def test_passthrough_can_be_kept_to_the_owner_too(proxy_factory, http_origin):
     assert other.stdout == "403"
     mine = subprocess.run(["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "-x", proxy.url,
                            http_origin.url("/mine")], capture_output=True, text=True, timeout=60,
-                          env=support.clean_env())
+                          env=clean_env())
     assert mine.stdout == "200"

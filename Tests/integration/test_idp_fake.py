@@ -15,7 +15,8 @@ import requests
 from cryptography.hazmat.primitives.asymmetric import ec
 from jwt.algorithms import ECAlgorithm
 
-from idp_fake import DEVICE_GRANT, ID_TOKEN_DEFECTS, Fault, FakeIdP, jwk_thumbprint, pkce_pair
+from fixtures.jose import jwk_thumbprint
+from idp_fake import DEVICE_GRANT, ID_TOKEN_DEFECTS, Fault, FakeIdP, pkce_pair
 
 REDIRECT = "http://127.0.0.1:45123/callback"
 

@@ -15,7 +15,8 @@ import requests
 from cryptography.hazmat.primitives.asymmetric import ec
 from jwt.algorithms import ECAlgorithm
 
-from idp_glewlwyd import Glewlwyd, glewlwyd_available, free_port
+from fixtures.http import free_port
+from idp_glewlwyd import Glewlwyd, glewlwyd_available
 
 pytestmark = pytest.mark.skipif(not glewlwyd_available(), reason="glewlwyd not installed (scripts/bootstrap test)")
 

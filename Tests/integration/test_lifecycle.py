@@ -10,11 +10,13 @@ import time
 
 import pytest
 
-import support
-from support import MiB, Reader
+from fixtures import config
+from fixtures.content import MiB, expected_sha256
+from fixtures.http import Reader, Response, open_tunnel
+from fixtures.proxy import Proxy, poll, run_proxyctl
 
 
-def get(proxy, origin, path: str) -> support.Response:
+def get(proxy, origin, path: str) -> Response:
     with proxy.connect() as sock:
         sock.sendall(f"GET {origin.url(path)} HTTP/1.1\r\nHost: {origin.authority}\r\nConnection: close\r\n\r\n"
                      .encode())
@@ -28,17 +30,17 @@ def test_sighup_applies_a_changed_valid_configuration(proxy, http_origin):
 
     # Quieter, and a smaller request line limit that shows on the wire. ("configuration reloaded" is an
     # info line, so at warn the 414 is the sign that the reload happened.)
-    proxy.config_path.write_text(support.config(log_level="warn", connect_timeout="5s", shutdown_grace="3s",
-                                                max_request_line="512"))
+    proxy.config_path.write_text(config.proxy(log_level="warn", connect_timeout="5s", shutdown_grace="3s",
+                                               max_request_line="512"))
     proxy.signal(signal.SIGHUP)
-    support.poll(lambda: get(proxy, http_origin, long_path).status == 414, 10, interval=0.1,
-                 message="the new max_request_line to apply")
+    poll(lambda: get(proxy, http_origin, long_path).status == 414, 10, interval=0.1,
+         message="the new max_request_line to apply")
     mark = proxy.mark()
     assert get(proxy, http_origin, "/quiet").status == 200
     assert "/quiet" not in proxy.log_since(mark), "log_level = warn must not log requests"
 
     # And back.
-    proxy.config_path.write_text(support.config(log_level="info", connect_timeout="5s", shutdown_grace="3s"))
+    proxy.config_path.write_text(config.proxy(log_level="info", connect_timeout="5s", shutdown_grace="3s"))
     proxy.signal(signal.SIGHUP)
     proxy.wait_log(r"SIGHUP: configuration reloaded", since=mark)
     assert get(proxy, http_origin, long_path).status == 200
@@ -73,7 +75,7 @@ class Download(threading.Thread):
     def __init__(self, proxy, mode, http_origin, https_origin, cert, path: str):
         super().__init__(daemon=True)
         if mode == "tunnel":
-            raw, _, answer = support.open_tunnel(proxy.port, f"localhost:{https_origin.port}")
+            raw, _, answer = open_tunnel(proxy.port, f"localhost:{https_origin.port}")
             assert answer.status == 200
             self.sock = cert.client_context().wrap_socket(raw, server_hostname="localhost")
             self.sock.sendall(f"GET {path} HTTP/1.1\r\nHost: localhost:{https_origin.port}\r\n\r\n".encode())
@@ -119,12 +121,12 @@ def test_sigterm_lets_a_slow_download_finish_then_exits_0(mode, proxy_factory, h
     signalled = time.monotonic()
     proxy.signal(signal.SIGTERM)
     # New connections are refused at once...
-    support.poll(lambda: refuses_connections(proxy.port), 5, message="the listener to close")
+    poll(lambda: refuses_connections(proxy.port), 5, message="the listener to close")
     proxy.wait_log(rf"shutting down: waiting up to {grace}s for 1 connection")
     # ...while the transfer runs to its end.
     download.join(30)
     assert download.error is None
-    assert hashlib.sha256(download.body).hexdigest() == support.expected_sha256(size)
+    assert hashlib.sha256(download.body).hexdigest() == expected_sha256(size)
     if mode == "tunnel":
         # A tunnel is in use until the client closes it; a drained keep-alive HTTP connection is not.
         download.sock.close()
@@ -177,13 +179,13 @@ def test_idle_keepalive_connections_do_not_delay_shutdown(proxy, http_origin):
 
 def test_check_accepts_a_good_configuration(tmp_path):
     conf = tmp_path / "good.conf"
-    conf.write_text(support.config(listen="127.0.0.1:0", connect_timeout="3s", idle_timeout="2m",
-                                   keepalive_timeout="30s", header_timeout="10s", shutdown_grace="500ms",
-                                   max_request_line="16KiB", max_header_bytes="128KiB", max_headers=200,
-                                   max_connections=100, log_level="debug",
-                                   upstream_proxy="http://user:pa55@127.0.0.1:3128",
-                                   no_upstream_proxy="localhost, 10.0.0.0/8, .internal.example"))
-    result = support.run_proxyctl(tmp_path, "serve", "--config", str(conf), "--check")
+    conf.write_text(config.proxy(listen="127.0.0.1:0", connect_timeout="3s", idle_timeout="2m",
+                                  keepalive_timeout="30s", header_timeout="10s", shutdown_grace="500ms",
+                                  max_request_line="16KiB", max_header_bytes="128KiB", max_headers=200,
+                                  max_connections=100, log_level="debug",
+                                  upstream_proxy="http://user:pa55@127.0.0.1:3128",
+                                  no_upstream_proxy="localhost, 10.0.0.0/8, .internal.example"))
+    result = run_proxyctl(tmp_path, "serve", "--config", str(conf), "--check")
     assert result.returncode == 0, result.stderr
     assert "valid" in result.stdout
     assert "pa55" not in result.stdout + result.stderr
@@ -193,7 +195,7 @@ def test_check_names_file_line_and_key_of_every_error(tmp_path):
     conf = tmp_path / "bad.conf"
     conf.write_text("[proxy]\nlisten = 127.0.0.1:0\nconnect_timeout = banana\n# comment\nmax_headers = lots\n"
                     "colour = blue\n")
-    result = support.run_proxyctl(tmp_path, "serve", "--config", str(conf), "--check")
+    result = run_proxyctl(tmp_path, "serve", "--config", str(conf), "--check")
     assert result.returncode == 1
     assert f"{conf}:3: [proxy] connect_timeout:" in result.stderr
     assert f"{conf}:5: [proxy] max_headers:" in result.stderr
@@ -201,7 +203,7 @@ def test_check_names_file_line_and_key_of_every_error(tmp_path):
 
 
 def test_check_refuses_a_missing_file(tmp_path):
-    result = support.run_proxyctl(tmp_path, "serve", "--config", str(tmp_path / "absent.conf"), "--check")
+    result = run_proxyctl(tmp_path, "serve", "--config", str(tmp_path / "absent.conf"), "--check")
     assert result.returncode == 1
     assert "absent.conf" in result.stderr and "does not exist" in result.stderr
 
@@ -209,7 +211,7 @@ def test_check_refuses_a_missing_file(tmp_path):
 def test_without_config_flag_only_the_private_xdg_directory_is_looked_at(tmp_path, http_origin):
     """The fixtures give proxyctl its own HOME and XDG_CONFIG_HOME: without --config it looks there, and
     nowhere near the user's real configuration."""
-    proxy = support.Proxy(tmp_path / "bare", config=None).start()
+    proxy = Proxy(tmp_path / "bare", config=None).start()
     try:
         xdg = proxy.env["XDG_CONFIG_HOME"]
         assert xdg.startswith(str(tmp_path))

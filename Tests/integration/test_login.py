@@ -15,9 +15,10 @@ import urllib.parse
 import pytest
 import requests
 
+from fixtures import config
 from idp_fake import Fault
 from signin import (fake, fake_workspace, glewlwyd_factory, glewlwyd_workspace, printed_url,  # noqa: F401
-                    provider_section, wait_expired, ws)
+                    wait_expired, ws)
 
 # ID token defect -> what the message must name.
 ID_TOKEN_DEFECTS = {"bad_signature": "signature", "wrong_aud": "aud", "wrong_iss": "https://attacker.example",
@@ -459,7 +460,7 @@ def line_of(text: str, needle: str) -> int:
 
 
 def test_config_missing_client_id(ws, fake):
-    text = f"[proxy]\nstate_dir = {ws.state_dir}\n\n" + provider_section("fake", fake.issuer, client_id=None)
+    text = config.proxy(state_dir=ws.state_dir) + config.provider("fake", fake.issuer, client_id=None)
     path, result = config_error(ws, text)
     assert result.returncode == 1, str(result)
     assert f"{path}:{line_of(text, '[provider fake]')}" in result.stderr and "client_id" in result.stderr, str(result)
@@ -467,8 +468,7 @@ def test_config_missing_client_id(ws, fake):
 
 
 def test_config_http_issuer_not_loopback(ws):
-    text = (f"[proxy]\nstate_dir = {ws.state_dir}\n\n"
-            + provider_section("corp", "http://login.example.com/realms/dev"))
+    text = config.proxy(state_dir=ws.state_dir) + config.provider("corp", "http://login.example.com/realms/dev")
     path, result = config_error(ws, text)
     assert result.returncode == 1, str(result)
     assert f"{path}:{line_of(text, 'issuer =')}" in result.stderr and "issuer" in result.stderr, str(result)
@@ -476,7 +476,7 @@ def test_config_http_issuer_not_loopback(ws):
 
 
 def test_config_bad_use_par(ws, fake):
-    text = f"[proxy]\nstate_dir = {ws.state_dir}\n\n" + provider_section("fake", fake.issuer, use_par="sometimes")
+    text = config.proxy(state_dir=ws.state_dir) + config.provider("fake", fake.issuer, use_par="sometimes")
     path, result = config_error(ws, text)
     assert result.returncode == 1, str(result)
     assert f"{path}:{line_of(text, 'use_par =')}" in result.stderr and "use_par" in result.stderr, str(result)
@@ -484,8 +484,8 @@ def test_config_bad_use_par(ws, fake):
 
 
 def test_config_several_providers_need_a_name(ws, fake):
-    text = (f"[proxy]\nstate_dir = {ws.state_dir}\n\n" + provider_section("alpha", fake.issuer) + "\n"
-            + provider_section("beta", fake.issuer))
+    text = (config.proxy(state_dir=ws.state_dir) + config.provider("alpha", fake.issuer)
+            + config.provider("beta", fake.issuer))
     _, result = config_error(ws, text)
     assert result.returncode == 64, str(result)
     assert "alpha" in result.stderr and "beta" in result.stderr, str(result)
@@ -499,7 +499,7 @@ def test_config_several_providers_need_a_name(ws, fake):
 
 
 def test_config_unknown_provider(ws, fake):
-    text = f"[proxy]\nstate_dir = {ws.state_dir}\n\n" + provider_section("fake", fake.issuer)
+    text = config.proxy(state_dir=ws.state_dir) + config.provider("fake", fake.issuer)
     _, result = config_error(ws, text, "nosuch")
     assert result.returncode == 1, str(result)
     assert "nosuch" in result.stderr and "fake" in result.stderr, str(result)

@@ -10,8 +10,8 @@ import uuid
 
 import pytest
 
-import support
-from support import Reader
+from fixtures.http import Reader, open_tunnel
+
 
 TIMESTAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z"
 DURATION = r"(\d+ms|\d+\.\d\ds)"
@@ -43,7 +43,7 @@ def test_request_line_has_every_field_and_exact_byte_counts(proxy, echo_origin):
 
 def test_tunnel_line_has_every_field_and_exact_byte_counts(proxy, echo_origin):
     tag = token()
-    sock, reader, answer = support.open_tunnel(proxy.port, echo_origin.authority)
+    sock, reader, answer = open_tunnel(proxy.port, echo_origin.authority)
     assert answer.status == 200
     client_port = sock.getsockname()[1]
     sent = f"GET /tunnel-log/{tag}?key=hidden HTTP/1.1\r\nHost: {echo_origin.authority}\r\n\r\n".encode()
@@ -70,7 +70,7 @@ def test_exactly_one_line_per_request_and_per_tunnel(proxy, echo_origin):
                          f"\r\n\r\n".encode())
             assert reader.read_response().status == 200
     for _ in range(3):
-        sock, reader, answer = support.open_tunnel(proxy.port, echo_origin.authority)
+        sock, reader, answer = open_tunnel(proxy.port, echo_origin.authority)
         assert answer.status == 200
         sock.close()
     proxy.wait_log(rf"CONNECT 127\.0\.0\.1:{echo_origin.port} status=200", since=mark, count=3)

@@ -10,8 +10,8 @@ other settings start their own proxy on the same state directory, or their own w
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
-import http.server
 import ipaddress
 import json
 import os
@@ -26,7 +26,6 @@ import textwrap
 import threading
 import time
 import urllib.parse
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -34,11 +33,16 @@ import requests
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-import support
+from fixtures import config
+from fixtures.content import MiB, expected_sha256, write_generated
+from fixtures.http import CurlAnswer, Reader, free_port, open_tunnel, run_curl
+from fixtures.jose import unverified_claims
+from fixtures.pki import CertificateAuthority
+from fixtures.proxy import Proxy, clean_env, poll, proxyctl_bin
+from fixtures.tls_server import QuietHandler, TLSHTTPServer
 from idp_fake import FakeIdP, Fault
-from idp_glewlwyd import Glewlwyd, free_port, glewlwyd_available
-from resource_server import ResourceServer, git_available, git_env, sign_leaf, write_pair
-from support import MiB, Proxy, Reader
+from idp_glewlwyd import Glewlwyd, glewlwyd_available
+from resource_server import ResourceServer, git_available, git_env
 
 pytestmark = pytest.mark.skipif(not glewlwyd_available(), reason="glewlwyd is not installed (scripts/bootstrap test)")
 
@@ -53,12 +57,6 @@ CONCURRENCY = 100
 
 
 # MARK: - Workspaces: a state directory, a proxy.conf, proxyctl commands and a proxy on a fixed port
-
-
-def jwt_claims(token: str) -> dict:
-    """The claims of a JWT, unverified (to name the token the proxy holds)."""
-    body = token.split(".")[1]
-    return json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
 
 
 def parse_exports(text: str, shell: str = "sh") -> dict[str, str]:
@@ -77,30 +75,10 @@ def parse_exports(text: str, shell: str = "sh") -> dict[str, str]:
     return variables
 
 
-@dataclass
-class Http:
-    """A response as curl saw it."""
-    returncode: int
-    status: int
-    headers: list[tuple[str, str]]
-    body: bytes
-    stderr: str
-
-    def header(self, name: str) -> str | None:
-        for key, value in self.headers:
-            if key.lower() == name.lower():
-                return value
-        return None
-
-    def json(self) -> dict:
-        return json.loads(self.body)
-
-    def __str__(self) -> str:
-        return f"curl exit {self.returncode}, HTTP {self.status} {self.headers} {self.body[:300]!r} {self.stderr}"
-
-
 class Workspace:
     """A private directory with a state_dir, a proxy.conf and the proxyctl commands run against it."""
+
+    LOG_LEVEL = "info"
 
     def __init__(self, root: Path, sections: str, resolve: str, state: Path | None = None, **proxy_keys):
         self.root = root
@@ -115,19 +93,18 @@ class Workspace:
 
     def write_config(self, port: int) -> None:
         self.port = port
-        head = support.config(listen=f"127.0.0.1:{port}", log_level="info", connect_timeout="5s",
-                              shutdown_grace="3s", state_dir=str(self.state), resolve=self.resolve,
-                              **self.proxy_keys)
-        self.config_path.write_text(head + "\n" + self.sections)
+        head = config.proxy(listen=f"127.0.0.1:{port}", log_level=self.LOG_LEVEL, connect_timeout="5s",
+                            shutdown_grace="3s", state_dir=self.state, resolve=self.resolve, **self.proxy_keys)
+        self.config_path.write_text(head + self.sections)
 
     def cli(self, *args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
         home = self.root / "cli-home"
         home.mkdir(exist_ok=True)
-        full = support.clean_env(HOME=str(home), XDG_CONFIG_HOME=str(home / "xdg"), **env)
+        full = clean_env(HOME=str(home), XDG_CONFIG_HOME=str(home / "xdg"), **env)
         full.pop("PROXYCTL_CONFIG", None)
         if "BROWSER" not in env:
             full.pop("BROWSER", None)
-        return subprocess.run([support.proxyctl_bin(), *args, "--config", str(self.config_path)],
+        return subprocess.run([proxyctl_bin(), *args, "--config", str(self.config_path)],
                               capture_output=True, text=True, timeout=timeout, env=full, cwd=self.root,
                               stdin=subprocess.DEVNULL)
 
@@ -181,31 +158,15 @@ class Deployment:
         self.client_home.mkdir(exist_ok=True)
 
     def client_env(self, **extra: str) -> dict[str, str]:
-        env = support.clean_env(HOME=str(self.client_home))
+        env = clean_env(HOME=str(self.client_home))
         env.update(self.exports)
         env.update(extra)
         return env
 
-    def curl(self, url: str, *args: str, timeout: float = 120) -> Http:
+    def curl(self, url: str, *args: str, timeout: float = 120) -> CurlAnswer:
         """curl with only the environment `proxyctl env` set up: the proxy, the CA bundle."""
-        directory = self.ws.root / "curl"
-        directory.mkdir(exist_ok=True)
-        stamp = f"{threading.get_ident()}-{time.monotonic_ns()}"
-        heads, body = directory / f"{stamp}.head", directory / f"{stamp}.body"
-        done = subprocess.run(["curl", "-sS", "--suppress-connect-headers", "-D", str(heads), "-o", str(body),
-                               *args, url], capture_output=True, text=True, timeout=timeout, env=self.client_env())
-        status, headers = 0, []
-        if heads.exists():
-            blocks = [b for b in heads.read_bytes().decode("latin-1").split("\r\n\r\n") if b.strip()]
-            if blocks:
-                lines = blocks[-1].split("\r\n")
-                status = int(lines[0].split()[1])
-                headers = [(n.strip(), v.strip()) for n, _, v in (line.partition(":") for line in lines[1:])]
-            heads.unlink()
-        data = body.read_bytes() if body.exists() else b""
-        if body.exists():
-            body.unlink()
-        return Http(done.returncode, status, headers, data, done.stderr)
+        return run_curl(url, "--suppress-connect-headers", *args, env=self.client_env(),
+                        scratch=self.ws.root / "curl", timeout=timeout)
 
     def curl_parallel(self, urls: list[str], timeout: float = 120) -> list[int]:
         """All `urls` at once with curl --parallel (one tunnel each); their status codes.
@@ -232,7 +193,7 @@ class Deployment:
 
         def one(index: int, path: str):
             try:
-                sock, _, response = support.open_tunnel(proxy.port, authority, timeout=timeout)
+                sock, _, response = open_tunnel(proxy.port, authority, timeout=timeout)
                 assert response.status == 200, response.head
                 with context.wrap_socket(sock, server_hostname=authority.rsplit(":", 1)[0]) as tls:
                     barrier.wait(timeout)
@@ -255,7 +216,7 @@ class Deployment:
         def found():
             lines = [line for line in self.proxy.log_since(mark).splitlines() if needle in line]
             return lines if len(lines) >= at_least else None
-        return support.poll(found, 10, message=f"{at_least} log line(s) with {needle!r}") if at_least else found()
+        return poll(found, 10, message=f"{at_least} log line(s) with {needle!r}") if at_least else found()
 
     def stop(self) -> str | None:
         running = self.proxy.process.poll() is None
@@ -265,14 +226,10 @@ class Deployment:
         return None
 
 
-def provider_section(name: str, issuer: str, redirect_port: int, client_id: str = "proxyctl-test") -> str:
-    return (f"[provider {name}]\nissuer = {issuer}\nclient_id = {client_id}\nscopes = {SCOPES}\n"
-            f"redirect_port = {redirect_port}\n\n")
-
-
-def origin_section(url: str, provider: str, ca_file: Path, client_authorization: str = "keep") -> str:
-    return (f"[origin {url}]\nprovider = {provider}\nclient_authorization = {client_authorization}\n"
-            f"ca_file = {ca_file}\n\n")
+# This module's sections: its scopes for every provider; every origin keeps the client's own Authorization
+# unless it says otherwise.
+provider_section = functools.partial(config.provider, scopes=SCOPES)
+origin_section = functools.partial(config.origin, client_authorization="keep")
 
 
 # MARK: - Module fixtures
@@ -310,12 +267,13 @@ def plain(module_dir):
 
 def main_sections(idp, rs) -> str:
     cb = idp.callback_port
-    return (provider_section("glew", idp.issuer(), cb) + provider_section("glew3", idp.issuer(), cb)
-            + provider_section("nobody", idp.issuer(), cb)
-            + origin_section(f"https://{API}:{rs.port}", "glew", rs.ca_pem, "keep")
-            + origin_section(f"https://{REPLACE}:{rs.port}", "glew", rs.ca_pem, "replace")
-            + origin_section(f"https://{SHORT}:{rs.port}", "glew3", rs.ca_pem)
-            + origin_section(f"https://{NOLOGIN}:{rs.port}", "nobody", rs.ca_pem))
+    return (provider_section("glew", idp.issuer(), redirect_port=cb)
+            + provider_section("glew3", idp.issuer(), redirect_port=cb)
+            + provider_section("nobody", idp.issuer(), redirect_port=cb)
+            + origin_section(f"https://{API}:{rs.port}", "glew", ca_file=rs.ca_pem)
+            + origin_section(f"https://{REPLACE}:{rs.port}", "glew", client_authorization="replace", ca_file=rs.ca_pem)
+            + origin_section(f"https://{SHORT}:{rs.port}", "glew3", ca_file=rs.ca_pem)
+            + origin_section(f"https://{NOLOGIN}:{rs.port}", "nobody", ca_file=rs.ca_pem))
 
 
 MAIN_RESOLVE = ", ".join(f"{h}=127.0.0.1" for h in (API, REPLACE, SHORT, NOLOGIN, PLAIN))
@@ -380,7 +338,7 @@ def test_curl_get_carries_a_token_glewlwyd_issued(main, rs, idp):
     tokens = main.ws.tokens("glew")
     data = answer.json()
     assert data["sub"] == tokens["identity"]["sub"] and data["iss"] == idp.issuer()
-    assert data["jti"] == jwt_claims(tokens["access_token"])["jti"]
+    assert data["jti"] == unverified_claims(tokens["access_token"])["jti"]
     [seen] = rs.since(seen_mark)
     assert seen.status == 200 and seen.path == "/me?x=1" and seen.host == f"{API}:{rs.port}"
     assert seen.header_values("Authorization") == [f"Bearer {tokens['access_token']}"]
@@ -396,8 +354,8 @@ def test_curl_get_carries_a_token_glewlwyd_issued(main, rs, idp):
                          ids=["memory", "chunked", "spool"])
 def test_upload_replayed_byte_identical_after_forced_401(main, rs, size, kind):
     body = main.ws.root / f"upload-{kind}.bin"
-    support.write_generated(body, size)
-    expected = support.expected_sha256(size)
+    write_generated(body, size)
+    expected = expected_sha256(size)
     generation = main.ws.tokens("glew")["generation"]
     mark, seen_mark = main.proxy.mark(), rs.mark()
     rs.reject_next(1)
@@ -418,7 +376,7 @@ def test_upload_replayed_byte_identical_after_forced_401(main, rs, size, kind):
     assert first.body_sha256 == second.body_sha256 == expected and first.body_size == second.body_size == size
     after = main.ws.tokens("glew")
     assert after["generation"] == generation + 1
-    assert first.jti != second.jti == jwt_claims(after["access_token"])["jti"]
+    assert first.jti != second.jti == unverified_claims(after["access_token"])["jti"]
     assert_one_intercepted(main, mark, f"{method} https://{API}:{rs.port}/upload", "status=200", "refreshed=1",
                            "attempts=2")
     # Spooled bodies live in unlinked files: nothing is left in the spool directory.
@@ -436,8 +394,8 @@ def test_upload_beyond_replay_spool_is_not_replayed(main, rs):
     try:
         size = 4 * MiB + 3
         body = ws.root / "big.bin"
-        support.write_generated(body, size)
-        expected = support.expected_sha256(size)
+        write_generated(body, size)
+        expected = expected_sha256(size)
         seen_mark = rs.mark()
         answer = small.curl(rs.url("/upload"), "--data-binary", f"@{body}")
         assert answer.status == 200 and answer.json()["body_sha256"] == expected, answer
@@ -481,7 +439,7 @@ def test_expect_100_continue_is_answered(main, rs):
     without waiting for the body. Inside an intercepted tunnel proxyctl is that server (it drops Expect before
     going upstream): unanswered, every client that asks waits out its own timeout (curl: 1 s per upload)."""
     body = b"e" * 4096
-    sock, _, response = support.open_tunnel(main.proxy.port, rs.authority())
+    sock, _, response = open_tunnel(main.proxy.port, rs.authority())
     assert response.status == 200
     context = ssl.create_default_context(cafile=main.exports["SSL_CERT_FILE"])
     with context.wrap_socket(sock, server_hostname=API) as tls:
@@ -499,7 +457,7 @@ def test_expect_100_continue_is_answered(main, rs):
         assert final.status == 200 and json.loads(final.body)["body_sha256"] == hashlib.sha256(body).hexdigest()
     # curl sends Expect: 100-continue for bodies over 1 MiB, and says so when it gave up waiting.
     upload = main.ws.root / "expect.bin"
-    support.write_generated(upload, 2 * MiB)
+    write_generated(upload, 2 * MiB)
     done = subprocess.run(["curl", "-sS", "-v", "-o", "/dev/null", "-w", "%{http_code}", "--data-binary",
                            f"@{upload}", rs.url("/expect")], capture_output=True, text=True, timeout=60,
                           env=main.client_env())
@@ -522,7 +480,7 @@ def test_large_download_arrives_intact(main, rs, record_property):
         while chunk := handle.read(MiB):
             digest.update(chunk)
     target.unlink()
-    assert digest.hexdigest() == support.expected_sha256(size)
+    assert digest.hexdigest() == expected_sha256(size)
     line = assert_one_intercepted(main, mark, "status=200")
     down = int(re.search(r" down=(\d+)", line).group(1))
     assert size < down < size + 4096
@@ -591,7 +549,7 @@ def test_requests_and_httpx_from_their_environment(main, rs):
 
 def test_unprotected_host_keeps_its_own_certificate_and_gets_no_token(main, plain):
     mark, seen_mark = main.proxy.mark(), plain.mark()
-    sock, reader, response = support.open_tunnel(main.proxy.port, plain.authority())
+    sock, reader, response = open_tunnel(main.proxy.port, plain.authority())
     assert response.status == 200
     context = ssl.create_default_context(cafile=str(plain.ca_pem))  # plain's own CA, nothing else
     with context.wrap_socket(sock, server_hostname=PLAIN) as tls:
@@ -614,7 +572,7 @@ def test_unprotected_host_keeps_its_own_certificate_and_gets_no_token(main, plai
 # MARK: - 4. The local CA's name constraints
 
 
-class _Answer(http.server.BaseHTTPRequestHandler):
+class _Answer(QuietHandler):
     protocol_version = "HTTP/1.0"
 
     def do_GET(self):  # noqa: N802
@@ -622,37 +580,6 @@ class _Answer(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", "3")
         self.end_headers()
         self.wfile.write(b"ok\n")
-
-    def log_message(self, *args):
-        pass
-
-
-class _StubServer(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request, client_address):
-        pass  # clients that refuse the certificate are the point
-
-
-class _StubServer6(_StubServer):
-    address_family = socket.AF_INET6
-
-
-class TLSStub:
-    """An HTTPS server on loopback (IPv4, or IPv6 with `ipv6`) with a given certificate; answers 200 ok."""
-
-    def __init__(self, cert: Path, key: Path, ipv6: bool = False):
-        self.host = "::1" if ipv6 else "127.0.0.1"
-        self.server = (_StubServer6 if ipv6 else _StubServer)((self.host, 0), _Answer)
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.load_cert_chain(cert, key)
-        self.server.socket = context.wrap_socket(self.server.socket, server_side=True, do_handshake_on_connect=False)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def python_verify(address: str, port: int, server_hostname: str, cafile: Path) -> str:
@@ -684,26 +611,23 @@ def ipv6_loopback() -> bool:
 ], ids=["other.test", "sub.api.test", "127.0.0.1", "::1", "api.test-control"])
 def test_local_ca_cannot_vouch_for_other_names(main, tmp_path, name, violation):
     ca_dir = main.ws.state / "ca"
-    ca_cert = x509.load_pem_x509_certificate((ca_dir / "ca.pem").read_bytes())
-    ca_key = serialization.load_pem_private_key((ca_dir / "ca-key.pem").read_bytes(), password=None)
-    key, leaf = sign_leaf(ca_key, ca_cert, [name])
-    cert_path, key_path = write_pair(tmp_path, "leaf", key, leaf)
+    leaf = CertificateAuthority.load(ca_dir / "ca.pem", ca_dir / "ca-key.pem").issue(tmp_path, [name], stem="leaf")
 
-    verify = subprocess.run(["openssl", "verify", "-CAfile", str(ca_dir / "ca.pem"), str(cert_path)],
+    verify = subprocess.run(["openssl", "verify", "-CAfile", str(ca_dir / "ca.pem"), str(leaf.cert_pem)],
                             capture_output=True, text=True, timeout=20)
     ipv6 = isinstance(name, ipaddress.IPv6Address)
     if ipv6 and not ipv6_loopback():
         pytest.skip("no IPv6 loopback")
-    stub = TLSStub(cert_path, key_path, ipv6=ipv6)
+    stub = TLSHTTPServer(_Answer, leaf.server_context(), host="::1" if ipv6 else "127.0.0.1").start()
     try:
         host = str(name)
-        python = python_verify(stub.host, stub.port, host, ca_dir / "ca.pem")
+        python = python_verify(stub.server_address[0], stub.port, host, ca_dir / "ca.pem")
         url_host = f"[{host}]" if ":" in host else host
         resolve = [] if isinstance(name, (ipaddress.IPv4Address, ipaddress.IPv6Address)) else \
             ["--resolve", f"{host}:{stub.port}:127.0.0.1"]
         curl = subprocess.run(["curl", "-sS", "--cacert", str(ca_dir / "ca.pem"), *resolve,
                                f"https://{url_host}:{stub.port}/"], capture_output=True, text=True, timeout=20,
-                              env=support.clean_env())
+                              env=clean_env())
     finally:
         stub.close()
     if violation is None:
@@ -725,7 +649,7 @@ def test_name_constraints_name_exactly_the_protected_hosts_and_the_real_leaf_ver
     excluded = {str(n.value) for n in constraints.value.excluded_subtrees}
     assert {"." + h for h in hosts} <= excluded and {"0.0.0.0/0", "::/0"} <= excluded, excluded
 
-    sock, _, response = support.open_tunnel(main.proxy.port, rs.authority())
+    sock, _, response = open_tunnel(main.proxy.port, rs.authority())
     assert response.status == 200
     context = ssl.create_default_context(cafile=str(ca_pem))  # the local CA alone
     context.set_alpn_protocols(["h2", "http/1.1"])
@@ -746,7 +670,7 @@ def test_name_constraints_name_exactly_the_protected_hosts_and_the_real_leaf_ver
 
 def test_sni_other_than_the_connect_host_gets_421(main, rs):
     mark, seen_mark = main.proxy.mark(), rs.mark()
-    sock, _, response = support.open_tunnel(main.proxy.port, rs.authority())
+    sock, _, response = open_tunnel(main.proxy.port, rs.authority())
     assert response.status == 200
     context = ssl.create_default_context(cafile=str(main.ws.state / "ca" / "ca.pem"))
     context.check_hostname = False    # the leaf names api.test; the client claims to want other.test
@@ -766,7 +690,7 @@ def test_sni_other_than_the_connect_host_gets_421(main, rs):
     request = f"GET /me HTTP/1.1\r\nHost: {rs.authority()}\r\nConnection: close\r\n\r\n"
     done = subprocess.run(["openssl", "s_client", "-quiet", "-proxy", main.proxy.address, "-connect", rs.authority(),
                            "-servername", "evil.test", "-CAfile", str(main.ws.state / "ca" / "ca.pem")],
-                          input=request, capture_output=True, text=True, timeout=20, env=support.clean_env())
+                          input=request, capture_output=True, text=True, timeout=20, env=clean_env())
     assert done.stdout.startswith("HTTP/1.1 421"), done.stdout + done.stderr
     assert rs.since(seen_mark) == []
     lines = main.lines(mark, "status=421", at_least=2)
@@ -837,7 +761,7 @@ def test_expiring_tokens_heal_themselves(main, rs, idp):
 
 def test_hundred_requests_on_a_revoked_token_refresh_once(main, rs, idp, record_property):
     tokens = main.ws.tokens("glew")
-    revoked = jwt_claims(tokens["access_token"])["jti"]
+    revoked = unverified_claims(tokens["access_token"])["jti"]
     grants = refresh_tokens_at_glewlwyd(idp)
     mark, seen_mark = main.proxy.mark(), rs.mark()
     rs.revoke(revoked)
@@ -850,7 +774,7 @@ def test_hundred_requests_on_a_revoked_token_refresh_once(main, rs, idp, record_
     assert refresh_tokens_at_glewlwyd(idp) == grants + 1
     seen = rs.since(seen_mark)
     assert {s.jti for s in seen if s.status == 401} <= {revoked}
-    assert {s.jti for s in seen if s.status == 200} == {jwt_claims(after["access_token"])["jti"]}
+    assert {s.jti for s in seen if s.status == 200} == {unverified_claims(after["access_token"])["jti"]}
     assert len([s for s in seen if s.status == 200]) == CONCURRENCY
     lines = main.lines(mark, at_least=CONCURRENCY)
     assert len(lines) == CONCURRENCY and all("status=200" in line for line in lines)
@@ -863,7 +787,7 @@ def test_hundred_requests_on_an_expired_glewlwyd_token_refresh_once(main, rs, id
         tokens = short_lived_login(main, idp)
     finally:
         idp.set_access_token_duration(3600)
-    support.poll(lambda: time.time() >= tokens["expires_at"] + 0.05, timeout=10, message="the token to expire")
+    poll(lambda: time.time() >= tokens["expires_at"] + 0.05, timeout=10, message="the token to expire")
     grants = refresh_tokens_at_glewlwyd(idp)
     seen_mark = rs.mark()
     statuses = main.burst(rs.authority(SHORT), [f"/expired/{i}" for i in range(CONCURRENCY)])
@@ -872,7 +796,7 @@ def test_hundred_requests_on_an_expired_glewlwyd_token_refresh_once(main, rs, id
     assert after["generation"] == tokens["generation"] + 1
     assert refresh_tokens_at_glewlwyd(idp) == grants + 1
     seen = rs.since(seen_mark, host=SHORT)
-    assert len(seen) == CONCURRENCY and {s.jti for s in seen} == {jwt_claims(after["access_token"])["jti"]}
+    assert len(seen) == CONCURRENCY and {s.jti for s in seen} == {unverified_claims(after["access_token"])["jti"]}
 
 
 # MARK: - The fake provider: exact counts and outages
@@ -884,8 +808,8 @@ def fake_deployment(tmp_path, rs):
     for fake.test."""
     with FakeIdP(access_token_format="jwt", expires_in=2) as fake:
         rs.trust(fake.issuer, fake.url("jwks"))
-        sections = (provider_section("fake", fake.issuer, 0)
-                    + origin_section(f"https://{FAKE}:{rs.port}", "fake", rs.ca_pem))
+        sections = (provider_section("fake", fake.issuer, redirect_port=0)
+                    + origin_section(f"https://{FAKE}:{rs.port}", "fake", ca_file=rs.ca_pem))
         ws = Workspace(tmp_path / "fake", sections, f"{FAKE}=127.0.0.1")
         ws.ca_init()
         ws.login_fake("fake")
@@ -901,7 +825,7 @@ def fake_deployment(tmp_path, rs):
 
 def wait_expired(ws: Workspace, provider: str) -> dict:
     tokens = ws.tokens(provider)
-    support.poll(lambda: time.time() >= tokens["expires_at"] + 0.05, timeout=10, message="the token to expire")
+    poll(lambda: time.time() >= tokens["expires_at"] + 0.05, timeout=10, message="the token to expire")
     return tokens
 
 
@@ -916,7 +840,7 @@ def test_hundred_requests_on_an_expired_token_make_exactly_one_refresh_grant(fak
     after = fake_deployment.ws.tokens("fake")
     assert after["generation"] == tokens["generation"] + 1
     seen = rs.since(seen_mark, host=FAKE)
-    assert len(seen) == CONCURRENCY and {s.jti for s in seen} == {jwt_claims(after["access_token"])["jti"]}
+    assert len(seen) == CONCURRENCY and {s.jti for s in seen} == {unverified_claims(after["access_token"])["jti"]}
     assert all(s.claims["iss"] == fake.issuer for s in seen)
 
 
@@ -983,7 +907,7 @@ def test_client_authorization_keep_forwards_the_clients_own(main, rs):
         status = json.loads(main.ws.cli("status", "--json").stdout)
         counts = status.get("serve", {}).get("origins", {}).get(rs.url("").rstrip("/"), {})
         return counts.get("client_authorization_kept", 0)
-    support.poll(lambda: kept_count() >= 2, 15, message="serve.json to count the kept Authorization fields")
+    poll(lambda: kept_count() >= 2, 15, message="serve.json to count the kept Authorization fields")
     text = main.ws.cli("status").stdout
     assert "proxyctl serve is running" in text and "client's own Authorization kept" in text, text
 
@@ -1015,8 +939,8 @@ def test_client_authorization_replace_attaches_the_proxys_token(main, rs):
 
 
 def test_serve_needs_a_ca_for_exactly_the_protected_hosts(tmp_path, rs):
-    provider = provider_section("p", "http://127.0.0.1:9/issuer", 0)
-    first = origin_section(f"https://{API}:{rs.port}", "p", rs.ca_pem)
+    provider = provider_section("p", "http://127.0.0.1:9/issuer", redirect_port=0)
+    first = origin_section(f"https://{API}:{rs.port}", "p", ca_file=rs.ca_pem)
     ws = Workspace(tmp_path / "ca", provider + first, f"{API}=127.0.0.1")
     ca_dir = ws.state / "ca"
 
@@ -1036,7 +960,7 @@ def test_serve_needs_a_ca_for_exactly_the_protected_hosts(tmp_path, rs):
     checked = ws.cli("serve", "--check", timeout=20)
     assert checked.returncode == 0, checked.stderr
 
-    ws.sections += origin_section(f"https://second.test:{rs.port}", "p", rs.ca_pem)
+    ws.sections += origin_section(f"https://second.test:{rs.port}", "p", ca_file=rs.ca_pem)
     ws.write_config(0)
     refused = ws.cli("serve", timeout=20)
     assert refused.returncode == 1, refused.stderr
@@ -1058,8 +982,8 @@ def test_serve_needs_a_ca_for_exactly_the_protected_hosts(tmp_path, rs):
 
 
 def test_env_for_sh_and_fish(tmp_path, rs):
-    provider = provider_section("p", "http://127.0.0.1:9/issuer", 0)
-    ws = Workspace(tmp_path / "env", provider + origin_section(f"https://{API}:{rs.port}", "p", rs.ca_pem),
+    provider = provider_section("p", "http://127.0.0.1:9/issuer", redirect_port=0)
+    ws = Workspace(tmp_path / "env", provider + origin_section(f"https://{API}:{rs.port}", "p", ca_file=rs.ca_pem),
                    f"{API}=127.0.0.1")
     ws.write_config(18443)
     before = ws.cli("env")
@@ -1077,11 +1001,11 @@ def test_env_for_sh_and_fish(tmp_path, rs):
     assert variables["SSL_CERT_FILE"] == variables["GIT_SSL_CAINFO"] == str(ws.state / "ca" / "bundle.pem")
     # What sh makes of it.
     shell = subprocess.run(["sh", "-c", sh.stdout + '\nprintf "%s|%s" "$HTTPS_PROXY" "$SSL_CERT_FILE"'],
-                           capture_output=True, text=True, timeout=10, env=support.clean_env())
+                           capture_output=True, text=True, timeout=10, env=clean_env())
     assert shell.stdout == f"http://127.0.0.1:18443|{ws.state / 'ca' / 'bundle.pem'}"
     if shutil.which("fish"):
         shell = subprocess.run(["fish", "-c", fish.stdout + '\nprintf "%s" "$SSL_CERT_FILE"'],
-                               capture_output=True, text=True, timeout=10, env=support.clean_env())
+                               capture_output=True, text=True, timeout=10, env=clean_env())
         assert shell.stdout == str(ws.state / "ca" / "bundle.pem")
     wrong = ws.cli("env", "--shell", "tcsh")
     assert wrong.returncode == 64, wrong.stderr

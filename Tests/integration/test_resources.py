@@ -9,8 +9,10 @@ import time
 
 import pytest
 
-import support
-from support import MiB, Reader
+from fixtures.content import MiB, expected_sha256, generate
+from fixtures.http import Reader, open_tunnel, reset_close
+from fixtures.proxy import SANITIZER, poll
+
 
 SIZE = 256 * MiB
 RATE = 4 * MiB  # bytes per second while reading slowly
@@ -22,7 +24,7 @@ def open_download(proxy, mode: str, http_origin, https_origin, cert, size: int):
     """Starts GET /gen/size through the proxy (tunnel + TLS, or plain absolute-form); returns (socket, reader)
     positioned at the start of the body."""
     if mode == "tunnel":
-        raw, _, answer = support.open_tunnel(proxy.port, f"localhost:{https_origin.port}")
+        raw, _, answer = open_tunnel(proxy.port, f"localhost:{https_origin.port}")
         assert answer.status == 200
         sock = cert.client_context().wrap_socket(raw, server_hostname="localhost")
         sock.sendall(f"GET /gen/{size} HTTP/1.1\r\nHost: localhost:{https_origin.port}\r\n\r\n".encode())
@@ -38,7 +40,7 @@ def open_download(proxy, mode: str, http_origin, https_origin, cert, size: int):
 
 
 @pytest.mark.heavy
-@pytest.mark.skipif(support.SANITIZER is not None,
+@pytest.mark.skipif(SANITIZER is not None,
                     reason="a sanitizer's quarantine keeps freed buffers; the release binary's run checks the bound")
 @pytest.mark.parametrize("mode", ["tunnel", "plain"])
 def test_slow_reader_keeps_rss_bounded(mode, proxy, http_origin, https_origin, cert, record_property):
@@ -77,7 +79,7 @@ def test_slow_reader_keeps_rss_bounded(mode, proxy, http_origin, https_origin, c
     record_property("rss_growth_kib", growth)
     print(f"\n{mode}: RSS baseline {baseline} KiB, peak {peak} KiB, growth {growth} KiB "
           f"while {slow_bytes} bytes were read slowly")
-    assert digest.hexdigest() == support.expected_sha256(SIZE)
+    assert digest.hexdigest() == expected_sha256(SIZE)
     assert growth < RSS_GROWTH_LIMIT_KIB, f"RSS grew by {growth} KiB behind a slow reader"
 
 
@@ -140,7 +142,7 @@ def test_a_thousand_concurrent_tunnels(proxy, record_property):
           f"descriptors {baseline_fds} -> {open_fds}")
     assert open_fds >= baseline_fds + 2 * TUNNELS
     assert per_tunnel < 1024, "more than 1 MiB of RSS per idle tunnel"
-    support.poll(lambda: proxy.fd_count() <= baseline_fds, 30, message="the tunnels' descriptors to be released")
+    poll(lambda: proxy.fd_count() <= baseline_fds, 30, message="the tunnels' descriptors to be released")
     proxy.wait_log(r"CONNECT 127\.0\.0\.1:\d+ status=200", count=TUNNELS, timeout=30)
 
 
@@ -166,11 +168,11 @@ def test_client_vanishing_mid_download_frees_everything(mode, how, proxy, http_o
         got += len(reader.read_some(MiB))
     assert proxy.fd_count() >= baseline + 2
     if how == "reset":
-        support.reset_close(sock)  # the TCP socket under TLS: no close_notify, just an RST
+        reset_close(sock)  # the TCP socket under TLS: no close_notify, just an RST
     else:
         sock.close()
-    support.poll(lambda: proxy.fd_count() <= baseline, 15,
-                 message=f"descriptors back to {baseline} (now {proxy.fd_count()})")
+    poll(lambda: proxy.fd_count() <= baseline, 15,
+         message=f"descriptors back to {baseline} (now {proxy.fd_count()})")
     # The aborted transfer is still logged, with what was moved.
     line = proxy.wait_log(r"(CONNECT localhost|GET http://127\.0\.0\.1):\d+\S* status=200 up=\d+ down=(\d+)",
                           since=mark)[0]
@@ -182,7 +184,7 @@ def test_client_vanishing_mid_upload_frees_everything(mode, proxy, http_origin, 
     warm_up(proxy, http_origin, https_origin, cert)
     baseline = proxy.settled_fd_count()
     if mode == "tunnel":
-        raw, _, answer = support.open_tunnel(proxy.port, f"localhost:{https_origin.port}")
+        raw, _, answer = open_tunnel(proxy.port, f"localhost:{https_origin.port}")
         assert answer.status == 200
         sock = cert.client_context().wrap_socket(raw, server_hostname="localhost")
         sock.sendall(f"PUT /upload HTTP/1.1\r\nHost: localhost:{https_origin.port}\r\n"
@@ -192,9 +194,9 @@ def test_client_vanishing_mid_upload_frees_everything(mode, proxy, http_origin, 
         sock.sendall(f"PUT {http_origin.url('/upload')} HTTP/1.1\r\nHost: {http_origin.authority}\r\n"
                      f"Content-Length: {SIZE}\r\n\r\n".encode())
     sent = 0
-    for block in support.generate(8 * MiB):
+    for block in generate(8 * MiB):
         sock.sendall(block)
         sent += len(block)
-    support.reset_close(sock)
-    support.poll(lambda: proxy.fd_count() <= baseline, 15,
-                 message=f"descriptors back to {baseline} (now {proxy.fd_count()})")
+    reset_close(sock)
+    poll(lambda: proxy.fd_count() <= baseline, 15,
+         message=f"descriptors back to {baseline} (now {proxy.fd_count()})")

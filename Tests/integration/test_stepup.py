@@ -10,24 +10,24 @@ counts, and glewlwyd, whose max_age enforcement stands in for acr (it issues no 
 
 from __future__ import annotations
 
-import base64
+import functools
 import json
 import subprocess
 import sys
-import threading
 import time
 import urllib.parse
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-import support
-from idp_fake import FakeIdP, jws, jwt_parts
-from idp_glewlwyd import Glewlwyd, free_port, glewlwyd_available
-from signin import fake_secrets
+from fixtures import config
+from fixtures.http import CurlAnswer, free_port, run_curl
+from fixtures.jose import unverified_claims
+from fixtures.proxy import Proxy, clean_env, poll, proxyctl_bin
+from idp_fake import FakeIdP, jws
+from idp_glewlwyd import Glewlwyd, glewlwyd_available
+from signin import fake_secrets, seen_secrets
 from stepup_server import StepUpServer
-from support import Proxy
 
 HERE = Path(__file__).resolve().parent
 BROWSER = f"{sys.executable} {HERE / 'recording_browser.py'}"
@@ -73,7 +73,7 @@ class StepUpFakeIdP(FakeIdP):
     def _restamp(self, body: dict, sign_in: tuple[str, int], client_id: str, nonce, defects) -> None:
         acr, auth_time = sign_in
         old = body["access_token"]
-        _header, claims = jwt_parts(old)
+        claims = unverified_claims(old)
         claims.update(acr=acr, auth_time=auth_time)
         new = jws(claims, self.signing_key, typ="at+jwt")
         self._access[new] = self._access.pop(old)
@@ -104,30 +104,7 @@ class StepUpFakeIdP(FakeIdP):
         return status, body
 
 
-def claims_of(token: str) -> dict:
-    body = token.split(".")[1]
-    return json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
-
-
 # MARK: - A workspace: proxy.conf, state_dir, recorded proxyctl runs, a running proxy, curl through it
-
-
-@dataclass
-class Http:
-    returncode: int
-    status: int
-    headers: list[tuple[str, str]]
-    body: bytes
-    stderr: str
-
-    def header(self, name: str) -> str | None:
-        return next((v for k, v in self.headers if k.lower() == name.lower()), None)
-
-    def headers_named(self, name: str) -> list[str]:
-        return [v for k, v in self.headers if k.lower() == name.lower()]
-
-    def __str__(self) -> str:
-        return f"curl exit {self.returncode}, HTTP {self.status} {self.headers} {self.body[:300]!r} {self.stderr}"
 
 
 class World:
@@ -142,11 +119,11 @@ class World:
         self.browser_errors = root / "browser-errors.log"
         script = root / "notify.py"
         script.write_text(NOTIFY_SCRIPT)
-        self.config_path.write_text(support.config(
-            log_level="info", connect_timeout="5s", shutdown_grace="3s", state_dir=str(self.state), resolve=resolve,
-            notify_command=f"{sys.executable} {script} {self.notify_log}") + "\n" + sections)
+        self.config_path.write_text(config.proxy(
+            log_level="info", connect_timeout="5s", shutdown_grace="3s", state_dir=self.state, resolve=resolve,
+            notify_command=f"{sys.executable} {script} {self.notify_log}") + sections)
         self.runs: list[subprocess.CompletedProcess] = []
-        self.curls: list[Http] = []
+        self.curls: list[CurlAnswer] = []
         self.secrets: set[str] = set()
         self.fakes: list[FakeIdP] = []
         self.proxy: Proxy | None = None
@@ -157,7 +134,7 @@ class World:
     def cli(self, *args: str, browser: str | None = None, timeout: float = 30, **env: str):
         home = self.root / "cli-home"
         home.mkdir(exist_ok=True)
-        full = support.clean_env(HOME=str(home), XDG_CONFIG_HOME=str(home / "xdg"))
+        full = clean_env(HOME=str(home), XDG_CONFIG_HOME=str(home / "xdg"))
         for key in [k for k in full if k.startswith("PROXYCTL_") or k in ("BROWSER", "DISPLAY")]:
             del full[key]
         if browser is not None:
@@ -166,7 +143,7 @@ class World:
                         PROXYCTL_TEST_BROWSER_VISITS=str(self.visits_log),
                         PROXYCTL_TEST_BROWSER_ERRORS=str(self.browser_errors))
         full.update(env)
-        done = subprocess.run([support.proxyctl_bin(), *args, "--config", str(self.config_path)],
+        done = subprocess.run([proxyctl_bin(), *args, "--config", str(self.config_path)],
                               capture_output=True, text=True, timeout=timeout, env=full, cwd=self.root,
                               stdin=subprocess.DEVNULL)
         self.runs.append(done)
@@ -213,8 +190,8 @@ class World:
         return [json.loads(line) for line in text.split("\n")[:-1]]   # complete lines only
 
     def wait_notifications(self, count: int) -> list[dict]:
-        return support.poll(lambda: (lambda n: n if len(n) >= count else None)(self.notifications()), 10,
-                            message=f"{count} notify_command run(s)")
+        return poll(lambda: (lambda n: n if len(n) >= count else None)(self.notifications()), 10,
+                    message=f"{count} notify_command run(s)")
 
     # --- the proxy and a client
 
@@ -223,22 +200,10 @@ class World:
                            args=("--config", str(self.config_path))).start()
         return self.proxy
 
-    def curl(self, url: str, *args: str) -> Http:
+    def curl(self, url: str, *args: str) -> CurlAnswer:
         """curl through the proxy, trusting the proxy's local CA; the same arguments every time."""
-        directory = self.root / "curl"
-        directory.mkdir(exist_ok=True)
-        stamp = f"{threading.get_ident()}-{time.monotonic_ns()}"
-        heads, body = directory / f"{stamp}.head", directory / f"{stamp}.body"
-        done = subprocess.run(["curl", "-sS", "--proxy", self.proxy.url, "--cacert", str(self.state / "ca" / "ca.pem"),
-                               "-D", str(heads), "-o", str(body), *args, url],
-                              capture_output=True, text=True, timeout=30, env=support.clean_env())
-        status, headers = 0, []
-        if heads.exists():
-            blocks = [b for b in heads.read_bytes().decode("latin-1").split("\r\n\r\n") if b.strip()]
-            lines = blocks[-1].split("\r\n")
-            status = int(lines[0].split()[1])
-            headers = [(n.strip(), v.strip()) for n, _, v in (line.partition(":") for line in lines[1:])]
-        answer = Http(done.returncode, status, headers, body.read_bytes() if body.exists() else b"", done.stderr)
+        answer = run_curl(url, "--proxy", self.proxy.url, "--cacert", str(self.state / "ca" / "ca.pem"), *args,
+                          env=clean_env(), scratch=self.root / "curl", timeout=30)
         self.curls.append(answer)
         self.last_curl = time.monotonic()
         return answer
@@ -247,35 +212,24 @@ class World:
         """Waits until the proxy's in-memory copy of the tokens (kept up to 1 s without a look at the token
         file) is stale for sure. Only test_step_up_round_trip retries at once after `proxyctl step-up`, as a
         user would; the other tests are about something else and take the cache out of the picture."""
-        support.poll(lambda: time.monotonic() - self.last_curl > 1.05, 5, message="the proxy's token cache to age")
+        poll(lambda: time.monotonic() - self.last_curl > 1.05, 5, message="the proxy's token cache to age")
 
     def exchange_lines(self, mark: int, count: int) -> list[str]:
         """The log lines of intercepted requests written after `mark`, once there are `count` of them."""
         def found():
             lines = [line for line in self.proxy.log_since(mark).splitlines() if " intercepted=" in line]
             return lines if len(lines) >= count else None
-        return support.poll(found, 10, message=f"{count} intercepted request line(s)")
+        return poll(found, 10, message=f"{count} intercepted request line(s)")
 
     # --- nothing secret anywhere
 
     def harvest(self) -> None:
-        tokens = self.state / "tokens"
-        if tokens.is_dir():
-            for path in tokens.glob("*.json"):
-                try:
-                    data = json.loads(path.read_text())
-                except ValueError:
-                    continue
-                for key in ("access_token", "refresh_token", "id_token"):
-                    if isinstance(data.get(key), str):
-                        self.secrets.add(data[key])
+        visits = self.visits_log.read_text().splitlines() if self.visits_log.exists() else []
+        self.secrets |= seen_secrets(self.state, visits)
         # Private keys (the local CA's, DPoP keys): every base64 line of them.
         for pem in [*self.state.glob("ca/*key*.pem"), *self.state.glob("keys/*.pem")]:
             self.secrets.update(line for line in pem.read_text().splitlines()
                                 if len(line) >= 40 and not line.startswith("-----"))
-        if self.visits_log.exists():
-            for url in self.visits_log.read_text().splitlines():
-                self.secrets.update(urllib.parse.parse_qs(urllib.parse.urlsplit(url).query).get("code", []))
 
     def hygiene_problems(self) -> list[str]:
         self.harvest()
@@ -310,14 +264,8 @@ class World:
         return f"proxyctl exited with {code} on SIGTERM:\n{self.proxy.log()[-3000:]}" if running and code else None
 
 
-def provider_section(name: str, issuer: str, redirect_port: int = 0, **keys: str) -> str:
-    lines = [f"[provider {name}]", f"issuer = {issuer}", "client_id = proxyctl-test", f"scopes = {SCOPES}",
-             f"redirect_port = {redirect_port}", "login_timeout = 20s", *(f"{k} = {v}" for k, v in keys.items())]
-    return "\n".join(lines) + "\n\n"
-
-
-def origin_section(origin: str, provider: str, ca_file: Path) -> str:
-    return f"[origin {origin}]\nprovider = {provider}\nca_file = {ca_file}\n\n"
+# This module's providers: its scopes, the fake's redirect port (any), and a short sign-in timeout.
+provider_section = functools.partial(config.provider, scopes=SCOPES, redirect_port=0, login_timeout="20s")
 
 
 RESOLVE = f"{HOST}=127.0.0.1, {OTHER}=127.0.0.1"
@@ -364,8 +312,8 @@ def fake_world(make_world, fake: StepUpFakeIdP, server: StepUpServer, *, login: 
     seconds ago, as far as auth_time says), and its proxy running."""
     keys = {"token_binding": "dpop"} if dpop else {}
     world = make_world(provider_section("fake", fake.issuer, **keys)
-                       + origin_section(server.origin(HOST), "fake", server.ca_pem)
-                       + origin_section(server.origin(OTHER), "fake", server.ca_pem), name)
+                       + config.origin(server.origin(HOST), "fake", ca_file=server.ca_pem)
+                       + config.origin(server.origin(OTHER), "fake", ca_file=server.ca_pem), name)
     world.fakes.append(fake)
     world.ca_init()
     if login:
@@ -383,7 +331,7 @@ def step_up_details(origin: str, acr: str | None, max_age: int | None) -> str:
     return f"step-up required{' (' + ', '.join(wanted) + ')' if wanted else ''}: run proxyctl step-up {origin}"
 
 
-def assert_step_up_passed_on(answer: Http, seen, origin: str, acr: str | None, max_age: int | None) -> None:
+def assert_step_up_passed_on(answer: CurlAnswer, seen, origin: str, acr: str | None, max_age: int | None) -> None:
     """The origin's 401 as it sent it (WWW-Authenticate, body), plus the proxy's Proxy-Status."""
     assert answer.status == 401, answer
     assert seen.kind == "step_up" and seen.status == 401, seen
@@ -412,7 +360,7 @@ def test_step_up_round_trip(variant, make_world, fake, server):
     # The first sign-in: password only (acr urn:test:password), ten minutes ago as far as auth_time says.
     world = fake_world(make_world, fake, server, backdate=600)
     origin, url = server.origin(HOST), server.url(prefix + "report?q=1")
-    first_claims = claims_of(world.tokens("fake")["access_token"])
+    first_claims = unverified_claims(world.tokens("fake")["access_token"])
     assert first_claims["acr"] == PASSWORD_ACR and time.time() - first_claims["auth_time"] >= 600
 
     token_requests = fake.count("token")
@@ -447,7 +395,7 @@ def test_step_up_round_trip(variant, make_world, fake, server):
     # keeps the tokens it uses in memory for up to a second without looking at the token file. This request
     # comes more than a second after the first, so the proxy reads the tokens afresh and caches them again;
     # `proxyctl step-up` and the retry below then run within that second, as a quick user's would.)
-    support.poll(lambda: time.monotonic() - first_done > 1.05, 5, message="a second to pass")
+    poll(lambda: time.monotonic() - first_done > 1.05, 5, message="a second to pass")
     again_sent = time.monotonic()
     again = world.curl(url)
     assert_step_up_passed_on(again, server.since(seen_mark)[-1], origin, acr, max_age)
@@ -478,7 +426,7 @@ def test_step_up_round_trip(variant, make_world, fake, server):
     assert fake.count("authorize") == authorizations + 1
     assert fake.last_request("authorize").query.get("acr_values") == acr
     tokens = world.tokens("fake")
-    stepped = claims_of(tokens["access_token"])
+    stepped = unverified_claims(tokens["access_token"])
     assert stepped["acr"] == (acr or PASSWORD_ACR) and time.time() - stepped["auth_time"] < 30
     assert tokens["identity"].get("acr") == (acr or PASSWORD_ACR)
     assert world.pending() == []
@@ -609,12 +557,12 @@ def test_glewlwyd_max_age_step_up(make_world, server):
     callback = free_port()
     with Glewlwyd(redirect_ports=[callback]) as idp:
         server.trust(idp.issuer(), idp.discovery()["jwks_uri"])
-        world = make_world(provider_section("glew", idp.issuer(), callback)
-                           + origin_section(server.origin(HOST), "glew", server.ca_pem), "glew")
+        world = make_world(provider_section("glew", idp.issuer(), redirect_port=callback)
+                           + config.origin(server.origin(HOST), "glew", ca_file=server.ca_pem), "glew")
         world.ca_init()
         done = world.cli("login", "glew", browser="glewlwyd", **world.glewlwyd_env(idp))
         assert done.returncode == 0, done.stderr + world.browser_problems()
-        issued = claims_of(world.tokens("glew")["access_token"])
+        issued = unverified_claims(world.tokens("glew")["access_token"])
         assert "auth_time" not in issued and "acr" not in issued
         # From now on the resource wants a sign-in at most 60 s old and newer than the one the proxy holds
         # (glewlwyd's access tokens have no auth_time: their iat stands in for it).
@@ -634,21 +582,21 @@ def test_glewlwyd_max_age_step_up(make_world, server):
 
         # glewlwyd reads the kernel's coarse clock, a few ms behind time.time(): a margin keeps the new iat
         # in the next second for sure.
-        support.poll(lambda: time.time() >= issued["iat"] + 1.1, 5, message="the next second")
+        poll(lambda: time.time() >= issued["iat"] + 1.1, 5, message="the next second")
         done = world.cli("step-up", browser="glewlwyd", **world.glewlwyd_env(idp))
         assert done.returncode == 0, done.stderr + world.browser_problems()
         assert "max_age 60" in done.stderr and f"Step-up satisfied for: {origin}" in done.stderr, done.stderr
         query = urllib.parse.parse_qs(urllib.parse.urlsplit(world.browser_urls()[-1]).query)
         assert query.get("max_age") == ["60"] and "acr_values" not in query, world.browser_urls()[-1]
         after = world.tokens("glew")
-        assert after["generation"] > generation and claims_of(after["access_token"])["iat"] >= issued["iat"] + 1
+        assert after["generation"] > generation and unverified_claims(after["access_token"])["iat"] >= issued["iat"] + 1
         assert world.pending() == []
 
         world.wait_past_token_cache()
         seen_mark = server.mark()
         answer = world.curl(url)
         assert answer.status == 200, answer
-        assert json.loads(answer.body)["jti"] == claims_of(after["access_token"])["jti"]
+        assert json.loads(answer.body)["jti"] == unverified_claims(after["access_token"])["jti"]
         assert [s.kind for s in server.since(seen_mark)] == ["ok"]
         world.stop()
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import uuid
 
-import support
-from support import MiB, Reader, Tinyproxy
+from fixtures.content import MiB, expected_sha256
+from fixtures.http import Reader, Response, open_tunnel
+from fixtures.origins import Tinyproxy
+from fixtures.proxy import poll
 
 
 def token() -> str:
@@ -24,27 +26,27 @@ class TinyLog:
         return self.tinyproxy.log()[self.start:]
 
     def wait(self, needle: str, timeout: float = 10) -> None:
-        support.poll(lambda: needle in self.text(), timeout, message=f"tinyproxy to log {needle!r}")
+        poll(lambda: needle in self.text(), timeout, message=f"tinyproxy to log {needle!r}")
 
 
 def test_tunnel_goes_through_the_upstream_proxy(proxy_factory, tinyproxy, https_origin, cert, curl):
     proxy = proxy_factory(upstream_proxy=tinyproxy.url())
     log = TinyLog(tinyproxy)
     size = 4 * MiB + 7
-    result = curl("--fail", "-x", proxy.url, "--cacert", str(cert.cert_pem), "-o", "-",
+    result = curl("--fail", "-x", proxy.url, "--cacert", str(cert.ca_pem), "-o", "-",
                   https_origin.url(f"/gen/{size}", host="localhost"))
     assert result.returncode == 0, result.stderr
-    assert hashlib.sha256(result.stdout).hexdigest() == support.expected_sha256(size)
+    assert hashlib.sha256(result.stdout).hexdigest() == expected_sha256(size)
     log.wait(f"CONNECT localhost:{https_origin.port} HTTP/1.1")
 
 
 def test_tunnel_through_upstream_sees_the_origin_certificate(proxy_factory, tinyproxy, https_origin, cert):
     proxy = proxy_factory(upstream_proxy=tinyproxy.url())
     log = TinyLog(tinyproxy)
-    sock, _, answer = support.open_tunnel(proxy.port, f"localhost:{https_origin.port}")
+    sock, _, answer = open_tunnel(proxy.port, f"localhost:{https_origin.port}")
     assert answer.status == 200
     with cert.client_context().wrap_socket(sock, server_hostname="localhost") as tls:
-        assert tls.getpeercert(binary_form=True) == cert.der
+        assert tls.getpeercert(binary_form=True) == cert.leaf_der
         tls.sendall(f"GET /via HTTP/1.1\r\nHost: localhost:{https_origin.port}\r\n\r\n".encode())
         assert Reader(tls).read_response().body == b"origin GET /via\n"
     log.wait(f"CONNECT localhost:{https_origin.port}")
@@ -83,7 +85,7 @@ def test_no_upstream_proxy_hosts_go_direct(proxy_factory, tinyproxy, echo_origin
     assert b"Via: " in echo_origin.wait_request(chained).head, "127.0.0.1 is not in no_upstream_proxy"
     # Tunnels: localhost direct, 127.0.0.1 through tinyproxy.
     for host in ("localhost", "127.0.0.1"):
-        result = curl("--fail", "-x", proxy.url, "--cacert", str(cert.cert_pem),
+        result = curl("--fail", "-x", proxy.url, "--cacert", str(cert.ca_pem),
                       https_origin.url(f"/tunnel-{host}", host=host))
         assert result.returncode == 0, result.stderr
     log.wait(f"CONNECT 127.0.0.1:{https_origin.port}")
@@ -93,7 +95,7 @@ def test_no_upstream_proxy_hosts_go_direct(proxy_factory, tinyproxy, echo_origin
     assert f"CONNECT localhost:{https_origin.port}" not in text
 
 
-def assert_upstream_refusal(response: support.Response, tinyproxy: Tinyproxy, upstream_status: int) -> None:
+def assert_upstream_refusal(response: Response, tinyproxy: Tinyproxy, upstream_status: int) -> None:
     assert response.status == 502, response.head
     proxy_status = response.header("proxy-status")
     assert proxy_status and proxy_status.startswith("proxyctl; error="), response.head
@@ -105,7 +107,7 @@ def assert_upstream_refusal(response: support.Response, tinyproxy: Tinyproxy, up
 
 def test_tunnel_with_wrong_upstream_credentials_is_502(proxy_factory, tinyproxy, https_origin):
     proxy = proxy_factory(upstream_proxy=tinyproxy.url(password="wrong-password"))
-    sock, reader, answer = support.open_tunnel(proxy.port, f"localhost:{https_origin.port}")
+    sock, reader, answer = open_tunnel(proxy.port, f"localhost:{https_origin.port}")
     reader.read_body(answer)
     sock.close()
     # tinyproxy 1.11 answers a wrong password with 401 (and a missing one with 407).
@@ -115,7 +117,7 @@ def test_tunnel_with_wrong_upstream_credentials_is_502(proxy_factory, tinyproxy,
 
 def test_tunnel_without_upstream_credentials_is_502_naming_407(proxy_factory, tinyproxy, https_origin):
     proxy = proxy_factory(upstream_proxy=tinyproxy.url(user=None))
-    sock, reader, answer = support.open_tunnel(proxy.port, f"localhost:{https_origin.port}")
+    sock, reader, answer = open_tunnel(proxy.port, f"localhost:{https_origin.port}")
     reader.read_body(answer)
     sock.close()
     assert_upstream_refusal(answer, tinyproxy, 407)

@@ -1,0 +1,698 @@
+"""The bench's processes: every child in its own session and ended on exit (`Processes`), the origin (nginx
+serving a bulk and a small file over HTTPS and HTTP, and https://bench.test, the protected origin), the
+passthrough proxies (proxyctl, tinyproxy, squid) and the intercept targets (proxyctl with a Bearer and with a
+DPoP token, nginx as a TLS-terminating reverse proxy, mitmproxy with an addon). Everything listens on 127.0.0.1
+(the protected origin: port 443 of another loopback address) on ports the OS picked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fixtures import config
+from fixtures.http import free_port
+from fixtures.jose import DPoPError, b64url, key_file_thumbprint, verify_dpop_proof
+from fixtures.pki import CertificateAuthority, ServerIdentity, new_key_pem
+from fixtures.proxy import clean_env
+
+PEERS = ("proxyctl", "tinyproxy", "squid")
+TARGETS = ("direct",) + PEERS
+INTERCEPT_PEERS = ("proxyctl", "proxyctl-dpop", "nginx", "mitmproxy")
+INTERCEPT_TARGETS = ("direct",) + INTERCEPT_PEERS
+RATE_TARGETS = ("direct", "proxyctl", "proxyctl-dpop", "nginx")  # mitmproxy cannot sustain row 6b's rate
+INTERCEPT_LABELS = {
+    "direct": "direct",
+    "proxyctl": "proxyctl (Bearer)",
+    "proxyctl-dpop": "proxyctl (DPoP)",
+    "nginx": "nginx (reverse proxy)",
+    "mitmproxy": "mitmproxy",
+}
+BENCH_HOST = "bench.test"
+PROVIDER = "bench"
+# Never contacted: the tokens are written straight into proxyctl's token store and outlive the run, so
+# nothing is refreshed (a refresh would fail on this name, and the bench with it).
+ISSUER = "https://idp.bench.test"
+CLIENT_ID = "proxyctl-bench"
+# The clients' environment (curl, hey): no proxy variable of the user's.
+CLIENT_ENV = clean_env()
+
+
+def log(message: str) -> None:
+    """A progress line on stderr."""
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+class BenchError(Exception):
+    """Something that makes the run's figures worthless: the bench stops and says what."""
+
+
+def run(argv: list[str], timeout: float = 600, env: dict[str, str] | None = None) -> str:
+    """Runs a command to completion; its stdout, or BenchError with its stderr."""
+    result = subprocess.run(
+        argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout, env=env
+    )
+    if result.returncode != 0:
+        raise BenchError(f"{shlex.join(argv)} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
+    return result.stdout
+
+
+def write_private(path: Path, text: str) -> None:
+    """Writes `text` to a file only its owner can read (0600 from the start)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+
+
+# MARK: - Processes
+
+
+class Processes:
+    """Every child started by the harness, ended in reverse order on exit."""
+
+    def __init__(self, pid_file: Path | None = None) -> None:
+        self.children: list[subprocess.Popen] = []
+        self.pid_file = pid_file
+
+    def start(self, argv: list[str], *, stdout=None, stderr=None, env=None) -> subprocess.Popen:
+        """Starts `argv` in a session of its own (so that its helpers end with it)."""
+        child = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=stdout if stdout is not None else subprocess.DEVNULL,
+            stderr=stderr if stderr is not None else subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+        self.children.append(child)
+        if self.pid_file is not None:
+            # scripts/bench ends these process groups too, should the harness itself die.
+            with open(self.pid_file, "a") as out:
+                out.write(f"{child.pid}\n")
+        return child
+
+    def stop(self, child: subprocess.Popen, timeout: float = 10.0) -> None:
+        """SIGTERM to the child's process group, SIGKILL after `timeout`, and to any helper left over."""
+        if child.poll() is None:
+            # Each child leads its own process group: squid's log daemon and nginx's workers go with it.
+            try:
+                os.killpg(child.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                child.wait(timeout)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(child.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                child.wait(5)
+        # Helpers that outlived their leader (same process group) go too.
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if child in self.children:
+            self.children.remove(child)
+
+    def stop_all(self) -> None:
+        """Stops every child still known, the last started first."""
+        for child in reversed(list(self.children)):
+            try:
+                self.stop(child, timeout=5.0)
+            except Exception as error:  # keep going: everything must be ended
+                log(f"could not stop pid {child.pid}: {error}")
+
+
+def wait_for_port(port: int, child: subprocess.Popen, name: str, timeout: float = 20.0,
+                  address: str = "127.0.0.1") -> None:
+    """Waits until `child` accepts connections on `address`:`port`; BenchError if it exits or takes too long."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            raise BenchError(f"{name} exited with status {child.returncode} before listening on {port}")
+        try:
+            with socket.create_connection((address, port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise BenchError(f"{name} did not listen on {address}:{port} within {timeout:.0f}s")
+
+
+def wait_for_log(child: subprocess.Popen, log_path: Path, pattern: str, name: str, timeout: float = 20.0) -> re.Match:
+    """Waits until `pattern` appears in the log file a child writes; BenchError if it exits or takes too long."""
+    deadline = time.monotonic() + timeout
+    while True:
+        match = re.search(pattern, log_path.read_text(errors="replace"))
+        if match:
+            return match
+        if child.poll() is not None:
+            raise BenchError(f"{name} exited ({child.returncode}): {log_path.read_text()[-2000:]}")
+        if time.monotonic() > deadline:
+            raise BenchError(f"{name} did not print its listening address")
+        time.sleep(0.05)
+
+
+# MARK: - The origin: nginx with TLS and plain HTTP, files on tmpfs
+
+
+def start_nginx(processes: Processes, work: Path, http: str) -> subprocess.Popen:
+    """nginx in the foreground with its configuration, pid, logs and temp files in `work`: the settings both
+    nginx of the bench share (workers per core, no access log, long keep-alive, no TLS session resumption)
+    and `http`, the rest of its http block (its servers)."""
+    conf = work / "nginx.conf"
+    conf.write_text(f"""
+daemon off;
+master_process on;
+worker_processes auto;
+pid {work}/nginx.pid;
+error_log {work}/error.log warn;
+events {{ worker_connections 8192; }}
+http {{
+    access_log off;
+    keepalive_timeout 120s;
+    keepalive_requests 1000000;
+    client_body_temp_path {work}/body;
+    proxy_temp_path {work}/proxy;
+    fastcgi_temp_path {work}/fastcgi;
+    uwsgi_temp_path {work}/uwsgi;
+    scgi_temp_path {work}/scgi;
+    ssl_protocols TLSv1.2 TLSv1.3;
+    ssl_session_cache off;
+    ssl_session_tickets off;
+{http}}}
+""")
+    return processes.start(["nginx", "-e", str(work / "error.log"), "-p", str(work), "-c", str(conf)],
+                           stderr=open(work / "stderr.log", "wb"))
+
+
+@dataclass
+class Certificates:
+    """The bench's test CA and the two leaves it issued: 127.0.0.1 (rows 1-4) and bench.test (rows 6-8)."""
+    origin: ServerIdentity
+    bench: ServerIdentity
+
+    @property
+    def ca(self) -> Path:
+        return self.origin.ca_pem
+
+
+def make_certificates(directory: Path) -> Certificates:
+    """A test CA and its leaves, for localhost and 127.0.0.1 and for bench.test (the protected origin needs a
+    host name and a CA that proxyctl's `ca_file` and nginx's `proxy_ssl_trusted_certificate` can trust). The
+    keys are readable by all: nginx's workers read them as an unprivileged user."""
+    ca = CertificateAuthority.make("proxyctl bench test CA")
+    return Certificates(ca.issue(directory, ["localhost", "127.0.0.1"], stem="origin", key_mode=0o644),
+                        ca.issue(directory, [BENCH_HOST], stem="bench", key_mode=0o644))
+
+
+@dataclass
+class Origin:
+    """Where the origin listens and what it serves."""
+    https_port: int
+    http_port: int
+    ca: Path  # the CA of both its certificates
+    bulk_bytes: int
+    small_bytes: int
+    # The intercept path's origin: https://bench.test on port 443 of bench_address.
+    bench_address: str = ""
+    bench_port: int = 443
+
+
+def prepare_www(directory: Path, bulk_bytes: int, small_bytes: int) -> tuple[Path, str]:
+    """The origin's files (bulk.bin, small.txt) on a tmpfs when the bench runs as root; (directory, what
+    storage it is)."""
+    www = directory / "www"
+    www.mkdir()
+    storage = "plain directory (page cache)"
+    if os.geteuid() == 0:
+        size = bulk_bytes + (64 << 20)
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "proxyctl-bench", str(www)],
+            capture_output=True,
+        )
+        if mounted.returncode == 0:
+            storage = "tmpfs"
+    www.chmod(0o755)
+    # Incompressible bytes; a 4 MiB random block repeated is as good as 1 GiB of random for TLS and copies.
+    block = os.urandom(4 << 20)
+    with open(www / "bulk.bin", "wb") as out:
+        remaining = bulk_bytes
+        while remaining > 0:
+            chunk = block[: min(len(block), remaining)]
+            out.write(chunk)
+            remaining -= len(chunk)
+    (www / "small.txt").write_bytes(b"x" * (small_bytes - 1) + b"\n")
+    for path in www.iterdir():
+        path.chmod(0o644)
+    return www, storage
+
+
+def free_loopback_443() -> str:
+    """A loopback address (127.0.0.0/8) whose port 443 is free: the protected origin's.
+
+    It must be the default port: hey sends the Host field, port included, as the TLS server name
+    (`ServerName: b.Request.Host`), and proxyctl answers an SNI of `bench.test:PORT` with 421 Misdirected
+    Request. With the origin on 443 both are plain `bench.test`. Port 443 needs root (or
+    CAP_NET_BIND_SERVICE); the address is picked at random and checked, so other work's ports are safe.
+    """
+    rng = random.SystemRandom()
+    for _ in range(50):
+        address = f"127.{rng.randint(64, 254)}.{rng.randint(0, 255)}.{rng.randint(1, 254)}"
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address, 443))
+                return address
+            except PermissionError:
+                raise BenchError("the intercept rows' origin listens on port 443 (see free_loopback_443): "
+                                 "run the bench as root, or give python and nginx CAP_NET_BIND_SERVICE")
+            except OSError:
+                continue
+    raise BenchError("found no loopback address with port 443 free")
+
+
+def start_origin(processes: Processes, directory: Path, www: Path, certificates: Certificates,
+                 sizes: tuple[int, int]) -> Origin:
+    """nginx serving `www`: https and http on 127.0.0.1, and https://bench.test on port 443 of a loopback
+    address of its own, with /headers echoing what a request arrived with."""
+    https_port, http_port = free_port(), free_port()
+    bench_address, bench_port = free_loopback_443(), 443
+    nginx_dir = directory / "nginx"
+    nginx_dir.mkdir()
+    nginx_dir.chmod(0o777)
+    child = start_nginx(processes, nginx_dir, f"""
+    sendfile on;
+    tcp_nopush on;
+    default_type application/octet-stream;
+    server {{
+        listen 127.0.0.1:{https_port} ssl;
+        ssl_certificate {certificates.origin.cert_pem};
+        ssl_certificate_key {certificates.origin.key_pem};
+        root {www};
+    }}
+    server {{
+        listen 127.0.0.1:{http_port};
+        root {www};
+    }}
+    # The protected origin of the intercept rows: same files, a bench.test leaf from the test CA, and
+    # /headers echoing what a request arrived with (checked once per target).
+    server {{
+        listen {bench_address}:{bench_port} ssl;
+        server_name {BENCH_HOST};
+        ssl_certificate {certificates.bench.cert_pem};
+        ssl_certificate_key {certificates.bench.key_pem};
+        root {www};
+        location = /headers {{
+            default_type text/plain;
+            return 200 "authorization=$http_authorization\\ndpop=$http_dpop\\nhost=$http_host\\n";
+        }}
+    }}
+""")
+    wait_for_port(https_port, child, "nginx")
+    wait_for_port(http_port, child, "nginx")
+    wait_for_port(bench_port, child, "nginx", address=bench_address)
+    return Origin(https_port, http_port, certificates.ca, sizes[0], sizes[1], bench_address, bench_port)
+
+
+# MARK: - The passthrough proxies, each with a temp config, logging as it does by default (to a file here)
+
+
+@dataclass
+class Proxy:
+    """A running passthrough proxy."""
+    name: str
+    port: int
+    child: subprocess.Popen
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.child.pid
+
+
+class Proxies:
+    """Starts proxyctl, tinyproxy and squid as forward proxies, each in a directory of its own."""
+
+    def __init__(self, processes: Processes, directory: Path, proxyctl: str) -> None:
+        self.processes = processes
+        self.directory = directory
+        self.proxyctl = proxyctl
+        self.serial = 0
+
+    def _dir(self, name: str) -> Path:
+        self.serial += 1
+        path = self.directory / f"{name}-{self.serial}"
+        path.mkdir()
+        # squid and tinyproxy drop root for an unprivileged user that must write its logs here.
+        path.chmod(0o777)
+        return path
+
+    def start(self, name: str) -> Proxy:
+        """A fresh instance of the peer `name` (one of PEERS), listening."""
+        return getattr(self, f"_start_{name}")(self._dir(name))
+
+    def stop(self, proxy: Proxy) -> None:
+        self.processes.stop(proxy.child, timeout=15)
+
+    def _start_proxyctl(self, work: Path) -> Proxy:
+        conf = work / "proxy.conf"
+        conf.write_text(config.proxy(listen="127.0.0.1:0", log_level="info"))
+        log_path = work / "proxyctl.log"
+        env = dict(os.environ, XDG_CONFIG_HOME=str(work), HOME=str(work))
+        env.pop("PROXYCTL_CONFIG", None)
+        child = self.processes.start(
+            [self.proxyctl, "serve", "--config", str(conf), "--listen", "127.0.0.1:0"],
+            stderr=open(log_path, "wb"),
+            env=env,
+        )
+        port = int(wait_for_log(child, log_path, r"listening on http://127\.0\.0\.1:(\d+)", "proxyctl").group(1))
+        wait_for_port(port, child, "proxyctl")
+        return Proxy("proxyctl", port, child, log_path)
+
+    def _start_tinyproxy(self, work: Path) -> Proxy:
+        port = free_port()
+        conf = work / "tinyproxy.conf"
+        log_path = work / "tinyproxy.log"
+        user = "User nobody\nGroup nogroup\n" if os.geteuid() == 0 else ""
+        # Debian's defaults otherwise (LogLevel Info, Via header on); no ConnectPort line lets CONNECT reach
+        # any port; MaxClients covers the 1,000 idle tunnels.
+        conf.write_text(f"""{user}Port {port}
+Listen 127.0.0.1
+Timeout 600
+LogFile "{log_path}"
+LogLevel Info
+PidFile "{work}/tinyproxy.pid"
+MaxClients 2000
+Allow 127.0.0.1
+ViaProxyName "tinyproxy"
+""")
+        return self._started("tinyproxy", port, ["tinyproxy", "-d", "-c", str(conf)], work, log_path)
+
+    def _start_squid(self, work: Path) -> Proxy:
+        port = free_port()
+        conf = work / "squid.conf"
+        log_path = work / "access.log"
+        # No caching at all; access_log keeps squid's default module (daemon: a log_file_daemon helper,
+        # whose CPU and memory are counted with squid's). CONNECT may reach any port of 127.0.0.1.
+        conf.write_text(f"""http_port 127.0.0.1:{port}
+acl localhost src 127.0.0.1/32
+http_access allow localhost
+http_access deny all
+cache deny all
+cache_mem 0 MB
+access_log daemon:{log_path} squid
+cache_log {work}/cache.log
+cache_store_log none
+pid_filename {work}/squid.pid
+coredump_dir {work}
+netdb_filename none
+pinger_enable off
+max_filedescriptors 16384
+shutdown_lifetime 0 seconds
+visible_hostname localhost
+""")
+        return self._started("squid", port, ["squid", "-N", "-f", str(conf)], work, log_path)
+
+    def _started(self, name: str, port: int, argv: list[str], work: Path, log_path: Path) -> Proxy:
+        """Starts `argv` (stderr to a file in `work`) and waits until it listens on `port`."""
+        child = self.processes.start(argv, stderr=open(work / "stderr.log", "wb"))
+        wait_for_port(port, child, name)
+        return Proxy(name, port, child, log_path)
+
+
+# MARK: - The intercept path: a protected origin whose requests get a token attached
+
+
+def fake_access_token(now: int) -> str:
+    """A JWT-shaped access token of a typical provider's length (about 900 bytes). Nobody verifies it."""
+    header = {"alg": "RS256", "typ": "at+jwt", "kid": "bench-key-1"}
+    claims = {
+        "iss": ISSUER, "sub": "3f6c1a52-bench-user", "aud": f"https://{BENCH_HOST}", "client_id": CLIENT_ID,
+        "scope": "openid profile email api.read api.write", "iat": now, "nbf": now, "exp": now + 30 * 86400,
+        "auth_time": now, "jti": b64url(os.urandom(16)), "sid": b64url(os.urandom(16)), "acr": "1", "amr": ["pwd"],
+        "name": "Bench User", "preferred_username": "bench", "email": "bench@example.com",
+    }
+
+    def encode(value: dict) -> str:
+        return b64url(json.dumps(value, separators=(",", ":")).encode())
+
+    return f"{encode(header)}.{encode(claims)}.{b64url(os.urandom(256))}"
+
+
+@dataclass
+class DPoPKey:
+    """The DPoP key of the proxyctl (DPoP) target."""
+    path: Path  # PKCS#8 PEM, where proxyctl reads it
+    thumbprint: str  # RFC 7638
+
+
+@dataclass
+class InterceptTarget:
+    """How the clients reach the protected origin through one target, and whose CPU counts."""
+
+    name: str
+    child: subprocess.Popen | None  # None: direct
+    hey_args: list[str]  # e.g. ["-x", proxy]
+    hey_base: str  # URL without the path
+    curl_args: list[str]
+    curl_base: str
+    curl_env: dict
+    expect_authorization: str | None  # "Bearer" or "DPoP", checked once at /headers
+    details: dict = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int | None:
+        return self.child.pid if self.child else None
+
+
+@dataclass
+class InterceptSetup:
+    """What every intercept target shares: the origin, the token and the bench.test certificate."""
+    origin: Origin
+    token: str
+    bench: ServerIdentity
+    mitmdump: str
+
+
+class InterceptTargets:
+    """Starts the intercept targets (INTERCEPT_TARGETS), each in a directory of its own."""
+
+    def __init__(self, processes: Processes, directory: Path, proxyctl: str, setup: InterceptSetup) -> None:
+        self.processes = processes
+        self.directory = directory
+        self.proxyctl = proxyctl
+        self.setup = setup
+        self.dpop: DPoPKey | None = None
+
+    @property
+    def origin_url(self) -> str:
+        return f"https://{BENCH_HOST}"  # port 443
+
+    def _dir(self, name: str) -> Path:
+        path = self.directory / f"intercept-{name}"
+        path.mkdir()
+        path.chmod(0o777)  # nginx's workers run unprivileged and write their temp files here
+        return path
+
+    def start(self, name: str) -> InterceptTarget:
+        """The target `name`, running (direct: just how to reach the origin)."""
+        if name == "direct":
+            origin = self.setup.origin
+            return InterceptTarget(
+                "direct", None, [], f"https://{origin.bench_address}",
+                ["--noproxy", "*", "--cacert", str(origin.ca),
+                 "--resolve", f"{BENCH_HOST}:{origin.bench_port}:{origin.bench_address}"],
+                self.origin_url, CLIENT_ENV, None)
+        if name == "proxyctl":
+            return self._start_proxyctl(self._dir(name), "bearer")
+        if name == "proxyctl-dpop":
+            return self._start_proxyctl(self._dir(name), "dpop")
+        if name == "nginx":
+            return self._start_nginx(self._dir(name))
+        if name == "mitmproxy":
+            return self._start_mitmproxy(self._dir(name))
+        raise BenchError(f"no intercept target {name}")
+
+    def _start_proxyctl(self, work: Path, binding: str) -> InterceptTarget:
+        origin = self.setup.origin
+        state = work / "state"
+        port = free_port()
+        conf = work / "proxy.conf"
+        conf.write_text(config.proxy(listen=f"127.0.0.1:{port}", log_level="info", state_dir=state,
+                                     resolve=f"{BENCH_HOST}={origin.bench_address}")
+                        + config.provider(PROVIDER, ISSUER, client_id=CLIENT_ID, scopes="openid",
+                                          token_binding=binding)
+                        + config.origin(self.origin_url, PROVIDER, ca_file=origin.ca))
+        env = dict(os.environ, XDG_CONFIG_HOME=str(work), XDG_STATE_HOME=str(work), HOME=str(work))
+        env.pop("PROXYCTL_CONFIG", None)
+        run([self.proxyctl, "ca", "init", "--config", str(conf)], env=env)
+        # The tokens, as `proxyctl login` would have stored them (TokenSet's JSON, version 1).
+        now = int(time.time())
+        tokens = {
+            "version": 1, "provider": PROVIDER, "issuer": ISSUER, "client_id": CLIENT_ID,
+            "token_type": "DPoP" if binding == "dpop" else "Bearer", "access_token": self.setup.token,
+            "issued_at": now, "expires_at": now + 30 * 86400, "refresh_token": b64url(os.urandom(32)),
+            "scope": "openid", "generation": 1,
+        }
+        details = {}
+        if binding == "dpop":
+            keys = state / "keys"
+            keys.mkdir(mode=0o700, exist_ok=True)
+            key = keys / f"{PROVIDER}.dpop.pem"
+            write_private(key, new_key_pem().decode())
+            self.dpop = DPoPKey(key, key_file_thumbprint(key))
+            tokens["dpop_jkt"] = self.dpop.thumbprint
+            details["thumbprint"] = self.dpop.thumbprint
+        (state / "tokens").mkdir(mode=0o700, exist_ok=True)
+        write_private(state / "tokens" / f"{PROVIDER}.json", json.dumps(tokens, indent=2))
+        status = json.loads(run([self.proxyctl, "status", "--config", str(conf), "--json"], env=env))
+        signed_in = [p for p in status.get("providers", []) if p.get("provider") == PROVIDER]
+        if not signed_in or not signed_in[0].get("signed_in"):
+            raise BenchError(f"proxyctl does not take the bench's token file: {status}")
+        # What a user would do: eval "$(proxyctl env)". The clients take the proxy and the CA bundle from it.
+        exported = dict(re.findall(r"^export ([A-Z_a-z0-9]+)='([^']*)';?$",
+                                   run([self.proxyctl, "env", "--config", str(conf)], env=env), re.M))
+        if "HTTPS_PROXY" not in exported or "CURL_CA_BUNDLE" not in exported:
+            raise BenchError(f"proxyctl env printed no HTTPS_PROXY or CURL_CA_BUNDLE: {exported}")
+        log_path = work / "proxyctl.log"
+        child = self.processes.start([self.proxyctl, "serve", "--config", str(conf)],
+                                     stderr=open(log_path, "wb"), env=env)
+        wait_for_log(child, log_path, rf"listening on http://127\.0\.0\.1:{port}\b", f"proxyctl ({binding})")
+        wait_for_port(port, child, "proxyctl")
+        curl_env = dict(CLIENT_ENV, HTTPS_PROXY=exported["HTTPS_PROXY"], CURL_CA_BUNDLE=exported["CURL_CA_BUNDLE"])
+        details["log"] = str(log_path)
+        return InterceptTarget(
+            "proxyctl-dpop" if binding == "dpop" else "proxyctl", child, ["-x", exported["HTTPS_PROXY"]],
+            self.origin_url, [], self.origin_url, curl_env, "DPoP" if binding == "dpop" else "Bearer", details)
+
+    def _start_nginx(self, work: Path) -> InterceptTarget:
+        origin = self.setup.origin
+        port = free_port()
+        # The C reference: TLS terminated with a bench.test leaf, the header added, re-encrypted to the origin
+        # over kept-alive, verified connections. Responses stream through memory buffers (no temp files).
+        child = start_nginx(self.processes, work, f"""
+    upstream protected_origin {{
+        server {origin.bench_address}:{origin.bench_port};
+        keepalive 128;
+        keepalive_requests 1000000;
+        keepalive_timeout 120s;
+    }}
+    server {{
+        listen 127.0.0.1:{port} ssl;
+        server_name {BENCH_HOST};
+        ssl_certificate {self.setup.bench.cert_pem};
+        ssl_certificate_key {self.setup.bench.key_pem};
+        location / {{
+            proxy_pass https://protected_origin;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_set_header Host {BENCH_HOST};
+            proxy_set_header Authorization "Bearer {self.setup.token}";
+            proxy_ssl_server_name on;
+            proxy_ssl_name {BENCH_HOST};
+            proxy_ssl_verify on;
+            proxy_ssl_trusted_certificate {origin.ca};
+            proxy_ssl_session_reuse on;
+            proxy_max_temp_file_size 0;
+        }}
+    }}
+""")
+        wait_for_port(port, child, "nginx (reverse proxy)")
+        return InterceptTarget(
+            "nginx", child, [], f"https://127.0.0.1:{port}",
+            ["--noproxy", "*", "--cacert", str(origin.ca), "--resolve", f"{BENCH_HOST}:{port}:127.0.0.1"],
+            f"https://{BENCH_HOST}:{port}", CLIENT_ENV, "Bearer", {"config": str(work / "nginx.conf")})
+
+    def _start_mitmproxy(self, work: Path) -> InterceptTarget:
+        origin = self.setup.origin
+        port = free_port()
+        confdir = work / "conf"
+        token_file = work / "token"
+        write_private(token_file, self.setup.token)
+        addon = work / "add_bearer.py"
+        addon.write_text(MITMPROXY_ADDON)
+        env = dict(CLIENT_ENV, HOME=str(work), BENCH_TOKEN_FILE=str(token_file),
+                   BENCH_RESOLVE=f"{BENCH_HOST}={origin.bench_address}",
+                   BENCH_PROTECTED=f"{BENCH_HOST}:{origin.bench_port}")
+        log_path = work / "mitmdump.log"
+        child = self.processes.start(
+            [self.setup.mitmdump, "--listen-host", "127.0.0.1", "--listen-port", str(port),
+             "--set", f"confdir={confdir}", "--set", f"ssl_verify_upstream_trusted_ca={origin.ca}",
+             "--set", "stream_large_bodies=1m", "-s", str(addon)],
+            stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=env)
+        wait_for_port(port, child, "mitmdump", timeout=60)
+        ca = confdir / "mitmproxy-ca-cert.pem"
+        if not ca.exists():
+            raise BenchError(f"mitmproxy made no CA in {confdir}")
+        proxy = f"http://127.0.0.1:{port}"
+        return InterceptTarget("mitmproxy", child, ["-x", proxy], self.origin_url,
+                               ["-x", proxy, "--cacert", str(ca)], self.origin_url, CLIENT_ENV, "Bearer",
+                               {"log": str(log_path), "addon": str(addon)})
+
+
+# mitmproxy's addon: the header for the protected origin, and bench.test resolved to the origin (mitmproxy has
+# no resolve option; the address is changed just before it connects, the SNI and Host stay bench.test).
+MITMPROXY_ADDON = '''"""proxyctl bench: adds Authorization: Bearer to requests for the protected origin."""
+import os
+
+from mitmproxy import http
+
+TOKEN = open(os.environ["BENCH_TOKEN_FILE"]).read().strip()
+RESOLVE = dict(pair.split("=", 1) for pair in os.environ.get("BENCH_RESOLVE", "").split(",") if pair)
+PROTECTED = os.environ["BENCH_PROTECTED"]
+
+
+class AddBearer:
+    def server_connect(self, data):
+        host, port = data.server.address
+        if host in RESOLVE:
+            data.server.address = (RESOLVE[host], port)
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        # pretty_host: the Host field (request.host is the address connected to, 127.0.0.1 by then).
+        if f"{flow.request.pretty_host}:{flow.request.port}" == PROTECTED:
+            flow.request.headers["Authorization"] = "Bearer " + TOKEN
+
+
+addons = [AddBearer()]
+'''
+
+
+def check_headers(target: InterceptTarget, targets: InterceptTargets, token: str) -> str:
+    """One request to /headers through the target: the origin must see the token (and, for DPoP, a proof that
+    fixtures.jose verifies: its claims, its ES256 signature and the key in state_dir/keys). What it saw."""
+    output = run(["curl", "-sS", "--fail", *target.curl_args, target.curl_base + "/headers"], env=target.curl_env)
+    seen = dict(line.split("=", 1) for line in output.splitlines() if "=" in line)
+    authorization = seen.get("authorization", "")
+    if target.expect_authorization is None:
+        if authorization:
+            raise BenchError(f"direct requests arrived with Authorization: {authorization[:40]}")
+        return "no Authorization (direct)"
+    wanted = f"{target.expect_authorization} {token}"
+    if authorization != wanted:
+        raise BenchError(f"via {target.name} the origin got Authorization {authorization[:60]!r}, "
+                         f"not {target.expect_authorization} + the bench's token")
+    if target.expect_authorization == "DPoP":
+        try:
+            verify_dpop_proof(seen.get("dpop", ""), "GET", f"{targets.origin_url}/headers", access_token=token,
+                              jkt=targets.dpop.thumbprint)
+        except DPoPError as error:
+            raise BenchError(f"the DPoP proof the origin received is wrong: {error}") from None
+        return "Authorization: DPoP <token> and a DPoP proof whose claims and ES256 signature verify"
+    if seen.get("dpop"):
+        raise BenchError(f"via {target.name} a Bearer request carried a DPoP proof")
+    return "Authorization: Bearer <token>"

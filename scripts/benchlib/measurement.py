@@ -1,0 +1,524 @@
+"""What the bench measures and how: the CPU of a process tree from /proc, the load of other work on the machine
+(`Load`), one sample per client run (curl for bulk downloads, hey for request rates), idle tunnels' memory, and
+the rows: a discarded warm-up per target, then `Plan.runs` rounds of every target in turn (`run_rows`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import resource
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from benchlib.harness import (CLIENT_ENV, INTERCEPT_TARGETS, PEERS, RATE_TARGETS, TARGETS, BenchError,
+                              InterceptSetup, InterceptTarget, InterceptTargets, Origin, Processes, Proxies, Proxy,
+                              check_headers, log, run)
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+GIB = 1 << 30
+CONCURRENCY = 50
+
+T = TypeVar("T")
+
+
+# MARK: - The plan and the results
+
+
+@dataclass
+class Plan:
+    """How much of everything: a full run, or a quick smoke test of the bench itself."""
+    quick: bool
+    runs: int
+    bulk_bytes: int
+    small_bytes: int
+    keepalive_requests: int
+    new_tunnel_requests: int
+    plain_requests: int
+    idle_count: int
+    warmup_requests: int
+    intercept_keepalive_requests: int = 20000
+    intercept_new_requests: int = 5000
+    # Row 6b: keep-alive requests at a fixed offered load that every target but mitmproxy sustains, so the CPU
+    # per request is compared at equal batching (a slower target otherwise pays more per request: fewer
+    # events per wake-up).
+    intercept_rate: int = 2000  # requests per second, all hey workers together
+    intercept_rate_requests: int = 20000
+    mitmproxy_divisor: int = 5  # mitmproxy gets this many times fewer requests
+    dpop_proofs: int = 50000
+    speed_seconds: int = 3  # openssl speed -seconds
+
+
+def plan(quick: bool) -> Plan:
+    """The full run's plan, or the quick one."""
+    if quick:
+        return Plan(True, 1, 64 << 20, 256, 2000, 500, 2000, 1000, 200, intercept_keepalive_requests=2000,
+                    intercept_new_requests=500, intercept_rate_requests=4000, dpop_proofs=5000, speed_seconds=1)
+    return Plan(False, 3, GIB, 256, 20000, 5000, 20000, 1000, 1000)
+
+
+@dataclass
+class Sample:
+    """One measurement of one target."""
+    value: float  # bytes/s or requests/s
+    cpu: float | None  # proxy CPU seconds during the sample
+    units: float  # GiB or requests
+    foreign: float = 0.0  # cores kept busy by processes the bench did not start, during the sample
+
+
+@dataclass
+class Results:
+    """Everything measured, for the report."""
+    samples: dict = field(default_factory=dict)  # (row, target) -> [Sample]
+    idle: dict = field(default_factory=dict)  # target -> [dict]
+    retries: list = field(default_factory=list)  # samples taken a second time after a failure
+    intercept_checks: dict = field(default_factory=dict)  # target -> what the origin saw at /headers
+    dpop: list = field(default_factory=list)  # per run: DPoPBench's JSON plus openssl speed's rates
+    intercept_token: str = ""  # the access token every intercept target sends
+
+
+# MARK: - CPU and memory of a process tree
+
+
+def descendants(root: int) -> list[int]:
+    """root and every process below it (squid's log daemon, nginx's workers)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        parents.setdefault(ppid, []).append(int(entry))
+    found, queue = [], [root]
+    while queue:
+        pid = queue.pop()
+        found.append(pid)
+        queue.extend(parents.get(pid, []))
+    return found
+
+
+def cpu_seconds(root: int) -> float:
+    """utime + stime of the process tree, threads included (dead threads' time stays in the process)."""
+    ticks = 0
+    for pid in descendants(root):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        ticks += int(fields[11]) + int(fields[12])  # fields 14 and 15 of proc(5)
+    return ticks / CLK_TCK
+
+
+@dataclass
+class Footprint:
+    """Memory and size of a process tree."""
+    rss_kib: int
+    anon_kib: int  # RssAnon: the part that is not mapped files (shared libraries)
+    processes: int
+    threads: int
+
+
+def footprint(root: int) -> Footprint:
+    """VmRSS, RssAnon, processes and threads of the process tree of `root`."""
+    rss = anon = processes = threads = 0
+    for pid in descendants(root):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        processes += 1
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                rss += int(line.split()[1])
+            elif line.startswith("RssAnon:"):
+                anon += int(line.split()[1])
+            elif line.startswith("Threads:"):
+                threads += int(line.split()[1])
+    return Footprint(rss, anon, processes, threads)
+
+
+# MARK: - Other work on the machine
+
+
+class Load:
+    """CPU used on the machine by processes that the bench did not start: other work skews the figures.
+
+    Busy time from /proc/stat (steal included) less the CPU of the bench's own children (origin, proxies),
+    of its finished children (curl, hey) and of itself.
+    """
+
+    def __init__(self, processes: Processes, wait: bool, limit: float = 0.25, patience: float = 30.0,
+                 budget: float = 600.0):
+        self.processes = processes
+        self.wait = wait
+        self.limit = limit
+        self.patience = patience
+        self.budget = budget  # seconds of waiting in all; then samples are taken as they come
+        self.waited = 0.0
+
+    @staticmethod
+    def _busy() -> float:
+        values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        return (sum(values) - values[3] - values[4]) / CLK_TCK  # all but idle and iowait
+
+    def _ours(self) -> float:
+        total = sum(cpu_seconds(child.pid) for child in self.processes.children if child.poll() is None)
+        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+            usage = resource.getrusage(who)
+            total += usage.ru_utime + usage.ru_stime
+        return total
+
+    def snapshot(self) -> tuple[float, float, float]:
+        return time.monotonic(), self._busy(), self._ours()
+
+    @staticmethod
+    def foreign(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
+        """Cores kept busy by others between two snapshots."""
+        wall = after[0] - before[0]
+        return max(0.0, ((after[1] - before[1]) - (after[2] - before[2])) / wall) if wall > 0 else 0.0
+
+    def settle(self) -> None:
+        """Waits (a while) for other work on the machine to calm down before a sample."""
+        if not self.wait or self.waited >= self.budget:
+            return
+        start = time.monotonic()
+        while True:
+            before = self.snapshot()
+            time.sleep(1.0)
+            load = self.foreign(before, self.snapshot())
+            if load <= self.limit:
+                return
+            if time.monotonic() - start > self.patience or self.waited >= self.budget:
+                log(f"other processes keep {load:.2f} cores busy; measuring anyway")
+                return
+            self.waited += 1.0
+
+
+_load: Load | None = None
+
+
+def watch_load(processes: Processes, wait: bool) -> Load:
+    """From now on every sample records the other load meanwhile and, with `wait`, waits for it to drop."""
+    global _load
+    _load = Load(processes, wait)
+    return _load
+
+
+@contextmanager
+def no_settling() -> Iterator[None]:
+    """Within it, samples do not wait for the machine to calm down (warm-ups)."""
+    saved = _load.wait if _load else None
+    if _load:
+        _load.wait = False
+    try:
+        yield
+    finally:
+        if _load:
+            _load.wait = saved
+
+
+def measured(body: Callable[[], T]) -> tuple[T, float]:
+    """Runs body() between two load snapshots; returns its result and the foreign load meanwhile."""
+    if _load is None:
+        return body(), 0.0
+    _load.settle()
+    before = _load.snapshot()
+    result = body()
+    return result, _load.foreign(before, _load.snapshot())
+
+
+# MARK: - Samples
+
+
+def curl_sample(argv: list[str], env: dict, pid: int | None, who: str, expected: int) -> Sample:
+    """One curl download (argv prints `%{size_download} %{time_total}`); the CPU of pid's tree meanwhile."""
+
+    def body():
+        before = cpu_seconds(pid) if pid else None
+        size, seconds = run(argv, env=env).split()
+        after = cpu_seconds(pid) if pid else None
+        return int(size), float(seconds), None if pid is None else after - before
+
+    (size, seconds, cpu), foreign = measured(body)
+    if size != expected:
+        raise BenchError(f"bulk download via {who} got {size} bytes, not {expected}")
+    return Sample(size / seconds, cpu, size / GIB, foreign)
+
+
+def hey_sample(argv: list[str], pid: int | None, who: str, requests: int) -> Sample:
+    """One hey run that must get `requests` × 200; the CPU of pid's tree meanwhile."""
+
+    def body():
+        before = cpu_seconds(pid) if pid else None
+        output = run(argv, env=CLIENT_ENV)
+        after = cpu_seconds(pid) if pid else None
+        return output, None if pid is None else after - before
+
+    (output, cpu), foreign = measured(body)
+    rate = re.search(r"Requests/sec:\s+([0-9.]+)", output)
+    ok = re.search(r"\[200\]\s+(\d+) responses", output)
+    if not rate or not ok or int(ok.group(1)) != requests or "Error distribution" in output:
+        raise BenchError(f"hey via {who} did not get {requests} × 200:\n{output[-3000:]}")
+    return Sample(float(rate.group(1)), cpu, requests, foreign)
+
+
+def hey_argv(requests: int, keepalive: bool) -> list[str]:
+    argv = ["hey", "-c", str(CONCURRENCY), "-n", str(requests), "-t", "30"]
+    if not keepalive:
+        argv.append("-disable-keepalive")
+    return argv
+
+
+def bulk(origin: Origin, proxy: Proxy | None, limit: int | None = None) -> Sample:
+    """A bulk download over HTTPS, through `proxy` (a CONNECT tunnel) or direct."""
+    url = f"https://127.0.0.1:{origin.https_port}/bulk.bin"
+    argv = ["curl", "-sS", "--fail", "-o", "/dev/null", "--cacert", str(origin.ca),
+            "-w", "%{size_download} %{time_total}"]
+    argv += ["-x", proxy.url] if proxy else ["--noproxy", "*"]
+    if limit is not None:
+        argv += ["-r", f"0-{limit - 1}"]
+    argv.append(url)
+    return curl_sample(argv, CLIENT_ENV, proxy.pid if proxy else None, proxy.name if proxy else "direct",
+                       limit or origin.bulk_bytes)
+
+
+def hey(url: str, proxy: Proxy | None, requests: int, keepalive: bool) -> Sample:
+    """Small requests at full speed, through `proxy` or direct."""
+    argv = hey_argv(requests, keepalive)
+    if proxy:
+        argv += ["-x", proxy.url]
+    argv.append(url)
+    return hey_sample(argv, proxy.pid if proxy else None, proxy.name if proxy else "direct", requests)
+
+
+async def _idle_tunnels(proxy_port: int, count: int, measure: Callable[[], T]) -> tuple[int, T]:
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def on_accept(reader, writer):
+        accepted.append(writer)
+        try:
+            await reader.read()  # until the tunnel closes
+        except (Exception, asyncio.CancelledError):
+            pass  # the tunnel closed, or the loop is ending
+        writer.close()
+
+    sink = await asyncio.start_server(on_accept, "127.0.0.1", 0, backlog=4096)
+    sink_port = sink.sockets[0].getsockname()[1]
+    gate = asyncio.Semaphore(64)
+    clients: list[asyncio.StreamWriter] = []
+
+    async def open_tunnel():
+        async with gate:
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy_port)
+            writer.write(
+                f"CONNECT 127.0.0.1:{sink_port} HTTP/1.1\r\nHost: 127.0.0.1:{sink_port}\r\n\r\n".encode()
+            )
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+            if not re.match(rb"HTTP/1\.[01] 200", head):
+                raise BenchError(f"CONNECT answered {head[:80]!r}")
+            clients.append(writer)
+
+    try:
+        await asyncio.gather(*(open_tunnel() for _ in range(count)))
+        deadline = time.monotonic() + 10
+        while len(accepted) < count and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if len(accepted) < count:
+            raise BenchError(f"only {len(accepted)} of {count} tunnels reached the sink")
+        await asyncio.sleep(1.0)  # let the proxy settle (lazy allocations, log writes)
+        result = measure()
+    finally:
+        for writer in clients + accepted:
+            writer.close()
+        await asyncio.sleep(0.5)
+        sink.close()
+        await sink.wait_closed()
+    return len(accepted), result
+
+
+def idle_tunnels(proxy: Proxy, count: int) -> dict:
+    """The proxy's memory before and with `count` idle CONNECT tunnels open."""
+    # Warm up: a few tunnels opened and closed, so one-time allocations are in the baseline.
+    asyncio.run(_idle_tunnels(proxy.port, 20, lambda: None))
+    time.sleep(1.0)
+    before = footprint(proxy.pid)
+    _, after = asyncio.run(_idle_tunnels(proxy.port, count, lambda: footprint(proxy.pid)))
+    return {
+        "before_kib": before.rss_kib,
+        "after_kib": after.rss_kib,
+        "anon_before_kib": before.anon_kib,
+        "anon_after_kib": after.anon_kib,
+        "per_tunnel_kib": (after.rss_kib - before.rss_kib) / count,
+        "processes_before": before.processes,
+        "threads_before": before.threads,
+        "processes": after.processes,
+        "threads": after.threads,
+    }
+
+
+def intercept_bulk(target: InterceptTarget, expected: int, limit: int | None = None) -> Sample:
+    """A bulk download from the protected origin through an intercept target."""
+    argv = ["curl", "-sS", "--fail", "-o", "/dev/null", "-w", "%{size_download} %{time_total}", *target.curl_args]
+    if limit is not None:
+        argv += ["-r", f"0-{limit - 1}"]
+    argv.append(target.curl_base + "/bulk.bin")
+    return curl_sample(argv, target.curl_env, target.pid, target.name, limit or expected)
+
+
+def intercept_hey(target: InterceptTarget, requests: int, keepalive: bool, rate: int | None = None) -> Sample:
+    """Small requests to the protected origin through an intercept target, at full speed or at `rate`."""
+    argv = hey_argv(requests, keepalive)
+    if rate is not None:
+        argv += ["-q", f"{rate / CONCURRENCY:g}"]  # hey's -q is per worker
+    argv += target.hey_args + [target.hey_base + "/small.txt"]
+    return hey_sample(argv, target.pid, target.name, requests)
+
+
+# MARK: - The rows
+
+
+Row = tuple[str, Callable, Callable | None]  # name, measure(target), warm-up(target)
+
+
+def run_rows(p: Plan, rows: list[Row], targets: tuple[str, ...], running: dict, results: Results) -> None:
+    """Each row: a discarded warm-up per target, then p.runs rounds of every target in turn (so each round's
+    samples are close in time and comparable to that round's direct sample)."""
+    for row, measure, warmup in rows:
+        if warmup:
+            for target in targets:
+                with no_settling():
+                    warmup(running.get(target))
+        for index in range(p.runs):
+            for target in targets:
+                try:
+                    sample = measure(running.get(target))
+                except (BenchError, subprocess.TimeoutExpired) as error:
+                    # One more try: a lost request under load should not cost a whole run.
+                    log(f"{row} run {index + 1} {target} failed, trying once more: {str(error)[:500]}")
+                    results.retries.append(f"{row} run {index + 1} {target}")
+                    sample = measure(running.get(target))
+                results.samples.setdefault((row, target), []).append(sample)
+                cpu = "" if sample.cpu is None else f", proxy CPU {sample.cpu:.2f}s"
+                log(f"{row} run {index + 1}/{p.runs} {target}: {sample.value:,.1f}/s{cpu}, "
+                    f"other load {sample.foreign:.2f} cores")
+
+
+def measure_throughput_rows(p: Plan, origin: Origin, proxies: Proxies, results: Results) -> None:
+    """Rows 1-4: bulk, keep-alive tunnels, new tunnels, plain HTTP; every peer running throughout."""
+    running = {name: proxies.start(name) for name in PEERS}
+    for name, proxy in running.items():
+        log(f"{name} listening on {proxy.url} (pid {proxy.pid})")
+    try:
+        https_small = f"https://127.0.0.1:{origin.https_port}/small.txt"
+        http_small = f"http://127.0.0.1:{origin.http_port}/small.txt"
+        rows = [
+            ("bulk", lambda proxy: bulk(origin, proxy),
+             lambda proxy: bulk(origin, proxy, min(origin.bulk_bytes, 256 << 20))),
+            ("keepalive", lambda proxy: hey(https_small, proxy, p.keepalive_requests, True),
+             lambda proxy: hey(https_small, proxy, p.warmup_requests, True)),
+            ("newtunnel", lambda proxy: hey(https_small, proxy, p.new_tunnel_requests, False),
+             lambda proxy: hey(https_small, proxy, p.warmup_requests // 2, False)),
+            ("plain", lambda proxy: hey(http_small, proxy, p.plain_requests, True),
+             lambda proxy: hey(http_small, proxy, p.warmup_requests, True)),
+        ]
+        run_rows(p, rows, TARGETS, running, results)
+    finally:
+        for proxy in running.values():
+            proxies.stop(proxy)
+
+
+def measure_idle_row(p: Plan, proxies: Proxies, results: Results) -> None:
+    """Row 5: idle tunnels, a fresh proxy for each run."""
+    for index in range(p.runs):
+        for name in PEERS:
+            proxy = proxies.start(name)  # fresh, so the baseline is an idle, warmed-up proxy
+            try:
+                sample = idle_tunnels(proxy, p.idle_count)
+            finally:
+                proxies.stop(proxy)
+            results.idle.setdefault(name, []).append(sample)
+            log(
+                f"idle run {index + 1}/{p.runs} {name}: {sample['before_kib']} -> {sample['after_kib']} KiB, "
+                f"{sample['per_tunnel_kib']:.1f} KiB/tunnel, {sample['processes']} process(es), "
+                f"{sample['threads']} thread(s)"
+            )
+
+
+def measure_intercept_rows(p: Plan, setup: InterceptSetup, targets: InterceptTargets, results: Results) -> None:
+    """Rows 6-8 (and 6b): the protected origin through every intercept target, each checked first at
+    /headers; every target running throughout."""
+    running: dict[str, InterceptTarget] = {}
+    try:
+        for name in INTERCEPT_TARGETS:
+            running[name] = targets.start(name)
+            target = running[name]
+            results.intercept_checks[name] = check_headers(target, targets, setup.token)
+            log(f"intercept {name}: {target.hey_args or target.hey_base} (pid {target.pid}); "
+                f"origin saw {results.intercept_checks[name]}")
+
+        def count(target: InterceptTarget, requests: int) -> int:
+            # mitmproxy is some 50 times slower: fewer requests keep its samples to seconds, not minutes.
+            return max(CONCURRENCY * 2, requests // p.mitmproxy_divisor) if target.name == "mitmproxy" else requests
+
+        bulk_bytes = setup.origin.bulk_bytes
+        rows = [
+            ("i-keepalive", lambda t: intercept_hey(t, count(t, p.intercept_keepalive_requests), True),
+             lambda t: intercept_hey(t, count(t, p.warmup_requests), True)),
+            ("i-bulk", lambda t: intercept_bulk(t, bulk_bytes),
+             lambda t: intercept_bulk(t, bulk_bytes, min(bulk_bytes, 256 << 20))),
+            ("i-newconn", lambda t: intercept_hey(t, count(t, p.intercept_new_requests), False),
+             lambda t: intercept_hey(t, count(t, p.warmup_requests // 2), False)),
+        ]
+        run_rows(p, rows, INTERCEPT_TARGETS, running, results)
+        rate_rows = [
+            ("i-rate", lambda t: intercept_hey(t, p.intercept_rate_requests, True, p.intercept_rate),
+             lambda t: intercept_hey(t, p.warmup_requests, True, p.intercept_rate)),
+        ]
+        run_rows(p, rate_rows, RATE_TARGETS, running, results)
+        for name, target in running.items():
+            if target.child is not None and target.child.poll() is not None:
+                raise BenchError(f"{name} exited during the intercept rows ({target.child.returncode})")
+    finally:
+        for target in running.values():
+            if target.child is not None:
+                targets.processes.stop(target.child, timeout=15)
+
+
+# MARK: - DPoP proofs on one core, against OpenSSL's own ES256 signing rate
+
+
+def openssl_sign_rate(seconds: int) -> tuple[float, float]:
+    """`openssl speed -seconds N ecdsap256`: (sign/s, verify/s)."""
+    output = run(["openssl", "speed", "-seconds", str(seconds), "ecdsap256"], timeout=120)
+    match = re.search(r"256 bits ecdsa \(nistp256\)\s+[0-9.]+s\s+[0-9.]+s\s+([0-9.]+)\s+([0-9.]+)", output)
+    if not match:
+        raise BenchError(f"cannot read openssl speed's output:\n{output[-1000:]}")
+    return float(match.group(1)), float(match.group(2))
+
+
+def measure_dpop(p: Plan, dpop_bench: str, token_bytes: int, key: Path | None, results: Results) -> None:
+    """Rows 9 and 10's reference: OpenSSL's signing rate, then DPoPBench's proofs, alternating."""
+    for index in range(p.runs):
+        (sign, verify), foreign = measured(lambda: openssl_sign_rate(p.speed_seconds))
+        argv = [dpop_bench, "--proofs", str(p.dpop_proofs), "--token-bytes", str(token_bytes)]
+        if key is not None:
+            argv += ["--key", str(key)]
+        bench, foreign_proofs = measured(lambda: json.loads(run(argv, timeout=300)))
+        sample = dict(bench, openssl_sign_per_s=sign, openssl_verify_per_s=verify, foreign_openssl=foreign,
+                      foreign_proofs=foreign_proofs)
+        results.dpop.append(sample)
+        log(f"dpop run {index + 1}/{p.runs}: openssl {sign:,.0f} sign/s; proxyctl {bench['proofs_per_cpu_s']:,.0f} "
+            f"proofs/s, signES256 alone {bench['signatures_per_cpu_s']:,.0f}/s; other load {foreign:.2f}, "
+            f"{foreign_proofs:.2f}")

@@ -1,0 +1,552 @@
+"""docs/benchmarks.md: the machine and the versions, one table per section (passthrough, intercept path,
+DPoP) with the targets and earlier figures of reference.toml, the method, and every run's figures."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import statistics
+import subprocess
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+
+from benchlib.harness import INTERCEPT_LABELS, INTERCEPT_PEERS, INTERCEPT_TARGETS, PEERS, RATE_TARGETS, TARGETS
+from benchlib.measurement import CLK_TCK, CONCURRENCY, GIB, Plan, Results
+
+REFERENCE = Path(__file__).with_name("reference.toml")
+SYMBOLS = {"at_least": "≥", "at_most": "≤", "below": "<"}
+OURS = ("proxyctl", "proxyctl-dpop")
+
+
+class Reference:
+    """The targets and earlier figures of reference.toml, by cell: `ROW.METRIC`."""
+
+    def __init__(self, table: dict):
+        self.table = table
+
+    @classmethod
+    def load(cls, path: Path = REFERENCE) -> "Reference":
+        with open(path, "rb") as data:
+            return cls(tomllib.load(data))
+
+    def _entry(self, key: str) -> dict:
+        row, metric = key.rsplit(".", 1)
+        return self.table.get(row, {}).get(metric, {})
+
+    def _target(self, key: str) -> tuple[str, float | str] | None:
+        target = self._entry(key).get("target")
+        if not target:
+            return None
+        [(relation, bound)] = target.items()
+        return relation, bound
+
+    def target(self, key: str, signature_us: float | None = None) -> str:
+        """The target as the report writes it ("≥ 0.9×", "≤ nginx"), or "—"."""
+        found = self._target(key)
+        if found is None:
+            return "—"
+        relation, bound = found
+        if bound == "signature":
+            return f"{SYMBOLS[relation]} one signature ({signature_us:.0f} µs)"
+        unit = self._entry(key).get("unit", "")
+        text = bound if isinstance(bound, str) else f"{bound:g}"
+        return f"{SYMBOLS[relation]} {text}" + (unit if unit == "×" else f" {unit}" if unit else "")
+
+    def check(self, key: str, value: float, **figures: float) -> str:
+        """" ✅" when `value` meets the target, " ❌" when not, "" without a target. A target named after a
+        figure of this run ("nginx", "signature") takes it from `figures`."""
+        found = self._target(key)
+        if found is None:
+            return ""
+        relation, bound = found
+        limit = figures[bound] if isinstance(bound, str) else bound
+        met = {"at_least": value >= limit, "at_most": value <= limit, "below": value < limit}[relation]
+        return " ✅" if met else " ❌"
+
+    def earlier(self, key: str) -> str:
+        """The earlier-reference cell's text, padded for the table: " squid 48 ", or " " when there is none."""
+        text = self._entry(key).get("earlier")
+        return f" {text} " if text else " "
+
+
+# MARK: - The machine
+
+
+def first_line(argv: list[str]) -> str:
+    """The first line a command prints (a version), or "?"."""
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+        text = (result.stdout or result.stderr).strip()
+        return text.splitlines()[0] if text else "?"
+    except Exception:
+        return "?"
+
+
+def machine_info(proxyctl: str, repo: Path, mitmdump: str) -> list[tuple[str, str]]:
+    """The machine, the OS and every program's version, for the report's head."""
+    cpu = "?"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    mem_kib = int(re.search(r"MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text()).group(1))
+    os_name = "?"
+    if Path("/etc/os-release").exists():
+        match = re.search(r'PRETTY_NAME="([^"]+)"', Path("/etc/os-release").read_text())
+        os_name = match.group(1) if match else "?"
+    commit = first_line(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"])
+    dirty = subprocess.run(
+        ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    ).stdout.strip()
+    hey_version = first_line(["dpkg-query", "-W", "-f=${Version}", "hey"])
+    return [
+        ("nproc", str(os.cpu_count())),
+        ("CPU", cpu),
+        ("Memory", f"{mem_kib / (1 << 20):.1f} GiB"),
+        ("Kernel", f"{platform.system()} {platform.release()} ({platform.machine()})"),
+        ("OS", os_name),
+        ("proxyctl", f"{first_line([proxyctl, '--version'])} (release build of commit {commit}"
+                     f"{' with uncommitted changes' if dirty else ''})"),
+        ("tinyproxy", first_line(["tinyproxy", "-v"])),
+        ("squid", first_line(["squid", "-v"])),
+        ("nginx (origin, reverse proxy)", first_line(["nginx", "-v"])),
+        ("mitmproxy", first_line([mitmdump, "--version"]) + " (PyPI, in .bench/venv)"),
+        ("DPoPBench", "Tests/Bench, release build of this work tree"),
+        ("hey (client)", f"hey {hey_version} (Debian package)"),
+        ("curl (client)", first_line(["curl", "--version"])),
+        ("OpenSSL", first_line(["openssl", "version"])),
+        ("Python (idle-tunnel client)", platform.python_version()),
+    ]
+
+
+# MARK: - The report
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def fmt_ratio(value: float) -> str:
+    return f"{value:.2f}×"
+
+
+class Report:
+    """The report's lines, section by section."""
+
+    def __init__(self, p: Plan, results: Results, storage: str, reference: Reference):
+        self.p = p
+        self.results = results
+        self.storage = storage
+        self.ref = reference
+        self.lines: list[str] = []
+        self.passthrough = ("bulk", "direct") in results.samples and bool(results.idle)
+        self.intercept = ("i-bulk", "direct") in results.samples
+        self.dpop = bool(results.dpop)
+        self.rated = ("i-rate", "direct") in results.samples
+        self.bulk_label = f"{p.bulk_bytes / GIB:g} GiB" if p.bulk_bytes >= GIB else f"{p.bulk_bytes >> 20} MiB"
+        self.token_bytes = len(results.intercept_token) if results.intercept_token else "~900"
+
+    def add(self, line: str) -> None:
+        self.lines.append(line)
+
+    # --- figures
+
+    def ratios(self, row: str, target: str) -> list[float]:
+        """Each run's figure of `target` over that run's direct figure."""
+        direct = self.results.samples[(row, "direct")]
+        mine = self.results.samples[(row, target)]
+        return [m.value / d.value for m, d in zip(mine, direct)]
+
+    def cpu_per(self, row: str, target: str, scale: float) -> float:
+        """The median CPU seconds per unit (GiB, or request), times `scale`."""
+        return median([s.cpu / s.units * scale for s in self.results.samples[(row, target)]])
+
+    def absolute(self, row: str, target: str, unit: str) -> str:
+        value = median([s.value for s in self.results.samples[(row, target)]])
+        if unit == "MB/s":
+            return f"{value / 1e6:,.0f} MB/s"
+        return f"{value:,.0f} req/s"
+
+    # --- sections
+
+    def head(self, info: list[tuple[str, str]], command: str, started: str, elapsed: float, waited: float) -> None:
+        p, results = self.p, self.results
+        add = self.add
+        add("# Benchmarks")
+        add("")
+        add("Generated by `scripts/bench`; do not edit by hand, run it again. "
+            + ("**Quick smoke-test run (`BENCH_QUICK=1`): 1 run, smaller sizes — not for comparison.**"
+               if p.quick else f"Each cell is the median of {p.runs} runs."))
+        if not (self.passthrough and self.intercept and self.dpop):
+            add("**Partial run (`BENCH_ONLY`): some sections were not measured.**")
+        add("")
+        add(f"- Date: {started} (took {elapsed / 60:.1f} min)")
+        add(f"- Command: `{command}`")
+        for key, value in info:
+            add(f"- {key}: {value}")
+        add("")
+        add("Clients (curl, hey, Python), proxy and origin (nginx) all share the same "
+            f"{os.cpu_count()} cores, so every CPU cycle the proxy spends is taken from the client and the "
+            "origin: **CPU per request (or per GiB) matters more than req/s**, and the throughput ratios understate "
+            "what a proxy would do with cores of its own. Throughput is a ratio to direct (no proxy) measured in "
+            "the same run, right before the proxies; the absolute direct figure is in the direct column.")
+        add("")
+        foreign = [s.foreign for samples in results.samples.values() for s in samples]
+        foreign += [d[k] for d in results.dpop for k in ("foreign_openssl", "foreign_proofs")]
+        if foreign:
+            add(f"Other processes on the machine (not started by the bench) kept a median of {median(foreign):.2f} "
+                f"and at most {max(foreign):.2f} cores busy during the samples (`other load` in the last table: "
+                "busy time from `/proc/stat`, steal included, less the CPU of the bench's own processes; kernel "
+                "threads that the bench's own traffic wakes, such as disk flushes of tinyproxy's log, count as "
+                "other load too)"
+                + (f"; the bench waited {waited:.0f} s in all for that load to drop below 0.25 cores before samples."
+                   if waited else "."))
+            add("")
+
+    def passthrough_table(self) -> None:
+        p, results, ref, add = self.p, self.results, self.ref, self.add
+        add("## Passthrough: blind tunnels and plain HTTP")
+        add("")
+        add("| # | Scenario | Metric | Target (issue) | direct | proxyctl | tinyproxy | squid | earlier reference |")
+        add("|---|---|---|---|---|---|---|---|---|")
+        scenarios = [
+            ("1", "bulk", f"CONNECT bulk {self.bulk_label} download over HTTPS (curl)", "throughput × direct", "MB/s"),
+            ("2", "keepalive", f"Small HTTPS requests, keep-alive tunnels, c={CONCURRENCY} (hey -x)",
+             "req/s × direct", "req/s"),
+            ("3", "newtunnel", f"New CONNECT + TLS handshake per request, c={CONCURRENCY} (hey -disable-keepalive)",
+             "req/s × direct", "req/s"),
+            ("4", "plain", f"Plain-HTTP absolute-form requests, c={CONCURRENCY} (hey -x, http:// URL)",
+             "req/s × direct", "req/s"),
+        ]
+        for number, row, scenario, metric, unit in scenarios:
+            r = {t: median(self.ratios(row, t)) for t in PEERS}
+            throughput, cpu = f"{row}.throughput", f"{row}.cpu"
+            add(f"| {number} | {scenario} | {metric} | {ref.target(throughput)} | "
+                f"1.00× ({self.absolute(row, 'direct', unit)}) | "
+                f"{fmt_ratio(r['proxyctl'])}{ref.check(throughput, r['proxyctl'])} | "
+                f"{fmt_ratio(r['tinyproxy'])} | {fmt_ratio(r['squid'])} |{ref.earlier(throughput)}|")
+            if row == "bulk":
+                c = {t: self.cpu_per(row, t, 1.0) for t in PEERS}
+                cells = [f"{c['proxyctl']:.2f}{ref.check(cpu, c['proxyctl'])}", f"{c['tinyproxy']:.2f}",
+                         f"{c['squid']:.2f}"]
+                cpu_metric = "proxy CPU-s per GiB"
+            else:
+                c = {t: self.cpu_per(row, t, 1e6) for t in PEERS}
+                cells = [f"{c['proxyctl']:.0f}{ref.check(cpu, c['proxyctl'])}", f"{c['tinyproxy']:.0f}",
+                         f"{c['squid']:.0f}"]
+                cpu_metric = "proxy CPU µs/req"
+            add(f"| {number} | | {cpu_metric} | {ref.target(cpu)} | — | {' | '.join(cells)} |{ref.earlier(cpu)}|")
+        # 5. idle tunnels
+        per = {t: median([s["per_tunnel_kib"] for s in results.idle[t]]) for t in PEERS}
+        total_mb = {t: median([s["after_kib"] for s in results.idle[t]]) * 1024 / 1e6 for t in PEERS}
+        anon_mb = {t: median([s["anon_after_kib"] for s in results.idle[t]]) * 1024 / 1e6 for t in PEERS}
+        model = {}
+        for t in PEERS:
+            last = results.idle[t][-1]
+            model[t] = f"{last['processes']} proc, {last['threads']} thr"
+        add(f"| 5 | {p.idle_count:,} idle CONNECT tunnels (Python asyncio client) | KiB RSS per idle tunnel | "
+            f"{ref.target('idle.per_tunnel')} | — | "
+            f"{per['proxyctl']:.1f}{ref.check('idle.per_tunnel', per['proxyctl'])} | "
+            f"{per['tinyproxy']:.1f} | {per['squid']:.1f} |{ref.earlier('idle.per_tunnel')}|")
+        add(f"| 5 | | total RSS with the tunnels open (of which anonymous) | {ref.target('idle.total')} | — | "
+            f"{total_mb['proxyctl']:.1f} MB ({anon_mb['proxyctl']:.1f})"
+            f"{ref.check('idle.total', total_mb['proxyctl'])} | "
+            f"{total_mb['tinyproxy']:.1f} MB ({anon_mb['tinyproxy']:.1f}) | "
+            f"{total_mb['squid']:.1f} MB ({anon_mb['squid']:.1f}) |{ref.earlier('idle.total')}|")
+        add(f"| 5 | | processes / threads with the tunnels open | {ref.target('idle.model')} | — | "
+            f"{model['proxyctl']} | {model['tinyproxy']} | {model['squid']} |{ref.earlier('idle.model')}|")
+        add("")
+        add("✅/❌: proxyctl against the issue's target. Earlier reference: figures measured before on this kind of "
+            "machine, quoted in the issue; not from this run.")
+        add("")
+
+    def intercept_table(self) -> None:
+        p, results, ref, add = self.p, self.results, self.ref, self.add
+
+        def cells(key: str, values: dict, fmt: Callable[[float], str]) -> str:
+            """A cell per intercept peer; the proxyctl columns checked against the target."""
+            return " | ".join(fmt(values[t]) + (ref.check(key, values[t], nginx=values["nginx"]) if t in OURS else "")
+                              for t in INTERCEPT_PEERS)
+
+        ik = {t: median(self.ratios("i-keepalive", t)) for t in INTERCEPT_PEERS}
+        ikc = {t: self.cpu_per("i-keepalive", t, 1e6) for t in INTERCEPT_PEERS}
+        ib = {t: median(self.ratios("i-bulk", t)) for t in INTERCEPT_PEERS}
+        ibc = {t: self.cpu_per("i-bulk", t, 1.0) for t in INTERCEPT_PEERS}
+        inew = {t: median(self.ratios("i-newconn", t)) for t in INTERCEPT_PEERS}
+        inc = {t: self.cpu_per("i-newconn", t, 1e6) for t in INTERCEPT_PEERS}
+        micro = lambda v: f"{v:,.0f}"  # noqa: E731
+        add("## Intercept path: a protected origin, token attached")
+        add("")
+        add("The client asks for `https://bench.test/…` (nginx serving the same files from "
+            f"{self.storage}); each target adds `Authorization` on the way. proxyctl terminates TLS with its local "
+            "CA, attaches the token (Bearer, or DPoP with a fresh proof per request) and re-encrypts to the origin "
+            "through libcurl; nginx does the same as a TLS-terminating reverse proxy (the C reference); mitmproxy "
+            "as a forward proxy with an addon. \"≥ nginx\" means at least the nginx column of this run.")
+        add("")
+        add("| # | Scenario | Metric | Target (issue) | direct | proxyctl (Bearer) | proxyctl (DPoP) | nginx | "
+            "mitmproxy | earlier reference |")
+        add("|---|---|---|---|---|---|---|---|---|---|")
+        add(f"| 6 | Small HTTPS requests, keep-alive, c={CONCURRENCY} (hey; -x for the forward proxies) | "
+            f"req/s × direct | {ref.target('i-keepalive.throughput')} | "
+            f"1.00× ({self.absolute('i-keepalive', 'direct', 'req/s')}) | "
+            f"{cells('i-keepalive.throughput', ik, fmt_ratio)} |{ref.earlier('i-keepalive.throughput')}|")
+        add(f"| 6 | | proxy CPU µs/req | {ref.target('i-keepalive.cpu')} | — | "
+            f"{cells('i-keepalive.cpu', ikc, micro)} |{ref.earlier('i-keepalive.cpu')}|")
+        if self.rated:
+            irate = {t: median([s.value for s in results.samples[("i-rate", t)]]) for t in RATE_TARGETS}
+            iratec = {t: self.cpu_per("i-rate", t, 1e6) for t in RATE_TARGETS if t != "direct"}
+
+            def rate_cells(values: dict, key: str | None = None) -> str:
+                """A cell per intercept peer that ran row 6b ("—" for the others)."""
+                return " | ".join(
+                    (micro(values[t]) + (ref.check(key, values[t], nginx=values["nginx"])
+                                         if key and t in OURS else "")) if t in iratec else "—"
+                    for t in INTERCEPT_PEERS)
+
+            add(f"| 6b | As row 6 at a fixed {p.intercept_rate:,} req/s (hey -q), equal load for every target | "
+                f"req/s achieved | — | {irate['direct']:,.0f} | {rate_cells(irate)} | |")
+            add(f"| 6b | | proxy CPU µs/req | {ref.target('i-rate.cpu')} | — | {rate_cells(iratec, 'i-rate.cpu')} |"
+                f"{ref.earlier('i-rate.cpu')}|")
+        add(f"| 7 | Bulk {self.bulk_label} download (curl) | throughput × direct | "
+            f"{ref.target('i-bulk.throughput')} | 1.00× ({self.absolute('i-bulk', 'direct', 'MB/s')}) | "
+            f"{cells('i-bulk.throughput', ib, fmt_ratio)} |{ref.earlier('i-bulk.throughput')}|")
+        add(f"| 7 | | proxy CPU-s per GiB | {ref.target('i-bulk.cpu')} | — | "
+            f"{cells('i-bulk.cpu', ibc, lambda v: f'{v:.2f}')} |{ref.earlier('i-bulk.cpu')}|")
+        add(f"| 8 | New connection + TLS handshake per request, c={CONCURRENCY} (hey -disable-keepalive) | "
+            f"req/s × direct | {ref.target('i-newconn.throughput')} | "
+            f"1.00× ({self.absolute('i-newconn', 'direct', 'req/s')}) | "
+            f"{cells('i-newconn.throughput', inew, fmt_ratio)} |{ref.earlier('i-newconn.throughput')}|")
+        add(f"| 8 | | proxy CPU µs/req | {ref.target('i-newconn.cpu')} | — | {cells('i-newconn.cpu', inc, micro)} |"
+            f"{ref.earlier('i-newconn.cpu')}|")
+        add("")
+        add("✅/❌: each proxyctl column against the target; the targets are the issue's (nginx's figures of this "
+            "run, and 0.9× direct for new connections). Earlier reference: measured before on this machine, quoted in "
+            "the issue; not from this run.")
+        add("")
+        add("What the origin received, checked once per target before the samples (its `/headers` echoes them):")
+        add("")
+        for name in INTERCEPT_TARGETS:
+            add(f"- {INTERCEPT_LABELS[name]}: {results.intercept_checks.get(name, '?')}")
+        add("")
+
+    def dpop_table(self) -> None:
+        p, results, ref, add = self.p, self.results, self.ref, self.add
+        sign = median([d["openssl_sign_per_s"] for d in results.dpop])
+        proofs = median([d["proofs_per_cpu_s"] for d in results.dpop])
+        proof_ratio = median([d["proofs_per_cpu_s"] / d["openssl_sign_per_s"] for d in results.dpop])
+        alone = median([d["signatures_per_cpu_s"] for d in results.dpop])
+        alone_ratio = median([d["signatures_per_cpu_s"] / d["openssl_sign_per_s"] for d in results.dpop])
+        signature_us = 1e6 / sign
+        add("## DPoP")
+        add("")
+        add("| # | Scenario | Metric | Target (issue) | OpenSSL (`openssl speed`) | proxyctl | earlier reference |")
+        add("|---|---|---|---|---|---|---|")
+        add(f"| 9 | ES256 (ECDSA P-256) signatures on one core | signatures/s | {ref.target('dpop.signatures')} | "
+            f"{sign:,.0f} sign/s ({signature_us:.1f} µs) | `PrivateKey.signES256` alone: {alone:,.0f}/s "
+            f"({fmt_ratio(alone_ratio)}, {1e6 / alone:.1f} µs) |{ref.earlier('dpop.signatures')}|")
+        add(f"| 9 | DPoP proofs on one core (`DPoPKey.proof`, Tests/Bench) | proofs/s × raw signing | "
+            f"{ref.target('dpop.proofs')} | 1.00× | {proofs:,.0f}/s = {fmt_ratio(proof_ratio)}"
+            f"{ref.check('dpop.proofs', proof_ratio)} ({1e6 / proofs:.1f} µs/proof) |{ref.earlier('dpop.proofs')}|")
+        if self.intercept:
+            def delta(row: str) -> float:
+                """Per run, the DPoP column's CPU µs/request less the Bearer column's."""
+                return median([(d.cpu - b.cpu) / d.units * 1e6 for d, b in
+                               zip(results.samples[(row, "proxyctl-dpop")], results.samples[(row, "proxyctl")])])
+
+            def overhead(value: float) -> str:
+                return f"{value:+.0f}{ref.check('dpop.overhead', value, signature=signature_us)}"
+
+            rated_delta = ""
+            if ("i-rate", "proxyctl-dpop") in results.samples:
+                rated_delta = (f"; keep-alive at {p.intercept_rate:,} req/s (row 6b, equal load): "
+                               f"{overhead(delta('i-rate'))}")
+            add(f"| 10 | Intercept path, DPoP − Bearer (rows 6, 6b and 8, same run) | proxy CPU µs/req | "
+                f"{ref.target('dpop.overhead', signature_us)} | — | keep-alive at full speed: "
+                f"{overhead(delta('i-keepalive'))}{rated_delta}; new connections: {overhead(delta('i-newconn'))} |"
+                f"{ref.earlier('dpop.overhead')}|")
+        add("")
+        add("✅/❌: proxyctl against the issue's target; the raw signing rate is `openssl speed` of this run.")
+        add("")
+
+    def method(self) -> None:
+        p, results, add = self.p, self.results, self.add
+        add("## Method")
+        add("")
+        if self.passthrough or self.intercept:
+            add(f"- **Origin**: nginx, `worker_processes auto`, access log off, files on {self.storage}: a "
+                f"{self.bulk_label} incompressible file and a {p.small_bytes}-byte one. HTTPS with TLS 1.3 and ECDSA "
+                "P-256 certificates from one test CA; no session resumption, so every new connection is a full "
+                "handshake. Three listeners: https with a leaf for 127.0.0.1 (rows 1–3), plain HTTP (row 4), and "
+                "https for `bench.test` (rows 6–8, and `/headers`, which echoes `Authorization` and `DPoP`) on port "
+                "443 of a loopback address picked at random (127.x.y.z), so that every client sends the same plain "
+                "host name as its TLS server name (hey sends `host:port` for other ports, which proxyctl accepts "
+                "only when the port is the tunnel's).")
+        if self.passthrough:
+            add("- **Passthrough proxies** (rows 1–5), each started by the script on 127.0.0.1 with a temp config, all "
+                "three running during rows 1–4, and started afresh for each run of row 5:")
+            add("  - proxyctl: `proxyctl serve --config <temp> --listen 127.0.0.1:0`, `log_level = info` (the default: "
+                "a line per request/tunnel on stderr, sent to a file).")
+            add("  - tinyproxy: `tinyproxy -d`, Debian's defaults (`LogLevel Info` to a file, Via header) with "
+                "`MaxClients 2000` for row 5 and no `ConnectPort` line (CONNECT to any port).")
+            add("  - squid: `squid -N` (one worker, no master process), `cache deny all` and `cache_mem 0`, its "
+                "default `access_log daemon:…` (a `log_file_daemon` helper process, counted with squid), CONNECT "
+                "to any port allowed.")
+        add("- **CPU**: utime + stime from `/proc/PID/stat` of the proxy's whole process tree (squid's log "
+            "daemon, nginx's workers included), read before and after each measurement, divided by CLK_TCK "
+            f"({CLK_TCK} Hz, so ±{1e6 / CLK_TCK / max(p.plain_requests, 1):.1f} µs/req resolution at "
+            f"{p.plain_requests:,} requests).")
+        if self.passthrough:
+            add("- **Row 1**: `curl -x http://127.0.0.1:PORT --cacert … https://127.0.0.1:ORIGIN/bulk.bin -o "
+                "/dev/null` "
+                "(direct: `--noproxy '*'`); throughput = bytes / `time_total`.")
+            add(f"- **Row 2**: `hey -c {CONCURRENCY} -n {p.keepalive_requests} -x http://127.0.0.1:PORT "
+                "https://127.0.0.1:ORIGIN/small.txt` — hey sends CONNECT for https:// URLs and keeps the "
+                f"{CONCURRENCY} tunnels alive.")
+            add(f"- **Row 3**: as row 2 with `-disable-keepalive` and `-n {p.new_tunnel_requests}`: a new TCP "
+                "connection, CONNECT and TLS handshake per request.")
+            add(f"- **Row 4**: `hey -c {CONCURRENCY} -n {p.plain_requests} -x http://127.0.0.1:PORT "
+                "http://127.0.0.1:ORIGIN/small.txt` — absolute-form requests over keep-alive client connections.")
+        add(f"- Every row starts with a discarded warm-up per target (bulk rows: a "
+            f"{min(p.bulk_bytes, 256 << 20) >> 20} MiB download; request rows: {p.warmup_requests} requests, half that "
+            "for new connections); every hey run must return all 200s with no errors or the bench fails. In a full "
+            "run, each sample waits (up to 30 s, 10 min in all) for other processes' load to drop below 0.25 cores.")
+        if self.passthrough:
+            add(f"- **Row 5**: a fresh proxy, 20 tunnels opened and closed as a warm-up, then VmRSS (summed over the "
+                f"proxy's processes) before and 1 s after {p.idle_count:,} CONNECTs to a local asyncio TCP sink "
+                "are answered 200 and reached the sink; KiB per tunnel = (after − before) / tunnels. RSS counts the "
+                "resident pages of mapped shared libraries (file-backed, shared with other processes that map them); "
+                "the anonymous part (RssAnon: heap, stacks) is in parentheses.")
+            add("- tinyproxy logs at Info to its `LogFile` as Debian's config does, and flushes that file to disk "
+                "(fsync) after every line, several lines per request: with the temp dir on a real disk, that and its "
+                "new thread per client connection (it does not keep client connections alive) dominate its rows 2–4 "
+                "figures.")
+            add("- tinyproxy 1.11 is one process with a thread per client connection (threads-per-tunnel shows in "
+                "the processes/threads row; thread stacks are only partly resident), so its RSS is that one "
+                "process's, summed with any others in its tree.")
+        if self.intercept:
+            mitm_keepalive = max(CONCURRENCY * 2, p.intercept_keepalive_requests // p.mitmproxy_divisor)
+            mitm_new = max(CONCURRENCY * 2, p.intercept_new_requests // p.mitmproxy_divisor)
+            add("- **Intercept targets** (rows 6–8), all running during the three rows, each on 127.0.0.1 with a temp "
+                f"config; every one sends the same JWT-shaped access token of {self.token_bytes} bytes:")
+            add("  - proxyctl (Bearer and DPoP, two instances): `proxyctl serve` with `state_dir` in the temp dir, "
+                "`resolve = bench.test=127.x.y.z`, `[provider bench]` with `token_binding = bearer` or `dpop`, "
+                "`[origin https://bench.test]` with `ca_file` = the test CA, `log_level = info`. `proxyctl ca init` "
+                "made the local CA; the tokens are written into the token store in proxyctl's format "
+                "(`tokens/bench.json`, 30 days' expiry, so nothing is refreshed and no provider is contacted; "
+                "`proxyctl status` must report them signed in), and for DPoP `keys/bench.dpop.pem` (PKCS#8 P-256) "
+                "with its RFC 7638 thumbprint as `dpop_jkt`. The clients use what `proxyctl env` prints: "
+                "`HTTPS_PROXY` (hey `-x`, curl) and `CURL_CA_BUNDLE`.")
+            add("  - nginx: a second nginx, `worker_processes auto`, `listen … ssl` with the bench.test leaf, "
+                "`proxy_pass https://upstream` with `keepalive 128`, `proxy_http_version 1.1`, "
+                "`proxy_set_header Connection \"\"`, `proxy_set_header Authorization \"Bearer …\"`, "
+                "`proxy_ssl_verify on` against the test CA, `proxy_ssl_session_reuse on`, "
+                "`proxy_max_temp_file_size 0` (responses stream through memory buffers, nothing spooled to disk); "
+                "access log off, no TLS session resumption for clients. hey and curl talk to it directly (curl "
+                "`--resolve bench.test:PORT:127.0.0.1`).")
+            add("  - mitmproxy: `mitmdump --listen-host 127.0.0.1 -s add_bearer.py --set "
+                "ssl_verify_upstream_trusted_ca=<test CA> --set stream_large_bodies=1m` (default flow log to a file, "
+                "like proxyctl's info log), from a venv of its own (`.bench/venv`, PyPI `mitmproxy`); the addon sets "
+                "`Authorization` in the `request` hook and sends `bench.test` to the origin's address in "
+                "`server_connect`. curl "
+                f"trusts mitmproxy's CA. Being about 50× slower, it gets fewer requests: {mitm_keepalive:,} (row "
+                "6) and "
+                f"{mitm_new:,} (row 8); the rates are per second all the same.")
+            add(f"- **Row 6**: `hey -c {CONCURRENCY} -n {p.intercept_keepalive_requests} -x $HTTPS_PROXY "
+                "https://bench.test/small.txt` for the forward proxies; `https://127.0.0.1:PORT/small.txt` to nginx, "
+                "`https://127.x.y.z/small.txt` (direct) to the origin. hey does not verify certificates; curl does "
+                "(below).")
+            add(f"- **Row 7**: curl downloads `/bulk.bin` ({self.bulk_label}) as in row 1: with `HTTPS_PROXY` and "
+                "`CURL_CA_BUNDLE` from `proxyctl env`, `-x … --cacert <mitmproxy CA>`, or `--resolve` and the test CA "
+                "for nginx and direct.")
+            add(f"- **Row 8**: as row 6 with `-disable-keepalive` and `-n {p.intercept_new_requests}`: a new client "
+                "connection (CONNECT for the forward proxies) and TLS handshake per request; the proxies may reuse "
+                "their connections to the origin (proxyctl through libcurl's connection cache, nginx through its "
+                "keepalive pool; mitmproxy opens one per client connection).")
+            if self.rated:
+                add(f"- **Row 6b**: as row 6 with `-q {p.intercept_rate / CONCURRENCY:g}` (requests per second per "
+                    f"worker: {p.intercept_rate:,} req/s in all) and `-n {p.intercept_rate_requests}`, for direct, "
+                    "both proxyctl columns and nginx (mitmproxy cannot keep up with that rate). At full speed (row 6) "
+                    "a slower target also pays more CPU per request, because each wake-up finds fewer events to batch; "
+                    "at an equal offered load the CPU per request compares the work alone.")
+        if self.dpop:
+            add(f"- **Row 9**: `openssl speed -seconds {p.speed_seconds} ecdsap256` (sign/s per CPU second, one "
+                "process) "
+                f"and `Tests/Bench` `DPoPBench --proofs {p.dpop_proofs}` (release build; one thread): "
+                "`DPoPKey.proof(method:url:accessToken:nonce:now:)` as the proxy calls it for every request (fresh "
+                f"`jti`, `htm`, `htu`, `iat`, `ath` of the {self.token_bytes}-byte token), with the proxyctl (DPoP) "
+                "target's key, per CPU second (`CLOCK_PROCESS_CPUTIME_ID`); then `PrivateKey.signES256` alone over a "
+                f"signing input of the proof's length. Alternating, {p.runs} times each.")
+            if self.intercept:
+                add("- **Row 10**: per run, the DPoP column's CPU µs/request less the Bearer column's, in rows 6, 6b "
+                    "and 8; the target is one raw signature from row 9.")
+        if results.retries:
+            add(f"- Samples taken again after a failed first try: {', '.join(results.retries)}.")
+        add("")
+
+    def every_run(self) -> None:
+        p, results, add = self.p, self.results, self.add
+        add("## Every run")
+        add("")
+        add("| Scenario | Target | " + " | ".join(f"run {i + 1}" for i in range(p.runs)) + " |")
+        add("|---|---|" + "---|" * p.runs)
+        table = []
+        if self.passthrough:
+            table += [(row, unit, TARGETS) for row, unit in
+                      (("bulk", "MB/s"), ("keepalive", "req/s"), ("newtunnel", "req/s"), ("plain", "req/s"))]
+        if self.intercept:
+            table += [(row, unit, INTERCEPT_TARGETS) for row, unit in
+                      (("i-keepalive", "req/s"), ("i-bulk", "MB/s"), ("i-newconn", "req/s"))]
+            if self.rated:
+                table.append(("i-rate", "req/s", RATE_TARGETS))
+        for row, unit, targets in table:
+            for target in targets:
+                cells = []
+                for index, sample in enumerate(results.samples[(row, target)]):
+                    value = f"{sample.value / 1e6:,.0f} MB/s" if unit == "MB/s" else f"{sample.value:,.0f} req/s"
+                    if sample.cpu is not None:
+                        direct = results.samples[(row, "direct")][index].value
+                        per = (f"{sample.cpu / sample.units:.2f} CPU-s/GiB" if unit == "MB/s"
+                               else f"{sample.cpu / sample.units * 1e6:.0f} µs/req")
+                        value += f" ({sample.value / direct:.2f}×, {per})"
+                    value += f"; other load {sample.foreign:.2f}"
+                    cells.append(value)
+                add(f"| {row} | {INTERCEPT_LABELS.get(target, target) if row.startswith('i-') else target} | "
+                    + " | ".join(cells) + " |")
+        if self.passthrough:
+            for target in PEERS:
+                cells = [
+                    f"{s['before_kib']:,} → {s['after_kib']:,} KiB, anonymous {s['anon_before_kib']:,} → "
+                    f"{s['anon_after_kib']:,} ({s['per_tunnel_kib']:.1f} KiB/tunnel, "
+                    f"{s['processes']} proc, {s['threads']} thr)"
+                    for s in results.idle[target]
+                ]
+                add(f"| idle | {target} | " + " | ".join(cells) + " |")
+        if self.dpop:
+            add("| dpop | openssl speed | " + " | ".join(
+                f"{d['openssl_sign_per_s']:,.0f} sign/s; other load {d['foreign_openssl']:.2f}"
+                for d in results.dpop) + " |")
+            add("| dpop | DPoPKey.proof | " + " | ".join(
+                f"{d['proofs_per_cpu_s']:,.0f} proofs/s ({d['proofs_per_cpu_s'] / d['openssl_sign_per_s']:.2f}×, "
+                f"{d['proof_bytes']} bytes); other load {d['foreign_proofs']:.2f}" for d in results.dpop) + " |")
+            add("| dpop | signES256 alone | " + " | ".join(
+                f"{d['signatures_per_cpu_s']:,.0f}/s ({d['signatures_per_cpu_s'] / d['openssl_sign_per_s']:.2f}×)"
+                for d in results.dpop) + " |")
+        add("")
+
+
+def write_report(out: Path, p: Plan, results: Results, info: list[tuple[str, str]], command: str, storage: str,
+                 started: str, elapsed: float, waited: float, reference: Reference | None = None) -> None:
+    """Writes the report of a run to `out`."""
+    report = Report(p, results, storage, reference or Reference.load())
+    report.head(info, command, started, elapsed, waited)
+    if report.passthrough:
+        report.passthrough_table()
+    if report.intercept:
+        report.intercept_table()
+    if report.dpop:
+        report.dpop_table()
+    report.method()
+    report.every_run()
+    out.write_text("\n".join(report.lines))
