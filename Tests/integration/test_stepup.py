@@ -180,8 +180,8 @@ class World:
     def wait_pending(self, origins: list[str]) -> list[dict]:
         """The pending step-ups once they name exactly `origins`: the proxy records a challenge off its event
         loop, a moment after it passed the 401 on."""
-        return support.poll(lambda: (lambda p: p if [e["origin"] for e in p] == origins else None)(self.pending()),
-                            5, message=f"step-up.json to list {origins}")
+        return poll(lambda: (lambda p: p if [e["origin"] for e in p] == origins else None)(self.pending()), 5,
+                    message=f"step-up.json to list {origins}")
 
     def notifications(self) -> list[dict]:
         if not self.notify_log.exists():
