@@ -305,6 +305,8 @@ final class BufferedTransfer: CurlTransfer {
         case unreachable(String)
         case timeout(String)
         case certificate(String)
+        /// The request went out and no complete answer came back.
+        case noAnswer(String)
     }
 
     init(
@@ -352,7 +354,15 @@ final class BufferedTransfer: CurlTransfer {
             return
         }
         let detail = errorText(code)
+        // CURLINFO_PRETRANSFER_TIME_T: set once the connection (and its TLS, and any proxy tunnel) was up and
+        // the request was about to go out. Past that point the server may have acted on the request even
+        // though no answer arrived; before it, nothing reached the server.
+        var pretransfer: curl_off_t = 0
+        _ = proxyctl_easy_getinfo_off(easy, CURLINFO_PRETRANSFER_TIME_T, &pretransfer)
         switch code {
+        case _ where pretransfer > 0 && code != CURLE_PEER_FAILED_VERIFICATION:
+            let what = tooLarge ? "the answer is larger than \(limit) bytes" : detail
+            completion(.failure(.noAnswer("\(target): \(what) after the request was sent")))
         case CURLE_OPERATION_TIMEDOUT:
             completion(.failure(.timeout("\(target): \(detail)")))
         case CURLE_PEER_FAILED_VERIFICATION, CURLE_SSL_CACERT_BADFILE, CURLE_SSL_CERTPROBLEM:

@@ -313,7 +313,7 @@ public struct LoginFlow: Sendable {
             case .failure(.unavailable(let status, let retryAfter)):
                 throw AuthError.recoverable(
                     reason: "the provider is unavailable (HTTP \(status))", retryAfter: retryAfter)
-            case .failure(.malformed(let reason)):
+            case .failure(.malformed(let reason)), .failure(.unanswered(let reason)):
                 throw AuthError.recoverable(reason: reason, retryAfter: nil)
             }
             if now() >= deadline {
@@ -332,7 +332,7 @@ public struct LoginFlow: Sendable {
                 reason: "the provider did not accept \(what) (\(error.summary), HTTP \(status)); run the login again")
         case .failure(.unavailable(let status, let retryAfter)):
             throw AuthError.recoverable(reason: "the provider is unavailable (HTTP \(status))", retryAfter: retryAfter)
-        case .failure(.malformed(let reason)):
+        case .failure(.malformed(let reason)), .failure(.unanswered(let reason)):
             throw AuthError.recoverable(reason: reason, retryAfter: nil)
         }
     }

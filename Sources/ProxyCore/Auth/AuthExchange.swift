@@ -4,6 +4,12 @@ public enum TokenFailure: Sendable, Equatable {
     case signInNeeded(reason: String)
     /// The provider is unreachable or overloaded; retry after `retryAfter` seconds.
     case unavailable(reason: String, retryAfter: Int?)
+    /// A refresh is at the provider and has not been answered yet; it goes on, and the refresh token is not
+    /// sent again meanwhile. Retry after `retryAfter` seconds.
+    case pending(reason: String, retryAfter: Int)
+    /// proxyctl cannot keep tokens in its state directory (a full disk, permissions): nothing to do with the
+    /// provider, and nothing a retry fixes until the user does.
+    case storage(reason: String)
     /// proxy.conf or the provider's registration is wrong.
     case configuration(reason: String)
 }
@@ -175,6 +181,23 @@ public struct AuthExchange: Sendable {
                     error: .proxyInternalResponse, details: "the identity provider is unavailable; retry in \(wait)s"),
                 message: "proxyctl: cannot get a token for \(origin): \(reason); retry in \(wait)s",
                 extraFields: [("Retry-After", String(wait))])
+        case .pending(let reason, let retryAfter):
+            let wait = max(1, retryAfter)
+            return ProxyResponse(
+                status: 503,
+                proxyStatus: ProxyStatus(
+                    error: .proxyInternalResponse,
+                    details: "a token refresh is waiting for the identity provider's answer; retry in \(wait)s"),
+                message: "proxyctl: cannot get a token for \(origin): \(reason); retry in \(wait)s",
+                extraFields: [("Retry-After", String(wait))])
+        case .storage(let reason):
+            // No Retry-After: waiting does not help until someone frees space or fixes permissions.
+            return ProxyResponse(
+                status: 503,
+                proxyStatus: ProxyStatus(
+                    error: .proxyInternalError,
+                    details: "proxyctl cannot keep tokens in its state directory; see the message"),
+                message: "proxyctl: cannot get a token for \(origin): \(reason)")
         case .configuration(let reason):
             return ProxyResponse(
                 status: 500,
