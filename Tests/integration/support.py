@@ -7,6 +7,7 @@ time to wait for something: `poll` waits for a condition with a deadline.
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import hashlib
 import http.server
@@ -900,6 +901,20 @@ class Tinyproxy:
 def wait_readable(sock: socket.socket, timeout: float) -> bool:
     readable, _, _ = select.select([sock], [], [], timeout)
     return bool(readable)
+
+
+def fill(directory: Path) -> Path:
+    """Writes a file in `directory` until the filesystem is full (to the last byte); returns it."""
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for size in (65536, 4096, 1):
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(fd, b"\0" * size)
+    finally:
+        os.close(fd)
+    return filler
 
 
 def run_proxyctl(workdir: Path, *args: str, timeout: float = 20) -> subprocess.CompletedProcess:
