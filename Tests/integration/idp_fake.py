@@ -1215,6 +1215,9 @@ def _handler_for(idp: FakeIdP):
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "FakeIdP/1.0"
+        # The head and the body go out in two writes: with Nagle's algorithm the body waits for the client's
+        # delayed ACK (40 ms on Linux), which no real provider adds and which would hide proxyctl's own timing.
+        disable_nagle_algorithm = True
 
         def version_string(self):
             return self.server_version
