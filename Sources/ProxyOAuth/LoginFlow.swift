@@ -372,6 +372,8 @@ public struct LoginFlow: Sendable {
         let clientID = provider.clientID
         let finalIdentity = identity
         return try await store.withLock(providerName) {
+            // A refresh killed mid-write may have left its temporary file, with a refresh token, behind.
+            store.removeStaleTemporaries(providerName)
             let previous = try? store.load(providerName)
             var tokens = TokenSet(
                 provider: providerName, issuer: issuer, clientID: clientID, accessToken: response.accessToken,
