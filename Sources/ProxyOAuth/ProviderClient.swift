@@ -96,9 +96,9 @@ public actor ProviderClient {
     ///
     /// When `resendable` is false (a refresh token: RFC 9700 §4.14.2, a rotated token sent twice makes the
     /// provider revoke the session), a request that went out and got no answer is never sent again: it
-    /// ends as `.unanswered`. `timeout` (milliseconds) bounds each attempt.
+    /// ends as `.unanswered`. `timeout` (milliseconds, default `token_timeout`) bounds each attempt.
     public func postToken(
-        _ parameters: [(String, String)], resendable: Bool = true, timeout: Int = 30_000
+        _ parameters: [(String, String)], resendable: Bool = true, timeout: Int? = nil
     ) async throws -> Result<TokenResponse, TokenEndpointError> {
         let metadata = try await discover()
         var attempt = 0
@@ -116,7 +116,7 @@ public actor ProviderClient {
                 }
             }
             var request = HTTPRequest.form(metadata.tokenEndpoint, parameters, caFile: config.caFile, headers: headers)
-            request.timeout = timeout
+            request.timeout = timeout ?? config.tokenTimeout
             let outcome: Result<TokenResponse, TokenEndpointError>
             do {
                 let response = try await transport.send(request)

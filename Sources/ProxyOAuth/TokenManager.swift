@@ -142,7 +142,12 @@ public actor TokenManager {
     /// The flight's tokens, or `.pending` once `patience` has passed since it started.
     private func wait(for flight: Flight, _ patience: Duration?) async throws -> TokenSet {
         guard let patience else { return try await flight.task.value }
-        if let tokens = try await value(of: flight.task, before: flight.started + patience) { return tokens }
+        // Past the deadline, answer at once: during a long stall every request would otherwise leave a waiter.
+        if ContinuousClock.now < flight.started + patience,
+            let tokens = try await value(of: flight.task, before: flight.started + patience)
+        {
+            return tokens
+        }
         let waited = (ContinuousClock.now - flight.started).components.seconds
         throw AuthError.pending(
             reason:
