@@ -1,6 +1,7 @@
 import Foundation
 import ProxyCore
 import ProxyOAuth
+import Synchronization
 
 enum StatusCommand {
     static let spec = CommandSpec(
@@ -217,17 +218,12 @@ enum TokenCommand {
 }
 
 extension TokenCommand {
-    /// Says why the command is still waiting once the provider has been slower than token_timeout.
+    /// Says why the command is still waiting once a refresh has been out at the provider for token_timeout.
     static func slowRefreshNote(
         _ manager: TokenManager, _ provider: ProviderConfig, _ context: CommandContext
-    ) -> DispatchWorkItem {
-        let note = DispatchWorkItem {
-            guard !manager.gate.isIdle else { return }
-            context.err(
-                "proxyctl: the provider has not answered the token refresh in \(ConfigValue.describeDuration(provider.tokenTimeout)); waiting for its answer, which holds the new refresh token (it is not sent again)"
-            )
-        }
-        DispatchQueue.global().asyncAfter(deadline: .now() + .milliseconds(provider.tokenTimeout), execute: note)
+    ) -> SlowRefreshNote {
+        let note = SlowRefreshNote(gate: manager.gate, timeout: provider.tokenTimeout, context: context)
+        note.check(outSince: nil)
         return note
     }
 
@@ -246,6 +242,35 @@ extension TokenCommand {
             reason:
                 "the refreshed tokens could not be written to \(file), and the new refresh token is lost when proxyctl exits; free space, then run: proxyctl login \(provider.name)"
         )
+    }
+}
+
+/// Watches the refresh gate every 100 ms (the request may go out late on a busy machine) and says once why
+/// the command is still waiting when a refresh has been out for `timeout` milliseconds.
+final class SlowRefreshNote: Sendable {
+    private let gate: RefreshGate
+    private let timeout: Int
+    private let context: CommandContext
+    private let stopped = Atomic<Bool>(false)
+
+    init(gate: RefreshGate, timeout: Int, context: CommandContext) {
+        self.gate = gate
+        self.timeout = timeout
+        self.context = context
+    }
+
+    func cancel() { stopped.store(true, ordering: .releasing) }
+
+    func check(outSince: DispatchTime?) {
+        guard !stopped.load(ordering: .acquiring) else { return }
+        let since: DispatchTime? = gate.isIdle ? nil : outSince ?? .now()
+        if let since, DispatchTime.now() >= since + .milliseconds(timeout) {
+            context.err(
+                "proxyctl: the provider has not answered the token refresh in \(ConfigValue.describeDuration(timeout)); waiting for its answer, which holds the new refresh token (it is not sent again)"
+            )
+            return
+        }
+        DispatchQueue.global().asyncAfter(deadline: .now() + .milliseconds(100)) { [self] in check(outSince: since) }
     }
 }
 
