@@ -417,13 +417,14 @@ private func value<T: Sendable>(
     return try await withCheckedThrowingContinuation { continuation in
         first.wait(continuation)
         let timer = Task {
-            try? await Task.sleep(until: deadline, clock: .continuous)
+            // Cancelled when the task ended first: then the deadline must not answer in its stead.
+            guard (try? await Task.sleep(until: deadline, clock: .continuous)) != nil else { return }
             first.resume(with: .success(nil))
         }
         Task {
             let result = await task.result
-            timer.cancel()
             first.resume(with: result.map { $0 })
+            timer.cancel()
         }
     }
 }

@@ -474,6 +474,22 @@ private final class Latch: Sendable {
         #expect(try await manager.currentTokens().accessToken == "access-2")
     }
 
+    @Test func refreshThatEndsBeforeTheDeadlineIsNeverReportedPending() async throws {
+        // The flight's end and the deadline's timer race to answer each caller: the end must win whenever it
+        // comes first (a timer cancelled by it once answered "pending ... in 0s"). Many callers per flight
+        // and many flights make a lost race likely when the order is wrong.
+        let harness = try await Harness(delay: .milliseconds(1)) { request in
+            FakeProvider.tokens(access: "access-\(request.index + 1)", refresh: "refresh-\(request.index + 1)")
+        }
+        let manager = harness.manager
+        for generation in Int64(1)...300 {
+            try await withThrowingTaskGroup(of: Int64.self) { group in
+                for _ in 0..<20 { group.addTask { try await manager.refresh(replacing: generation).generation } }
+                for try await refreshed in group { #expect(refreshed == generation + 1) }
+            }
+        }
+    }
+
     @Test func stoppingBeforeTheRequestSendsNothing() async throws {
         let harness = try await Harness { _ in FakeProvider.tokens(access: "access-2", refresh: "refresh-2") }
         #expect(harness.manager.gate.close())
