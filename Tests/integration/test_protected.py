@@ -879,15 +879,16 @@ def test_hundred_requests_on_an_expired_glewlwyd_token_refresh_once(main, rs, id
 # MARK: - The fake provider: exact counts and outages
 
 
-@pytest.fixture
-def fake_deployment(tmp_path, rs):
+@contextlib.contextmanager
+def fake_deployment_with(root: Path, rs, state: Path | None = None, **provider_keys: str):
     """A workspace signed in to the fake provider (JWT access tokens that expire in 2 s), its own CA and proxy
-    for fake.test."""
+    for fake.test; `provider_keys` are added to [provider fake], `state` is its state directory."""
     with FakeIdP(access_token_format="jwt", expires_in=2) as fake:
         rs.trust(fake.issuer, fake.url("jwks"))
-        sections = (provider_section("fake", fake.issuer, 0)
+        extra = "".join(f"{key} = {value}\n" for key, value in provider_keys.items())
+        sections = (provider_section("fake", fake.issuer, 0).rstrip("\n") + "\n" + extra + "\n"
                     + origin_section(f"https://{FAKE}:{rs.port}", "fake", rs.ca_pem))
-        ws = Workspace(tmp_path / "fake", sections, f"{FAKE}=127.0.0.1")
+        ws = Workspace(root, sections, f"{FAKE}=127.0.0.1", state=state)
         ws.ca_init()
         ws.login_fake("fake")
         fake.expires_in = 3600
@@ -898,6 +899,14 @@ def fake_deployment(tmp_path, rs):
         finally:
             failure = deployment.stop()
         assert failure is None, failure
+
+
+@pytest.fixture
+def fake_deployment(tmp_path, rs):
+    """A workspace signed in to the fake provider (JWT access tokens that expire in 2 s), its own CA and proxy
+    for fake.test."""
+    with fake_deployment_with(tmp_path / "fake", rs) as deployment:
+        yield deployment
 
 
 def wait_expired(ws: Workspace, provider: str) -> dict:
@@ -936,27 +945,6 @@ def test_provider_down_gives_503_with_retry_after(fake_deployment, rs):
 
 
 # MARK: - Refresh faults in the proxy: a stalled provider, a stop mid-refresh, a damaged file, a full disk
-
-
-@contextlib.contextmanager
-def fake_deployment_with(root: Path, rs, state: Path | None = None, **provider_keys: str):
-    """Like `fake_deployment`, with extra [provider fake] keys and optionally a state directory of its own."""
-    with FakeIdP(access_token_format="jwt", expires_in=2) as fake:
-        rs.trust(fake.issuer, fake.url("jwks"))
-        extra = "".join(f"{key} = {value}\n" for key, value in provider_keys.items())
-        sections = (provider_section("fake", fake.issuer, 0).rstrip("\n") + "\n" + extra + "\n"
-                    + origin_section(f"https://{FAKE}:{rs.port}", "fake", rs.ca_pem))
-        ws = Workspace(root, sections, f"{FAKE}=127.0.0.1", state=state)
-        ws.ca_init()
-        ws.login_fake("fake")
-        fake.expires_in = 3600
-        deployment = Deployment(ws, ws.start_proxy())
-        deployment.fake = fake
-        try:
-            yield deployment
-        finally:
-            failure = deployment.stop()
-        assert failure is None, failure
 
 
 def assert_refresh_token_live(deployment: Deployment) -> None:
