@@ -39,6 +39,9 @@ static inline CURLcode proxyctl_easy_getinfo_long(CURL *h, CURLINFO i, long *v) 
 static inline CURLcode proxyctl_easy_getinfo_ptr(CURL *h, CURLINFO i, void **v) {
     return curl_easy_getinfo(h, i, v);
 }
+static inline CURLcode proxyctl_easy_getinfo_off(CURL *h, CURLINFO i, curl_off_t *v) {
+    return curl_easy_getinfo(h, i, v);
+}
 static inline CURLMcode proxyctl_multi_setopt_long(CURLM *m, CURLMoption o, long v) {
     return curl_multi_setopt(m, o, v);
 }

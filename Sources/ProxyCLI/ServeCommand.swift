@@ -14,7 +14,7 @@ enum ServeCommand {
             The configuration comes from --config, else $PROXYCTL_CONFIG, else \
             $XDG_CONFIG_HOME/proxyctl/proxy.conf; with no file at all proxyctl is a pure passthrough proxy \
             on 127.0.0.1:8080. SIGHUP reloads the configuration; SIGTERM and SIGINT let open transfers \
-            finish (shutdown_grace) and exit.
+            finish, and a token refresh in flight get its answer stored (shutdown_grace), and exit.
             """,
         options: [
             .option("config", short: "c", value: "file", help: "The configuration file (proxy.conf)."),

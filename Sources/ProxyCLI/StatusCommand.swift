@@ -1,6 +1,7 @@
 import Foundation
 import ProxyCore
 import ProxyOAuth
+import Synchronization
 
 enum StatusCommand {
     static let spec = CommandSpec(
@@ -175,6 +176,9 @@ enum TokenCommand {
         discussion: """
             Refreshes the token first when needed. The token is a secret: anything that receives it can use \
             it until it expires, and programs often log what they are given.
+            A refresh is waited for until the provider answers: its answer holds the new refresh token. \
+            SIGINT and SIGTERM during a refresh stop the command once the answer is stored, within \
+            shutdown_grace; a second signal stops it at once.
             """,
         arguments: [AuthEnvironment.providerArgument],
         options: [AuthEnvironment.configOption],
@@ -186,12 +190,21 @@ enum TokenCommand {
         defer { environment.loopThread.stop() }
         try environment.loadDPoPKey()
         let manager = environment.manager()
+        let signals = RefreshSignals(
+            gate: manager.gate, grace: environment.configuration.proxy.shutdownGrace, context: context)
         let tokens: TokenSet
         do {
-            tokens = try runBlocking { try await manager.currentTokens() }
+            let slow = slowRefreshNote(manager, environment.provider, context)
+            defer { slow.cancel() }
+            // No time limit of our own: the refresh's answer holds the new refresh token (the request itself
+            // gives up after TokenManager.refreshRequestLimit).
+            tokens = try runBlocking { try await manager.currentTokens(waitingAtMost: nil) }
+            try keepUnsaved(manager, environment.provider, context)
         } catch let error as AuthError {
+            signals.finish()
             throw error.commandFailure
         }
+        signals.finish()
         context.err(
             "proxyctl: printing the \(environment.provider.name) access token; it is a secret, and a program handed it may log it"
         )
@@ -201,6 +214,63 @@ enum TokenCommand {
         }
         context.out(tokens.accessToken)
         return ExitCode.success
+    }
+}
+
+extension TokenCommand {
+    /// Says why the command is still waiting once a refresh has been out at the provider for token_timeout.
+    static func slowRefreshNote(
+        _ manager: TokenManager, _ provider: ProviderConfig, _ context: CommandContext
+    ) -> SlowRefreshNote {
+        let note = SlowRefreshNote(gate: manager.gate, timeout: provider.tokenTimeout, context: context)
+        note.check(outSince: nil)
+        return note
+    }
+
+    /// When the refreshed tokens could not be written (a full disk), tries again for a while: once this
+    /// process exits, the rotated refresh token they hold is gone.
+    static func keepUnsaved(_ manager: TokenManager, _ provider: ProviderConfig, _ context: CommandContext) throws {
+        guard try runBlocking({ await manager.hasUnsavedTokens }) else { return }
+        let file = manager.store.path(for: provider.name)
+        context.err("proxyctl: the refreshed tokens cannot be written to \(file); free space there; retrying for 60s")
+        let deadline = Date().addingTimeInterval(60)
+        while Date() < deadline {
+            if try runBlocking({ await manager.saveUnsaved() }) { return }
+            Thread.sleep(forTimeInterval: 1)
+        }
+        throw AuthError.storage(
+            reason:
+                "the refreshed tokens could not be written to \(file), and the new refresh token is lost when proxyctl exits; free space, then run: proxyctl login \(provider.name)"
+        )
+    }
+}
+
+/// Watches the refresh gate every 100 ms (the request may go out late on a busy machine) and says once why
+/// the command is still waiting when a refresh has been out for `timeout` milliseconds.
+final class SlowRefreshNote: Sendable {
+    private let gate: RefreshGate
+    private let timeout: Int
+    private let context: CommandContext
+    private let stopped = Atomic<Bool>(false)
+
+    init(gate: RefreshGate, timeout: Int, context: CommandContext) {
+        self.gate = gate
+        self.timeout = timeout
+        self.context = context
+    }
+
+    func cancel() { stopped.store(true, ordering: .releasing) }
+
+    func check(outSince: DispatchTime?) {
+        guard !stopped.load(ordering: .acquiring) else { return }
+        let since: DispatchTime? = gate.isIdle ? nil : outSince ?? .now()
+        if let since, DispatchTime.now() >= since + .milliseconds(timeout) {
+            context.err(
+                "proxyctl: the provider has not answered the token refresh in \(ConfigValue.describeDuration(timeout)); waiting for its answer, which holds the new refresh token (it is not sent again)"
+            )
+            return
+        }
+        DispatchQueue.global().asyncAfter(deadline: .now() + .milliseconds(100)) { [self] in check(outSince: since) }
     }
 }
 

@@ -305,6 +305,8 @@ final class BufferedTransfer: CurlTransfer {
         case unreachable(String)
         case timeout(String)
         case certificate(String)
+        /// The request went out and no complete answer came back.
+        case noAnswer(String)
     }
 
     init(
@@ -352,10 +354,20 @@ final class BufferedTransfer: CurlTransfer {
             return
         }
         let detail = errorText(code)
+        // CURLINFO_PRETRANSFER_TIME_T: set once the connection (and its TLS, and any proxy tunnel) was up and
+        // the request was about to go out. Past that point the server may have acted on the request even
+        // though no answer arrived; before it, nothing reached the server.
+        var pretransfer: curl_off_t = 0
+        _ = proxyctl_easy_getinfo_off(easy, CURLINFO_PRETRANSFER_TIME_T, &pretransfer)
+        let failure = UpstreamFailure(code)
+        if pretransfer > 0 && failure != .certificate {
+            let what = tooLarge ? "the answer is larger than \(limit) bytes" : detail
+            return completion(.failure(.noAnswer("\(target): \(what) after the request was sent")))
+        }
         if code == CURLE_WRITE_ERROR && tooLarge {
             return completion(.failure(.unreachable("\(target): the answer is larger than \(limit) bytes")))
         }
-        switch UpstreamFailure(code) {
+        switch failure {
         case .timeout: completion(.failure(.timeout("\(target): \(detail)")))
         case .certificate: completion(.failure(.certificate("\(target): \(detail)")))
         default: completion(.failure(.unreachable("\(target): \(detail)")))

@@ -39,6 +39,8 @@ public final class CurlTransport: HTTPTransport {
                         continuation.resume(throwing: TransportError.certificate(reason))
                     case .failure(.unreachable(let reason)):
                         continuation.resume(throwing: TransportError.unreachable(reason))
+                    case .failure(.noAnswer(let reason)):
+                        continuation.resume(throwing: TransportError.noAnswer(reason))
                     }
                 }
                 transfer.setURL(request.url)

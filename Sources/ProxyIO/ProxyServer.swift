@@ -76,6 +76,7 @@ public final class ProxyServer: ConnectionOwner {
     private var listenerPaused = false
     private var signalEvents: [OpaquePointer] = []
     private var graceTimer: LoopTimer?
+    private var refreshPoll: LoopTimer?
     /// Loads the configuration again on SIGHUP; nil disables reloading.
     private let reload: (() -> Result<(ProxySettings, ProxyCredentials?), any Error>)?
     public private(set) var boundAddress: ListenAddress
@@ -382,8 +383,23 @@ public final class ProxyServer: ConnectionOwner {
         }
         if draining && connections.isEmpty {
             logger.info("all connections finished; exiting")
-            loop.stop()
+            stopAfterRefreshes()
         }
+    }
+
+    /// Stops the loop once no refresh token is out at a provider: a refresh still unanswered (its callers
+    /// may have stopped waiting) holds the only copy of the rotated refresh token, and exiting before its
+    /// answer is stored would sign the user out. The grace timer still bounds the wait.
+    private func stopAfterRefreshes() {
+        guard tokens.refreshInFlight else {
+            loop.stop()
+            return
+        }
+        if refreshPoll == nil {
+            logger.info("waiting for a token refresh in flight to be answered and stored before exiting")
+            refreshPoll = LoopTimer(loop: loop) { [unowned self] in stopAfterRefreshes() }
+        }
+        refreshPoll?.schedule(milliseconds: 20)
     }
 
     /// Open client connections (for tests and status).
@@ -425,12 +441,17 @@ public final class ProxyServer: ConnectionOwner {
         for connection in Array(connections.values) { connection.shutdown() }
         if connections.isEmpty {
             logger.info("shutting down: no connections open")
-            loop.stop()
+            stopAfterRefreshes()
+            if tokens.refreshInFlight { startGraceTimer() }
             return
         }
         logger.info(
             "shutting down: waiting up to \(ConfigValue.describeDuration(settings.shutdownGrace)) for \(connections.count) connection(s)"
         )
+        startGraceTimer()
+    }
+
+    private func startGraceTimer() {
         let timer = LoopTimer(loop: loop) { [unowned self] in
             logger.info("grace period over: closing \(connections.count) connection(s)")
             for connection in Array(connections.values) { connection.abort("shutdown") }

@@ -25,6 +25,9 @@ final class TokenBroker {
 
     var providers: [String] { Array(managers.keys) }
 
+    /// Whether a refresh token is out at a provider with its answer not stored yet (shutdown waits for it).
+    var refreshInFlight: Bool { managers.values.contains { !$0.gate.isIdle } }
+
     /// Tokens usable right now without leaving the loop, if the cache has them. One stat(2) makes sure no
     /// other process (`proxyctl login`, `step-up`, `logout`) replaced the file since.
     func cachedTokens(_ provider: String) -> TokenSet? {
@@ -77,6 +80,8 @@ final class TokenBroker {
                 result = .success(try await work(manager))
             } catch let error as AuthError {
                 result = .failure(error)
+            } catch let error as StoreError {
+                result = .failure(error.authError(provider: provider))
             } catch {
                 result = .failure(.recoverable(reason: "\(error)", retryAfter: nil))
             }
@@ -99,6 +104,8 @@ extension AuthError {
         case .reauthenticate(let reason), .cancelled(let reason): .signInNeeded(reason: reason)
         case .stepUp(_, _, let reason): .signInNeeded(reason: reason)
         case .recoverable(let reason, let retryAfter): .unavailable(reason: reason, retryAfter: retryAfter)
+        case .pending(let reason, let retryAfter): .pending(reason: reason, retryAfter: retryAfter)
+        case .storage(let reason): .storage(reason: reason)
         case .configuration(let reason), .rejected(let reason): .configuration(reason: reason)
         }
     }

@@ -5,6 +5,12 @@ import ProxyCore
 public enum AuthError: Error, Sendable, Equatable, CustomStringConvertible {
     /// A passing problem (provider down, overloaded, network): try again, after `retryAfter` seconds if set.
     case recoverable(reason: String, retryAfter: Int?)
+    /// A refresh is at the provider and has not been answered yet. It is left running (its answer is stored
+    /// when it comes) and the refresh token is not sent again meanwhile: try again after `retryAfter` seconds.
+    case pending(reason: String, retryAfter: Int)
+    /// The state directory cannot be written (a full disk, a quota, permissions) or read: tokens cannot be
+    /// kept, so none are spent. Fixed by the user on this machine, not at the provider.
+    case storage(reason: String)
     /// The user must sign in again (no tokens, refresh token expired or revoked).
     case reauthenticate(reason: String)
     /// The resource wants a stronger sign-in (RFC 9470).
@@ -21,6 +27,8 @@ public enum AuthError: Error, Sendable, Equatable, CustomStringConvertible {
         switch self {
         case .recoverable(let reason, let retryAfter):
             retryAfter.map { "\(reason) (try again in \($0)s)" } ?? reason
+        case .pending(let reason, let retryAfter): "\(reason) (try again in \(retryAfter)s)"
+        case .storage(let reason): reason
         case .reauthenticate(let reason): reason
         case .stepUp(_, _, let reason): reason
         case .configuration(let reason): reason
@@ -33,6 +41,8 @@ public enum AuthError: Error, Sendable, Equatable, CustomStringConvertible {
     public var category: String {
         switch self {
         case .recoverable: "recoverable"
+        case .pending: "pending"
+        case .storage: "storage"
         case .reauthenticate: "reauthenticate"
         case .stepUp: "step_up"
         case .configuration: "configuration"

@@ -73,12 +73,16 @@ public enum TransportError: Error, Sendable, Equatable, CustomStringConvertible 
     case timeout(String)
     /// TLS verification failed: a configuration problem (ca_file), not a passing one.
     case certificate(String)
+    /// The request was sent, then the connection ended or timed out before a complete answer: the server
+    /// may have acted on it. A request that must not be repeated (a refresh) is not sent again.
+    case noAnswer(String)
 
     public var description: String {
         switch self {
         case .unreachable(let reason): reason
         case .timeout(let reason): reason
         case .certificate(let reason): reason
+        case .noAnswer(let reason): reason
         }
     }
 }

@@ -313,7 +313,7 @@ public struct LoginFlow: Sendable {
             case .failure(.unavailable(let status, let retryAfter)):
                 throw AuthError.recoverable(
                     reason: "the provider is unavailable (HTTP \(status))", retryAfter: retryAfter)
-            case .failure(.malformed(let reason)):
+            case .failure(.malformed(let reason)), .failure(.unanswered(let reason)):
                 throw AuthError.recoverable(reason: reason, retryAfter: nil)
             }
             if now() >= deadline {
@@ -332,7 +332,7 @@ public struct LoginFlow: Sendable {
                 reason: "the provider did not accept \(what) (\(error.summary), HTTP \(status)); run the login again")
         case .failure(.unavailable(let status, let retryAfter)):
             throw AuthError.recoverable(reason: "the provider is unavailable (HTTP \(status))", retryAfter: retryAfter)
-        case .failure(.malformed(let reason)):
+        case .failure(.malformed(let reason)), .failure(.unanswered(let reason)):
             throw AuthError.recoverable(reason: reason, retryAfter: nil)
         }
     }
@@ -372,6 +372,8 @@ public struct LoginFlow: Sendable {
         let clientID = provider.clientID
         let finalIdentity = identity
         return try await store.withLock(providerName) {
+            // A refresh killed mid-write may have left its temporary file, with a refresh token, behind.
+            store.removeStaleTemporaries(providerName)
             let previous = try? store.load(providerName)
             var tokens = TokenSet(
                 provider: providerName, issuer: issuer, clientID: clientID, accessToken: response.accessToken,

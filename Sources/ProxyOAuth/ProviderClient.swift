@@ -93,7 +93,13 @@ public actor ProviderClient {
     /// Retry-After up to `maxRetryWait`; then they become `AuthError.recoverable` with the remaining wait.
     /// With a DPoP key, every attempt carries a fresh proof with the server's latest nonce, and a
     /// `use_dpop_nonce` answer is retried once with the nonce it brought (RFC 9449 §8).
-    public func postToken(_ parameters: [(String, String)]) async throws -> Result<TokenResponse, TokenEndpointError> {
+    ///
+    /// When `resendable` is false (a refresh token: RFC 9700 §4.14.2, a rotated token sent twice makes the
+    /// provider revoke the session), a request that went out and got no answer is never sent again: it
+    /// ends as `.unanswered`. `timeout` (milliseconds, default `token_timeout`) bounds each attempt.
+    public func postToken(
+        _ parameters: [(String, String)], resendable: Bool = true, timeout: Int? = nil
+    ) async throws -> Result<TokenResponse, TokenEndpointError> {
         let metadata = try await discover()
         var attempt = 0
         var nonceRetried = false
@@ -109,7 +115,8 @@ public actor ProviderClient {
                     throw AuthError.configuration(reason: "cannot sign a DPoP proof: \(error)")
                 }
             }
-            let request = HTTPRequest.form(metadata.tokenEndpoint, parameters, caFile: config.caFile, headers: headers)
+            var request = HTTPRequest.form(metadata.tokenEndpoint, parameters, caFile: config.caFile, headers: headers)
+            request.timeout = timeout ?? config.tokenTimeout
             let outcome: Result<TokenResponse, TokenEndpointError>
             do {
                 let response = try await transport.send(request)
@@ -117,6 +124,7 @@ public actor ProviderClient {
                 outcome = TokenEndpoint.parse(response)
             } catch let error as TransportError {
                 if case .certificate = error { throw Self.unreachable(error, what: "the token endpoint") }
+                if case .noAnswer(let reason) = error, !resendable { return .failure(.unanswered(reason)) }
                 guard attempt < retryBudget else { throw Self.unreachable(error, what: "the token endpoint") }
                 attempt += 1
                 try await sleep(min(1 << (attempt - 1), maxRetryWait))
@@ -164,6 +172,8 @@ public actor ProviderClient {
             .recoverable(reason: "\(what) did not answer in time: \(reason)", retryAfter: nil)
         case .unreachable(let reason):
             .recoverable(reason: "cannot reach \(what): \(reason)", retryAfter: nil)
+        case .noAnswer(let reason):
+            .recoverable(reason: "\(what) gave no answer: \(reason)", retryAfter: nil)
         }
     }
 }

@@ -20,6 +20,8 @@ public enum TokenEndpointError: Error, Sendable, Equatable {
     case unavailable(status: Int, retryAfter: Int?)
     /// Something that is not a token response.
     case malformed(String)
+    /// The request went out and no answer came back: the provider may or may not have acted on it.
+    case unanswered(String)
 }
 
 public enum TokenEndpoint {

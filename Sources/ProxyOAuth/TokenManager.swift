@@ -1,20 +1,61 @@
 import Foundation
 import ProxyCore
+import Synchronization
 
 /// Hands out usable tokens for one provider and refreshes them: single-flight inside the process, under
 /// the provider's file lock across processes, and always persisting a rotated refresh token before anyone
 /// receives the new access token.
+///
+/// A refresh token is spent the moment the provider rotates it (RFC 6749 §6, RFC 9700 §4.14.2: sending it
+/// again makes a provider with reuse detection revoke the whole session), so a refresh is built to keep
+/// its answer whatever happens around it:
+/// - room for the answer is written to disk before the request (`TokenStore.reserve`), so a full disk
+///   fails while the old refresh token is still good;
+/// - the request is never sent twice once it went out; an unanswered one stays open (up to
+///   `refreshRequestLimit`) and callers that stop waiting after `token_timeout` get `.pending`, while the
+///   next ones join the same flight;
+/// - the answer is written the instant it is read and checked (the provider's keys are fetched before the
+///   request), and kept in memory, with the lock held, when the write fails;
+/// - `gate` tells a process that is stopping whether a refresh is out, so it can wait for its answer.
 public actor TokenManager {
     public nonisolated let provider: ProviderConfig
     public nonisolated let store: TokenStore
     public let client: ProviderClient
+    /// Entered while a refresh token is out at the provider and its answer is not on disk yet.
+    public nonisolated let gate = RefreshGate()
     private var cached: TokenSet?
     private var cachedVersion: TokenStore.FileVersion?
-    private var refreshing: Task<TokenSet, any Error>?
+    /// The refresh in flight: every caller joins it, and it runs to its end even when they stop waiting.
+    private var flight: Flight?
+    private var flightCount = 0
+    /// Refreshed tokens that could not be written yet (a full disk): kept in memory and written again at
+    /// each use, with the provider's lock held meanwhile so that no other process spends the refresh token
+    /// they replaced.
+    private var unsaved: Unsaved?
     /// Seconds since 1970; tests move time.
     private var clock: @Sendable () -> Int64
     /// Token requests made by this manager (for tests and status).
     public private(set) var refreshCount = 0
+
+    /// How long a refresh request may stay unanswered before its outcome is given up as unknown
+    /// (milliseconds). Long on purpose: a provider that stalls usually answers in the end, and the answer
+    /// holds the only copy of the rotated refresh token.
+    public static let refreshRequestLimit = 600_000
+    /// The `Retry-After` given while a refresh is pending.
+    static let pendingRetryAfter = 5
+
+    private struct Flight {
+        let id: Int
+        let task: Task<TokenSet, any Error>
+        let started: ContinuousClock.Instant
+    }
+
+    private struct Unsaved {
+        var tokens: TokenSet
+        var reservation: TokenStore.Reservation?
+        let lock: TokenStore.Lock
+        var failure: StoreError
+    }
 
     public init(
         provider: ProviderConfig, store: TokenStore, client: ProviderClient,
@@ -45,91 +86,228 @@ public actor TokenManager {
         return cached
     }
 
-    /// Usable tokens: the stored ones while fresh, else refreshed ones.
+    /// Usable tokens: the stored ones while fresh, else refreshed ones. Waits for a refresh up to the
+    /// provider's `token_timeout`, then throws `.pending` (the refresh goes on).
     public func currentTokens() async throws -> TokenSet {
-        guard let tokens = try storedTokens() else { throw notSignedIn }
-        try checkBelongsToProvider(tokens)
-        if tokens.isFresh(at: clock()) { return tokens }
-        return try await refresh(replacing: tokens.generation)
+        try await currentTokens(waitingAtMost: .milliseconds(provider.tokenTimeout))
+    }
+
+    /// Usable tokens; `patience` nil waits for a refresh until it ends.
+    public func currentTokens(waitingAtMost patience: Duration?) async throws -> TokenSet {
+        do {
+            if let tokens = try unsavedTokens(), tokens.isFresh(at: clock()) { return tokens }
+            guard let tokens = try storedTokens() else { throw notSignedIn }
+            try checkBelongsToProvider(tokens)
+            if tokens.isFresh(at: clock()) { return tokens }
+            return try await refresh(replacing: tokens.generation, patience)
+        } catch let error as StoreError {
+            throw error.authError(provider: provider.name)
+        }
     }
 
     /// Refreshes because the tokens of `generation` were rejected or are stale. When the stored tokens are
     /// already newer than that (someone refreshed meanwhile), they are returned without a new request.
     public func refresh(replacing generation: Int64) async throws -> TokenSet {
+        do {
+            return try await refresh(replacing: generation, .milliseconds(provider.tokenTimeout))
+        } catch let error as StoreError {
+            throw error.authError(provider: provider.name)
+        }
+    }
+
+    private func refresh(replacing generation: Int64, _ patience: Duration?) async throws -> TokenSet {
+        if let pending = try unsavedTokens() {
+            if pending.generation > generation, !pending.isExpired(at: clock()) { return pending }
+            throw unsavedFailure
+        }
         if let current = try storedTokens(), current.generation > generation, !current.isExpired(at: clock()) {
             return current
         }
-        if let refreshing { return try await refreshing.value }
-        let task = Task { try await self.refreshUnderLock(replacing: generation) }
-        refreshing = task
-        defer { refreshing = nil }
-        return try await task.value
+        if let flight { return try await wait(for: flight, patience) }
+        flightCount += 1
+        let id = flightCount
+        let task = Task {
+            defer { endFlight(id) }
+            return try await refreshUnderLock(replacing: generation)
+        }
+        let started = Flight(id: id, task: task, started: .now)
+        flight = started
+        return try await wait(for: started, patience)
+    }
+
+    private func endFlight(_ id: Int) {
+        if flight?.id == id { flight = nil }
+    }
+
+    /// The flight's tokens, or `.pending` once `patience` has passed since it started.
+    private func wait(for flight: Flight, _ patience: Duration?) async throws -> TokenSet {
+        guard let patience else { return try await flight.task.value }
+        // Past the deadline, answer at once: during a long stall every request would otherwise leave a waiter.
+        if ContinuousClock.now < flight.started + patience,
+            let tokens = try await value(of: flight.task, before: flight.started + patience)
+        {
+            return tokens
+        }
+        let waited = (ContinuousClock.now - flight.started).components.seconds
+        throw AuthError.pending(
+            reason:
+                "the provider has not answered the token refresh for \(provider.name) in \(waited)s; the request stays open and its answer will be stored, and the refresh token is not sent again meanwhile",
+            retryAfter: Self.pendingRetryAfter)
+    }
+
+    /// Whether refreshed tokens are waiting to be written (a full disk).
+    public var hasUnsavedTokens: Bool { unsaved != nil }
+
+    /// Tries again to write refreshed tokens that could not be written; true when none are left unsaved.
+    @discardableResult
+    public func saveUnsaved() -> Bool {
+        (try? unsavedTokens()) == nil
+    }
+
+    /// The refreshed tokens still waiting to be written, after one more attempt to write them; nil when
+    /// there are none (any more).
+    private func unsavedTokens() throws -> TokenSet? {
+        guard var pending = unsaved else { return nil }
+        do {
+            let reservation =
+                try pending.reservation.flatMap { $0.isOpen ? $0 : nil }
+                ?? store.reserve(provider.name, bytes: Self.room(for: pending.tokens))
+            pending.reservation = reservation
+            try reservation.commit(pending.tokens)
+        } catch let error as StoreError {
+            pending.failure = error
+            if pending.reservation?.isOpen == false { pending.reservation = nil }
+            unsaved = pending
+            return pending.tokens
+        }
+        unsaved = nil
+        pending.lock.release()
+        gate.leave()
+        remember(pending.tokens)
+        return nil
+    }
+
+    private var unsavedFailure: AuthError {
+        let failure = unsaved.map { "\($0.failure.description); \($0.failure.fix)" } ?? "unknown"
+        return .storage(
+            reason:
+                "the refreshed tokens for \(provider.name) are not written yet (\(failure)); they are kept in memory and written as soon as there is room"
+        )
+    }
+
+    /// Room for the refreshed token file: the current one and as much again (at least 8 KiB) for longer tokens.
+    static func room(for tokens: TokenSet) -> Int {
+        let current = TokenStore.serialize(tokens).count
+        return current + max(current, 8192)
     }
 
     private func refreshUnderLock(replacing generation: Int64) async throws -> TokenSet {
-        try await store.withLock(provider.name) {
-            // Another process may have refreshed while we waited for the lock: read the file again.
-            guard let onDisk = try store.load(provider.name) else { throw notSignedIn }
-            try checkBelongsToProvider(onDisk)
-            remember(onDisk)
-            if onDisk.generation > generation && onDisk.isFresh(at: clock()) { return onDisk }
-            if let bound = onDisk.dpopThumbprint, await client.dpopKey?.thumbprint != bound {
-                // `proxyctl login --new-key` may have made a new key since this process started.
-                if let key = try? DPoPKey.load(stateDirectory: store.stateDirectory, provider: provider.name),
-                    key.thumbprint == bound
+        let lock = try await store.lock(provider.name)
+        var keepLock = false
+        defer { if !keepLock { lock.release() } }
+        // A process killed between writing and renaming its temporary file leaves a refresh token behind.
+        store.removeStaleTemporaries(provider.name)
+        // Another process may have refreshed while we waited for the lock: read the file again.
+        guard let onDisk = try store.load(provider.name) else { throw notSignedIn }
+        try checkBelongsToProvider(onDisk)
+        remember(onDisk)
+        if onDisk.generation > generation && onDisk.isFresh(at: clock()) { return onDisk }
+        if let bound = onDisk.dpopThumbprint, await client.dpopKey?.thumbprint != bound {
+            // `proxyctl login --new-key` may have made a new key since this process started.
+            if let key = try? DPoPKey.load(stateDirectory: store.stateDirectory, provider: provider.name),
+                key.thumbprint == bound
+            {
+                await client.setDPoPKey(key)
+            }
+        }
+        if let bound = onDisk.dpopThumbprint, await client.dpopKey?.thumbprint != bound {
+            throw AuthError.reauthenticate(
+                reason:
+                    "the tokens for \(provider.name) are bound to a DPoP key that is no longer there; run: proxyctl login \(provider.name)"
+            )
+        }
+        guard let refreshToken = onDisk.refreshToken else {
+            throw AuthError.reauthenticate(
+                reason:
+                    "the access token for \(provider.name) has expired and there is no refresh token; run: proxyctl login \(provider.name)"
+            )
+        }
+        // Room for the answer before the refresh token is spent: a full disk fails here, while it is still good.
+        let reservation = try store.reserve(provider.name, bytes: Self.room(for: onDisk))
+        // The keys that sign a refreshed ID token, fetched now: between reading the answer and writing it
+        // there is then only local work, the window in which a kill loses the rotated refresh token.
+        if onDisk.idToken != nil { _ = try? await client.jwks(refresh: false) }
+        guard gate.enter() else {
+            throw AuthError.cancelled(reason: "proxyctl is stopping; the tokens of \(provider.name) were not refreshed")
+        }
+        defer { if !keepLock { gate.leave() } }
+        refreshCount += 1
+        let parameters: [(String, String)] = [
+            ("grant_type", "refresh_token"), ("refresh_token", refreshToken), ("client_id", provider.clientID),
+        ]
+        let outcome: Result<TokenResponse, TokenEndpointError>
+        do {
+            outcome = try await client.postToken(parameters, resendable: false, timeout: Self.refreshRequestLimit)
+        } catch let error as AuthError {
+            record(onDisk, failure: error, into: reservation)
+            throw error
+        }
+        switch outcome {
+        case .success(let response):
+            let tokens = try await adopt(response, previous: onDisk, into: reservation)
+            if case .failure(let failure) = tokens.saved {
+                // Keep the lock (and the gate) until the write succeeds: the file still holds the spent token.
+                keepLock = true
+                unsaved = Unsaved(tokens: tokens.tokens, reservation: reservation, lock: lock, failure: failure)
+            }
+            return tokens.tokens
+        case .failure(let failure):
+            let error = classifyRefreshFailure(failure)
+            if case .reauthenticate = error {
+                // A process that does not take the lock may have rotated the token: look once more.
+                if let again = try store.load(provider.name), again.refreshToken != refreshToken,
+                    again.isFresh(at: clock())
                 {
-                    await client.setDPoPKey(key)
+                    remember(again)
+                    return again
                 }
+                var dead = onDisk
+                dead.refreshToken = nil
+                record(dead, failure: error, into: reservation)
+            } else {
+                record(onDisk, failure: error, into: reservation)
             }
-            if let bound = onDisk.dpopThumbprint, await client.dpopKey?.thumbprint != bound {
-                throw AuthError.reauthenticate(
-                    reason:
-                        "the tokens for \(provider.name) are bound to a DPoP key that is no longer there; run: proxyctl login \(provider.name)"
-                )
-            }
-            guard let refreshToken = onDisk.refreshToken else {
-                throw AuthError.reauthenticate(
-                    reason:
-                        "the access token for \(provider.name) has expired and there is no refresh token; run: proxyctl login \(provider.name)"
-                )
-            }
-            refreshCount += 1
-            let parameters: [(String, String)] = [
-                ("grant_type", "refresh_token"), ("refresh_token", refreshToken), ("client_id", provider.clientID),
-            ]
-            let outcome: Result<TokenResponse, TokenEndpointError>
-            do {
-                outcome = try await client.postToken(parameters)
-            } catch let error as AuthError {
-                try record(onDisk, failure: error)
-                throw error
-            }
-            switch outcome {
-            case .success(let response):
-                return try await adopt(response, previous: onDisk)
-            case .failure(let failure):
-                let error = classifyRefreshFailure(failure)
-                if case .reauthenticate = error {
-                    // A process that does not take the lock may have rotated the token: look once more.
-                    if let again = try store.load(provider.name), again.refreshToken != refreshToken,
-                        again.isFresh(at: clock())
-                    {
-                        remember(again)
-                        return again
-                    }
-                    var dead = onDisk
-                    dead.refreshToken = nil
-                    try record(dead, failure: error)
-                } else {
-                    try record(onDisk, failure: error)
-                }
-                throw error
-            }
+            throw error
         }
     }
 
-    /// Stores the refreshed tokens (the rotated refresh token first of all), then returns them.
-    private func adopt(_ response: TokenResponse, previous: TokenSet) async throws -> TokenSet {
+    /// Checks the refreshed tokens, then writes them at once into the room taken before the request (the
+    /// rotated refresh token exists nowhere else), and returns them with the outcome of the write.
+    private func adopt(
+        _ response: TokenResponse, previous: TokenSet, into reservation: TokenStore.Reservation
+    ) async throws -> (tokens: TokenSet, saved: Result<Void, StoreError>) {
+        let updated: TokenSet
+        do {
+            updated = try await check(response, previous: previous)
+        } catch let error as AuthError {
+            // The old refresh token was spent by this answer: never send it again.
+            var dead = previous
+            dead.refreshToken = nil
+            record(dead, failure: error, into: reservation)
+            throw error
+        }
+        do {
+            try reservation.commit(updated)
+        } catch let error as StoreError {
+            cached = updated
+            return (updated, .failure(error))
+        }
+        remember(updated)
+        return (updated, .success(()))
+    }
+
+    /// The tokens a refresh answer makes of `previous`, or why they cannot be used.
+    private func check(_ response: TokenResponse, previous: TokenSet) async throws -> TokenSet {
         guard let type = TokenEndpoint.normalizedType(response.tokenType) else {
             throw AuthError.configuration(
                 reason: "the provider issued an unsupported token type \(AuthText.clip(response.tokenType, 20))")
@@ -162,17 +340,20 @@ public actor TokenManager {
         updated.dpopThumbprint = type == "DPoP" ? previous.dpopThumbprint : nil
         updated.generation = previous.generation + 1
         updated.lastRefresh = TokenSet.RefreshRecord(at: now, outcome: "ok")
-        try store.save(updated)
-        remember(updated)
         return updated
     }
 
-    private func record(_ tokens: TokenSet, failure: AuthError) throws {
+    /// Records a failed refresh in the token file. The failure matters more than its record: when the write
+    /// fails, the record is kept in memory only.
+    private func record(_ tokens: TokenSet, failure: AuthError, into reservation: TokenStore.Reservation) {
         var updated = tokens
         updated.lastRefresh = TokenSet.RefreshRecord(
             at: clock(), outcome: failure.category, reason: failure.description)
-        try store.save(updated)
-        remember(updated)
+        if (try? reservation.commit(updated)) != nil {
+            remember(updated)
+        } else {
+            cached = updated
+        }
     }
 
     private func remember(_ tokens: TokenSet) {
@@ -215,8 +396,48 @@ public actor TokenManager {
             return .recoverable(reason: "the provider is unavailable (HTTP \(status))", retryAfter: retryAfter)
         case .malformed(let reason):
             return .recoverable(reason: reason, retryAfter: nil)
+        case .unanswered(let reason):
+            // The provider may have rotated the refresh token without our seeing the new one; sending the
+            // old one again would then look like a stolen token being replayed (RFC 9700 §4.14.2).
+            return .reauthenticate(
+                reason:
+                    "the provider took the refresh request and gave no answer (\(reason)); it may have replaced the refresh token, so the old one is not sent again; run: proxyctl login \(provider.name)"
+            )
         }
     }
 
     func setClock(_ clock: @escaping @Sendable () -> Int64) { self.clock = clock }
+}
+
+/// `task`'s value, or nil when `deadline` comes first; the task goes on either way.
+private func value<T: Sendable>(
+    of task: Task<T, any Error>, before deadline: ContinuousClock.Instant
+) async throws -> T? {
+    let first = FirstOutcome<T?>()
+    return try await withCheckedThrowingContinuation { continuation in
+        first.wait(continuation)
+        let timer = Task {
+            // Cancelled when the task ended first: then the deadline must not answer in its stead.
+            guard (try? await Task.sleep(until: deadline, clock: .continuous)) != nil else { return }
+            first.resume(with: .success(nil))
+        }
+        Task {
+            let result = await task.result
+            first.resume(with: result.map { $0 })
+            timer.cancel()
+        }
+    }
+}
+
+/// Resumes a continuation with whichever outcome comes first.
+private final class FirstOutcome<T: Sendable>: Sendable {
+    private let continuation = Mutex<CheckedContinuation<T, any Error>?>(nil)
+
+    func wait(_ waiting: CheckedContinuation<T, any Error>) {
+        continuation.withLock { $0 = waiting }
+    }
+
+    func resume(with outcome: Result<T, any Error>) {
+        continuation.withLock { $0.take() }?.resume(with: outcome)
+    }
 }

@@ -40,10 +40,10 @@ public struct TokenStore: Sendable {
                 }
             }
             guard mkdir(directory, 0o700) == 0 || errno == EEXIST else {
-                throw StoreError(path: directory, "cannot create the directory: \(String(cString: strerror(errno)))")
+                throw StoreError(path: directory, "cannot create the directory", errno: errno)
             }
             guard stat(directory, &info) == 0 else {
-                throw StoreError(path: directory, "cannot read the directory: \(String(cString: strerror(errno)))")
+                throw StoreError(path: directory, "cannot read the directory", errno: errno)
             }
         }
         guard info.st_mode & S_IFMT == S_IFDIR else { throw StoreError(path: directory, "is not a directory") }
@@ -64,7 +64,7 @@ public struct TokenStore: Sendable {
         let fd = open(file, O_RDONLY | O_CLOEXEC | O_NOFOLLOW)
         if fd < 0 {
             if errno == ENOENT { return nil }
-            throw StoreError(path: file, "cannot be read: \(String(cString: strerror(errno)))")
+            throw StoreError(path: file, "cannot be read", errno: errno)
         }
         defer { close(fd) }
         var info = stat()
@@ -78,50 +78,127 @@ public struct TokenStore: Sendable {
         while true {
             let count = read(fd, &buffer, buffer.count)
             if count < 0 && errno == EINTR { continue }
-            if count < 0 { throw StoreError(path: file, "cannot be read: \(String(cString: strerror(errno)))") }
+            if count < 0 { throw StoreError(path: file, "cannot be read", errno: errno) }
             if count == 0 { break }
             data.append(contentsOf: buffer[0..<count])
-            if data.count > 4 << 20 { throw StoreError(path: file, "is too large to be a token file") }
+            if data.count > 4 << 20 { throw StoreError(path: file, "is too large to be a token file", kind: .damaged) }
         }
         guard case .success(let json) = JSON.parse(data), let tokens = TokenSet(json: json) else {
-            throw StoreError(path: file, "is damaged; sign in again to replace it (proxyctl login \(provider))")
+            throw StoreError(
+                path: file, "is damaged; sign in again to replace it (proxyctl login \(provider))", kind: .damaged)
         }
         return tokens
     }
 
     /// Replaces the stored tokens atomically: a crash leaves either the old file or the new one.
     public func save(_ tokens: TokenSet) throws {
+        let bytes = Self.serialize(tokens)
+        try reserve(tokens.provider, bytes: bytes.count).commit(bytes)
+    }
+
+    /// The bytes of a token file.
+    static func serialize(_ tokens: TokenSet) -> [UInt8] {
+        Array(JSON.serialize(tokens.json).utf8) + [0x0A]
+    }
+
+    /// Takes room for the next version of `provider`'s token file: a temporary file beside it (0600) holding
+    /// `bytes` zero bytes, written and fsynced, so that a later `commit` of at most that many bytes needs
+    /// no new blocks. A refresh reserves before it spends the refresh token: on a full disk it fails here,
+    /// while the old refresh token is still good, instead of after the provider has rotated it.
+    /// (Copy-on-write filesystems such as btrfs may still need space to overwrite; the commit then fails
+    /// and the caller keeps the tokens in memory.)
+    public func reserve(_ provider: String, bytes: Int) throws -> Reservation {
         try prepare()
-        let file = path(for: tokens.provider)
-        let temporary = "\(tokensDirectory)/.\(tokens.provider).\(getpid()).\(UInt32.random(in: 0...UInt32.max)).tmp"
-        let bytes = Array(JSON.serialize(tokens.json).utf8) + [0x0A]
+        let file = path(for: provider)
+        let temporary = "\(tokensDirectory)/.\(provider).\(getpid()).\(UInt32.random(in: 0...UInt32.max)).tmp"
         let fd = open(temporary, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0o600)
-        guard fd >= 0 else {
-            throw StoreError(path: temporary, "cannot be created: \(String(cString: strerror(errno)))")
-        }
+        guard fd >= 0 else { throw StoreError(path: file, "cannot be written", errno: errno) }
+        let reservation = Reservation(fd: fd, temporary: temporary, file: file, directory: tokensDirectory, size: bytes)
+        let zeros = [UInt8](repeating: 0, count: min(bytes, 16384))
         var written = 0
-        var failure: String? = nil
-        while written < bytes.count {
-            let count = bytes[written...].withUnsafeBytes { write(fd, $0.baseAddress, $0.count) }
+        while written < bytes {
+            let count = zeros.withUnsafeBytes { write(fd, $0.baseAddress, min($0.count, bytes - written)) }
             if count < 0 && errno == EINTR { continue }
-            if count <= 0 {
-                failure = String(cString: strerror(errno))
-                break
-            }
+            if count <= 0 { throw StoreError(path: file, "cannot be written", errno: count < 0 ? errno : ENOSPC) }
             written += count
         }
-        if failure == nil && fsync(fd) != 0 { failure = String(cString: strerror(errno)) }
-        close(fd)
-        if let failure {
-            unlink(temporary)
-            throw StoreError(path: file, "cannot be written: \(failure)")
+        guard fsync(fd) == 0 else { throw StoreError(path: file, "cannot be written", errno: errno) }
+        return reservation
+    }
+
+    /// Room taken for one token file (see `reserve`): committed once, or removed when let go.
+    public final class Reservation {
+        private var fd: Int32
+        let temporary: String
+        let file: String
+        let directory: String
+        /// The bytes reserved: a commit of at most this many needs no new blocks.
+        public let size: Int
+        /// Not committed yet, and still usable.
+        public var isOpen: Bool { fd >= 0 }
+
+        init(fd: Int32, temporary: String, file: String, directory: String, size: Int) {
+            self.fd = fd
+            self.temporary = temporary
+            self.file = file
+            self.directory = directory
+            self.size = size
         }
-        guard rename(temporary, file) == 0 else {
-            let reason = String(cString: strerror(errno))
-            unlink(temporary)
-            throw StoreError(path: file, "cannot be replaced: \(reason)")
+
+        deinit {
+            if fd >= 0 {
+                close(fd)
+                unlink(temporary)
+            }
         }
-        Self.syncDirectory(tokensDirectory)
+
+        /// Writes `tokens` over the placeholder, fsyncs, renames it over the token file and fsyncs the
+        /// directory. On failure the reservation stays usable, so the caller can try again later.
+        public func commit(_ tokens: TokenSet) throws {
+            try commit(TokenStore.serialize(tokens))
+        }
+
+        func commit(_ bytes: [UInt8]) throws {
+            guard fd >= 0 else { throw StoreError(path: file, "cannot be written: its reserved room was given up") }
+            var written = 0
+            while written < bytes.count {
+                let count = bytes[written...].withUnsafeBytes { pwrite(fd, $0.baseAddress, $0.count, off_t(written)) }
+                if count < 0 && errno == EINTR { continue }
+                if count <= 0 { throw StoreError(path: file, "cannot be written", errno: count < 0 ? errno : ENOSPC) }
+                written += count
+            }
+            // Shrinking frees blocks and never needs new ones.
+            guard ftruncate(fd, off_t(bytes.count)) == 0, fsync(fd) == 0 else {
+                throw StoreError(path: file, "cannot be written", errno: errno)
+            }
+            guard rename(temporary, file) == 0 else {
+                let failure = errno
+                close(fd)
+                fd = -1
+                unlink(temporary)
+                throw StoreError(path: file, "cannot be replaced", errno: failure)
+            }
+            close(fd)
+            fd = -1
+            TokenStore.syncDirectory(directory)
+        }
+    }
+
+    /// Removes temporary files that other processes left beside `provider`'s token file when they were
+    /// killed between writing and renaming (`.NAME.PID.N.tmp`): they may hold a refresh token. Called
+    /// under the provider's lock, which every writer holds, so none of them is being written; this
+    /// process's own are left alone (a `Reservation` removes its file itself).
+    public func removeStaleTemporaries(_ provider: String) {
+        guard let names = try? FileManager.default.contentsOfDirectory(atPath: tokensDirectory) else { return }
+        let prefix = ".\(provider)."
+        for name in names where name.hasPrefix(prefix) && name.hasSuffix(".tmp") {
+            let middle = name.dropFirst(prefix.count).dropLast(4)
+                .split(separator: ".", omittingEmptySubsequences: false)
+            guard middle.count == 2, let pid = Int32(middle[0]), UInt32(middle[1]) != nil, pid != getpid() else {
+                continue
+            }
+            unlink("\(tokensDirectory)/\(name)")
+        }
     }
 
     /// Removes the stored tokens; true when there were some.
@@ -130,7 +207,7 @@ public struct TokenStore: Sendable {
         let file = path(for: provider)
         if unlink(file) != 0 {
             if errno == ENOENT { return false }
-            throw StoreError(path: file, "cannot be removed: \(String(cString: strerror(errno)))")
+            throw StoreError(path: file, "cannot be removed", errno: errno)
         }
         Self.syncDirectory(tokensDirectory)
         return true
@@ -171,16 +248,24 @@ public struct TokenStore: Sendable {
         _ provider: String, timeout: Int = 60_000, isolation: isolated (any Actor)? = #isolation,
         _ body: () async throws -> T
     ) async throws -> T {
+        let held = try await lock(provider, timeout: timeout)
+        defer { held.release() }
+        return try await body()
+    }
+
+    /// Takes the provider's cross-process lock (`flock`), waiting up to `timeout` milliseconds; it is held
+    /// until `release()` or until the `Lock` goes away.
+    public func lock(_ provider: String, timeout: Int = 60_000) async throws -> Lock {
         try prepare()
         let file = lockPath(for: provider)
         let fd = open(file, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0o600)
-        guard fd >= 0 else { throw StoreError(path: file, "cannot be opened: \(String(cString: strerror(errno)))") }
-        defer { close(fd) }
+        guard fd >= 0 else { throw StoreError(path: file, "cannot be opened", errno: errno) }
+        let held = Lock(fd: fd)
         let deadline = ContinuousClock.now + .milliseconds(timeout)
         var delay = 5
         while flock(fd, LOCK_EX | LOCK_NB) != 0 {
             guard errno == EWOULDBLOCK || errno == EINTR else {
-                throw StoreError(path: file, "cannot be locked: \(String(cString: strerror(errno)))")
+                throw StoreError(path: file, "cannot be locked", errno: errno)
             }
             guard ContinuousClock.now < deadline else {
                 throw AuthError.recoverable(
@@ -190,8 +275,26 @@ public struct TokenStore: Sendable {
             try await Task.sleep(for: .milliseconds(delay))
             delay = min(delay * 2, 100)
         }
-        defer { flock(fd, LOCK_UN) }
-        return try await body()
+        held.locked = true
+        return held
+    }
+
+    /// A held provider lock.
+    public final class Lock {
+        private var fd: Int32
+        fileprivate var locked = false
+
+        init(fd: Int32) { self.fd = fd }
+
+        deinit { release() }
+
+        /// Lets the lock go (closing the descriptor releases the `flock`); later calls do nothing.
+        public func release() {
+            guard fd >= 0 else { return }
+            if locked { flock(fd, LOCK_UN) }
+            close(fd)
+            fd = -1
+        }
     }
 }
 
@@ -199,11 +302,51 @@ public struct TokenStore: Sendable {
 public struct StoreError: Error, Sendable, CustomStringConvertible {
     public let path: String
     public let reason: String
+    public let kind: Kind
+    /// The system error, when there was one.
+    public let code: Int32?
 
-    init(path: String, _ reason: String) {
+    public enum Kind: Sendable, Equatable {
+        /// The file is there but is not a token file: signing in again replaces it.
+        case damaged
+        /// Reading, writing or locking failed (a full disk, a quota, permissions, a read-only filesystem).
+        case io
+    }
+
+    init(path: String, _ reason: String, kind: Kind = .io) {
         self.path = path
         self.reason = reason
+        self.kind = kind
+        self.code = nil
+    }
+
+    init(path: String, _ what: String, errno code: Int32) {
+        self.path = path
+        self.reason = "\(what): \(String(cString: strerror(code)))"
+        self.kind = .io
+        self.code = code
     }
 
     public var description: String { "\(path) \(reason)" }
+
+    /// What the user can do about it.
+    var fix: String {
+        let directory = (path as NSString).deletingLastPathComponent
+        switch code {
+        case ENOSPC, EDQUOT, EFBIG: return "free space on the disk that holds \(directory)"
+        case EACCES, EPERM, EROFS: return "make \(directory) writable by this user, or set state_dir in [proxy]"
+        default: return "check \(directory) (state_dir in [proxy])"
+        }
+    }
+
+    /// The error as the token users see it: a damaged file asks for a new sign-in (which replaces it); any
+    /// other problem is the state directory's, named with its fix, and never blamed on the provider.
+    public func authError(provider: String) -> AuthError {
+        switch kind {
+        case .damaged:
+            .reauthenticate(reason: "the token file \(description)")
+        case .io:
+            .storage(reason: "proxyctl cannot keep tokens: \(description); \(fix)")
+        }
+    }
 }

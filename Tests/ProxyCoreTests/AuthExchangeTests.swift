@@ -141,6 +141,40 @@ import Testing
         #expect(response.extraFields.contains { $0.name == "Retry-After" && $0.value == "30" })
     }
 
+    @Test func pendingRefreshIs503NamingTheWait() {
+        var machine = exchange()
+        _ = machine.start()
+        guard
+            case .respond(let answer) = machine.handle(
+                .tokensFailed(.pending(reason: "the provider has not answered the token refresh", retryAfter: 5)))
+        else {
+            Issue.record("expected an answer of our own")
+            return
+        }
+        let response = answer.response
+        #expect(response.status == 503)
+        #expect(response.extraFields.contains { $0.name == "Retry-After" && $0.value == "5" })
+        #expect(response.proxyStatus?.details?.contains("waiting for the identity provider's answer") == true)
+        #expect(response.proxyStatus?.details?.contains("unavailable") == false)
+    }
+
+    @Test func storageProblemIsNamedAndNotBlamedOnTheProvider() {
+        var machine = exchange()
+        _ = machine.start()
+        let reason = "proxyctl cannot keep tokens: /s/tokens/corp.json cannot be written: No space left on device"
+        guard case .respond(let answer) = machine.handle(.tokensFailed(.storage(reason: reason))) else {
+            Issue.record("expected an answer of our own")
+            return
+        }
+        let response = answer.response
+        #expect(response.status == 503)
+        #expect(!response.extraFields.contains { $0.name == "Retry-After" })
+        #expect(response.proxyStatus?.error == .proxyInternalError)
+        #expect(response.proxyStatus?.details?.contains("state directory") == true)
+        #expect(response.message.contains("No space left on device"))
+        #expect(!response.message.contains("unavailable"))
+    }
+
     /// Every sequence of origin answers (and refresh outcomes) up to the budget: the machine always ends with
     /// a delivery or an answer of its own, sends at most three times, retries a nonce at most once, refreshes
     /// at most once, and never refreshes or replays on a step-up challenge.

@@ -85,8 +85,9 @@ func writeInPlace(_ path: String, _ text: String) throws {
 }
 
 /// The test provider's configuration.
-func testProvider(name: String = "test") -> ProviderConfig {
+func testProvider(name: String = "test", tokenTimeout: Int = 30_000) -> ProviderConfig {
     var provider = ProviderConfig(name: name)
+    provider.tokenTimeout = tokenTimeout
     provider.issuer = JWSFixtures.issuer
     provider.clientID = JWSFixtures.clientID
     provider.scopes = ["openid", "profile"]
@@ -118,6 +119,8 @@ final class FakeProvider: HTTPTransport {
     }
 
     private struct Counters {
+        /// "token" and "jwks", in the order the requests came.
+        var order: [String] = []
         var tokenRequests: [TokenRequest] = []
         var discoveryRequests = 0
         var jwksRequests = 0
@@ -136,6 +139,7 @@ final class FakeProvider: HTTPTransport {
     var tokenRequests: [TokenRequest] { counters.withLock { $0.tokenRequests } }
     var discoveryRequests: Int { counters.withLock { $0.discoveryRequests } }
     var jwksRequests: Int { counters.withLock { $0.jwksRequests } }
+    var order: [String] { counters.withLock { $0.order } }
 
     func send(_ request: HTTPRequest) async throws -> HTTPResponse {
         switch (request.method, request.url) {
@@ -150,7 +154,10 @@ final class FakeProvider: HTTPTransport {
                     "code_challenge_methods_supported": ["S256"],
                 ])
         case ("GET", Self.jwksURL):
-            counters.withLock { $0.jwksRequests += 1 }
+            counters.withLock {
+                $0.jwksRequests += 1
+                $0.order.append("jwks")
+            }
             let keys = try [JWSFixtures.rsa1, JWSFixtures.ec1].map { JSONValue.object(try jsonObject($0)) }
             return Self.json(200, ["keys": .array(keys)])
         case ("POST", Self.tokenURL):
@@ -159,6 +166,7 @@ final class FakeProvider: HTTPTransport {
             let tokenRequest = counters.withLock { counters in
                 let tokenRequest = TokenRequest(index: counters.tokenRequests.count + 1, form: form)
                 counters.tokenRequests.append(tokenRequest)
+                counters.order.append("token")
                 return tokenRequest
             }
             if delay > .zero { try await Task.sleep(for: delay) }

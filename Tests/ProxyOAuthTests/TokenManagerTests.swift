@@ -38,18 +38,19 @@ private struct Harness {
 
     init(
         initial: TokenSet? = storedTokens(issuedAt: start - 3700, expiresAt: start - 100),
-        delay: Duration = .zero,
+        delay: Duration = .zero, tokenTimeout: Int = 30_000,
         tokenReply: @escaping @Sendable (FakeProvider.TokenRequest) async throws -> HTTPResponse
     ) async throws {
         temporary = try TemporaryDirectory()
         store = TokenStore(stateDirectory: temporary.path + "/state")
         if let initial { try store.save(initial) }
         fake = FakeProvider(delay: delay, tokenReply: tokenReply)
-        client = ProviderClient(config: testProvider(), transport: fake)
+        client = ProviderClient(config: testProvider(tokenTimeout: tokenTimeout), transport: fake)
         let sleeps = self.sleeps
         await client.setSleep { seconds in sleeps.add(seconds) }
         let clock = self.clock
-        manager = TokenManager(provider: testProvider(), store: store, client: client, clock: { clock.now })
+        manager = TokenManager(
+            provider: testProvider(tokenTimeout: tokenTimeout), store: store, client: client, clock: { clock.now })
     }
 
     /// Another process's manager: same files, its own memory, the same provider.
@@ -407,9 +408,177 @@ private func authFailure<T>(
         #expect(error?.category == "reauthenticate")
     }
 
-    @Test func damagedFileIsReported() async throws {
+    @Test func damagedFileAsksForSignInAndNamesTheFile() async throws {
         let harness = try await Harness { _ in FakeProvider.tokens(access: "unexpected") }
         try writeInPlace(harness.store.path(for: "test"), "{\"version\":1")
-        await #expect(throws: StoreError.self) { try await harness.manager.currentTokens() }
+        let error = await authFailure { try await harness.manager.currentTokens() }
+        // Not "the provider is unavailable": the file is the problem, and signing in replaces it.
+        #expect(error?.category == "reauthenticate")
+        #expect(error?.description.contains(harness.store.path(for: "test") + " is damaged") == true)
+        #expect(error?.description.contains("proxyctl login test") == true)
+    }
+}
+
+/// Opens when the test says so: a provider that stalls until released.
+private final class Latch: Sendable {
+    private let stream: AsyncStream<Void>
+    private let continuation: AsyncStream<Void>.Continuation
+
+    init() { (stream, continuation) = AsyncStream.makeStream(of: Void.self) }
+
+    func open() { continuation.finish() }
+    func wait() async { for await _ in stream {} }
+}
+
+/// Refreshes under faults: a stalled or silent provider, a process stopping, a disk that cannot be written.
+@Suite struct TokenManagerFaultTests {
+    @Test func refreshWithoutAnAnswerIsNeverSentAgain() async throws {
+        // The request went out and the connection died: the provider may have rotated the token.
+        let harness = try await Harness { _ in throw TransportError.noAnswer("connection reset after the request") }
+        let error = await authFailure { try await harness.manager.currentTokens() }
+        #expect(error?.category == "reauthenticate")
+        #expect(error?.description.contains("not sent again") == true)
+        #expect(harness.fake.tokenRequests.count == 1)
+        #expect(harness.sleeps.all.isEmpty)
+        // Dropped, so no later caller (or process) sends it either.
+        #expect(try harness.onDisk()?.refreshToken == nil)
+        _ = await authFailure { try await harness.manager.currentTokens() }
+        #expect(harness.fake.tokenRequests.count == 1)
+    }
+
+    @Test func stalledRefreshIsPendingAndLaterCallersJoinTheSameFlight() async throws {
+        let latch = Latch()
+        let harness = try await Harness(tokenTimeout: 200) { _ in
+            await latch.wait()
+            return FakeProvider.tokens(access: "access-2", refresh: "refresh-2")
+        }
+        let manager = harness.manager
+        let first = await authFailure { try await manager.currentTokens() }
+        guard case .pending(let reason, let retryAfter) = first else {
+            Issue.record("expected pending, got \(String(describing: first))")
+            return
+        }
+        #expect(reason.contains("not sent again"))
+        #expect(retryAfter == 5)
+        // The flight is still out: the gate says so, and the next caller joins it instead of sending again.
+        #expect(!manager.gate.isIdle)
+        #expect(await authFailure { try await manager.refresh(replacing: 1) }?.category == "pending")
+        let waiting = Task { try await manager.currentTokens(waitingAtMost: nil) }
+        latch.open()
+        let tokens = try await waiting.value
+        #expect(tokens.accessToken == "access-2")
+        #expect(harness.fake.tokenRequests.count == 1)
+        // The answer that came after everyone stopped waiting is on disk.
+        #expect(try harness.onDisk()?.refreshToken == "refresh-2")
+        #expect(manager.gate.isIdle)
+        #expect(try await manager.currentTokens().accessToken == "access-2")
+    }
+
+    @Test func refreshThatEndsBeforeTheDeadlineIsNeverReportedPending() async throws {
+        // The flight's end and the deadline's timer race to answer each caller: the end must win whenever it
+        // comes first (a timer cancelled by it once answered "pending ... in 0s"). Many callers per flight
+        // and many flights make a lost race likely when the order is wrong.
+        let harness = try await Harness(delay: .milliseconds(1)) { request in
+            FakeProvider.tokens(access: "access-\(request.index + 1)", refresh: "refresh-\(request.index + 1)")
+        }
+        let manager = harness.manager
+        for generation in Int64(1)...300 {
+            try await withThrowingTaskGroup(of: Int64.self) { group in
+                for _ in 0..<20 { group.addTask { try await manager.refresh(replacing: generation).generation } }
+                for try await refreshed in group { #expect(refreshed == generation + 1) }
+            }
+        }
+    }
+
+    @Test func stoppingBeforeTheRequestSendsNothing() async throws {
+        let harness = try await Harness { _ in FakeProvider.tokens(access: "access-2", refresh: "refresh-2") }
+        #expect(harness.manager.gate.close())
+        let error = await authFailure { try await harness.manager.currentTokens() }
+        #expect(error?.category == "cancelled")
+        #expect(harness.fake.tokenRequests.isEmpty)
+        #expect(try harness.onDisk()?.refreshToken == "refresh-1")
+    }
+
+    @Test func stoppingDuringTheRequestWaitsForItsAnswerToBeStored() async throws {
+        let latch = Latch()
+        let harness = try await Harness { _ in
+            await latch.wait()
+            return FakeProvider.tokens(access: "access-2", refresh: "refresh-2")
+        }
+        let manager = harness.manager
+        let refresh = Task { try await manager.currentTokens() }
+        try await pollUntil { harness.fake.tokenRequests.count == 1 }
+        #expect(!manager.gate.close())
+        latch.open()
+        _ = try await refresh.value
+        // Closable only once the answer is on disk.
+        #expect(try harness.onDisk()?.refreshToken == "refresh-2")
+        #expect(manager.gate.close())
+    }
+
+    @Test func providerKeysAreFetchedBeforeTheRefreshTokenIsSpent() async throws {
+        // With the keys at hand, only local work stands between reading the answer and writing it.
+        var initial = storedTokens(issuedAt: start - 3700, expiresAt: start - 100)
+        initial.idToken = JWSFixtures.rs256
+        let harness = try await Harness(initial: initial) { _ in
+            FakeProvider.tokens(access: "access-2", refresh: "refresh-2", idToken: JWSFixtures.rs256)
+        }
+        _ = try await harness.manager.currentTokens()
+        #expect(harness.fake.order == ["jwks", "token"])
+    }
+
+    @Test func answerThatCannotBeWrittenIsKeptAndWrittenLater() async throws {
+        let blockPath = Shared<String?>(nil)
+        let harness = try await Harness { _ in
+            // While the provider answers, a directory takes the file's place: the write after it fails.
+            if let file = blockPath.value {
+                unlink(file)
+                try FileManager.default.createDirectory(atPath: file + "/x", withIntermediateDirectories: true)
+            }
+            return FakeProvider.tokens(access: "access-2", refresh: "refresh-2")
+        }
+        let manager = harness.manager
+        let file = harness.store.path(for: "test")
+        blockPath.set(file)
+        let tokens = try await manager.currentTokens()
+        #expect(tokens.refreshToken == "refresh-2")
+        #expect(await manager.hasUnsavedTokens)
+        // The lock stays held meanwhile: no other process reads the file and spends the replaced token.
+        let other = TokenStore(stateDirectory: harness.store.stateDirectory)
+        await #expect(throws: AuthError.self) { try await other.withLock("test", timeout: 0) {} }
+        #expect(!manager.gate.isIdle)
+        #expect(try await manager.currentTokens().accessToken == "access-2")
+        // Room again: the next use writes them, and lets the lock and the gate go.
+        try FileManager.default.removeItem(atPath: file)
+        #expect(try await manager.currentTokens().accessToken == "access-2")
+        #expect(await !manager.hasUnsavedTokens)
+        #expect(try harness.onDisk()?.refreshToken == "refresh-2")
+        #expect(try await other.withLock("test", timeout: 0) { true })
+        #expect(manager.gate.isIdle)
+        #expect(harness.fake.tokenRequests.count == 1)
+    }
+
+    @Test func killedWritersTemporaryFilesAreRemovedByTheNextRefresh() async throws {
+        let harness = try await Harness { _ in FakeProvider.tokens(access: "access-2", refresh: "refresh-2") }
+        let directory = harness.store.tokensDirectory
+        let leftovers = [".test.99999.12345.tmp", ".test.1.2.tmp"]
+        let kept = [".other.99999.1.tmp", ".test.keep.tmp", ".test.\(getpid()).7.tmp"]
+        for name in leftovers + kept { try writeInPlace("\(directory)/\(name)", "{\"refresh_token\":\"secret\"}") }
+        _ = try await harness.manager.currentTokens()
+        let names = Set(try FileManager.default.contentsOfDirectory(atPath: directory))
+        #expect(names.isDisjoint(with: leftovers))
+        #expect(names.isSuperset(of: kept))
+    }
+}
+
+/// Polls `condition` every 10 ms for up to 10 s.
+private func pollUntil(_ condition: () throws -> Bool) async throws {
+    let deadline = ContinuousClock.now + .seconds(10)
+    while try !condition() {
+        guard ContinuousClock.now < deadline else {
+            Issue.record("condition not met within 10 s")
+            return
+        }
+        try await Task.sleep(for: .milliseconds(10))
     }
 }

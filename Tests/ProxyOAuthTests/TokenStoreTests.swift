@@ -226,6 +226,61 @@ private final class EventLog: Sendable {
     var all: [String] { events.withLock { $0 } }
 }
 
+@Suite struct TokenStoreReservationTests {
+    @Test func reservationHoldsTheRoomThenBecomesTheFile() throws {
+        let temporary = try TemporaryDirectory()
+        let store = freshStore(temporary)
+        try store.save(storedTokens(accessToken: "old", issuedAt: 1, expiresAt: nil))
+        let reservation = try store.reserve("test", bytes: 20_000)
+        // Written and synced before the refresh token is spent: the room is really taken.
+        let placeholder = try #require(try fileNames(store.tokensDirectory).first { $0.hasSuffix(".tmp") })
+        var info = stat()
+        try #require(stat("\(store.tokensDirectory)/\(placeholder)", &info) == 0)
+        #expect(info.st_size == 20_000 && info.st_blocks * 512 >= 20_000)
+        #expect(info.st_mode & 0o777 == 0o600)
+        let new = storedTokens(accessToken: "new", issuedAt: 2, expiresAt: nil, generation: 2)
+        try reservation.commit(new)
+        #expect(try store.load("test") == new)
+        #expect(try fileNames(store.tokensDirectory) == ["test.json"])
+    }
+
+    @Test func droppedReservationLeavesNothing() throws {
+        let temporary = try TemporaryDirectory()
+        let store = freshStore(temporary)
+        try store.save(storedTokens(issuedAt: 1, expiresAt: nil))
+        do { _ = try store.reserve("test", bytes: 100) }
+        #expect(try fileNames(store.tokensDirectory) == ["test.json"])
+    }
+
+    @Test func staleTemporaryFilesAreRemovedOthersKept() throws {
+        let temporary = try TemporaryDirectory()
+        let store = freshStore(temporary)
+        try store.save(storedTokens(issuedAt: 1, expiresAt: nil))
+        for name in [".test.99999.12345.tmp", ".test.bar.1.2.tmp", ".test.bar.json", ".test.\(getpid()).3.tmp"] {
+            try writeInPlace("\(store.tokensDirectory)/\(name)", "x")
+        }
+        store.removeStaleTemporaries("test")
+        // Another provider's (test.bar), other names and this process's own are left alone.
+        #expect(
+            try fileNames(store.tokensDirectory)
+                == [".test.\(getpid()).3.tmp", ".test.bar.1.2.tmp", ".test.bar.json", "test.json"])
+    }
+
+    @Test func errorsNameTheirCauseAndFix() {
+        let full = StoreError(path: "/s/tokens/test.json", "cannot be written", errno: ENOSPC)
+        guard case .storage(let reason) = full.authError(provider: "test") else {
+            Issue.record("a full disk is a storage problem")
+            return
+        }
+        #expect(reason.contains("/s/tokens/test.json cannot be written: No space left on device"))
+        #expect(reason.contains("free space on the disk that holds /s/tokens"))
+        let readOnly = StoreError(path: "/s/tokens/test.json", "cannot be written", errno: EROFS)
+        #expect(readOnly.authError(provider: "test").description.contains("make /s/tokens writable"))
+        let damaged = StoreError(path: "/s/tokens/test.json", "is damaged", kind: .damaged)
+        #expect(damaged.authError(provider: "test").category == "reauthenticate")
+    }
+}
+
 @Suite struct TokenStoreLockTests {
     @Test func secondHolderInTheProcessWaitsForTheFirst() async throws {
         let temporary = try TemporaryDirectory()

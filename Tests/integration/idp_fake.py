@@ -30,12 +30,13 @@ request (`fail`), or applied to every request (`fail_always`) until `clear_fault
 Control API (Python only):
   faults       fail(endpoint, *faults), fail_always(endpoint, fault), clear_faults([endpoint]), pending_faults()
                Fault.status(503|500|429, retry_after=2 | HTTP-date str | unix float), Fault.retry_after_date(),
-               Fault.delay_only(s), Fault.malformed_json(), Fault.html(), Fault.invalid_grant(),
+               Fault.delay_only(s), Fault.stall(s) (carried out after s, even if the client left), Fault.malformed_json(), Fault.html(), Fault.invalid_grant(),
                Fault.oauth_error(error, desc, status), Fault.empty_400(), Fault.drop_connection(),
                Fault.use_dpop_nonce(nonce), Fault.id_token(*ID_TOKEN_DEFECTS), Fault.authorize_error(error, desc),
                Fault.user_not_registered(), Fault.wrong_iss(), Fault.missing_iss(), Fault.wrong_state();
                every constructor also takes delay=seconds
-  observation  count(endpoint, **param_filter), counts(), requests(endpoint), last_request(endpoint),
+  observation  count(endpoint, **param_filter), counts(), requests(endpoint) (token requests carry `decided` and
+               `answered` times), last_request(endpoint),
                wait_for(endpoint, n, timeout, **param_filter), reset_counts(), revocations, reuse_detected
   keys         jwks(), signing_key, rotate_keys(alg=None, publish_after=1, drop_old=False)
   device flow  script_device_polls(*outcomes, user_code=None), approve_device / deny_device / expire_device(user_code)
@@ -185,6 +186,12 @@ class Fault:
         return cls("pass", delay=seconds)
 
     @classmethod
+    def stall(cls, seconds: float) -> "Fault":
+        """A provider stopped (SIGSTOP) with the request in its socket, resumed after `seconds`: it then carries
+        the request out (a refresh token rotates) whether or not the client is still waiting for the answer."""
+        return cls("pass", delay=seconds)
+
+    @classmethod
     def malformed_json(cls, status: int = 200, delay: float = 0.0) -> "Fault":
         return cls("raw", http_status=status, body=b'{"access_token": "abc", "token_type": ', delay=delay,
                    headers={"Content-Type": "application/json"})
@@ -267,6 +274,8 @@ class RecordedRequest:
     body: bytes
     time: float
     fault: Optional[Fault] = None
+    decided: Optional[float] = None   # token endpoint: when the grant was carried out (a refresh token rotated)
+    answered: Optional[float] = None  # token endpoint: when the answer was written (or the write failed)
 
     @property
     def dpop(self) -> Optional[str]:
@@ -977,7 +986,11 @@ class FakeIdP:
             return _send_json(h, 400, {"error": "unsupported_grant_type"})
         with self._lock:                 # decide under the lock, answer outside it
             status, body = grants[grant](form, jkt, defects)
-        _send_json(h, status, body, {"Pragma": "no-cache"})
+            rec.decided = time.time()
+        try:
+            _send_json(h, status, body, {"Pragma": "no-cache"})
+        finally:
+            rec.answered = time.time()
 
     def _grant_code(self, form, jkt, defects) -> Tuple[int, dict]:
         code = self._codes.get(form.get("code", ""))
@@ -1181,6 +1194,9 @@ def _handler_for(idp: FakeIdP):
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "FakeIdP/1.0"
+        # The head and the body go out in two writes: with Nagle's algorithm the body waits for the client's
+        # delayed ACK (40 ms on Linux), which no real provider adds and which would hide proxyctl's own timing.
+        disable_nagle_algorithm = True
 
         def version_string(self):
             return self.server_version

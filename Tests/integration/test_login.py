@@ -409,7 +409,7 @@ def test_store_loosened_directory_is_tightened(ws, fake):
     assert mode(ws.token_path("fake")) == 0o600
 
 
-def test_store_replaces_atomically_and_ignores_leftover_temp_file(ws, fake):
+def test_store_replaces_atomically_and_removes_leftover_temp_file(ws, fake):
     fake_workspace(ws, fake)
     fake.expires_in = 0                                     # stored already expired: the next `token` refreshes
     login_ok(ws, browser="fake")
@@ -428,8 +428,10 @@ def test_store_replaces_atomically_and_ignores_leftover_temp_file(ws, fake):
     assert token.stdout.strip() == after["access_token"] != before["access_token"]
     assert os.stat(ws.token_path("fake")).st_ino != inode, "the file is replaced by rename, not rewritten"
     assert mode(ws.token_path("fake")) == 0o600
+    # The leftover never replaced the tokens (status read the real file), and the refresh, under the lock,
+    # removed it: it could hold a refresh token.
     left = sorted(p.name for p in tokens_dir.iterdir() if p.name.endswith(".tmp"))
-    assert left == [leftover.name], f"temporary files left behind: {left}"
+    assert left == [], f"temporary files left behind: {left}"
 
 
 def test_damaged_token_file_is_reported(ws, fake):

@@ -10,6 +10,7 @@ other settings start their own proxy on the same state directory, or their own w
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import hashlib
 import ipaddress
@@ -34,7 +35,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from fixtures import config
-from fixtures.content import MiB, expected_sha256, write_generated
+from fixtures.content import MiB, expected_sha256, fill, write_generated
 from fixtures.http import CurlAnswer, Reader, free_port, open_tunnel, run_curl
 from fixtures.jose import unverified_claims
 from fixtures.pki import CertificateAuthority
@@ -802,15 +803,15 @@ def test_hundred_requests_on_an_expired_glewlwyd_token_refresh_once(main, rs, id
 # MARK: - The fake provider: exact counts and outages
 
 
-@pytest.fixture
-def fake_deployment(tmp_path, rs):
+@contextlib.contextmanager
+def fake_deployment_with(root: Path, rs, state: Path | None = None, **provider_keys: str):
     """A workspace signed in to the fake provider (JWT access tokens that expire in 2 s), its own CA and proxy
-    for fake.test."""
+    for fake.test; `provider_keys` are added to [provider fake], `state` is its state directory."""
     with FakeIdP(access_token_format="jwt", expires_in=2) as fake:
         rs.trust(fake.issuer, fake.url("jwks"))
-        sections = (provider_section("fake", fake.issuer, redirect_port=0)
+        sections = (provider_section("fake", fake.issuer, redirect_port=0, **provider_keys)
                     + origin_section(f"https://{FAKE}:{rs.port}", "fake", ca_file=rs.ca_pem))
-        ws = Workspace(tmp_path / "fake", sections, f"{FAKE}=127.0.0.1")
+        ws = Workspace(root, sections, f"{FAKE}=127.0.0.1", state=state)
         ws.ca_init()
         ws.login_fake("fake")
         fake.expires_in = 3600
@@ -821,6 +822,14 @@ def fake_deployment(tmp_path, rs):
         finally:
             failure = deployment.stop()
         assert failure is None, failure
+
+
+@pytest.fixture
+def fake_deployment(tmp_path, rs):
+    """A workspace signed in to the fake provider (JWT access tokens that expire in 2 s), its own CA and proxy
+    for fake.test."""
+    with fake_deployment_with(tmp_path / "fake", rs) as deployment:
+        yield deployment
 
 
 def wait_expired(ws: Workspace, provider: str) -> dict:
@@ -856,6 +865,96 @@ def test_provider_down_gives_503_with_retry_after(fake_deployment, rs):
     assert fake.count("token", grant_type="refresh_token") >= 1
     assert rs.since(seen_mark) == []
     assert_one_intercepted(fake_deployment, mark, "status=503")
+
+
+# MARK: - Refresh faults in the proxy: a stalled provider, a stop mid-refresh, a damaged file, a full disk
+
+
+def assert_refresh_token_live(deployment: Deployment) -> None:
+    fake = deployment.fake
+    assert fake.reuse_detected == 0
+    assert fake.refresh_token_state(deployment.ws.tokens("fake")["refresh_token"]) == "active"
+
+
+def test_stalled_refresh_is_answered_503_and_its_answer_kept(tmp_path, rs):
+    """The provider stops with the refresh in its socket: after token_timeout the client gets 503 with
+    Retry-After, later requests do not send the refresh token again, and the late answer is stored and used."""
+    with fake_deployment_with(tmp_path / "stall", rs, token_timeout="1s") as dep:
+        fake = dep.fake
+        before = wait_expired(dep.ws, "fake")
+        fake.fail("token", Fault.stall(6.0))
+        first = dep.curl(rs.url("/stalled", FAKE))
+        assert first.status == 503, first
+        assert first.header("Retry-After") == "5", first
+        assert "waiting for the identity provider's answer" in (first.header("Proxy-Status") or ""), first
+        assert b"not sent again" in first.body, first
+        second = dep.curl(rs.url("/stalled-again", FAKE))
+        assert second.status in (200, 503), second
+        assert fake.count("token", grant_type="refresh_token") == 1
+        poll(lambda: dep.ws.tokens("fake")["generation"] == before["generation"] + 1, timeout=30,
+                     message="the late answer to be stored")
+        after = dep.curl(rs.url("/after", FAKE))
+        assert after.status == 200, after
+        assert fake.count("token", grant_type="refresh_token") == 1
+        assert_refresh_token_live(dep)
+
+
+def test_sigterm_during_a_refresh_waits_for_its_answer(tmp_path, rs):
+    """SIGTERM while a refresh is out (its client already answered 503): serve exits once the answer is stored,
+    within shutdown_grace, instead of leaving the provider to rotate the token for nobody."""
+    with fake_deployment_with(tmp_path / "stop", rs, token_timeout="1s") as dep:
+        fake = dep.fake
+        before = wait_expired(dep.ws, "fake")
+        fake.fail("token", Fault.stall(2.5))
+        answer = dep.curl(rs.url("/stopping", FAKE))
+        assert answer.status == 503, answer
+        mark = dep.proxy.mark()
+        assert dep.proxy.stop() == 0
+        assert "waiting for a token refresh in flight" in dep.proxy.log_since(mark)
+        assert dep.ws.tokens("fake")["generation"] == before["generation"] + 1
+        assert_refresh_token_live(dep)
+
+
+def test_damaged_token_file_asks_for_sign_in_naming_it(fake_deployment, rs):
+    """Not "the identity provider is unavailable, retry": the file is the problem, and signing in replaces it."""
+    path = fake_deployment.ws.state / "tokens" / "fake.json"
+    path.write_text('{"version": 1')
+    answer = fake_deployment.curl(rs.url("/damaged", FAKE))
+    assert answer.status == 401, answer
+    assert answer.header("Retry-After") is None, answer
+    assert "proxyctl login fake" in (answer.header("Proxy-Status") or ""), answer
+    assert f"{path} is damaged".encode() in answer.body, answer
+
+
+def test_full_disk_is_named_and_spends_no_refresh_token(tmp_path, rs):
+    """A full state directory: the answer names the disk (not the provider), no refresh token is spent, and
+    once there is room again the next request refreshes."""
+    state = tmp_path / "disk" / "state"
+    state.mkdir(parents=True, mode=0o700)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(state)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        with fake_deployment_with(tmp_path / "disk", rs, state=state) as dep:
+            fake = dep.fake
+            before = wait_expired(dep.ws, "fake")
+            filler = fill(state)
+            answer = dep.curl(rs.url("/full", FAKE))
+            assert fake.count("token", grant_type="refresh_token") == 0, "a refresh token was spent with no room"
+            assert answer.status == 503, answer
+            assert answer.header("Retry-After") is None, answer
+            assert "state directory" in (answer.header("Proxy-Status") or ""), answer
+            assert b"No space left on device" in answer.body and b"free space" in answer.body, answer
+            assert b"unavailable" not in answer.body, answer
+            assert dep.ws.tokens("fake")["refresh_token"] == before["refresh_token"]
+            filler.unlink()
+            again = dep.curl(rs.url("/room-again", FAKE))
+            assert again.status == 200, again
+            assert fake.count("token", grant_type="refresh_token") == 1
+            assert_refresh_token_live(dep)
+    finally:
+        subprocess.run(["umount", "-l", str(state)], check=False)
 
 
 def test_not_signed_in_is_answered_by_the_proxy(main, rs):

@@ -4,6 +4,12 @@ public enum TokenFailure: Error, Sendable, Equatable {
     case signInNeeded(reason: String)
     /// The provider is unreachable or overloaded; retry after `retryAfter` seconds.
     case unavailable(reason: String, retryAfter: Int?)
+    /// A refresh is at the provider and has not been answered yet; it goes on, and the refresh token is not
+    /// sent again meanwhile. Retry after `retryAfter` seconds.
+    case pending(reason: String, retryAfter: Int)
+    /// proxyctl cannot keep tokens in its state directory (a full disk, permissions): nothing to do with the
+    /// provider, and nothing a retry fixes until the user does.
+    case storage(reason: String)
     /// proxy.conf or the provider's registration is wrong.
     case configuration(reason: String)
 }
@@ -170,6 +176,9 @@ public struct AuthExchange: Sendable {
         case .signInNeeded(let reason): .signInNeeded(provider: provider, reason: reason)
         case .unavailable(let reason, let retryAfter):
             .providerUnavailable(origin: origin, reason: reason, retryAfter: max(1, retryAfter ?? 5))
+        case .pending(let reason, let retryAfter):
+            .refreshPending(origin: origin, reason: reason, retryAfter: max(1, retryAfter))
+        case .storage(let reason): .tokenStorageFailed(origin: origin, reason: reason)
         case .configuration(let reason): .providerMisconfigured(origin: origin, provider: provider, reason: reason)
         }
     }

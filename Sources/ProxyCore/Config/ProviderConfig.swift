@@ -41,6 +41,9 @@ public struct ProviderConfig: Sendable, Equatable {
     public var dpopRequired: Bool = false
     /// How long a login waits for the browser or the device code.
     public var loginTimeout: Int = 300_000
+    /// How long a caller waits for the token endpoint (milliseconds). A refresh still unanswered then is
+    /// left running, never sent again, and callers are told to retry.
+    public var tokenTimeout: Int = 30_000
     /// Line of the section header, for messages.
     public var line: Int = 0
 
@@ -54,12 +57,14 @@ public struct ProviderConfig: Sendable, Equatable {
             && lhs.extraParameters.map(\.value) == rhs.extraParameters.map(\.value) && lhs.usePAR == rhs.usePAR
             && lhs.caFile == rhs.caFile && lhs.tokenBinding == rhs.tokenBinding
             && lhs.dpopRequired == rhs.dpopRequired && lhs.loginTimeout == rhs.loginTimeout
+            && lhs.tokenTimeout == rhs.tokenTimeout
     }
 
     /// Every key of `[provider NAME]`, in the order of proxy.conf.example.
     public static let keys = [
         "issuer", "client_id", "scopes", "redirect_port", "redirect_path", "acr_values", "login_hint", "resource",
         "param.NAME", "use_par", "ca_file", "token_binding", "dpop_required", "login_timeout",
+        "token_timeout",
     ]
 
     /// Authorization parameters proxyctl sets itself; `param.` cannot override them.
@@ -184,6 +189,12 @@ extension ConfigParser {
                     continue
                 }
                 provider.loginTimeout = value
+            case "token_timeout":
+                guard let value = ConfigValue.duration(entry.value), value > 0 else {
+                    fail("expected a duration such as 30s, \(got())")
+                    continue
+                }
+                provider.tokenTimeout = value
             default:
                 fail("unknown key; expected one of \(ProviderConfig.keys.joined(separator: ", "))")
             }

@@ -70,6 +70,10 @@ public enum ProxyAnswer: Sendable, Equatable {
     case signInNeeded(provider: String, reason: String)
     /// The provider is unreachable or overloaded.
     case providerUnavailable(origin: String, reason: String, retryAfter: Int)
+    /// A refresh is out at the provider and its answer has not come yet: the refresh token is not sent again.
+    case refreshPending(origin: String, reason: String, retryAfter: Int)
+    /// Tokens cannot be kept in the state directory (a full disk, a quota, permissions).
+    case tokenStorageFailed(origin: String, reason: String)
     /// proxy.conf or the provider's registration is wrong.
     case providerMisconfigured(origin: String, provider: String, reason: String)
     /// Tokens are DPoP-bound but the key they are bound to is not there.
@@ -246,6 +250,22 @@ public enum ProxyAnswer: Sendable, Equatable {
                     details: "the identity provider is unavailable; retry in \(retryAfter)s"),
                 message: "proxyctl: cannot get a token for \(origin): \(reason); retry in \(retryAfter)s",
                 extraFields: [("Retry-After", String(retryAfter))])
+        case .refreshPending(let origin, let reason, let retryAfter):
+            return ProxyResponse(
+                status: 503,
+                proxyStatus: ProxyStatus(
+                    error: .proxyInternalResponse,
+                    details: "a token refresh is waiting for the identity provider's answer; retry in \(retryAfter)s"),
+                message: "proxyctl: cannot get a token for \(origin): \(reason); retry in \(retryAfter)s",
+                extraFields: [("Retry-After", String(retryAfter))])
+        case .tokenStorageFailed(let origin, let reason):
+            // No Retry-After: waiting does not help until someone frees space or fixes permissions.
+            return ProxyResponse(
+                status: 503,
+                proxyStatus: ProxyStatus(
+                    error: .proxyInternalError,
+                    details: "proxyctl cannot keep tokens in its state directory; see the message"),
+                message: "proxyctl: cannot get a token for \(origin): \(reason)")
         case .providerMisconfigured(let origin, let provider, let reason):
             return ProxyResponse(
                 status: 500,

@@ -274,7 +274,8 @@ private let origin = "https://api.example.com"
 private let failures: [TokenFailure] = [
     .signInNeeded(reason: "no tokens"), .unavailable(reason: "timed out", retryAfter: nil),
     .unavailable(reason: "503", retryAfter: 30), .unavailable(reason: "429", retryAfter: -3),
-    .configuration(reason: "invalid_client"),
+    .configuration(reason: "invalid_client"), .pending(reason: "no answer yet", retryAfter: 5),
+    .storage(reason: "disk full"),
 ]
 
 /// Drives an exchange with events derived from the input, always an event its last action asks for, until a
@@ -352,6 +353,13 @@ private func exchange(_ parsed: [Challenge], random: inout InputRandom) {
                 let wait = response.extraFields.first { $0.name == "Retry-After" }?.value
                 invariant(wait == String(max(1, retryAfter ?? 5)), "Retry-After \(String(describing: wait))")
             case .configuration: invariant(response.status == 500, "misconfiguration answered \(response.status)")
+            case .pending(_, let retryAfter):
+                invariant(response.status == 503, "pending answered \(response.status)")
+                let wait = response.extraFields.first { $0.name == "Retry-After" }?.value
+                invariant(wait == String(max(1, retryAfter)), "Retry-After \(String(describing: wait))")
+            case .storage:
+                invariant(response.status == 503, "storage answered \(response.status)")
+                invariant(!response.extraFields.contains { $0.name == "Retry-After" }, "Retry-After on storage")
             }
             var parser = HTTPHeadParser(kind: .response, limits: generousLimits)
             guard case .complete = parser.parse(response.serialized()) else {

@@ -32,7 +32,8 @@ public func fuzzChunked(_ data: UnsafeBufferPointer<UInt8>) {
     let forwardedWhole = forward(input, split: .whole)
     for split in [Split.mixed(salt: 6), .tiny(salt: 7)] {
         let other = forward(input, split: split)
-        invariant(other == forwardedWhole, "BodyProgress depends on the split: \(other.count) vs \(forwardedWhole.count)")
+        invariant(
+            other == forwardedWhole, "BodyProgress depends on the split: \(other.count) vs \(forwardedWhole.count)")
     }
     if case .done(let end, _) = whole, let passed = forwardedWhole.passed {
         invariant(passed.count <= end, "more bytes passed than the body has")
