@@ -62,6 +62,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -86,6 +87,9 @@ API_HOST = "api.test"        # the protected https origin (the ResourceServer)
 SUBJECT = "alice-0001"       # the fake provider's subject, which the resource server echoes for a good token
 TUNNEL_OK = b"HTTP/1.1 200 Connection established\r\n\r\n"
 STATUS_LINE = re.compile(rb"(?:^|\r\n)HTTP/1\.[01] (\d{3})[ \r]")
+# What a valid stream may be answered (1xx, 101, success); seeds that expect more add to it.
+SUCCESS = frozenset({100, 101, 103, 200, 204})
+IN_TUNNEL = SUCCESS | {501}  # the HTTPS origin behind a blind tunnel has no HEAD
 
 
 # MARK: - Isolation
@@ -276,7 +280,8 @@ class Part:
 class Seed:
     """A valid request sequence on one connection. `tls`: None, "origin" (TLS to the HTTPS origin through a
     blind tunnel) or "intercept" (TLS with the proxy's local CA); `inner` is sent inside that TLS once the
-    proxy answered the CONNECT in `outer`. `ending` forces how the stream ends (else it is drawn)."""
+    proxy answered the CONNECT in `outer`. `ending` forces how the stream ends (else it is drawn). `patience`:
+    the seconds of quiet that end the reading (else drawn); `expected`: the statuses it may get unmutated."""
 
     name: str
     outer: list[Part]
@@ -285,6 +290,7 @@ class Seed:
     inner: list[Part] = dataclasses.field(default_factory=list)
     patience: float | None = None
     ending: str | None = None
+    expected: frozenset[int] | None = SUCCESS  # statuses a valid stream may see (None: any)
 
 
 def request(method: str, target: str, host: str, fields: Iterable[str] = (), *, body: bytes | None = None,
@@ -335,7 +341,7 @@ class Seeds:
         return (b"soak-body-" * (size // 10 + 1))[:size]
 
     def _plain_request(self, rng: random.Random, authority: str | None = None) -> bytes:
-        """A random valid request to the plain HTTP origin in absolute form."""
+        """A random valid request in absolute form to the plain HTTP origin (HEAD: to the echo origin)."""
         authority = authority or self.http
         kind = rng.choice(["get", "get", "gen", "head", "post", "chunked"])
         path = f"/k/{rng.randrange(10**6)}"
@@ -347,7 +353,8 @@ class Seeds:
             query = rng.choice(["", "?chunked=1"])
             return request("GET", f"http://{authority}/gen/{size}{query}", authority)
         if kind == "head":
-            return request("HEAD", f"http://{authority}{path}", authority)
+            # The HTTP origin has no HEAD; the echo origin answers HEAD with a body, which the proxy must drop.
+            return request("HEAD", f"http://{self.echo}{path}", self.echo)
         if kind == "post":
             return request("POST", f"http://{authority}/upload", authority, ["Content-Type: application/octet-stream"],
                            body=self._body(rng))
@@ -388,7 +395,7 @@ class Seeds:
 
     def head_then_get(self, rng: random.Random) -> Seed:
         path = f"/h/{rng.randrange(1000)}"
-        return Seed("head-then-get", [Part(request("HEAD", f"http://{self.http}{path}", self.http), 1.0),
+        return Seed("head-then-get", [Part(request("HEAD", f"http://{self.echo}{path}", self.echo), 1.0),
                                       Part(request("GET", f"http://{self.http}{path}", self.http), 1.0)], 2)
 
     def post(self, rng: random.Random) -> Seed:
@@ -412,16 +419,17 @@ class Seeds:
         target = f"localhost:{self.p.https}"
         inner = [Part(self._origin_form(rng, target), 1.0) for _ in range(rng.randint(1, 3))]
         return Seed("get-then-connect-tls", [Part(self._plain_request(rng), 1.0), Part(self._connect(target))],
-                    1 + len(inner), tls="origin", inner=inner)
+                    1 + len(inner), tls="origin", inner=inner, expected=IN_TUNNEL)
 
     def pipelined_get_connect_tls(self, rng: random.Random) -> Seed:
         target = f"localhost:{self.p.https}"
         return Seed("pipelined-get-connect-tls", [Part(self._plain_request(rng) + self._connect(target))], 2,
-                    tls="origin", inner=[Part(self._origin_form(rng, target), 1.0)])
+                    tls="origin", inner=[Part(self._origin_form(rng, target), 1.0)], expected=IN_TUNNEL)
 
     def get_then_refused_connect(self, rng: random.Random) -> Seed:
         return Seed("get-then-refused-connect", [Part(self._plain_request(rng), 1.0),
-                                                 Part(self._connect(f"127.0.0.1:{self.p.closed}"), 1.0)], 2)
+                                                 Part(self._connect(f"127.0.0.1:{self.p.closed}"), 1.0)], 2,
+                    expected=SUCCESS | {502})
 
     def get_then_connect_raw(self, rng: random.Random) -> Seed:
         """GET, then a tunnel to the echo origin with plain HTTP inside (so mutations reach the tunnel)."""
@@ -446,7 +454,8 @@ class Seeds:
             inner = [Part(b"".join(self._origin_form(rng, target) for _ in range(count)), 1.0)]
         else:
             inner = [Part(self._origin_form(rng, target), 1.0) for _ in range(count)]
-        return Seed("tunnel-tls", [Part(self._connect(target))], 1 + count, tls="origin", inner=inner)
+        return Seed("tunnel-tls", [Part(self._connect(target))], 1 + count, tls="origin", inner=inner,
+                    expected=IN_TUNNEL)
 
     def intercepted(self, rng: random.Random) -> Seed:
         """CONNECT to the protected origin, TLS with the local CA, requests inside (token attached)."""
@@ -462,7 +471,9 @@ class Seeds:
                     inner += [Part(head + b"\r\n\r\n", 0.5), Part(body, 1.5)]
                 else:
                     inner.append(Part(data, 1.5))
+        # 401: the client's own Authorization is kept (and refused); 421: another Host; 501: an Upgrade.
         return Seed("intercepted", [Part(self._connect(self.api))], 1 + count, tls="intercept", inner=inner,
+                    expected=SUCCESS | {401, 421, 501},
                     )
 
     def intercepted_http(self, rng: random.Random) -> Seed:
@@ -499,23 +510,23 @@ class Seeds:
         if kind == "request-body":
             data = request("POST", f"http://{self.http}/upload", self.http, body=self._body(rng, (5000, 70000)))
             return Seed("cut-request-body", [Part(data[:rng.randrange(len(data) // 2, len(data))])], 1,
-                        ending=rng.choice(["close", "reset", "half-close"]), patience=0.3)
+                        ending=rng.choice(["close", "reset", "half-close"]), patience=0.3, expected=None)
         if kind == "chunked-body":
             data = request("POST", f"http://{self.http}/upload", self.http, chunks=[b"a" * 3000, b"b" * 3000])
             return Seed("cut-chunked-body", [Part(data[:rng.randrange(100, len(data) - 3)])], 1,
-                        ending=rng.choice(["close", "reset", "half-close"]), patience=0.3)
+                        ending=rng.choice(["close", "reset", "half-close"]), patience=0.3, expected=None)
         if kind == "response":
             data = request("GET", f"http://{self.http}/gen/{rng.choice([2 * MiB, 8 * MiB])}", self.http)
             return Seed("cut-response", [Part(data, rng.choice([0.05, 0.3]))], 1,
-                        ending=rng.choice(["close", "reset", "stall"]), patience=0.0)
+                        ending=rng.choice(["close", "reset", "stall"]), patience=0.0, expected=None)
         if kind == "slow-response":
             data = request("GET", f"http://{self.http}/slow/200000?seconds=3", self.http)
             return Seed("cut-slow-response", [Part(data, rng.choice([0.2, 1.0]))], 1,
-                        ending=rng.choice(["close", "reset"]), patience=0.0)
+                        ending=rng.choice(["close", "reset"]), patience=0.0, expected=None)
         data = request("POST", "/anything/cut", self.api, body=self._body(rng, (5000, 120000)))
         return Seed("cut-intercepted-body", [Part(self._connect(self.api))], 1, tls="intercept",
                     inner=[Part(data[:rng.randrange(len(data) // 2, len(data))])],
-                    ending=rng.choice(["close", "reset", "half-close"]), patience=0.3)
+                    ending=rng.choice(["close", "reset", "half-close"]), patience=0.3, expected=None)
 
     def proxy_answers(self, rng: random.Random) -> Seed:
         """Requests the proxy answers itself: 400, 408, 414, 431, 502, 504, 508."""
@@ -536,19 +547,19 @@ class Seeds:
         }
         if kind == "408":
             return Seed("proxy-408", [Part(f"GET http://{http}/partial HTTP/1.1\r\nHost: {http}\r\n".encode())], 1,
-                        patience=7.0)
+                        patience=7.0, expected=frozenset({408}))
         patience = 12.0 if kind == "504" else None  # 504: past idle_timeout (10 s)
         parts = [Part(answers[kind], 1.0)]
         if rng.random() < 0.5:
             parts.append(Part(self._plain_request(rng), 1.0))  # after a keep-alive answer, or refused
-        return Seed(f"proxy-{kind}", parts, len(parts), patience=patience)
+        return Seed(f"proxy-{kind}", parts, len(parts), patience=patience, expected=SUCCESS | {int(kind[:3])})
 
     def odd_responses(self, rng: random.Random) -> Seed:
         """Origins that answer oddly (1xx, broken framing, short bodies, bytes after the end)."""
         names = [name for name in CANNED if name != "/canned/upgrade"]
         count = rng.randint(1, 3)
         parts = [Part(request("GET", f"http://{self.echo}{rng.choice(names)}", self.echo), 1.0) for _ in range(count)]
-        return Seed("odd-responses", parts, count)
+        return Seed("odd-responses", parts, count, expected=SUCCESS | {502})
 
     def http10(self, rng: random.Random) -> Seed:
         fields = rng.choice([[], ["Connection: keep-alive"]])
@@ -961,7 +972,7 @@ def run_plan(plan: Plan, proxy_port: int, contexts: dict[str, tuple[ssl.SSLConte
     except Deadline:
         outcome = "stream deadline"
     except ssl.SSLError as error:
-        outcome = f"TLS error ({error.reason or 'closed'})" if link and link.tls else "TLS error"
+        outcome = f"TLS error ({getattr(error, 'reason', None) or 'closed'})"
     except ConnectionRefusedError:
         outcome = "proxy refused the connection"
     except (ConnectionResetError, BrokenPipeError):
@@ -1011,10 +1022,6 @@ def descriptor_kinds(pid: int, ports: Ports) -> collections.Counter[str]:
 
 # Connections curl keeps open for later transfers (to protected origins and the provider): not a leak.
 POOLED = (f"to {API_HOST}", "to protected http origin", "to provider")
-
-
-def unpooled(kinds: collections.Counter[str]) -> int:
-    return sum(count for kind, count in kinds.items() if kind not in POOLED)
 
 
 def log_statuses(path: Path) -> tuple[collections.Counter[int], collections.Counter[int], collections.Counter[str]]:
@@ -1083,6 +1090,10 @@ class Soak:
         self.received = 0
         self.outcomes: collections.Counter[str] = collections.Counter()
         self.valid_statuses: collections.Counter[int] = collections.Counter()
+        # Valid streams answered with a status their seed does not expect (not a failure: for a person to read).
+        self.odd_answers: collections.Counter[str] = collections.Counter()
+        self.odd_examples: list[str] = []
+        self.client_bug = ""  # the first unexpected exception of a worker, with its traceback
         self.recent: list[collections.deque[tuple[float, Plan, Outcome]]] = [
             collections.deque(maxlen=STREAMS_KEPT) for _ in range(workers)]
         self.liveness_rounds = 0
@@ -1101,9 +1112,17 @@ class Soak:
         index = 0
         while not self.stop.is_set():
             rng = random.Random(f"{self.seed}/{number}/{index}")
-            plan = plan_stream(self.seeds.draw(rng), rng, number, index)
+            seed = self.seeds.draw(rng)
+            plan = plan_stream(seed, rng, number, index)
             started = self.elapsed()
-            result = run_plan(plan, self.ports.proxy, self.contexts)
+            try:
+                result = run_plan(plan, self.ports.proxy, self.contexts)
+            except Exception as error:  # noqa: BLE001 - a bug of this script: counted and shown, the worker goes on
+                result = Outcome(f"unexpected client exception ({type(error).__name__})")
+                with self.lock:
+                    if not self.client_bug:
+                        self.client_bug = traceback.format_exc()
+            odd = [] if plan.mutations or seed.expected is None else sorted(set(result.statuses) - seed.expected)
             with self.lock:
                 self.streams += 1
                 self.requests += plan.requests
@@ -1113,7 +1132,14 @@ class Soak:
                 if not plan.mutations:
                     self.valid_streams += 1
                     self.valid_statuses.update(result.statuses)
+                for status in odd:
+                    self.odd_answers[f"{plan.seed} {status}"] += 1
+                if odd and len(self.odd_examples) < 20:
+                    self.odd_examples.append(f"outcome: {result.outcome}; statuses seen {result.statuses}\n"
+                                             + plan.text())
                 self.recent[number].append((started, plan, result))
+            if result.outcome == "proxy refused the connection":
+                self.stop.wait(0.5)  # the proxy is gone or overwhelmed: the monitor tells which
             index += 1
 
     # Liveness
@@ -1268,23 +1294,24 @@ def verdict(soak: Soak, args: argparse.Namespace, workdir: Path) -> int:
     problems: list[str] = []
     if soak.crash:
         problems.append("the proxy crashed or exited")
-    final_failures: list[str] = []
     kinds_end: collections.Counter[str] = collections.Counter()
-    stop_text = "not reached"
+    stop_text, settle_text = "not reached", ""
     if not soak.crash:
-        final_failures = soak.liveness_round()
-        if final_failures:
+        if soak.liveness_round():
             problems.append("no answer after the load")
 
         def settled() -> bool:
+            """Every kind of descriptor but curl's pooled connections is back to its count before the load."""
             nonlocal kinds_end
             kinds_end = descriptor_kinds(proxy.pid, ports)
-            return unpooled(kinds_end) <= unpooled(soak.fds_baseline) + 2
+            return all(count <= soak.fds_baseline[kind] for kind, count in kinds_end.items() if kind not in POOLED)
 
+        begun = time.monotonic()
         try:
             support.poll(settled, timeout=30, interval=0.5, message="descriptors to settle")
+            settle_text = f", settled {time.monotonic() - begun:.1f}s after the load"
         except AssertionError:
-            problems.append("descriptors did not settle back")
+            problems.append("descriptors did not settle back within 30 s")
         if sum(kinds_end[k] for k in POOLED) > 2 * args.workers + 8:
             problems.append("more pooled connections than transfers could have used")
         begun = time.monotonic()
@@ -1321,7 +1348,14 @@ def verdict(soak: Soak, args: argparse.Namespace, workdir: Path) -> int:
         f"  log lines        {counts(levels)}",
         f"  client outcomes  {counts(soak.outcomes, 20)}",
         f"  valid streams    saw {counts(soak.valid_statuses)}",
+        f"  odd answers      {counts(soak.odd_answers)}   (valid streams, statuses their seed does not expect)",
     ]
+    if soak.odd_examples:
+        odd = workdir / "odd-answers"
+        odd.mkdir(exist_ok=True)
+        for number, example in enumerate(soak.odd_examples):
+            (odd / f"{number:02d}.txt").write_text(example)
+        lines.append(f"                   examples: {odd}")
     if memory:
         lines.append(f"  RSS              warm-up {mib(memory.warm)}, peak {mib(memory.peak)}, end {mib(memory.end)}; "
                      f"growth after warm-up {mib(memory.growth)} (bound {args.rss_growth_mib} MiB), "
@@ -1330,8 +1364,9 @@ def verdict(soak: Soak, args: argparse.Namespace, workdir: Path) -> int:
         lines.append("  RSS              too few samples")
     lines += [
         f"  descriptors      baseline {sum(soak.fds_baseline.values())} ({counts(soak.fds_baseline)}); "
-        f"end {fds_end} ({counts(kinds_end)})",
-        f"  liveness         {soak.liveness_rounds} rounds, {len(soak.liveness_failures)} failures",
+        f"end {fds_end} ({counts(kinds_end)}){settle_text}",
+        f"  liveness         {soak.liveness_rounds} rounds, {len(soak.liveness_failures)} failures; the provider "
+        f"issued {soak.deployment.idp.count('token', grant_type='refresh_token')} refreshed tokens (every 90 s)",
         *[f"                   {failure}" for failure in soak.liveness_failures[:20]],
         f"  shutdown         {stop_text}",
         f"  verdict          {'FAILED: ' + '; '.join(problems) if problems else 'clean'}",
@@ -1344,6 +1379,8 @@ def verdict(soak: Soak, args: argparse.Namespace, workdir: Path) -> int:
         for stem in named:
             lines.append(f"                   among the last connections in the log: {stem}")
         lines.append(f"  replay           scripts/soak --binary {support.proxyctl_bin()} --replay {streams}")
+    if soak.client_bug:
+        lines += ["", "a worker's first unexpected exception (a bug of scripts/soak.py):", soak.client_bug]
     if soak.crash:
         lines += ["", "crash report (from the proxy's log):", soak.crash[:6000]]
     text = "\n".join(lines) + "\n"
