@@ -211,7 +211,6 @@ class Deployment:
         self.state = workdir / "state"
         self.proxy = support.Proxy(workdir / "proxy", self._config())
         self.ca_pem = self.state / "ca" / "ca.pem"
-        self.ports: Ports | None = None
 
     def _config(self) -> str:
         resolve = ", ".join(f"{host}=127.0.0.1" for host in (API_HOST, "origin-a.test", "origin-b.test"))
@@ -230,7 +229,7 @@ class Deployment:
     def _cli(self, *args: str, **env: str) -> None:
         home = self.workdir / "cli-home"
         home.mkdir(exist_ok=True)
-        full = support.clean_env(HOME=str(home), XDG_CONFIG_HOME=str(home / "xdg"), **env)
+        full = support.clean_env(HOME=str(home), XDG_CONFIG_HOME=str(home / "xdg"))
         for name in ("PROXYCTL_CONFIG", "BROWSER", "DISPLAY"):
             full.pop(name, None)
         full.update(env)
@@ -247,10 +246,9 @@ class Deployment:
         self._cli("login", "fake", BROWSER=browser, PROXYCTL_TEST_BROWSER="fake")
         self.idp.expires_in = 90
         self.proxy.start(timeout=60)
-        self.ports = Ports(proxy=self.proxy.port, http=self.http.port, https=self.https.port, echo=self.echo.port,
-                           silent=self.silent.port, closed=self.closed_port, protected_http=self.protected_http.port,
-                           api=self.rs.port, idp=self.idp.port)
-        return self.ports
+        return Ports(proxy=self.proxy.port, http=self.http.port, https=self.https.port, echo=self.echo.port,
+                     silent=self.silent.port, closed=self.closed_port, protected_http=self.protected_http.port,
+                     api=self.rs.port, idp=self.idp.port)
 
     def intercept_context(self) -> ssl.SSLContext:
         """A client context that trusts only the proxy's local CA (what `proxyctl env` hands to clients)."""
@@ -1317,9 +1315,12 @@ def verdict(soak: Soak, args: argparse.Namespace, workdir: Path) -> int:
         begun = time.monotonic()
         try:
             code = proxy.stop(timeout=SHUTDOWN_GRACE + 5)
-            stop_text = f"SIGTERM -> exit {code} in {time.monotonic() - begun:.1f}s"
+            took = time.monotonic() - begun
+            stop_text = f"SIGTERM -> exit {code} in {took:.1f}s (shutdown_grace {SHUTDOWN_GRACE:g}s)"
             if code != 0:
                 problems.append(f"SIGTERM gave exit code {code}")
+            if took > SHUTDOWN_GRACE + 1:
+                problems.append(f"the proxy took {took:.1f}s to stop, past its shutdown_grace")
         except subprocess.TimeoutExpired:
             stop_text = f"SIGTERM -> still running after {SHUTDOWN_GRACE + 5:.0f}s (killed)"
             problems.append("the proxy did not stop on SIGTERM")
