@@ -1420,7 +1420,8 @@ def replay(directory: Path, deployment: Deployment, ports: Ports) -> int:
     time.sleep(3)  # past keepalive_timeout: timers of what the streams left behind fire
     crash = soak.check_crash()
     if crash:
-        print(f"soak: the replay crashed the proxy; log {deployment.proxy.log_path}\n{crash[:6000]}")
+        print(f"soak: the replay crashed the proxy, during or after the last stream above; log "
+              f"{deployment.proxy.log_path}\n{crash[:6000]}")
         return 1
     failures = soak.liveness_round()
     print("soak: no crash on replay" + (f"; liveness failures: {failures}" if failures else ""))
@@ -1455,7 +1456,7 @@ def main() -> int:
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "big")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="proxyctl-soak."))
     workdir.mkdir(parents=True, exist_ok=True)
-    print(f"soak: seed {seed}, work directory {workdir}", flush=True)
+    print(f"soak: {'replay' if args.replay else f'seed {seed}'}, work directory {workdir}", flush=True)
     deployment = Deployment(workdir)
     code = 2
     try:
