@@ -1231,6 +1231,8 @@ class Soak:
                 rss, fds = self.samples[-1][1:] if self.samples else (0, 0)
                 print(f"soak: {self.elapsed() / 60:4.1f} min  streams {self.streams}  rss {mib(rss)}  fds {fds}  "
                       f"liveness failures {len(self.liveness_failures)}", flush=True)
+        except KeyboardInterrupt:
+            print("soak: interrupted; stopping the load and checking what ran", flush=True)
         finally:
             self.stop.set()
             for thread in threads + helpers:
