@@ -506,7 +506,8 @@ class Seeds:
 
     def cut_short(self, rng: random.Random) -> Seed:
         """The client goes away mid-request-body, or mid-response, or mid-TLS-request."""
-        kind = rng.choice(["request-body", "chunked-body", "response", "slow-response", "intercepted-body"])
+        kind = rng.choice(["request-body", "chunked-body", "response", "slow-response", "intercepted-body",
+                           "intercepted-download"])
         if kind == "request-body":
             data = request("POST", f"http://{self.http}/upload", self.http, body=self._body(rng, (5000, 70000)))
             return Seed("cut-request-body", [Part(data[:rng.randrange(len(data) // 2, len(data))])], 1,
@@ -523,6 +524,12 @@ class Seeds:
             data = request("GET", f"http://{self.http}/slow/200000?seconds=3", self.http)
             return Seed("cut-slow-response", [Part(data, rng.choice([0.2, 1.0]))], 1,
                         ending=rng.choice(["close", "reset"]), patience=0.0, expected=None)
+        if kind == "intercepted-download":
+            # Larger than the client reads: the proxy holds the transfer back (backpressure) when it goes away.
+            data = request("GET", f"/download/{rng.choice([3 * MiB, 10**12])}", self.api)
+            return Seed("cut-intercepted-download", [Part(self._connect(self.api))], 2, tls="intercept",
+                        inner=[Part(data, rng.choice([0.05, 0.3]))], ending=rng.choice(["close", "reset", "stall"]),
+                        patience=0.0, expected=None)
         data = request("POST", "/anything/cut", self.api, body=self._body(rng, (5000, 120000)))
         return Seed("cut-intercepted-body", [Part(self._connect(self.api))], 1, tls="intercept",
                     inner=[Part(data[:rng.randrange(len(data) // 2, len(data))])],
@@ -991,7 +998,8 @@ def run_plan(plan: Plan, proxy_port: int, contexts: dict[str, tuple[ssl.SSLConte
 
 def descriptor_kinds(pid: int, ports: Ports) -> collections.Counter[str]:
     """The proxy's descriptors by what they are: its listener, client connections, connections to each
-    fixture (by port, from /proc/net/tcp), other sockets, and everything else (log, pipes, event fds)."""
+    fixture (by port, from /proc/net/tcp), other sockets (Unix sockets, and TCP sockets whose connection is
+    over: the kernel lists those nowhere), and everything else (log, pipes, event fds)."""
     names = {ports.http: "http origin", ports.https: "https origin", ports.echo: "echo origin",
              ports.silent: "silent origin", ports.protected_http: "protected http origin", ports.api: API_HOST,
              ports.idp: "provider"}
@@ -1014,7 +1022,7 @@ def descriptor_kinds(pid: int, ports: Ports) -> collections.Counter[str]:
         except FileNotFoundError:
             continue
         if target.startswith("socket:["):
-            kinds[sockets.get(target[len("socket:["):-1], "other socket")] += 1
+            kinds[sockets.get(target[len("socket:["):-1], "other socket (unix, closed tcp)")] += 1
         else:
             kinds["files, pipes, events"] += 1
     return kinds
@@ -1328,6 +1336,11 @@ def verdict(soak: Soak, args: argparse.Namespace, workdir: Path) -> int:
         except subprocess.TimeoutExpired:
             stop_text = f"SIGTERM -> still running after {SHUTDOWN_GRACE + 5:.0f}s (killed)"
             problems.append("the proxy did not stop on SIGTERM")
+        stuck = proxy.log().partition("grace period over")[2].splitlines()[1:]
+        stuck = [line for line in stuck if " conn=" in line]
+        if stuck:
+            problems.append(f"{len(stuck)} connection(s) still open at SIGTERM, closed only by the grace period")
+            stop_text += "; still open then:\n" + "\n".join(f"                   {line[25:400]}" for line in stuck[:10])
         report = proxy.crash_report()
         if report:
             soak.crash = report
