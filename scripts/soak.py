@@ -28,7 +28,8 @@ Then, until the time is up:
 
 The verdict fails on: a sanitizer report or crash, the proxy exiting, any liveness failure, RSS growing by
 more than --rss-growth-mib after the warm-up (the first WARMUP_SHARE of the run), descriptors that do not
-settle back once the workers stop, or SIGTERM not ending the proxy with 0 within its shutdown_grace. The
+settle back once the workers stop, connections still open at SIGTERM (only the grace period ends them), or
+SIGTERM not ending the proxy with 0 within its shutdown_grace. The
 last STREAMS_KEPT streams of each worker are written to the work directory on failure (`--replay DIR`
 sends them again to a fresh proxy).
 
@@ -1393,10 +1394,11 @@ def verdict(soak: Soak, args: argparse.Namespace, workdir: Path) -> int:
     ]
     if problems:
         streams = workdir / "streams"
-        named = soak.save_streams(streams)
+        named = soak.save_streams(streams)  # the streams the proxy served last, most recent first
         lines.append(f"  streams          the last {STREAMS_KEPT} of each worker: {streams}")
-        for stem in named:
-            lines.append(f"                   among the last connections in the log: {stem}")
+        if soak.crash:
+            for stem in named:
+                lines.append(f"                   among the last connections in the log before the crash: {stem}")
         lines.append(f"  replay           scripts/soak --binary {support.proxyctl_bin()} --replay {streams}")
     if soak.client_bug:
         lines += ["", "a worker's first unexpected exception (a bug of scripts/soak.py):", soak.client_bug]
