@@ -1109,6 +1109,7 @@ class Soak:
         self.liveness_failures: list[str] = []
         self.samples: list[tuple[float, int, int]] = []   # (seconds, RSS KiB, descriptors)
         self.fds_baseline: collections.Counter[str] = collections.Counter()
+        self.load_seconds = 0.0  # how long the load ran
         self.crash: str | None = None
         self._log_offset = 0
 
@@ -1224,6 +1225,7 @@ class Soak:
     # The run
 
     def run(self, seconds: float) -> None:
+        """Runs the load for `seconds` (less after a crash or Ctrl-C), then stops and joins every thread."""
         threads = [threading.Thread(target=self.worker, args=(n,), name=f"worker-{n}", daemon=True)
                    for n in range(self.workers)]
         helpers = [threading.Thread(target=self.monitor, daemon=True), threading.Thread(target=self.liveness,
@@ -1243,6 +1245,7 @@ class Soak:
         except KeyboardInterrupt:
             print("soak: interrupted; stopping the load and checking what ran", flush=True)
         finally:
+            self.load_seconds = self.elapsed()
             self.stop.set()
             for thread in threads + helpers:
                 thread.join(STREAM_DEADLINE + 10)
@@ -1348,7 +1351,7 @@ def verdict(soak: Soak, args: argparse.Namespace, workdir: Path) -> int:
             problems.append("a sanitizer report or crash in the log")
     if soak.liveness_failures:
         problems.append(f"{len(soak.liveness_failures)} liveness failure(s)")
-    memory = Memory.of(soak.samples, soak.elapsed())
+    memory = Memory.of(soak.samples, soak.load_seconds)
     bound = args.rss_growth_mib * 1024
     if memory and memory.growth > bound:
         problems.append(f"RSS grew by {mib(memory.growth)} after the warm-up (bound {args.rss_growth_mib} MiB)")
@@ -1358,7 +1361,8 @@ def verdict(soak: Soak, args: argparse.Namespace, workdir: Path) -> int:
     lines = [
         "", "soak summary",
         f"  seed             {soak.seed}   (scripts/soak --seed {soak.seed} repeats every stream's choices)",
-        f"  ran              {soak.elapsed() / 60:.1f} min, {args.workers} workers, binary {support.proxyctl_bin()}",
+        f"  ran              {soak.load_seconds / 60:.1f} min of load, {args.workers} workers, binary "
+        f"{support.proxyctl_bin()}",
         f"  streams          {soak.streams} ({soak.valid_streams} valid, {soak.streams - soak.valid_streams} mutated),"
         f" {soak.requests} requests in the seeds",
         f"  bytes            sent {amount(soak.sent)}, received {amount(soak.received)}",
