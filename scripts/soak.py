@@ -1361,8 +1361,8 @@ def verdict(soak: Soak, args: argparse.Namespace, workdir: Path) -> int:
     lines = [
         "", "soak summary",
         f"  seed             {soak.seed}   (scripts/soak --seed {soak.seed} repeats every stream's choices)",
-        f"  ran              {soak.load_seconds / 60:.1f} min of load, {args.workers} workers, binary "
-        f"{support.proxyctl_bin()}",
+        f"  ran              {soak.load_seconds / 60:.1f} min ({soak.load_seconds:.0f} s) of load, {args.workers} "
+        f"workers, binary {support.proxyctl_bin()}",
         f"  streams          {soak.streams} ({soak.valid_streams} valid, {soak.streams - soak.valid_streams} mutated),"
         f" {soak.requests} requests in the seeds",
         f"  bytes            sent {amount(soak.sent)}, received {amount(soak.received)}",
