@@ -410,7 +410,8 @@ public struct ProtectedExchange: Sendable {
             status: delivered?.head.status ?? answered?.status ?? 0, attempts: attempts,
             keptClientAuthorization: begun && auth == nil, attached: auth != nil && generation != 0,
             refreshed: auth?.refreshed ?? false, nonceRetried: auth?.nonceRetried ?? false,
-            stepUp: auth?.stepUp != nil, answeredByProxy: answered != nil, note: note, close: close)
+            stepUp: auth?.stepUp != nil, answeredByProxy: answered != nil, note: note, close: close,
+            proxyError: answered?.response.proxyStatus?.error?.rawValue)
     }
 }
 
@@ -505,6 +506,8 @@ public struct ExchangeRecord: Sendable, Equatable {
     public let note: String?
     /// The client connection cannot carry another request (an answer that closes, a response cut short).
     public let close: Bool
+    /// The `Proxy-Status` error type of the proxy's own answer, for the metrics.
+    public var proxyError: String? = nil
 
     /// The access log line (after the `conn= client=` prefix): no token, no query.
     public func logLine(up: Int, down: Int, milliseconds: Int64) -> String {
