@@ -43,9 +43,17 @@ enum ClientEnvironment {
         let caFiles = LocalCA.Files(stateDirectory: stateDirectory)
         var bundle: String? = nil
         if let ca = try? LocalCA.load(caFiles) {
-            // Rewrite the bundle (and the Java trust store) so that they carry the system's current roots.
+            // Rewrite the bundle (and the Java trust store) so that they carry the current roots: those this
+            // environment trusted already (SSL_CERT_FILE naming another bundle, a corporate one say), else the
+            // system's.
+            var roots = LocalCA.systemRootsPath()
+            if let own = inherited["SSL_CERT_FILE"], !own.isEmpty, own != caFiles.bundle,
+                FileManager.default.isReadableFile(atPath: own)
+            {
+                roots = own
+            }
             do {
-                try ca.save(caFiles, systemRoots: LocalCA.systemRootsPath())
+                try ca.save(caFiles, systemRoots: roots)
             } catch {
                 notes.append("cannot rewrite the CA bundle: \(error)")
             }
