@@ -17,11 +17,8 @@ if [ "$#" -gt 0 ]; then
   exec "$proxyctl" "$@"
 fi
 
-# Stop at once on a broken configuration, with every error named.
-"$proxyctl" serve --check >&2
-
 # `ca init` does nothing when the CA already covers exactly the protected hosts, and says so when there is no
-# https origin to cover (nothing to do then).
+# https origin to cover (nothing to do then). A broken configuration stops the script here, every error named.
 if ! output=$("$proxyctl" ca init 2>&1); then
   case "$output" in
     *"no https origin is configured"*) ;;

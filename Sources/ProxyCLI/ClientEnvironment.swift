@@ -59,8 +59,9 @@ enum ClientEnvironment {
             }
             bundle = caFiles.bundle
             for name in bundleVariables { variables.append((name, caFiles.bundle)) }
-            // Node adds these to its own roots rather than replacing them.
-            variables.append(("NODE_EXTRA_CA_CERTS", caFiles.certificate))
+            // Node adds these to its own bundled roots: the whole bundle, so that Node also trusts what this
+            // system (or the SSL_CERT_FILE given) trusts, a corporate root say, and not only the local CA.
+            variables.append(("NODE_EXTRA_CA_CERTS", caFiles.bundle))
         } else if !configuration.origins.tlsHosts.isEmpty {
             notes.append("No local CA yet: run proxyctl ca init, then this command again.")
         }
@@ -103,7 +104,12 @@ enum ClientEnvironment {
 
     /// Host and port of `http://[user:password@]host:port`.
     static func proxyAddress(_ url: String) -> (host: String, port: Int)? {
-        guard case .success(let parsed) = AbsoluteURL.parse(url) else { return nil }
+        var text = url
+        // The user name and password (proxyctl exec's credential) are no part of the address.
+        if let scheme = text.range(of: "://"), let at = text.lastIndex(of: "@"), scheme.upperBound < at {
+            text = String(text[..<scheme.upperBound]) + String(text[text.index(after: at)...])
+        }
+        guard case .success(let parsed) = AbsoluteURL.parse(text) else { return nil }
         return (parsed.authority.host, parsed.authority.port)
     }
 
@@ -214,9 +220,10 @@ enum ClientEnvironment {
             }
           }
           https.globalAgent = new ProxyAgent({ keepAlive: true });
-          // fetch: Node's bundled undici keeps its dispatcher under this symbol; reading globalThis.fetch loads it.
+          // fetch: Node's bundled undici keeps its dispatcher under this symbol; reading globalThis.Headers loads
+          // undici (fetch itself loads it only when first called), which installs its default Agent.
           const symbol = Symbol.for('undici.globalDispatcher.1');
-          void globalThis.fetch;
+          void globalThis.Headers;
           const current = globalThis[symbol];
           if (!current || typeof current.constructor !== 'function') return;
           const Agent = current.constructor;

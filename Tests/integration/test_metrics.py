@@ -92,9 +92,9 @@ def test_metrics_count_what_the_test_did(deployment, tmp_path):
             answer = deployment.curl(origin.url(path))
             assert answer.status == 200, answer
         # 1 blind tunnel that carries one exchange of known size.
-        sock, reader, response = open_tunnel(proxy.port, origin.authority())
+        sock, reader, response = open_tunnel(proxy.port, origin.authority)
         assert response.status == 200
-        request = f"GET /tunnelled HTTP/1.1\r\nHost: {origin.authority()}\r\nConnection: close\r\n\r\n".encode()
+        request = f"GET /tunnelled HTTP/1.1\r\nHost: {origin.authority}\r\nConnection: close\r\n\r\n".encode()
         sock.sendall(request)
         received = reader.read_to_eof()
         sock.close()
