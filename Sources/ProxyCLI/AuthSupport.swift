@@ -153,7 +153,8 @@ final class StderrConsole: LoginConsole, @unchecked Sendable {
         else { return }
         let process = Process()
         process.executableURL = URL(fileURLWithPath: executable)
-        let message = "sign in to \(prompt.provider): visit \(prompt.verificationURI) and enter the code \(prompt.userCode)"
+        let message =
+            "sign in to \(prompt.provider): visit \(prompt.verificationURI) and enter the code \(prompt.userCode)"
         process.arguments = Array(words.dropFirst()) + [message]
         var environment = context.environment
         environment["PROXYCTL_EVENT"] = "device_code"
@@ -161,7 +162,9 @@ final class StderrConsole: LoginConsole, @unchecked Sendable {
         environment["PROXYCTL_VERIFICATION_URI"] = prompt.verificationURI
         environment["PROXYCTL_USER_CODE"] = prompt.userCode
         environment["PROXYCTL_EXPIRES_AT"] = String(prompt.expiresAt)
-        if let complete = prompt.verificationURIComplete { environment["PROXYCTL_VERIFICATION_URI_COMPLETE"] = complete }
+        if let complete = prompt.verificationURIComplete {
+            environment["PROXYCTL_VERIFICATION_URI_COMPLETE"] = complete
+        }
         environment["PROXYCTL_MESSAGE"] = message
         process.environment = environment
         process.standardInput = FileHandle.nullDevice
@@ -174,7 +177,8 @@ final class StderrConsole: LoginConsole, @unchecked Sendable {
         let context = self.context
         made.setEventHandler {
             let left = max(0, deadline - Int64(time(nil)))
-            let line = "\r\u{1B}[KWaiting for \(what): \(left / 60):\(String(format: "%02d", left % 60)) left (Ctrl-C stops)"
+            let line =
+                "\r\u{1B}[KWaiting for \(what): \(left / 60):\(String(format: "%02d", left % 60)) left (Ctrl-C stops)"
             context.stderr.write(Data(line.utf8))
         }
         made.schedule(deadline: .now(), repeating: .seconds(1))

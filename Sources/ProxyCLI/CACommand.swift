@@ -26,7 +26,8 @@ enum CACommand {
                 options: [AuthEnvironment.configOption], run: show),
             CommandSpec(
                 name: "export",
-                abstract: "Print the CA certificate (PEM), or with --bundle the system roots plus it; --format pkcs12 for Java.",
+                abstract:
+                    "Print the CA certificate (PEM), or with --bundle the system roots plus it; --format pkcs12 for Java.",
                 discussion: """
                     PEM goes to standard output. A PKCS#12 trust store (--format pkcs12) is binary: it goes to \
                     --output FILE, or to standard output when that is not a terminal. Java reads it with \
@@ -38,7 +39,8 @@ enum CACommand {
                     AuthEnvironment.configOption,
                     .flag("bundle", help: "The merged bundle: the system's roots plus the local CA."),
                     .option("format", value: "format", help: "pem (default) or pkcs12 (a trust store for Java)."),
-                    .option("output", short: "o", value: "file", help: "Write to this file instead of standard output."),
+                    .option(
+                        "output", short: "o", value: "file", help: "Write to this file instead of standard output."),
                 ], run: export),
         ]
     )
@@ -151,7 +153,8 @@ enum CACommand {
             } catch {
                 throw CommandFailure(message: "\(error)")
             }
-            context.err("Wrote \(output)" + (format == "pkcs12" ? " (trust store password: \(TrustStore.password))" : ""))
+            context.err(
+                "Wrote \(output)" + (format == "pkcs12" ? " (trust store password: \(TrustStore.password))" : ""))
         } else {
             if format == "pkcs12" && isatty(1) != 0 && context.stdout === FileHandle.standardOutput {
                 throw CommandFailure(
@@ -243,4 +246,3 @@ enum EnvCommand {
         return "'" + value.replacingOccurrences(of: "'", with: #"'\''"#) + "'"
     }
 }
-

@@ -33,7 +33,8 @@ enum DoctorCommand {
                 bad(
                     "no configuration file\(location.path.map { " at \($0)" } ?? ""): proxyctl is a passthrough proxy only",
                     fix:
-                        "proxyctl init --issuer https://YOUR-PROVIDER --client-id YOUR-CLIENT-ID --origin https://YOUR-API")
+                        "proxyctl init --issuer https://YOUR-PROVIDER --client-id YOUR-CLIENT-ID --origin https://YOUR-API"
+                )
             } else {
                 ok("\(configuration.source!) is valid")
             }
@@ -122,7 +123,9 @@ enum DoctorCommand {
         let listen = configuration.proxy.listen
         let serving = ServeState.allRunning(stateDirectory: stateDirectory)
         for serve in serving {
-            ok("proxyctl serve is running (pid \(serve.pid), http://\(serve.listen)\(serve.admin.map { ", health and metrics on http://\($0)" } ?? ""))")
+            ok(
+                "proxyctl serve is running (pid \(serve.pid), http://\(serve.listen)\(serve.admin.map { ", health and metrics on http://\($0)" } ?? ""))"
+            )
         }
         if serving.isEmpty {
             if listen.port != 0, canConnect(host: listen.host, port: listen.port) {

@@ -13,7 +13,8 @@ import Synchronization
 enum ExecCommand {
     static let spec = CommandSpec(
         name: "exec",
-        abstract: "Run a command through the proxy: HTTPS_PROXY and the CA variables set, a proxy started if none runs.",
+        abstract:
+            "Run a command through the proxy: HTTPS_PROXY and the CA variables set, a proxy started if none runs.",
         discussion: """
             Example: proxyctl exec -- curl https://api.example.com/me. When proxyctl serve runs for this \
             configuration, the command uses it (and replaces proxyctl). Otherwise proxyctl starts the proxy \
@@ -31,7 +32,9 @@ enum ExecCommand {
             AuthEnvironment.configOption,
             .option(
                 "log-level", value: "level",
-                help: "What the proxy started for the command logs to standard error: error, warn (default), info, debug."),
+                help:
+                    "What the proxy started for the command logs to standard error: error, warn (default), info, debug."
+            ),
             .flag("no-serve", help: "Do not use a running proxyctl serve; start a proxy for this command."),
         ],
         run: run
@@ -48,7 +51,8 @@ enum ExecCommand {
         var level = LogLevel.warn
         if let text = arguments.value("log-level") {
             guard let parsed = LogLevel(name: text) else {
-                throw UsageError(message: "--log-level expects error, warn, info or debug", command: ["proxyctl", "exec"])
+                throw UsageError(
+                    message: "--log-level expects error, warn, info or debug", command: ["proxyctl", "exec"])
             }
             level = parsed
         }

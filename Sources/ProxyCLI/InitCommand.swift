@@ -22,12 +22,14 @@ enum InitCommand {
         options: [
             AuthEnvironment.configOption,
             .option("issuer", value: "url", help: "The provider's issuer URL (required)."),
-            .option("client-id", value: "id", help: "The client ID registered for proxyctl, a public client (required)."),
+            .option(
+                "client-id", value: "id", help: "The client ID registered for proxyctl, a public client (required)."),
             OptionSpec(
                 name: "origin", short: nil, valueName: "url",
                 help: "A protected origin, https://HOST[:PORT] (repeatable).", repeatable: true),
             .option("name", value: "name", help: "The provider's name in proxy.conf (default: the issuer's host)."),
-            .option("scopes", value: "scopes", help: "Scopes to ask for (default: openid profile email offline_access)."),
+            .option(
+                "scopes", value: "scopes", help: "Scopes to ask for (default: openid profile email offline_access)."),
             .flag("dpop", help: "Bind tokens with DPoP (token_binding = dpop, dpop_required = true)."),
             .flag("force", help: "Replace an existing configuration file."),
             .option("resolve", value: "pairs", help: "HOST=ADDRESS pairs for [proxy] resolve (development set-ups)."),
@@ -72,7 +74,8 @@ enum InitCommand {
         }
         if FileManager.default.fileExists(atPath: file) && !arguments.flag("force") {
             throw CommandFailure(
-                message: "\(file) exists already; proxyctl init never replaces it without --force (check it with proxyctl doctor)"
+                message:
+                    "\(file) exists already; proxyctl init never replaces it without --force (check it with proxyctl doctor)"
             )
         }
 
@@ -112,7 +115,9 @@ enum InitCommand {
         report.append("issuer matches the discovery document")
         guard metadata.supportsS256 else {
             throw CommandFailure(
-                message: "the provider does not offer PKCE with S256 (code_challenge_methods_supported), which proxyctl needs")
+                message:
+                    "the provider does not offer PKCE with S256 (code_challenge_methods_supported), which proxyctl needs"
+            )
         }
         report.append(
             metadata.codeChallengeMethods == nil
@@ -173,13 +178,17 @@ enum InitCommand {
                 } catch {
                     throw CommandFailure(message: "cannot make the local CA: \(error)")
                 }
-                context.err("  made the local CA for \(configuration.origins.tlsHosts.joined(separator: ", ")) (\(files.certificate))")
+                context.err(
+                    "  made the local CA for \(configuration.origins.tlsHosts.joined(separator: ", ")) (\(files.certificate))"
+                )
             }
         }
         let configFlag = arguments.value("config").map { " --config \(EnvCommand.quote($0))" } ?? ""
         context.err("")
         context.err("Next: sign in, then run your tools through the proxy:")
-        context.out("proxyctl login\(configFlag)\(metadata.deviceAuthorizationEndpoint != nil ? "    # or --device without a browser" : "")")
+        context.out(
+            "proxyctl login\(configFlag)\(metadata.deviceAuthorizationEndpoint != nil ? "    # or --device without a browser" : "")"
+        )
         context.out("proxyctl exec\(configFlag) -- curl \(origins.first ?? "https://api.example.com")/")
         return ExitCode.success
     }

@@ -39,7 +39,9 @@ enum TokenReadiness {
             return (true, "signed in to \(provider)\(who)\(until)")
         }
         if tokens.refreshToken != nil {
-            return (true, "signed in to \(provider)\(who); the access token expired and is refreshed at the next request")
+            return (
+                true, "signed in to \(provider)\(who); the access token expired and is refreshed at the next request"
+            )
         }
         return (
             false,

@@ -40,7 +40,9 @@ enum RuntimeCheck {
         let proxySet = value("HTTPS_PROXY") ?? value("https_proxy") != nil
 
         if has("curl") != nil, trusts("curl", ["CURL_CA_BUNDLE", "SSL_CERT_FILE"]) {
-            add("curl", proxySet ? .ok("HTTPS_PROXY and CURL_CA_BUNDLE are set") : .fix("HTTPS_PROXY is not set", how: envFix))
+            add(
+                "curl",
+                proxySet ? .ok("HTTPS_PROXY and CURL_CA_BUNDLE are set") : .fix("HTTPS_PROXY is not set", how: envFix))
         }
         if has("wget") != nil {
             // wget (GnuTLS) reads only its wgetrc's ca_certificate.
@@ -50,11 +52,18 @@ enum RuntimeCheck {
                 add("wget", .fix("wget ignores SSL_CERT_FILE; WGETRC is \(value("WGETRC") ?? "not set")", how: envFix))
             }
         }
-        if has("git") != nil, trusts("git", ["GIT_SSL_CAINFO"]) { add("git", .ok("GIT_SSL_CAINFO names the CA bundle")) }
+        if has("git") != nil, trusts("git", ["GIT_SSL_CAINFO"]) {
+            add("git", .ok("GIT_SSL_CAINFO names the CA bundle"))
+        }
         if has("python3") != nil || has("pip") != nil,
-            trusts("python", ["REQUESTS_CA_BUNDLE"]), trusts("pip", ["PIP_CERT"]), trusts("python ssl", ["SSL_CERT_FILE"])
+            trusts("python", ["REQUESTS_CA_BUNDLE"]), trusts("pip", ["PIP_CERT"]),
+            trusts("python ssl", ["SSL_CERT_FILE"])
         {
-            add("python", .ok("SSL_CERT_FILE, REQUESTS_CA_BUNDLE and PIP_CERT name the CA bundle (requests, httpx, aiohttp, urllib, pip)"))
+            add(
+                "python",
+                .ok(
+                    "SSL_CERT_FILE, REQUESTS_CA_BUNDLE and PIP_CERT name the CA bundle (requests, httpx, aiohttp, urllib, pip)"
+                ))
         }
         if let node = has("node") {
             let version = Self.output(node, ["--version"])?.trimmingCharacters(in: .whitespacesAndNewlines) ?? "?"
@@ -65,7 +74,9 @@ enum RuntimeCheck {
                 if value("NODE_USE_ENV_PROXY") == "1" {
                     add("node \(version)", .ok("NODE_USE_ENV_PROXY=1: fetch and https use HTTPS_PROXY"))
                 } else {
-                    add("node \(version)", .fix("fetch and https ignore HTTPS_PROXY unless NODE_USE_ENV_PROXY=1", how: envFix))
+                    add(
+                        "node \(version)",
+                        .fix("fetch and https ignore HTTPS_PROXY unless NODE_USE_ENV_PROXY=1", how: envFix))
                 }
             } else if value("NODE_OPTIONS")?.contains(clientFiles.nodePreload) == true {
                 add("node \(version)", .ok("NODE_OPTIONS preloads proxyctl's agent: fetch and https use HTTPS_PROXY"))
@@ -77,13 +88,17 @@ enum RuntimeCheck {
                         how: envFix))
             }
             if bundle != nil && value("NODE_EXTRA_CA_CERTS") == nil {
-                add("node \(version)", .fix("NODE_EXTRA_CA_CERTS is not set: Node does not trust the local CA", how: envFix))
+                add(
+                    "node \(version)",
+                    .fix("NODE_EXTRA_CA_CERTS is not set: Node does not trust the local CA", how: envFix))
             }
         }
         if has("java") != nil {
             let options = value("JAVA_TOOL_OPTIONS") ?? ""
             if !options.contains("-Dhttps.proxyHost=") {
-                add("java", .fix("Java reads no proxy variable; JAVA_TOOL_OPTIONS has no -Dhttps.proxyHost", how: envFix))
+                add(
+                    "java",
+                    .fix("Java reads no proxy variable; JAVA_TOOL_OPTIONS has no -Dhttps.proxyHost", how: envFix))
             } else if bundle != nil && !options.contains("-Djavax.net.ssl.trustStore=\(trustStore)") {
                 add(
                     "java",
@@ -95,7 +110,9 @@ enum RuntimeCheck {
             }
         }
         if has("go") != nil, trusts("go", ["SSL_CERT_FILE"]) { add("go", .ok("HTTPS_PROXY and SSL_CERT_FILE are set")) }
-        if has("cargo") != nil, trusts("cargo", ["CARGO_HTTP_CAINFO"]), trusts("rust (reqwest, rustls-native-certs)", ["SSL_CERT_FILE"]) {
+        if has("cargo") != nil, trusts("cargo", ["CARGO_HTTP_CAINFO"]),
+            trusts("rust (reqwest, rustls-native-certs)", ["SSL_CERT_FILE"])
+        {
             add("rust", .ok("CARGO_HTTP_CAINFO and SSL_CERT_FILE name the CA bundle"))
         }
         for builder in ["docker", "podman"] where has(builder) != nil {

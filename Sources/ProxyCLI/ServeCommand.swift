@@ -98,7 +98,8 @@ enum ServeCommand {
                             reloaded.interception = made
                         } else {
                             reloaded.interception = Interception(
-                                ca: nil, managers: [:], spoolDirectory: (stateDirectory ?? NSTemporaryDirectory()) + "/spool")
+                                ca: nil, managers: [:],
+                                spoolDirectory: (stateDirectory ?? NSTemporaryDirectory()) + "/spool")
                         }
                         reloaded.origins = fresh.origins
                         runtimeOrigins.replace(

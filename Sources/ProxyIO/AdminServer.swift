@@ -66,7 +66,8 @@ public final class AdminServer: Sendable {
         thread.loop.post {
             do {
                 let listener = try AdminListener(
-                    loop: thread.loop, address: address, version: version, metrics: metrics, providerFacts: providerFacts,
+                    loop: thread.loop, address: address, version: version, metrics: metrics,
+                    providerFacts: providerFacts,
                     readiness: readiness)
                 made.withLock { $0 = .success((LoopBound(listener, loop: thread.loop), listener.port)) }
             } catch {
@@ -130,7 +131,8 @@ final class AdminListener {
         guard let listener else {
             let code = proxyctl_errno()
             throw ServerError(
-                message: "cannot listen on \(address) for health and metrics (admin_listen): \(String(cString: strerror(code)))"
+                message:
+                    "cannot listen on \(address) for health and metrics (admin_listen): \(String(cString: strerror(code)))"
             )
         }
         var storage = sockaddr_storage()

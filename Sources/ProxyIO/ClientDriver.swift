@@ -113,7 +113,8 @@ final class ClientDriver: ServerConnection, TransferOwner {
     /// query to the kernel, as ss(8) makes).
     private static func identify(_ fd: Int32, settings frontDoor: FrontDoor) -> PeerIdentity {
         let protectedRule = !frontDoor.origins.isEmpty && frontDoor.settings.protectedUsers == .owner
-        guard protectedRule || frontDoor.settings.passthroughUsers == .owner || frontDoor.settings.ownerNeedsNoCredentials
+        guard
+            protectedRule || frontDoor.settings.passthroughUsers == .owner || frontDoor.settings.ownerNeedsNoCredentials
         else { return .owner }
         let uid = proxyctl_tcp_peer_uid(fd)
         if uid < 0 { return .unknown }

@@ -236,7 +236,9 @@ public final class ProxyServer: ConnectionOwner {
         turnedAway += 1
         metrics.update {
             $0.connectionsTurnedAway += 1
-            $0.record(RequestOutcome(kind: .proxy, status: answer.status, proxyError: answer.response.proxyStatus?.error?.rawValue))
+            $0.record(
+                RequestOutcome(
+                    kind: .proxy, status: answer.status, proxyError: answer.response.proxyStatus?.error?.rawValue))
         }
         let now = EventLoop.monotonicMilliseconds()
         if now - lastTurnAwayLog >= 10_000 {
@@ -591,7 +593,9 @@ public final class ProxyServer: ConnectionOwner {
             for note in reloaded.notes { logger.warn("SIGHUP: \(note)") }
             if reloaded.interception != nil, var state = serveState {
                 var counts: [String: ServeState.OriginCounts] = [:]
-                for origin in origins.origins { counts[origin.url] = state.origins[origin.url] ?? ServeState.OriginCounts() }
+                for origin in origins.origins {
+                    counts[origin.url] = state.origins[origin.url] ?? ServeState.OriginCounts()
+                }
                 state.origins = counts
                 serveState = state
                 writeServeState()

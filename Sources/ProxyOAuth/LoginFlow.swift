@@ -47,7 +47,9 @@ public struct DeviceCodePrompt: Sendable, Equatable {
 
     /// The lines a person reads.
     public var lines: [String] {
-        var lines = ["To sign in to \(provider), visit", "", "    \(verificationURI)", "", "and enter the code  \(userCode)"]
+        var lines = [
+            "To sign in to \(provider), visit", "", "    \(verificationURI)", "", "and enter the code  \(userCode)",
+        ]
         if let complete = verificationURIComplete { lines.append("(or open \(complete) directly)") }
         return lines
     }

@@ -146,7 +146,9 @@ public enum TrustStore {
         let length = pem.withUnsafeBufferPointer { buffer in
             proxyctl_pkcs12_truststore(buffer.baseAddress, Int32(buffer.count), password, &out, &count)
         }
-        guard length > 0, let out else { throw CryptoError("cannot make a PKCS#12 trust store (\(count) certificates read)") }
+        guard length > 0, let out else {
+            throw CryptoError("cannot make a PKCS#12 trust store (\(count) certificates read)")
+        }
         defer { proxyctl_OPENSSL_free(out) }
         return Array(UnsafeBufferPointer(start: out, count: Int(length)))
     }

@@ -67,7 +67,9 @@ import Testing
 
     @Test func adminListenIsNeverTheProxysPort() {
         let parser = ConfigParser(homeDirectory: "/home/ada", baseDirectory: "/etc/proxyctl")
-        guard case .failure(let errors) = parser.parse("[proxy]\nlisten = 127.0.0.1:9000\nadmin_listen = 9000\n", file: "p.conf")
+        guard
+            case .failure(let errors) = parser.parse(
+                "[proxy]\nlisten = 127.0.0.1:9000\nadmin_listen = 9000\n", file: "p.conf")
         else {
             Issue.record("accepted the proxy's own port for admin_listen")
             return
@@ -79,7 +81,10 @@ import Testing
         let parser = ConfigParser(homeDirectory: "/home/ada", baseDirectory: "/srv")
         var configuration = Configuration()
         let none = parser.applyOverrides(
-            [("$PROXYCTL_LISTEN", "listen", "0.0.0.0:3128"), ("$PROXYCTL_PROXY_AUTH_FILE", "proxy_auth_file", "users")],
+            [
+                ("$PROXYCTL_LISTEN", "listen", "0.0.0.0:3128"),
+                ("$PROXYCTL_PROXY_AUTH_FILE", "proxy_auth_file", "users"),
+            ],
             to: &configuration)
         #expect(none.isEmpty)
         #expect(configuration.proxy.listen == ListenAddress(host: "0.0.0.0", port: 3128, isIPv6: false))

@@ -552,7 +552,8 @@ public struct ConnectionMachine: Sendable {
         out.append(.writeClient(response.serialized(headRequest: headRequest)))
         out.append(
             .requestFinished(
-                RequestOutcome(kind: outcomeKind, status: answer.status, proxyError: response.proxyStatus?.error?.rawValue)))
+                RequestOutcome(
+                    kind: outcomeKind, status: answer.status, proxyError: response.proxyStatus?.error?.rawValue)))
         if response.close || clientEOF || draining {
             closeAfterFlush(&out)
         } else {

@@ -64,7 +64,8 @@ public struct MetricsRegistry: Sendable, Equatable {
         public var count = 0
 
         public mutating func observe(seconds: Double) {
-            let index = MetricsRegistry.durationBuckets.firstIndex { seconds <= $0 } ?? MetricsRegistry.durationBuckets.count
+            let index =
+                MetricsRegistry.durationBuckets.firstIndex { seconds <= $0 } ?? MetricsRegistry.durationBuckets.count
             counts[index] += 1
             sum += seconds
             count += 1
@@ -104,7 +105,8 @@ public struct MetricsRegistry: Sendable, Equatable {
     public static func == (lhs: Self, rhs: Self) -> Bool {
         lhs.connectionsOpen == rhs.connectionsOpen && lhs.connectionsAccepted == rhs.connectionsAccepted
             && lhs.connectionsTurnedAway == rhs.connectionsTurnedAway && lhs.requests == rhs.requests
-            && lhs.tunnels == rhs.tunnels && lhs.bytes.mapValues { [$0.up, $0.down] } == rhs.bytes.mapValues { [$0.up, $0.down] }
+            && lhs.tunnels == rhs.tunnels
+            && lhs.bytes.mapValues { [$0.up, $0.down] } == rhs.bytes.mapValues { [$0.up, $0.down] }
             && lhs.upstreamErrors == rhs.upstreamErrors && lhs.durations == rhs.durations
             && lhs.providers == rhs.providers && lhs.startTime == rhs.startTime
     }
@@ -145,7 +147,9 @@ public struct MetricsRegistry: Sendable, Equatable {
     /// The Prometheus text format (version 0.0.4): `# HELP`, `# TYPE`, then the samples of each family.
     public func render(version: String) -> String {
         var text = ""
-        func family(_ name: String, _ type: String, _ help: String, _ samples: [(labels: [(String, String)], value: String)]) {
+        func family(
+            _ name: String, _ type: String, _ help: String, _ samples: [(labels: [(String, String)], value: String)]
+        ) {
             text += "# HELP \(name) \(help)\n# TYPE \(name) \(type)\n"
             for sample in samples {
                 text += name + Self.labels(sample.labels) + " " + sample.value + "\n"
@@ -168,7 +172,8 @@ public struct MetricsRegistry: Sendable, Equatable {
         var requestSamples: [(labels: [(String, String)], value: String)] = []
         for kind in requests.keys.sorted() {
             for statusClass in requests[kind]!.keys.sorted() {
-                requestSamples.append(([("kind", kind), ("status_class", statusClass)], String(requests[kind]![statusClass]!)))
+                requestSamples.append(
+                    ([("kind", kind), ("status_class", statusClass)], String(requests[kind]![statusClass]!)))
             }
         }
         family(
@@ -229,7 +234,8 @@ public struct MetricsRegistry: Sendable, Equatable {
             }
             text +=
                 "proxyctl_request_duration_seconds_bucket\(Self.labels([("kind", kind), ("le", "+Inf")])) \(histogram.count)\n"
-            text += "proxyctl_request_duration_seconds_sum\(Self.labels([("kind", kind)])) \(Self.number(histogram.sum))\n"
+            text +=
+                "proxyctl_request_duration_seconds_sum\(Self.labels([("kind", kind)])) \(Self.number(histogram.sum))\n"
             text += "proxyctl_request_duration_seconds_count\(Self.labels([("kind", kind)])) \(histogram.count)\n"
         }
         return text
