@@ -82,6 +82,15 @@ def test_metrics_count_what_the_test_did(deployment, tmp_path):
     assert status == 503 and f"https://{NOLOGIN}:{rs.port}: not signed in to nobody" in reasons, reasons
     assert "fake" not in reasons.replace("nobody", ""), "the signed-in provider is ready"
     assert get(base + "/nothing")[0] == 404
+    # Abuse: what is not a request gets the one parser's answer, and only GET and HEAD are served.
+    host, port = base[len("http://"):].rsplit(":", 1)
+    for raw, expected in ((b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", 405),
+                          (b"GET /metrics HTTP/1.1\r\nHost : x\r\n\r\n", 400),
+                          (b"GET /" + b"a" * 5000 + b" HTTP/1.1\r\n\r\n", 414)):
+        sock = connect(int(port), host)
+        sock.sendall(raw)
+        assert Reader(sock).read_head().status == expected, raw[:40]
+        sock.close()
     # Never on the proxy's own port.
     assert base != proxy.url
 
