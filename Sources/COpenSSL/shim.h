@@ -16,6 +16,8 @@
 #include <openssl/sha.h>
 #include <openssl/param_build.h>
 #include <openssl/rsa.h>
+#include <openssl/pkcs12.h>
+#include <stdio.h>
 
 // BIO_get_mem_data is a macro over BIO_ctrl.
 static inline long proxyctl_BIO_get_mem_data(BIO *bio, char **data) {
@@ -66,6 +68,50 @@ static inline unsigned long proxyctl_ERR_get_error_string(char *buffer, size_t l
     unsigned long code = ERR_get_error();
     if (code != 0) ERR_error_string_n(code, buffer, length);
     return code;
+}
+
+// A PKCS#12 trust store for Java: every certificate of the PEM bundle as a certificate bag carrying the
+// attribute keytool gives trusted certificates (Oracle's trusted key usage, 2.16.840.1.113894.746875.1.1,
+// with anyExtendedKeyUsage), so that Java's PKCS12 KeyStore lists them as trusted entries. The bags are
+// not encrypted (they are public certificates); the MAC is SHA-256 under `password`. Returns the DER length
+// with *out from OPENSSL_malloc (free with proxyctl_OPENSSL_free), or -1; *count is the certificates read.
+static inline int proxyctl_pkcs12_truststore(const unsigned char *pem, int pem_length, const char *password,
+                                             unsigned char **out, int *count) {
+    int result = -1;
+    *out = NULL;
+    *count = 0;
+    BIO *bio = BIO_new_mem_buf(pem, pem_length);
+    STACK_OF(PKCS12_SAFEBAG) *bags = NULL;
+    STACK_OF(PKCS7) *safes = NULL;
+    PKCS12 *p12 = NULL;
+    ASN1_OBJECT *any_usage = OBJ_txt2obj("2.5.29.37.0", 1);
+    if (bio == NULL || any_usage == NULL) goto done;
+    X509 *cert;
+    while ((cert = PEM_read_bio_X509(bio, NULL, NULL, NULL)) != NULL) {
+        PKCS12_SAFEBAG *bag = PKCS12_add_cert(&bags, cert);
+        X509_free(cert);
+        if (bag == NULL) goto done;
+        char alias[32];
+        snprintf(alias, sizeof alias, "proxyctl-%d", *count);
+        if (!PKCS12_add_friendlyname_asc(bag, alias, -1)) goto done;
+        if (!PKCS12_add1_attr_by_txt(bag, "2.16.840.1.113894.746875.1.1", V_ASN1_OBJECT,
+                                     (const unsigned char *)any_usage, -1)) goto done;
+        *count += 1;
+    }
+    ERR_clear_error();  // the end of the bundle reads as an error
+    if (*count == 0) goto done;
+    if (!PKCS12_add_safe(&safes, bags, -1, 0, NULL)) goto done;
+    p12 = PKCS12_add_safes(safes, 0);
+    if (p12 == NULL) goto done;
+    if (!PKCS12_set_mac(p12, password, -1, NULL, 0, 10000, EVP_sha256())) goto done;
+    result = i2d_PKCS12(p12, out);
+done:
+    PKCS12_free(p12);
+    sk_PKCS7_pop_free(safes, PKCS7_free);
+    sk_PKCS12_SAFEBAG_pop_free(bags, PKCS12_SAFEBAG_free);
+    ASN1_OBJECT_free(any_usage);
+    BIO_free(bio);
+    return result;
 }
 
 #endif

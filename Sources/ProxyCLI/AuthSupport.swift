@@ -76,6 +76,7 @@ struct AuthEnvironment {
     static func describe(_ location: ConfigLoader.Location) -> String {
         switch location {
         case .explicit(let path), .standard(let path): path
+        case .text: ConfigLoader.textLabel
         case .none: "the configuration"
         }
     }
@@ -117,9 +118,85 @@ func runBlocking<T: Sendable>(_ body: @escaping @Sendable () async throws -> T) 
 }
 
 /// Prints login progress to standard error (standard output is kept for data, such as `proxyctl token`).
-struct StderrConsole: LoginConsole {
+/// The device flow's code goes to standard output (a container's log, a script), to standard error as well
+/// when standard output is not the terminal, and to `notify_command`. While the login waits for the person,
+/// a terminal shows what it waits for and a countdown, rewritten in place each second; elsewhere it is quiet.
+final class StderrConsole: LoginConsole, @unchecked Sendable {
+    // @unchecked Sendable: the countdown timer is touched under `lock` only; the context's handles are
+    // thread-safe for writes.
     let context: CommandContext
-    func say(_ line: String) { context.err(line) }
+    let notifyCommand: [String]?
+    private let lock = NSLock()
+    private var timer: DispatchSourceTimer?
+    private let terminal: Bool
+
+    init(context: CommandContext, notifyCommand: [String]? = nil) {
+        self.context = context
+        self.notifyCommand = notifyCommand
+        self.terminal = context.stderr === FileHandle.standardError && isatty(2) != 0
+    }
+
+    func say(_ line: String) {
+        lock.lock()
+        defer { lock.unlock() }
+        if timer != nil && terminal { context.stderr.write(Data("\r\u{1B}[K".utf8)) }
+        context.err(line)
+    }
+
+    func showDeviceCode(_ prompt: DeviceCodePrompt) {
+        let text = prompt.lines.joined(separator: "\n") + "\n"
+        context.stdout.write(Data(text.utf8))
+        let stdoutIsTerminal = context.stdout === FileHandle.standardOutput && isatty(1) != 0
+        if !stdoutIsTerminal { context.stderr.write(Data(text.utf8)) }
+        guard let words = notifyCommand, let first = words.first,
+            let executable = BrowserLauncher.which(first, path: context.environment["PATH"])
+        else { return }
+        let process = Process()
+        process.executableURL = URL(fileURLWithPath: executable)
+        let message =
+            "sign in to \(prompt.provider): visit \(prompt.verificationURI) and enter the code \(prompt.userCode)"
+        process.arguments = Array(words.dropFirst()) + [message]
+        var environment = context.environment
+        environment["PROXYCTL_EVENT"] = "device_code"
+        environment["PROXYCTL_PROVIDER"] = prompt.provider
+        environment["PROXYCTL_VERIFICATION_URI"] = prompt.verificationURI
+        environment["PROXYCTL_USER_CODE"] = prompt.userCode
+        environment["PROXYCTL_EXPIRES_AT"] = String(prompt.expiresAt)
+        if let complete = prompt.verificationURIComplete {
+            environment["PROXYCTL_VERIFICATION_URI_COMPLETE"] = complete
+        }
+        environment["PROXYCTL_MESSAGE"] = message
+        process.environment = environment
+        process.standardInput = FileHandle.nullDevice
+        if (try? process.run()) == nil { context.err("notify_command \(first) could not be run") }
+    }
+
+    func waiting(for what: String, until deadline: Int64) {
+        guard terminal else { return }
+        let made = DispatchSource.makeTimerSource(queue: DispatchQueue.global())
+        let context = self.context
+        made.setEventHandler {
+            let left = max(0, deadline - Int64(time(nil)))
+            let line =
+                "\r\u{1B}[KWaiting for \(what): \(left / 60):\(String(format: "%02d", left % 60)) left (Ctrl-C stops)"
+            context.stderr.write(Data(line.utf8))
+        }
+        made.schedule(deadline: .now(), repeating: .seconds(1))
+        lock.lock()
+        timer?.cancel()
+        timer = made
+        lock.unlock()
+        made.resume()
+    }
+
+    func waitEnded() {
+        lock.lock()
+        defer { lock.unlock() }
+        guard let timer else { return }
+        timer.cancel()
+        self.timer = nil
+        if terminal { context.stderr.write(Data("\r\u{1B}[K".utf8)) }
+    }
 }
 
 extension AuthError {

@@ -25,10 +25,22 @@ enum CACommand {
                 name: "show", abstract: "Show the local CA: hosts, fingerprint, validity, files.",
                 options: [AuthEnvironment.configOption], run: show),
             CommandSpec(
-                name: "export", abstract: "Print the CA certificate (PEM), or with --bundle the system roots plus it.",
+                name: "export",
+                abstract:
+                    "Print the CA certificate (PEM), or with --bundle the system roots plus it; --format pkcs12 for Java.",
+                discussion: """
+                    PEM goes to standard output. A PKCS#12 trust store (--format pkcs12) is binary: it goes to \
+                    --output FILE, or to standard output when that is not a terminal. Java reads it with \
+                    -Djavax.net.ssl.trustStore=FILE -Djavax.net.ssl.trustStoreType=PKCS12 \
+                    -Djavax.net.ssl.trustStorePassword=changeit (every certificate is a trusted entry; keytool \
+                    -importcert would take only the first certificate of a bundle).
+                    """,
                 options: [
                     AuthEnvironment.configOption,
-                    .flag("bundle", help: "Print the merged bundle: the system's roots plus the local CA."),
+                    .flag("bundle", help: "The merged bundle: the system's roots plus the local CA."),
+                    .option("format", value: "format", help: "pem (default) or pkcs12 (a trust store for Java)."),
+                    .option(
+                        "output", short: "o", value: "file", help: "Write to this file instead of standard output."),
                 ], run: export),
         ]
     )
@@ -113,14 +125,42 @@ enum CACommand {
         guard let ca = try LocalCA.load(files) else {
             throw CommandFailure(message: "no local CA yet; run: proxyctl ca init")
         }
+        let format = arguments.value("format") ?? "pem"
+        guard format == "pem" || format == "pkcs12" else {
+            throw UsageError(message: "--format expects pem or pkcs12", command: ["proxyctl", "ca", "export"])
+        }
+        var pem = try ca.certificate.pem()
         if arguments.flag("bundle") {
             try ca.save(files, systemRoots: LocalCA.systemRootsPath())
             guard let data = FileManager.default.contents(atPath: files.bundle) else {
                 throw CommandFailure(message: "\(files.bundle) cannot be read")
             }
-            context.stdout.write(data)
+            pem = Array(data)
+        }
+        let bytes: [UInt8]
+        if format == "pkcs12" {
+            do {
+                bytes = try TrustStore.pkcs12(pem: pem)
+            } catch {
+                throw CommandFailure(message: "\(error)")
+            }
         } else {
-            context.stdout.write(Data(try ca.certificate.pem()))
+            bytes = pem
+        }
+        if let output = arguments.value("output") {
+            do {
+                try SecureFile.write(bytes, to: output, mode: 0o644)
+            } catch {
+                throw CommandFailure(message: "\(error)")
+            }
+            context.err(
+                "Wrote \(output)" + (format == "pkcs12" ? " (trust store password: \(TrustStore.password))" : ""))
+        } else {
+            if format == "pkcs12" && isatty(1) != 0 && context.stdout === FileHandle.standardOutput {
+                throw CommandFailure(
+                    message: "a PKCS#12 trust store is binary: give --output FILE or redirect standard output")
+            }
+            context.stdout.write(Data(bytes))
         }
         return ExitCode.success
     }
@@ -134,7 +174,10 @@ enum EnvCommand {
         discussion: """
             Use: eval "$(proxyctl env)" (fish: proxyctl env --shell fish | source). The trust variables \
             point at a bundle of the system's roots plus the local CA, so hosts that are not intercepted \
-            still verify. Java needs the CA in a keystore instead (see proxyctl ca export).
+            still verify. It also sets what runtimes that ignore those variables need: NODE_USE_ENV_PROXY and a \
+            preload in NODE_OPTIONS (Node), WGETRC (wget), JAVA_TOOL_OPTIONS with a PKCS#12 trust store (Java). \
+            docs/clients.md lists them per runtime. The address is the running proxyctl serve's, else the \
+            configured listen address.
             """,
         options: [
             AuthEnvironment.configOption,
@@ -142,19 +185,6 @@ enum EnvCommand {
         ],
         run: run
     )
-
-    /// Variables that take a whole bundle, for the runtimes that read them.
-    static let bundleVariables = [
-        "SSL_CERT_FILE",  // OpenSSL, Go, Ruby, Python's ssl
-        "CURL_CA_BUNDLE",  // curl
-        "REQUESTS_CA_BUNDLE",  // Python requests
-        "PIP_CERT",  // pip
-        "GIT_SSL_CAINFO",  // git
-        "AWS_CA_BUNDLE",  // AWS CLI and SDKs
-        "HTTPLIB2_CA_CERTS",  // httplib2 (gcloud)
-        "CARGO_HTTP_CAINFO",  // cargo
-        "DENO_CERT",  // Deno
-    ]
 
     static func run(_ arguments: ParsedArguments, _ context: CommandContext) throws -> Int32 {
         let shell = arguments.value("shell") ?? "sh"
@@ -170,6 +200,15 @@ enum EnvCommand {
         return ExitCode.success
     }
 
+    /// The proxy URL tools should use: the running serve's address (its port may have been 0), else the
+    /// configured one.
+    static func proxyURL(_ configuration: Configuration, running: ServeState?) -> String {
+        var listen = configuration.proxy.listen
+        if let running, let address = ListenAddress.parse(running.listen) { listen = address }
+        let host = listen.host == "0.0.0.0" ? "127.0.0.1" : (listen.host == "::" ? "::1" : listen.host)
+        return listen.isIPv6 ? "http://[\(host)]:\(listen.port)" : "http://\(host):\(listen.port)"
+    }
+
     /// The variables that point tools at the proxy and the CA bundle, and notes for the user.
     static func environment(
         _ arguments: ParsedArguments, _ context: CommandContext
@@ -178,36 +217,22 @@ enum EnvCommand {
     ) {
         let loader = ConfigLoader(environment: context.environment)
         let configuration = try loader.load(loader.locate(flag: arguments.value("config")))
-        let listen = configuration.proxy.listen
-        if listen.port == 0 {
+        let stateDirectory =
+            configuration.proxy.stateDir ?? TokenStore.defaultStateDirectory(environment: context.environment)
+        let running = stateDirectory.flatMap { ServeState.running(stateDirectory: $0) }
+        if running == nil && configuration.proxy.listen.port == 0 {
             context.err(
-                "proxyctl: listen in proxy.conf has port 0 (any free port); set a fixed port so tools can find the proxy"
+                "proxyctl: listen in proxy.conf has port 0 (any free port) and no proxyctl serve is running; set a fixed port so tools can find the proxy, or use proxyctl exec"
             )
         }
-        let host = listen.host == "0.0.0.0" ? "127.0.0.1" : (listen.host == "::" ? "::1" : listen.host)
-        let proxyURL = listen.isIPv6 ? "http://[\(host)]:\(listen.port)" : "http://\(host):\(listen.port)"
-        var variables: [(String, String)] = [
-            ("HTTPS_PROXY", proxyURL), ("https_proxy", proxyURL), ("HTTP_PROXY", proxyURL), ("http_proxy", proxyURL),
-        ]
-        var notes: [String] = []
-        if configuration.proxy.proxyAuthFile != nil {
-            notes.append(
-                "This proxy requires a user name and password: put them in the URL yourself (http://USER:PASSWORD@\(host):\(listen.port))."
-            )
-        }
-        if let stateDirectory = configuration.proxy.stateDir
-            ?? TokenStore.defaultStateDirectory(environment: context.environment)
-        {
-            let files = LocalCA.Files(stateDirectory: stateDirectory)
-            if let ca = try? LocalCA.load(files) {
-                // Rewrite the bundle so that it carries the system's current roots.
-                try? ca.save(files, systemRoots: LocalCA.systemRootsPath())
-                for name in bundleVariables { variables.append((name, files.bundle)) }
-                // Node adds these to its own roots rather than replacing them.
-                variables.append(("NODE_EXTRA_CA_CERTS", files.certificate))
-            } else if !configuration.origins.tlsHosts.isEmpty {
-                notes.append("No local CA yet: run proxyctl ca init, then this command again.")
-            }
+        let url = proxyURL(configuration, running: running)
+        var (variables, notes) = ClientEnvironment.variables(
+            configuration, stateDirectory: stateDirectory, proxyURL: url, inherited: context.environment)
+        if configuration.proxy.proxyAuthFile != nil || running?.proxyAuthentication == true {
+            let hostPort = url.dropFirst("http://".count)
+            notes.insert(
+                "This proxy requires a user name and password: put them in the URL yourself (http://USER:PASSWORD@\(hostPort)).",
+                at: 0)
         }
         return (variables, notes)
     }
@@ -219,42 +244,5 @@ enum EnvCommand {
                 + "'"
         }
         return "'" + value.replacingOccurrences(of: "'", with: #"'\''"#) + "'"
-    }
-}
-
-/// `proxyctl exec -- COMMAND [ARGS...]`: runs a command with the variables of `proxyctl env` set.
-enum ExecCommand {
-    static let spec = CommandSpec(
-        name: "exec",
-        abstract: "Run a command with HTTPS_PROXY and the CA bundle variables set (what proxyctl env prints).",
-        discussion: """
-            Example: proxyctl exec -- git clone https://git.example.com/team/repo.git. The command replaces \
-            proxyctl (its exit code is the command's); nothing else of the environment changes. Put -- before \
-            the command so its options are not read as proxyctl's.
-            """,
-        arguments: [
-            ArgumentSpec(name: "command", help: "The program to run, then its arguments.", optional: false),
-            ArgumentSpec(name: "arguments", help: "Its arguments (any number)."),
-        ],
-        options: [AuthEnvironment.configOption],
-        run: run
-    )
-
-    static func run(_ arguments: ParsedArguments, _ context: CommandContext) throws -> Int32 {
-        let words = arguments.positionals
-        guard let program = words.first else {
-            throw UsageError(message: "Missing expected argument '<command>'", command: ["proxyctl", "exec"])
-        }
-        let (variables, notes) = try EnvCommand.environment(arguments, context)
-        for note in notes { context.err("proxyctl: \(note)") }
-        var environment = context.environment
-        for (name, value) in variables { environment[name] = value }
-        guard let path = BrowserLauncher.which(program, path: environment["PATH"]) else {
-            throw CommandFailure(message: "\(program): command not found", exitCode: 127)
-        }
-        let argv = words.map { strdup($0) } + [nil]
-        let envp = environment.map { strdup("\($0.key)=\($0.value)") } + [nil]
-        execve(path, argv, envp)
-        throw CommandFailure(message: "\(program): cannot run it: \(String(cString: strerror(errno)))", exitCode: 126)
     }
 }

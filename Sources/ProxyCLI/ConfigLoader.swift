@@ -11,12 +11,37 @@ struct ConfigLoader {
         case explicit(String)
         /// The XDG default: optional.
         case standard(String)
+        /// The whole configuration in `$PROXYCTL_CONFIG_TEXT` (a sidecar configured from its environment).
+        case text(String)
         /// No home directory to look in.
         case none
+
+        /// The file looked for, if any.
+        var path: String? {
+            switch self {
+            case .explicit(let path), .standard(let path): path
+            case .text: ConfigLoader.textLabel
+            case .none: nil
+            }
+        }
     }
 
+    /// The label of a configuration given as text, used in error messages instead of a file name.
+    static let textLabel = "$PROXYCTL_CONFIG_TEXT"
+
+    /// `[proxy]` keys that may also come from the environment (a sidecar's), overriding the file's.
+    static let environmentKeys: [(variable: String, key: String)] = [
+        ("PROXYCTL_LISTEN", "listen"), ("PROXYCTL_PROXY_AUTH_FILE", "proxy_auth_file"),
+        ("PROXYCTL_STATE_DIR", "state_dir"), ("PROXYCTL_ADMIN_LISTEN", "admin_listen"),
+        ("PROXYCTL_LOG_FORMAT", "log_format"), ("PROXYCTL_LOG_LEVEL", "log_level"),
+        ("PROXYCTL_UPSTREAM_PROXY", "upstream_proxy"), ("PROXYCTL_PROTECTED_USERS", "protected_users"),
+    ]
+
+    /// Where the configuration comes from: `--config FILE`, else `$PROXYCTL_CONFIG_TEXT`, else
+    /// `$PROXYCTL_CONFIG`, else the XDG default.
     func locate(flag: String?) -> Location {
         if let flag { return .explicit(flag) }
+        if let text = environment["PROXYCTL_CONFIG_TEXT"], !text.isEmpty { return .text(text) }
         if let path = environment["PROXYCTL_CONFIG"], !path.isEmpty { return .explicit(path) }
         if let base = environment["XDG_CONFIG_HOME"], base.hasPrefix("/") {
             return .standard(base + "/proxyctl/proxy.conf")
@@ -28,20 +53,50 @@ struct ConfigLoader {
     /// Loads the configuration. No file at the standard location means the built-in defaults (a pure
     /// passthrough proxy on 127.0.0.1:8080).
     func load(_ location: Location) throws -> Configuration {
+        var configuration = try loadSource(location)
+        // The sidecar's variables override single keys of whatever the configuration came from.
+        var overrides: [(source: String, key: String, value: String)] = []
+        for (variable, key) in Self.environmentKeys {
+            if let value = environment[variable], !value.isEmpty { overrides.append(("$\(variable)", key, value)) }
+        }
+        guard !overrides.isEmpty else { return configuration }
+        let parser = ConfigParser(
+            homeDirectory: environment["HOME"], baseDirectory: FileManager.default.currentDirectoryPath)
+        let errors = parser.applyOverrides(overrides, to: &configuration)
+        if !errors.isEmpty { throw CommandFailure(message: ConfigErrors(errors).description) }
+        return configuration
+    }
+
+    private func loadSource(_ location: Location) throws -> Configuration {
         let path: String
+        let text: String
+        var baseDirectory: String
         switch location {
         case .none:
             return Configuration()
         case .standard(let standard):
             guard FileManager.default.fileExists(atPath: standard) else { return Configuration() }
             path = standard
+            text = try readText(path, what: "configuration file")
+            baseDirectory = (path as NSString).deletingLastPathComponent
         case .explicit(let explicit):
             path = explicit
+            text = try readText(path, what: "configuration file")
+            baseDirectory = (path as NSString).deletingLastPathComponent
+        case .text(let given):
+            if let file = environment["PROXYCTL_CONFIG"], !file.isEmpty {
+                throw CommandFailure(
+                    message:
+                        "both PROXYCTL_CONFIG (\(file)) and PROXYCTL_CONFIG_TEXT are set; keep one of them (or name the file with --config)"
+                )
+            }
+            path = Self.textLabel
+            text = given
+            // Relative paths in the text are relative to the working directory.
+            baseDirectory = FileManager.default.currentDirectoryPath
         }
-        let text = try readText(path, what: "configuration file")
-        let directory = (path as NSString).deletingLastPathComponent
-        let parser = ConfigParser(
-            homeDirectory: environment["HOME"], baseDirectory: directory.isEmpty ? "." : directory)
+        if baseDirectory.isEmpty { baseDirectory = "." }
+        let parser = ConfigParser(homeDirectory: environment["HOME"], baseDirectory: baseDirectory)
         switch parser.parse(text, file: path) {
         case .success(let configuration): return configuration
         case .failure(let errors): throw CommandFailure(message: errors.description)
@@ -73,6 +128,11 @@ struct ConfigLoader {
                     command: ["proxyctl", "serve"])
             }
             configuration.proxy.listen = address
+        }
+        if let admin = configuration.proxy.adminListen, admin.port != 0, admin.port == configuration.proxy.listen.port {
+            throw CommandFailure(
+                message:
+                    "admin_listen \(admin) is the proxy's own port; give health and metrics a port of their own")
         }
         if !configuration.proxy.listen.isLoopback && configuration.proxy.proxyAuthFile == nil {
             throw CommandFailure(

@@ -29,9 +29,15 @@ enum DoctorCommand {
         let configuration: Configuration
         do {
             configuration = try loader.load(location)
-            ok(
-                "\(configuration.source ?? "no file: built-in defaults (a passthrough proxy on 127.0.0.1:8080)") is valid"
-            )
+            if configuration.source == nil {
+                bad(
+                    "no configuration file\(location.path.map { " at \($0)" } ?? ""): proxyctl is a passthrough proxy only",
+                    fix:
+                        "proxyctl init --issuer https://YOUR-PROVIDER --client-id YOUR-CLIENT-ID --origin https://YOUR-API"
+                )
+            } else {
+                ok("\(configuration.source!) is valid")
+            }
         } catch {
             bad("\(error)", fix: "correct the file; proxyctl serve --check shows every error")
             return ExitCode.failure
@@ -115,21 +121,37 @@ enum DoctorCommand {
 
         context.out("Proxy")
         let listen = configuration.proxy.listen
-        if let serving = ServeState.running(stateDirectory: stateDirectory) {
-            ok("proxyctl serve is running (pid \(serving.pid), http://\(serving.listen))")
-        } else if listen.port != 0, canConnect(host: listen.host, port: listen.port) {
-            ok("something answers on \(listen) (proxyctl serve, presumably)")
-        } else {
-            bad("nothing listens on \(listen)", fix: "proxyctl serve (in another terminal, or as a service)")
+        let serving = ServeState.allRunning(stateDirectory: stateDirectory)
+        for serve in serving {
+            ok(
+                "proxyctl serve is running (pid \(serve.pid), http://\(serve.listen)\(serve.admin.map { ", health and metrics on http://\($0)" } ?? ""))"
+            )
+        }
+        if serving.isEmpty {
+            if listen.port != 0, canConnect(host: listen.host, port: listen.port) {
+                ok("something answers on \(listen) (proxyctl serve, presumably)")
+            } else {
+                note(
+                    "nothing listens on \(listen) (no proxyctl serve is running): proxyctl exec -- COMMAND starts a proxy for one command; for every shell run proxyctl serve (in another terminal, or as a service)"
+                )
+            }
         }
 
         context.out("This shell")
         let proxyValue = context.environment["HTTPS_PROXY"] ?? context.environment["https_proxy"]
-        let expected = "127.0.0.1:\(listen.port)"
-        if let proxyValue, proxyValue.contains(listen.host == "0.0.0.0" ? expected : "\(listen.host):\(listen.port)") {
-            ok("HTTPS_PROXY points at the proxy")
+        if let proxyValue, let address = ClientEnvironment.proxyAddress(proxyValue) {
+            // What counts is that something answers where HTTPS_PROXY points (a serve may have stopped).
+            if canConnect(host: address.host, port: address.port) {
+                ok("HTTPS_PROXY points at a proxy that answers (\(address.host):\(address.port))")
+            } else {
+                bad(
+                    "HTTPS_PROXY is \(ClientEnvironment.redacted(proxyValue)), and nothing listens there",
+                    fix: "start proxyctl serve, then eval \"$(proxyctl env)\" again (or use proxyctl exec -- COMMAND)")
+            }
         } else {
-            bad("HTTPS_PROXY is \(proxyValue.map { "set to \($0)" } ?? "not set")", fix: "eval \"$(proxyctl env)\"")
+            bad(
+                "HTTPS_PROXY is \(proxyValue.map { "set to \(ClientEnvironment.redacted($0))" } ?? "not set")",
+                fix: "eval \"$(proxyctl env)\" (or run each command with proxyctl exec -- COMMAND)")
         }
         if !hosts.isEmpty {
             let trust = context.environment["SSL_CERT_FILE"] ?? context.environment["CURL_CA_BUNDLE"]
@@ -139,6 +161,18 @@ enum DoctorCommand {
                 bad(
                     "tools do not trust the local CA (SSL_CERT_FILE is \(trust ?? "not set"))",
                     fix: "eval \"$(proxyctl env)\"")
+            }
+        }
+        context.out("Runtimes on this machine")
+        let found = RuntimeCheck.run(
+            environment: context.environment, bundle: hosts.isEmpty ? nil : files.bundle,
+            trustStore: files.trustStore, clientFiles: ClientEnvironment.Files(stateDirectory: stateDirectory))
+        if found.isEmpty { note("none of the runtimes proxyctl knows is on PATH") }
+        for finding in found {
+            switch finding.outcome {
+            case .ok(let text): ok("\(finding.runtime): \(text)")
+            case .fix(let text, let how): bad("\(finding.runtime): \(text)", fix: how)
+            case .note(let text): note("\(finding.runtime): \(text)")
             }
         }
         context.out(problems == 0 ? "\nEverything looks right." : "\n\(problems) thing(s) to fix.")

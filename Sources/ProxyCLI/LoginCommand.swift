@@ -65,7 +65,7 @@ enum LoginCommand {
         _ environment: AuthEnvironment, options: LoginOptions, device: Bool, noBrowser: Bool, newKey: Bool,
         context: CommandContext
     ) throws -> TokenSet {
-        let console = StderrConsole(context: context)
+        let console = StderrConsole(context: context, notifyCommand: environment.configuration.proxy.notifyCommand)
         let flow = LoginFlow(client: environment.client, store: environment.store, console: console)
         let launcher = BrowserLauncher(environment: context.environment, interactive: context.isInteractive)
         let provider = environment.provider

@@ -16,6 +16,7 @@ public enum ProxyctlCommand {
             and HTTP_PROXY. Everything that is not a protected origin passes through untouched.
             """,
         subcommands: [
+            InitCommand.spec,
             ServeCommand.spec,
             LoginCommand.spec,
             LogoutCommand.spec,

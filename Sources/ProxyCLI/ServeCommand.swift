@@ -48,7 +48,7 @@ enum ServeCommand {
             return ExitCode.success
         }
 
-        let logger = Logger(level: configuration.proxy.logLevel)
+        let logger = Logger(level: configuration.proxy.logLevel, format: configuration.proxy.logFormat)
         switch location {
         case .standard(let path) where configuration.source == nil:
             logger.info("no configuration file at \(path); running as a passthrough proxy with defaults")
@@ -59,75 +59,111 @@ enum ServeCommand {
 
         EventLoop.initializeLibraries()
         let loop = EventLoop()
+        let interception = try ProxyRuntime.interception(
+            configuration, stateDirectory: stateDirectory, loop: loop, ca: ca)
+        let runtimeOrigins = RuntimeOrigins(
+            origins: configuration.origins.origins, managers: interception?.managers ?? [:])
         let overrides = (listen: arguments.value("listen"), level: arguments.value("log-level"))
-        let startedWith = configuration
-        let reload: () -> Result<(ProxySettings, ProxyCredentials?), any Error> = {
+        // What the running proxy was built from; a SIGHUP compares the new file with it.
+        let current = Box(configuration)
+        let reload: () -> Result<Reloaded, any Error> = {
             do {
                 var fresh = try loader.load(location)
                 if let level = overrides.level, let parsed = LogLevel(name: level) { fresh.proxy.logLevel = parsed }
                 try loader.finish(&fresh, listen: overrides.listen)
-                if fresh.origins != startedWith.origins || fresh.providers != startedWith.providers {
-                    logger.warn(
-                        "SIGHUP: [origin] and [provider] sections changed; restart proxyctl serve to apply them (the rest is reloaded)"
-                    )
+                let credentials = try loader.loadCredentials(fresh.proxy)
+                let before = current.value
+                var reloaded = Reloaded(
+                    settings: fresh.proxy, credentials: credentials, origins: before.origins, interception: nil)
+                let restart = ServeCommand.restartNeeded(before: before.proxy, after: fresh.proxy)
+                for key in restart {
+                    reloaded.notes.append("\(key) changed; restart proxyctl serve to apply it (the rest is applied)")
                 }
-                return .success((fresh.proxy, try loader.loadCredentials(fresh.proxy)))
+                // Keys that need a restart keep their old values meanwhile.
+                reloaded.settings.stateDir = before.proxy.stateDir
+                reloaded.settings.adminListen = before.proxy.adminListen
+                let originsChanged = fresh.origins != before.origins || fresh.providers != before.providers
+                let transportChanged =
+                    fresh.proxy.upstreamProxy != before.proxy.upstreamProxy
+                    || fresh.proxy.noUpstreamProxy != before.proxy.noUpstreamProxy
+                    || fresh.proxy.resolve != before.proxy.resolve
+                if originsChanged || transportChanged || !fresh.origins.isEmpty {
+                    do {
+                        // The CA is read again: `proxyctl ca init` may have reissued it for new hosts.
+                        let freshCA = try loadLocalCA(fresh, stateDirectory: stateDirectory)
+                        let reuse = transportChanged ? [:] : runtimeOrigins.managers
+                        if let made = try ProxyRuntime.interception(
+                            fresh, stateDirectory: stateDirectory, loop: loop, ca: freshCA, reuse: reuse)
+                        {
+                            reloaded.interception = made
+                        } else {
+                            reloaded.interception = Interception(
+                                ca: nil, managers: [:],
+                                spoolDirectory: (stateDirectory ?? NSTemporaryDirectory()) + "/spool")
+                        }
+                        reloaded.origins = fresh.origins
+                        runtimeOrigins.replace(
+                            origins: fresh.origins.origins, managers: reloaded.interception?.managers ?? [:])
+                        current.value.origins = fresh.origins
+                        current.value.providers = fresh.providers
+                        current.value.proxy = reloaded.settings
+                    } catch let failure as CommandFailure {
+                        reloaded.notes.append(
+                            "[origin] and [provider] changes not applied, the protected origins are unchanged: \(failure.message); then send SIGHUP again"
+                        )
+                        current.value.proxy = reloaded.settings
+                    }
+                } else {
+                    current.value.proxy = reloaded.settings
+                }
+                return .success(reloaded)
             } catch {
                 return .failure(error)
             }
-        }
-        var interception: Interception? = nil
-        if !configuration.origins.isEmpty, let stateDirectory {
-            let transport = CurlTransport(
-                loop: loop, upstreamProxy: configuration.proxy.upstreamProxy,
-                bypass: configuration.proxy.noUpstreamProxy,
-                resolve: configuration.proxy.resolve)
-            let store = TokenStore(stateDirectory: stateDirectory)
-            var managers: [String: TokenManager] = [:]
-            var keys: [String: DPoPKey] = [:]
-            for provider in configuration.providers
-            where configuration.origins.origins.contains(where: { $0.provider == provider.name }) {
-                let client = ProviderClient(config: provider, transport: transport)
-                if provider.tokenBinding == .dpop {
-                    do {
-                        if let key = try DPoPKey.load(stateDirectory: stateDirectory, provider: provider.name) {
-                            keys[provider.name] = key
-                            try runBlocking { await client.setDPoPKey(key) }
-                        }
-                    } catch {
-                        throw CommandFailure(message: "cannot read the DPoP key of \(provider.name): \(error)")
-                    }
-                }
-                managers[provider.name] = TokenManager(provider: provider, store: store, client: client)
-            }
-            interception = Interception(
-                ca: ca, managers: managers, spoolDirectory: stateDirectory + "/spool", dpopKeys: keys,
-                stateDirectory: stateDirectory)
         }
         let server: ProxyServer
         do {
             server = try ProxyServer(
                 loop: loop, logger: logger, settings: configuration.proxy, credentials: credentials,
                 origins: configuration.origins, interception: interception, reload: reload,
-                fileLimit: fileLimit)
+                fileLimit: fileLimit, stateDirectory: stateDirectory)
         } catch {
             throw CommandFailure(message: "cannot set up interception: \(error)")
         }
+        server.configurationSource = configuration.source
+        let admin = try ProxyRuntime.startAdmin(
+            configuration.proxy, server: server, origins: runtimeOrigins, stateDirectory: stateDirectory)
+        server.adminAddress = admin.map { "\($0.boundAddress)" }
         let bound: ListenAddress
         do {
             bound = try server.start()
         } catch {
+            admin?.stop()
             throw CommandFailure(message: "\(error)")
         }
         let via = configuration.proxy.upstreamProxy.map { " via upstream proxy \($0)" } ?? ""
         let auth = credentials.map { " (proxy authentication: \($0.count) user(s))" } ?? ""
         logger.always("proxyctl \(Version.string) listening on http://\(bound)\(via)\(auth)")
-        for origin in configuration.origins.origins {
-            logger.info("protected origin \(origin.url): tokens from provider \(origin.provider)")
+        if let admin {
+            logger.always(
+                "health and metrics on http://\(admin.boundAddress) (/healthz, /readyz, /metrics)")
         }
+        for line in ProxyRuntime.originSummary(configuration, stateDirectory: stateDirectory) {
+            logger.always(line)
+        }
+        logger.always("use it: eval \"$(proxyctl env)\", or proxyctl exec -- COMMAND")
         loop.run()
         server.removeServeState()
+        admin?.stop()
         return ExitCode.success
+    }
+
+    /// `[proxy]` keys whose change a running serve cannot apply.
+    static func restartNeeded(before: ProxySettings, after: ProxySettings) -> [String] {
+        var keys: [String] = []
+        if before.stateDir != after.stateDir { keys.append("state_dir") }
+        if before.adminListen != after.adminListen { keys.append("admin_listen") }
+        return keys
     }
 
     /// The local CA for the protected https hosts; an error naming the fix when it is missing or was made for
@@ -191,4 +227,10 @@ enum ServeCommand {
         }
         return fileLimit
     }
+}
+
+/// A value a closure changes in place (on the thread that runs it).
+final class Box<Value> {
+    var value: Value
+    init(_ value: Value) { self.value = value }
 }

@@ -113,7 +113,9 @@ final class ClientDriver: ServerConnection, TransferOwner {
     /// query to the kernel, as ss(8) makes).
     private static func identify(_ fd: Int32, settings frontDoor: FrontDoor) -> PeerIdentity {
         let protectedRule = !frontDoor.origins.isEmpty && frontDoor.settings.protectedUsers == .owner
-        guard protectedRule || frontDoor.settings.passthroughUsers == .owner else { return .owner }
+        guard
+            protectedRule || frontDoor.settings.passthroughUsers == .owner || frontDoor.settings.ownerNeedsNoCredentials
+        else { return .owner }
         let uid = proxyctl_tcp_peer_uid(fd)
         if uid < 0 { return .unknown }
         return uid == Int(geteuid()) ? .owner : .otherUser(uid: uid)
@@ -175,6 +177,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
                 switch action {
                 case .log(let line): log(line)
                 case .exchangeFinished(let record): exchangeFinished(record)
+                case .requestFinished(let outcome): context.owner.count(outcome)
                 default: continue
                 }
                 continue
@@ -261,6 +264,8 @@ final class ClientDriver: ServerConnection, TransferOwner {
             exchangeFinished(record)
         case .log(let line):
             log(line)
+        case .requestFinished(let outcome):
+            context.owner.count(outcome)
         }
     }
 
@@ -529,6 +534,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
                 underlying: bev)
         }
         context.owner.adopt(session)
+        context.owner.interceptionStarted()
         finishHandOff()
     }
 
@@ -765,7 +771,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
 
     private func exchangeFinished(_ record: ExchangeRecord) {
         let duration = EventLoop.monotonicMilliseconds() - (exchangeStarted == 0 ? started : exchangeStarted)
-        context.owner.record(record)
+        context.owner.record(record, up: exchangeUp, down: exchangeDown, milliseconds: duration)
         if context.logger.enabled(.info) {
             context.logger.info(
                 "conn=\(id) client=\(peer) \(record.logLine(up: exchangeUp, down: exchangeDown, milliseconds: duration))"

@@ -60,8 +60,14 @@ protocol ConnectionOwner: AnyObject {
     /// Tracks a connection made by another one (a tunnel, or a TLS session, takes a client connection over).
     func adopt(_ connection: any ServerConnection)
     func connectionClosed(_ connection: any ServerConnection)
-    /// Counts an exchange with a protected origin for `proxyctl status`.
-    func record(_ record: ExchangeRecord)
+    /// Counts an exchange with a protected origin for `proxyctl status` and the metrics.
+    func record(_ record: ExchangeRecord, up: Int, down: Int, milliseconds: Int64)
+    /// Counts a request that ended otherwise (an answer of the proxy's own, a forwarded exchange).
+    func count(_ outcome: RequestOutcome)
+    /// A blind tunnel (or an upgraded connection) ended.
+    func tunnelEnded(upgrade: Bool, status: Int, up: Int, down: Int)
+    /// A CONNECT to a protected origin became a TLS session.
+    func interceptionStarted()
     /// A protected origin asked for a stronger sign-in (RFC 9470).
     func stepUpRequired(origin: OriginConfig, challenge: Challenge)
     /// Tokens for a provider cannot be had without the user.

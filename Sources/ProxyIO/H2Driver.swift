@@ -286,6 +286,8 @@ final class H2Driver: ServerConnection, TransferOwner {
             self.timer(timer).schedule(milliseconds: milliseconds)
         case .disarm(let timer):
             timers[timer]?.cancel()
+        case .requestFinished(let outcome):
+            context.owner.count(outcome)
         case .log(let line):
             log(line)
         }
@@ -574,11 +576,11 @@ final class H2Driver: ServerConnection, TransferOwner {
 
     private func exchangeFinished(_ stream: Int32, _ record: ExchangeRecord) {
         guard let io = streams[stream] else {
-            context.owner.record(record)
+            context.owner.record(record, up: 0, down: 0, milliseconds: 0)
             return
         }
         let duration = EventLoop.monotonicMilliseconds() - io.started
-        context.owner.record(record)
+        context.owner.record(record, up: io.up, down: io.down, milliseconds: duration)
         if context.logger.enabled(.info) {
             context.logger.info(
                 "conn=\(id) client=\(peer) \(record.logLine(up: io.up, down: io.down, milliseconds: duration)) h2=\(stream)"

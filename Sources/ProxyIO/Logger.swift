@@ -11,11 +11,19 @@ public final class Logger: @unchecked Sendable {
     // @unchecked Sendable: `level` is an atomic; writes are single write(2) calls.
 
     private let levelStorage: Atomic<Int>
+    private let jsonStorage: Atomic<Bool>
     private let fd: Int32
 
-    public init(level: LogLevel, fd: Int32 = 2) {
+    public init(level: LogLevel, format: LogFormat = .text, fd: Int32 = 2) {
         self.levelStorage = Atomic(level.rawValue)
+        self.jsonStorage = Atomic(format == .json)
         self.fd = fd
+    }
+
+    /// `text` for people, `json` (one object per line: time, level, conn, client, msg) for log collectors.
+    public var format: LogFormat {
+        get { jsonStorage.load(ordering: .relaxed) ? .json : .text }
+        set { jsonStorage.store(newValue == .json, ordering: .relaxed) }
     }
 
     public var level: LogLevel {
@@ -42,11 +50,16 @@ public final class Logger: @unchecked Sendable {
     }
 
     private func emit(_ level: LogLevel, _ message: String) {
-        var line = timestamp()
-        line += " "
-        line += level.description
-        line += " "
-        line += message
+        var line: String
+        if jsonStorage.load(ordering: .relaxed) {
+            line = Self.jsonLine(time: timestamp(), level: level, message: message)
+        } else {
+            line = timestamp()
+            line += " "
+            line += level.description
+            line += " "
+            line += message
+        }
         line += "\n"
         var bytes = Array(line.utf8)
         bytes.withUnsafeMutableBytes { buffer in
@@ -60,6 +73,25 @@ public final class Logger: @unchecked Sendable {
                 offset += written
             }
         }
+    }
+
+    /// One JSON object: `time`, `level`, the connection's `conn` and `client` when the message starts with
+    /// them (the access log lines), and the rest as `msg`.
+    static func jsonLine(time: String, level: LogLevel, message: String) -> String {
+        var members: [(String, JSONValue)] = [("time", .string(time)), ("level", .string(level.description))]
+        var rest = Substring(message)
+        if rest.hasPrefix("conn="), let space = rest.firstIndex(of: " "),
+            let id = Int64(rest[rest.index(rest.startIndex, offsetBy: 5)..<space])
+        {
+            members.append(("conn", .int(id)))
+            rest = rest[rest.index(after: space)...]
+            if rest.hasPrefix("client="), let next = rest.firstIndex(of: " ") {
+                members.append(("client", .string(String(rest[rest.index(rest.startIndex, offsetBy: 7)..<next]))))
+                rest = rest[rest.index(after: next)...]
+            }
+        }
+        members.append(("msg", .string(String(rest))))
+        return JSON.serialize(.object(JSONObject(members)))
     }
 
     /// The formatted second of the last line: most lines share their second with the one before.

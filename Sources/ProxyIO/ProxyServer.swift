@@ -33,6 +33,29 @@ public struct Interception: Sendable {
     }
 }
 
+/// What a SIGHUP loaded: the `[proxy]` settings and users, and the protected origins with what they need.
+public struct Reloaded: Sendable {
+    public var settings: ProxySettings
+    public var credentials: ProxyCredentials?
+    public var origins: OriginTable
+    /// The providers' token managers, the CA and the DPoP keys for `origins`; nil keeps the current ones (and
+    /// the current origins).
+    public var interception: Interception?
+    /// What could not be applied, and why (logged as warnings).
+    public var notes: [String]
+
+    public init(
+        settings: ProxySettings, credentials: ProxyCredentials?, origins: OriginTable, interception: Interception?,
+        notes: [String] = []
+    ) {
+        self.settings = settings
+        self.credentials = credentials
+        self.origins = origins
+        self.interception = interception
+        self.notes = notes
+    }
+}
+
 /// The forward proxy: a listener, the connections it accepted, the signals that stop or reload it.
 ///
 /// Lives on one loop thread. Connections are owned by `connections` and find the server through an unowned
@@ -59,8 +82,8 @@ public final class ProxyServer: ConnectionOwner {
     private(set) var tlsContexts: TLSServerContexts?
     private(set) var spoolDirectory: String
     /// DPoP keys by provider.
-    private let keys: DPoPKeyring
-    private let stateDirectory: String?
+    private var keys: DPoPKeyring
+    private var stateDirectory: String?
     /// Pipes for splicing tunnel bytes.
     private let pipes = PipePool()
     /// A buffer for tunnels that copy (where splice is not available).
@@ -78,13 +101,23 @@ public final class ProxyServer: ConnectionOwner {
     private var graceTimer: LoopTimer?
     private var refreshPoll: LoopTimer?
     /// Loads the configuration again on SIGHUP; nil disables reloading.
-    private let reload: (() -> Result<(ProxySettings, ProxyCredentials?), any Error>)?
+    private let reload: (() -> Result<Reloaded, any Error>)?
     public private(set) var boundAddress: ListenAddress
+    /// The counters behind the admin listener's `/metrics`.
+    public let metrics = ProxyMetrics()
+    /// Token brokers replaced by a SIGHUP, kept while a refresh of theirs may still be out (shutdown waits).
+    private var retiredBrokers: [TokenBroker] = []
+    /// Recorded in this serve's record under state_dir (for `proxyctl status`, `doctor`, `exec`).
+    public var configurationSource: String?
+    public var adminAddress: String?
+    /// Whether this proxy leaves a record under state_dir (`proxyctl exec`'s own proxy does not).
+    public var writesServeRecord = true
 
     public init(
         loop: EventLoop, logger: Logger, settings: ProxySettings, credentials: ProxyCredentials?,
         origins: OriginTable = OriginTable(), interception: Interception? = nil,
-        reload: (() -> Result<(ProxySettings, ProxyCredentials?), any Error>)? = nil, fileLimit: Int? = nil
+        reload: (() -> Result<Reloaded, any Error>)? = nil, fileLimit: Int? = nil,
+        stateDirectory: String? = nil
     ) throws {
         self.fileLimit = fileLimit ?? Self.openFileLimit()
         self.admission = Admission(settings: settings, fileLimit: self.fileLimit)
@@ -101,7 +134,7 @@ public final class ProxyServer: ConnectionOwner {
         self.spoolDirectory = interception?.spoolDirectory ?? NSTemporaryDirectory()
         self.keys = DPoPKeyring(
             loop: loop, keys: interception?.dpopKeys ?? [:], stateDirectory: interception?.stateDirectory)
-        self.stateDirectory = interception?.stateDirectory
+        self.stateDirectory = stateDirectory ?? interception?.stateDirectory
     }
 
     /// The context for connections accepted from now on: the current settings, front door and resolver.
@@ -123,14 +156,17 @@ public final class ProxyServer: ConnectionOwner {
 
     /// Binds the listener and installs the signal handlers. Returns the bound address (the port may have
     /// been 0).
+    /// - Parameter handleSignals: SIGTERM/SIGINT stop it and SIGHUP reloads (serve); `exec` handles signals
+    ///   itself and stops the server when its command ends.
     @discardableResult
-    public func start() throws -> ListenAddress {
+    public func start(handleSignals: Bool = true) throws -> ListenAddress {
         let bound = try bind(settings.listen)
         boundAddress = bound
         frontDoor.boundAddress = bound
         context = nil
-        installSignals()
+        if handleSignals { installSignals() }
         startServeState()
+        metrics.setListening(true)
         return bound
     }
 
@@ -187,6 +223,7 @@ public final class ProxyServer: ConnectionOwner {
             return
         }
         nextID += 1
+        metrics.update { $0.connectionsAccepted += 1 }
         let connection = ClientDriver(context: currentContext(), id: nextID, fd: fd, peer: peer, client: client)
         adopt(connection)
     }
@@ -197,6 +234,12 @@ public final class ProxyServer: ConnectionOwner {
         _ = bytes.withUnsafeBytes { Glibc.send(fd, $0.baseAddress, $0.count, proxyctl_msg_nosignal()) }
         Glibc.close(fd)
         turnedAway += 1
+        metrics.update {
+            $0.connectionsTurnedAway += 1
+            $0.record(
+                RequestOutcome(
+                    kind: .proxy, status: answer.status, proxyError: answer.response.proxyStatus?.error?.rawValue))
+        }
         let now = EventLoop.monotonicMilliseconds()
         if now - lastTurnAwayLog >= 10_000 {
             lastTurnAwayLog = now
@@ -237,8 +280,9 @@ public final class ProxyServer: ConnectionOwner {
     private var serveStateDirty = false
     private var serveStateTimer: LoopTimer?
 
-    /// Counts an intercepted exchange for `proxyctl status`.
-    func record(_ record: ExchangeRecord) {
+    /// Counts an intercepted exchange for `proxyctl status` and the metrics.
+    func record(_ record: ExchangeRecord, up: Int, down: Int, milliseconds: Int64) {
+        metrics.update { $0.recordExchange(record, up: up, down: down, milliseconds: milliseconds) }
         guard serveState != nil else { return }
         var counts = serveState!.origins[record.origin, default: ServeState.OriginCounts()]
         counts.requests += 1
@@ -252,9 +296,40 @@ public final class ProxyServer: ConnectionOwner {
         serveStateDirty = true
     }
 
+    /// A request ended (not an exchange with a protected origin: those come through `record`).
+    func count(_ outcome: RequestOutcome) {
+        metrics.update { $0.record(outcome) }
+    }
+
+    /// A tunnel ended: a CONNECT that was passed through (counted as a request when it ends, with its
+    /// bytes) or an upgraded connection (its request was counted when the 101 went through).
+    func tunnelEnded(upgrade: Bool, status: Int, up: Int, down: Int) {
+        metrics.update {
+            $0.tunnels[upgrade ? "upgrade" : "blind", default: 0] += 1
+            if upgrade {
+                $0.addBytes("passthrough", up: up, down: down)
+            } else {
+                $0.record(RequestOutcome(kind: .connect, status: status, up: up, down: down))
+            }
+        }
+    }
+
+    /// A CONNECT to a protected origin was answered 200 and its TLS session begins.
+    func interceptionStarted() {
+        metrics.update {
+            $0.tunnels["intercepted", default: 0] += 1
+            $0.record(RequestOutcome(kind: .connect, status: 200))
+        }
+    }
+
     private func startServeState() {
-        guard stateDirectory != nil, !frontDoor.origins.isEmpty else { return }
+        guard writesServeRecord, let stateDirectory else { return }
+        // Records of serves that are gone (killed, crashed) go; those of other live serves stay.
+        _ = ServeState.allRunning(stateDirectory: stateDirectory, removeStale: true)
         var state = ServeState(pid: getpid(), listen: boundAddress.description, startedAt: Int64(time(nil)))
+        state.proxyAuthentication = frontDoor.credentials != nil
+        state.configuration = configurationSource
+        state.admin = adminAddress
         for origin in frontDoor.origins.origins { state.origins[origin.url] = ServeState.OriginCounts() }
         serveState = state
         writeServeState()
@@ -276,10 +351,10 @@ public final class ProxyServer: ConnectionOwner {
         }
     }
 
-    /// Removes serve.json when the proxy stops.
+    /// Removes this serve's record when the proxy stops.
     public func removeServeState() {
-        guard serveState != nil, let stateDirectory else { return }
-        unlink(ServeState.path(stateDirectory: stateDirectory))
+        guard let serveState, let stateDirectory else { return }
+        serveState.remove(stateDirectory: stateDirectory)
     }
 
     // MARK: - Telling the user
@@ -323,6 +398,7 @@ public final class ProxyServer: ConnectionOwner {
 
     /// Tokens for `provider` cannot be had without the user: say so (at most once a minute per provider).
     func signInNeeded(provider: String, origin: String, reason: String) {
+        metrics.update { $0.providers[provider, default: MetricsRegistry.ProviderCounts()].signInNeeded += 1 }
         let now = Int64(time(nil))
         if let last = lastSignInNotice[provider], now - last < 60 { return }
         lastSignInNotice[provider] = now
@@ -371,10 +447,14 @@ public final class ProxyServer: ConnectionOwner {
     func adopt(_ connection: any ServerConnection) {
         connections[ObjectIdentifier(connection)] = connection
         clientCounts[connection.clientAddress, default: 0] += 1
+        let open = connections.count
+        metrics.update { $0.connectionsOpen = open }
     }
 
     func connectionClosed(_ connection: any ServerConnection) {
         guard connections.removeValue(forKey: ObjectIdentifier(connection)) != nil else { return }
+        let open = connections.count
+        metrics.update { $0.connectionsOpen = open }
         let address = connection.clientAddress
         if let count = clientCounts[address], count > 1 {
             clientCounts[address] = count - 1
@@ -391,7 +471,8 @@ public final class ProxyServer: ConnectionOwner {
     /// may have stopped waiting) holds the only copy of the rotated refresh token, and exiting before its
     /// answer is stored would sign the user out. The grace timer still bounds the wait.
     private func stopAfterRefreshes() {
-        guard tokens.refreshInFlight else {
+        retiredBrokers.removeAll { !$0.refreshInFlight }
+        guard tokens.refreshInFlight || !retiredBrokers.isEmpty else {
             loop.stop()
             return
         }
@@ -433,6 +514,7 @@ public final class ProxyServer: ConnectionOwner {
     /// Stops accepting, closes idle connections, and lets the rest finish within the grace period.
     public func beginShutdown() {
         draining = true
+        metrics.setListening(false)
         if let listener {
             evconnlistener_free(listener)
             self.listener = nil
@@ -469,7 +551,8 @@ public final class ProxyServer: ConnectionOwner {
         switch reload() {
         case .failure(let error):
             logger.error("SIGHUP: the new configuration has errors; still serving the old one:\n\(error)")
-        case .success(let (newSettings, credentials)):
+        case .success(let reloaded):
+            let (newSettings, credentials) = (reloaded.settings, reloaded.credentials)
             if newSettings.listen != settings.listen {
                 do {
                     boundAddress = try bind(newSettings.listen)
@@ -482,15 +565,47 @@ public final class ProxyServer: ConnectionOwner {
             settings = newSettings
             admission = Admission(settings: newSettings, fileLimit: fileLimit)
             resolver = Resolver(overrides: newSettings.resolve)
+            var origins = frontDoor.origins
+            if let interception = reloaded.interception {
+                // New origins and providers: a new broker (managers of unchanged providers are the same
+                // objects, so a refresh in flight is joined, not repeated), new TLS contexts (leaves are minted
+                // again from the CA on first use) and keys. Connections in flight keep what they had.
+                do {
+                    let contexts = try interception.ca.map { try TLSServerContexts(ca: $0, http2: newSettings.http2) }
+                    if tokens.refreshInFlight { retiredBrokers.append(tokens) }
+                    tokens = TokenBroker(loop: loop, managers: interception.managers)
+                    tlsContexts = contexts
+                    keys = DPoPKeyring(
+                        loop: loop, keys: interception.dpopKeys, stateDirectory: interception.stateDirectory)
+                    spoolDirectory = interception.spoolDirectory
+                    if stateDirectory == nil { stateDirectory = interception.stateDirectory }
+                    origins = reloaded.origins
+                } catch {
+                    logger.error("SIGHUP: cannot set up TLS for the protected origins: \(error); they are unchanged")
+                }
+            }
             frontDoor = FrontDoor(
-                settings: newSettings, credentials: credentials, boundAddress: boundAddress, origins: frontDoor.origins)
+                settings: newSettings, credentials: credentials, boundAddress: boundAddress, origins: origins)
             tlsContexts?.http2 = newSettings.http2
             // New connections get the new settings; those in flight keep the ones they were accepted with
             // (an HTTP/2 connection, which may last long, is asked to make way for a new one).
             context = nil
             for connection in Array(connections.values) { connection.reload() }
             logger.level = newSettings.logLevel
-            logger.info("SIGHUP: configuration reloaded")
+            logger.format = newSettings.logFormat
+            for note in reloaded.notes { logger.warn("SIGHUP: \(note)") }
+            if reloaded.interception != nil, var state = serveState {
+                var counts: [String: ServeState.OriginCounts] = [:]
+                for origin in origins.origins {
+                    counts[origin.url] = state.origins[origin.url] ?? ServeState.OriginCounts()
+                }
+                state.origins = counts
+                serveState = state
+                writeServeState()
+            }
+            logger.info(
+                "SIGHUP: configuration reloaded\(reloaded.interception != nil ? " (protected origins: \(origins.origins.map(\.url).joined(separator: ", ")))" : "")"
+            )
         }
     }
 }

@@ -274,6 +274,7 @@ final class SpliceTunnel: ServerConnection {
         context.logger.info(
             "conn=\(id) client=\(peer) \(label) status=\(status) up=\(up.bytes) down=\(down.bytes) duration=\(LogText.duration(duration))"
                 + (reason.map { " closed=\"\($0)\"" } ?? ""))
+        context.owner.tunnelEnded(upgrade: status == 101, status: status, up: up.bytes, down: down.bytes)
         close()
     }
 

@@ -18,6 +18,49 @@ public protocol RedirectReceiver: Sendable {
 /// Where a login talks to the person: progress and the URL to open.
 public protocol LoginConsole: Sendable {
     func say(_ line: String)
+    /// The device flow's code to enter (RFC 8628). The default says it line by line.
+    func showDeviceCode(_ prompt: DeviceCodePrompt)
+    /// The login waits for the person to finish signing in (`what`), until `deadline` (seconds since 1970).
+    func waiting(for what: String, until deadline: Int64)
+    /// The wait announced by `waiting` is over.
+    func waitEnded()
+}
+
+/// What a person needs to finish a device-flow sign-in: where to go and the code to type. The user code is
+/// meant to be shown (it is short-lived and useless without the device code, which is never shown).
+public struct DeviceCodePrompt: Sendable, Equatable {
+    public let provider: String
+    public let verificationURI: String
+    public let verificationURIComplete: String?
+    public let userCode: String
+    public let expiresAt: Int64
+
+    public init(
+        provider: String, verificationURI: String, verificationURIComplete: String?, userCode: String, expiresAt: Int64
+    ) {
+        self.provider = provider
+        self.verificationURI = verificationURI
+        self.verificationURIComplete = verificationURIComplete
+        self.userCode = userCode
+        self.expiresAt = expiresAt
+    }
+
+    /// The lines a person reads.
+    public var lines: [String] {
+        var lines = [
+            "To sign in to \(provider), visit", "", "    \(verificationURI)", "", "and enter the code  \(userCode)",
+        ]
+        if let complete = verificationURIComplete { lines.append("(or open \(complete) directly)") }
+        return lines
+    }
+}
+
+extension LoginConsole {
+    public func showDeviceCode(_ prompt: DeviceCodePrompt) {
+        for line in prompt.lines { say(line) }
+    }
+    public func waiting(for what: String, until deadline: Int64) {}
+    public func waitEnded() {}
 }
 
 /// What the person asked for on the command line.
@@ -178,7 +221,17 @@ public struct LoginFlow: Sendable {
             if !openBrowser(url) {
                 console.say("(No browser could be started here; open the URL on any device that can reach this one.)")
             }
-            let query = try await receiver.waitForResponse(timeout: provider.loginTimeout)
+            console.waiting(
+                for: "the sign-in in the browser (the redirect to \(receiver.redirectURI))",
+                until: now() + Int64(provider.loginTimeout / 1000))
+            let query: [(String, String)]
+            do {
+                query = try await receiver.waitForResponse(timeout: provider.loginTimeout)
+                console.waitEnded()
+            } catch {
+                console.waitEnded()
+                throw error
+            }
             switch request.check(query, metadata: metadata) {
             case .failure(let error):
                 throw error
@@ -276,16 +329,15 @@ public struct LoginFlow: Sendable {
         }
         let expiresIn = object["expires_in"]?.int.map(Int.init) ?? 600
         var interval = max(1, object["interval"]?.int.map(Int.init) ?? 5)
-        console.say("To sign in to \(provider.name), visit")
-        console.say("")
-        console.say("    \(AuthText.clip(verificationURI, 300))")
-        console.say("")
-        console.say("and enter the code  \(AuthText.clip(userCode, 40))")
-        if let complete = object["verification_uri_complete"]?.string {
-            console.say("(or open \(AuthText.clip(complete, 300)) directly)")
-        }
-        console.say("Waiting for you to finish (the code expires in \(expiresIn / 60) min)...")
         let deadline = now() + Int64(min(expiresIn, provider.loginTimeout / 1000 + 1))
+        console.showDeviceCode(
+            DeviceCodePrompt(
+                provider: provider.name, verificationURI: AuthText.clip(verificationURI, 300),
+                verificationURIComplete: object["verification_uri_complete"]?.string.map { AuthText.clip($0, 300) },
+                userCode: AuthText.clip(userCode, 40), expiresAt: now() + Int64(expiresIn)))
+        console.say("Waiting for you to finish (the code expires in \(expiresIn / 60) min)...")
+        console.waiting(for: "the code to be entered at \(AuthText.clip(verificationURI, 300))", until: deadline)
+        defer { console.waitEnded() }
         while true {
             try await Task.sleep(for: .seconds(interval))
             let outcome = try await client.postToken([

@@ -2,8 +2,10 @@ import Foundation
 import ProxyCore
 import ProxyTLS
 
-/// What a running `proxyctl serve` tells `proxyctl status`: `<state_dir>/serve.json`, rewritten every few
-/// seconds while counts change and removed at exit.
+/// What a running `proxyctl serve` tells `proxyctl status`, `doctor`, `env` and `exec`: one file per serve,
+/// `<state_dir>/serve/PID.json`, rewritten every few seconds while counts change and removed at exit by the
+/// process that wrote it. Several serves may share a state directory (on different ports): each keeps its
+/// own record, and a record whose process is gone is ignored (and removed by the next serve).
 public struct ServeState: Sendable, Equatable {
     /// Counts for one protected origin since the proxy started.
     public struct OriginCounts: Sendable, Equatable {
@@ -28,6 +30,12 @@ public struct ServeState: Sendable, Equatable {
     public var listen: String
     public var startedAt: Int64
     public var origins: [String: OriginCounts]
+    /// Clients must send `Proxy-Authorization` (proxy_auth_file).
+    public var proxyAuthentication = false
+    /// The configuration it runs with (a file path, or where it came from).
+    public var configuration: String? = nil
+    /// The admin listener (health and metrics), when there is one.
+    public var admin: String? = nil
 
     public init(pid: Int32, listen: String, startedAt: Int64, origins: [String: OriginCounts] = [:]) {
         self.pid = pid
@@ -36,13 +44,21 @@ public struct ServeState: Sendable, Equatable {
         self.origins = origins
     }
 
-    public static func path(stateDirectory: String) -> String { stateDirectory + "/serve.json" }
+    public static func directory(stateDirectory: String) -> String { stateDirectory + "/serve" }
+
+    /// This process's record.
+    public static func path(stateDirectory: String, pid: Int32 = getpid()) -> String {
+        directory(stateDirectory: stateDirectory) + "/\(pid).json"
+    }
 
     public var json: JSONValue {
         var object = JSONObject()
         object["pid"] = .int(Int64(pid))
         object["listen"] = .string(listen)
         object["started_at"] = .int(startedAt)
+        object["proxy_authentication"] = .bool(proxyAuthentication)
+        if let configuration { object["configuration"] = .string(configuration) }
+        if let admin { object["admin"] = .string(admin) }
         var origins = JSONObject()
         for (url, counts) in self.origins.sorted(by: { $0.key < $1.key }) {
             origins[url] = .object(
@@ -62,6 +78,9 @@ public struct ServeState: Sendable, Equatable {
         guard let pid = json["pid"]?.int, let listen = json["listen"]?.string, let started = json["started_at"]?.int
         else { return nil }
         self.init(pid: Int32(pid), listen: listen, startedAt: started)
+        proxyAuthentication = json["proxy_authentication"]?.bool ?? false
+        configuration = json["configuration"]?.string
+        admin = json["admin"]?.string
         for (url, value) in json["origins"]?.object?.members ?? [] {
             var counts = OriginCounts()
             counts.requests = Int(value["requests"]?.int ?? 0)
@@ -77,16 +96,40 @@ public struct ServeState: Sendable, Equatable {
 
     public func save(stateDirectory: String) throws {
         try SecureFile.makePrivateDirectory(stateDirectory)
+        try SecureFile.makePrivateDirectory(Self.directory(stateDirectory: stateDirectory))
         try SecureFile.write(
-            Array((JSON.serialize(json) + "\n").utf8), to: Self.path(stateDirectory: stateDirectory), mode: 0o600)
+            Array((JSON.serialize(json) + "\n").utf8), to: Self.path(stateDirectory: stateDirectory, pid: pid),
+            mode: 0o600)
     }
 
-    /// The state of a proxy that is still running, or nil.
+    /// Removes this record (only the process that wrote it does).
+    public func remove(stateDirectory: String) {
+        unlink(Self.path(stateDirectory: stateDirectory, pid: pid))
+    }
+
+    /// Every proxy still running on this state directory, the most recently started first. Records of
+    /// processes that are gone are skipped; `removeStale` deletes them.
+    public static func allRunning(stateDirectory: String, removeStale: Bool = false) -> [ServeState] {
+        let directory = directory(stateDirectory: stateDirectory)
+        let names = (try? FileManager.default.contentsOfDirectory(atPath: directory)) ?? []
+        var found: [ServeState] = []
+        for name in names where name.hasSuffix(".json") && !name.hasPrefix(".") {
+            let path = directory + "/" + name
+            guard let data = FileManager.default.contents(atPath: path),
+                case .success(let json) = JSON.parse(Array(data)), let state = ServeState(json: json)
+            else { continue }
+            // kill(pid, 0) fails with ESRCH when no such process exists (EPERM: it exists, another user's).
+            if kill(state.pid, 0) == 0 || errno == EPERM {
+                found.append(state)
+            } else if removeStale {
+                unlink(path)
+            }
+        }
+        return found.sorted { ($0.startedAt, $0.pid) > ($1.startedAt, $1.pid) }
+    }
+
+    /// The state of a proxy that is still running (the most recently started one), or nil.
     public static func running(stateDirectory: String) -> ServeState? {
-        guard let data = FileManager.default.contents(atPath: path(stateDirectory: stateDirectory)),
-            case .success(let json) = JSON.parse(Array(data)), let state = ServeState(json: json),
-            kill(state.pid, 0) == 0
-        else { return nil }
-        return state
+        allRunning(stateDirectory: stateDirectory).first
     }
 }

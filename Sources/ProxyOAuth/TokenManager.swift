@@ -23,6 +23,8 @@ public actor TokenManager {
     public let client: ProviderClient
     /// Entered while a refresh token is out at the provider and its answer is not on disk yet.
     public nonisolated let gate = RefreshGate()
+    /// Refresh flights that ended with tokens, or with an error (the metrics).
+    public nonisolated let tally = RefreshTally()
     private var cached: TokenSet?
     private var cachedVersion: TokenStore.FileVersion?
     /// The refresh in flight: every caller joins it, and it runs to its end even when they stop waiting.
@@ -126,9 +128,17 @@ public actor TokenManager {
         if let flight { return try await wait(for: flight, patience) }
         flightCount += 1
         let id = flightCount
+        let tally = self.tally
         let task = Task {
             defer { endFlight(id) }
-            return try await refreshUnderLock(replacing: generation)
+            do {
+                let tokens = try await refreshUnderLock(replacing: generation)
+                tally.record(ok: true)
+                return tokens
+            } catch {
+                tally.record(ok: false)
+                throw error
+            }
         }
         let started = Flight(id: id, task: task, started: .now)
         flight = started

@@ -83,6 +83,8 @@ public final class LocalCA: @unchecked Sendable {
         public var hosts: String { directory + "/hosts" }
         /// The system roots plus this CA: what `proxyctl env` points runtimes at.
         public var bundle: String { directory + "/bundle.pem" }
+        /// The same certificates as a PKCS#12 trust store, for Java (`javax.net.ssl.trustStore`).
+        public var trustStore: String { directory + "/truststore.p12" }
 
         public init(stateDirectory: String) { directory = stateDirectory + "/ca" }
     }
@@ -116,6 +118,7 @@ public final class LocalCA: @unchecked Sendable {
         bundle.append(contentsOf: Array("# proxyctl local CA for: \(hosts.joined(separator: " "))\n".utf8))
         bundle.append(contentsOf: pem)
         try SecureFile.write(bundle, to: files.bundle, mode: 0o644)
+        try SecureFile.write(try TrustStore.pkcs12(pem: bundle), to: files.trustStore, mode: 0o644)
     }
 
     /// Where this system keeps its trusted roots (OpenSSL's default, else the usual Debian and Red Hat places).
@@ -126,6 +129,28 @@ public final class LocalCA: @unchecked Sendable {
             "/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt", "/etc/ssl/cert.pem",
         ]
         return candidates.first { FileManager.default.isReadableFile(atPath: $0) }
+    }
+}
+
+/// Java's trust stores: Java cannot read a PEM bundle, and `keytool -importcert -file bundle.pem` imports only
+/// the bundle's first certificate.
+public enum TrustStore {
+    /// Java's customary password for trust stores: it protects nothing (the certificates are public), it
+    /// only lets Java check the file's integrity.
+    public static let password = "changeit"
+
+    /// Every certificate of the PEM `pem` as a trusted entry of a PKCS#12 trust store.
+    public static func pkcs12(pem: [UInt8]) throws -> [UInt8] {
+        var out: UnsafeMutablePointer<UInt8>? = nil
+        var count: Int32 = 0
+        let length = pem.withUnsafeBufferPointer { buffer in
+            proxyctl_pkcs12_truststore(buffer.baseAddress, Int32(buffer.count), password, &out, &count)
+        }
+        guard length > 0, let out else {
+            throw CryptoError("cannot make a PKCS#12 trust store (\(count) certificates read)")
+        }
+        defer { proxyctl_OPENSSL_free(out) }
+        return Array(UnsafeBufferPointer(start: out, count: Int(length)))
     }
 }
 

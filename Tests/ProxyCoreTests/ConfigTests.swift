@@ -74,9 +74,13 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
             resolve = api.test=127.0.0.1, Git.Test.=::1
             notify_command = notify-send  proxyctl
             log_level = debug
+            log_format = JSON
+            admin_listen = 9464
             state_dir = ~/state
             """
         let proxy = try config(text).proxy
+        #expect(proxy.logFormat == .json)
+        #expect(proxy.adminListen == ListenAddress(host: "127.0.0.1", port: 9464, isIPv6: false))
         #expect(proxy.replayMemory == 2 << 20)
         #expect(proxy.replaySpool == 16 << 20)
         #expect(proxy.http2 == false)
@@ -101,7 +105,7 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(proxy.protectedUsers == .any && proxy.passthroughUsers == .owner)
         #expect(proxy.logLevel == .debug)
         #expect(proxy.stateDir == "/home/ada/state")
-        #expect(ConfigParser.proxyKeys.count == 23)
+        #expect(ConfigParser.proxyKeys.count == 25)
         for key in ConfigParser.proxyKeys {
             #expect(text.contains("\n\(key) = "), "\(key) is not covered")
         }

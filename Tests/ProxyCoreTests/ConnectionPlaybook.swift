@@ -30,6 +30,8 @@ struct Playbook {
     /// Notable actions since `next()` was last called.
     var notable: [Action] = []
     var logs: [LogLine] = []
+    /// What each finished request counted as (the metrics).
+    var outcomes: [RequestOutcome] = []
     /// Every upstream connection opened, in order (the index of the address each used).
     var connects: [Int] = []
 
@@ -145,7 +147,7 @@ struct Playbook {
         for action in actions {
             if clientClosed != nil {
                 switch action {
-                case .disarm, .log, .exchangeFinished: break
+                case .disarm, .log, .exchangeFinished, .requestFinished: break
                 case .exchange(.cancelTransfer, _): break
                 // Bytes the client sent after the request that ends the connection are dropped.
                 case .consumeClient where clientClosed == .closeAfterFlush: break
@@ -197,6 +199,8 @@ struct Playbook {
                 reading = on
             case .log(let line):
                 logs.append(line)
+            case .requestFinished(let outcome):
+                outcomes.append(outcome)
             case .closeAfterFlush, .closeNow, .resetClient:
                 clientClosed = action
                 notable.append(action)

@@ -12,6 +12,7 @@ the JWKS of the issuers it was told to trust (`trust(issuer, jwks_uri)`): `typ` 
     GET /download/SIZE               SIZE bytes of fixtures.content.generate() (Content-Length)
     GET /redirect?to=URL             302 to URL (never followed by anyone but the client)
     GET /public/...                  200 JSON about the request, no token needed
+    GET /files/NAME                  the bytes of `files[NAME]` (a wheel for pip, say)
     /repo.git/...                    `git http-backend` (CGI) for the bare repository made by `make_git_repo`
     anything, no or a bad token      401 with WWW-Authenticate: Bearer (error="invalid_token" for a bad one)
 
@@ -152,6 +153,9 @@ class _Handler(QuietHandler):
         elif parts[0] == "download" and len(parts) == 2:
             seen.status = 200
             self._download(int(parts[1]))
+        elif parts[0] == "files" and len(parts) == 2 and parts[1] in rs.files:
+            seen.status = 200
+            self._send(200, rs.files[parts[1]], "application/octet-stream", headers=seen.response_headers)
         elif parts[0] == "redirect":
             target = urllib.parse.parse_qs(url.query).get("to", ["https://elsewhere.test/"])[0]
             seen.status = 302
@@ -189,6 +193,7 @@ class ResourceServer:
         self._reject = 0
         self.revoked: set[str] = set()
         self.git_root: Path | None = None
+        self.files: dict[str, bytes] = {}
         self.server = TLSHTTPServer(_Handler, self.identity.server_context(), io_timeout=120, owner=self).start()
         self.port = self.server.port
 

@@ -147,7 +147,8 @@ def test_env_exports_point_at_proxy_and_bundle(main):
     for name in ("SSL_CERT_FILE", "CURL_CA_BUNDLE", "REQUESTS_CA_BUNDLE", "PIP_CERT", "GIT_SSL_CAINFO",
                  "AWS_CA_BUNDLE"):
         assert env[name] == bundle, name
-    assert env["NODE_EXTRA_CA_CERTS"] == str(main.ws.state / "ca" / "ca.pem")
+    # Node adds NODE_EXTRA_CA_CERTS to its own roots: the bundle, so that it trusts the system's roots too.
+    assert env["NODE_EXTRA_CA_CERTS"] == bundle
     ca = (main.ws.state / "ca" / "ca.pem").read_text()
     bundle_text = Path(bundle).read_text()
     assert bundle_text.rstrip().endswith(ca.strip())
@@ -310,10 +311,11 @@ def test_expect_100_continue_is_answered(main, rs):
         tls.sendall(body)
         final = reader.read_response("POST")
         assert final.status == 200 and json.loads(final.body)["body_sha256"] == hashlib.sha256(body).hexdigest()
-    # curl sends Expect: 100-continue for bodies over 1 MiB, and says so when it gave up waiting.
+    # curl sends Expect: 100-continue for bodies over 1 MiB over HTTP/1.1 (HTTP/2 has no Expect: it is what
+    # curl picks when the proxy offers it), and says so when it gave up waiting.
     upload = main.ws.root / "expect.bin"
     write_generated(upload, 2 * MiB)
-    done = subprocess.run(["curl", "-sS", "-v", "-o", "/dev/null", "-w", "%{http_code}", "--data-binary",
+    done = subprocess.run(["curl", "-sS", "-v", "--http1.1", "-o", "/dev/null", "-w", "%{http_code}", "--data-binary",
                            f"@{upload}", rs.url("/expect")], capture_output=True, text=True, timeout=60,
                           env=main.client_env())
     assert done.stdout == "200", done.stderr[-2000:]
@@ -338,7 +340,8 @@ def test_large_download_arrives_intact(main, rs, record_property):
     assert digest.hexdigest() == expected_sha256(size)
     line = assert_one_intercepted(main, mark, "status=200")
     down = int(re.search(r" down=(\d+)", line).group(1))
-    assert size < down < size + 4096
+    # Body bytes, plus the chunk framing when the client speaks HTTP/1.1 (curl picks HTTP/2 here).
+    assert size <= down < size + 4096
     record_property("64 MiB intercepted download (s)", round(elapsed, 2))
 
 
@@ -509,7 +512,7 @@ def test_name_constraints_name_exactly_the_protected_hosts_and_the_real_leaf_ver
     context = ssl.create_default_context(cafile=str(ca_pem))  # the local CA alone
     context.set_alpn_protocols(["h2", "http/1.1"])
     with context.wrap_socket(sock, server_hostname=API) as tls:
-        assert tls.selected_alpn_protocol() == "http/1.1"
+        assert tls.selected_alpn_protocol() == "h2"  # offered first when http2 = on (the default)
         der = tls.getpeercert(binary_form=True)
     leaf = x509.load_der_x509_certificate(der)
     assert leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(

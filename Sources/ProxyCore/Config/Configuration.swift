@@ -27,6 +27,12 @@ public enum LogLevel: Int, Sendable, Comparable, CaseIterable, CustomStringConve
     public static func < (lhs: Self, rhs: Self) -> Bool { lhs.rawValue < rhs.rawValue }
 }
 
+/// How log lines are written: `text` for people, `json` (one object per line) for log collectors.
+public enum LogFormat: String, Sendable, Equatable {
+    case text
+    case json
+}
+
 /// Which local users a part of the proxy serves.
 public enum UserScope: String, Sendable, Equatable {
     /// Only the user the proxy runs as (the one whose tokens it holds).
@@ -64,6 +70,12 @@ public struct ProxySettings: Sendable, Equatable {
     /// Most connections open at once from one client address; nil is a quarter of `maxConnections`.
     public var maxConnectionsPerClient: Int? = nil
     public var logLevel = LogLevel.info
+    public var logFormat = LogFormat.text
+    /// Where `/healthz`, `/readyz` and `/metrics` are served; nil: nowhere.
+    public var adminListen: ListenAddress? = nil
+    /// Not a configuration key: `proxyctl exec`'s own proxy admits processes of its user without the run's
+    /// credential (which it still hands to the command).
+    public var ownerNeedsNoCredentials = false
     /// Request bodies to protected origins are kept in memory up to this size so they can be replayed.
     public var replayMemory = 1 << 20
     /// Beyond `replayMemory`, bodies are spooled to a 0600 file up to this size; larger ones are forwarded
@@ -212,8 +224,34 @@ public struct ConfigParser: Sendable {
                     "\(config.proxy.listen) is reachable from other machines; set proxy_auth_file so that clients must authenticate, or listen on 127.0.0.1"
                 ))
         }
+        if let admin = config.proxy.adminListen, admin.port != 0, admin.port == config.proxy.listen.port {
+            let line = document.sections.first { $0.name == "proxy" }?.entries.first { $0.key == "admin_listen" }?.line
+            errors.append(
+                ConfigError(
+                    file: file, line: line, section: "proxy", key: "admin_listen",
+                    "\(admin) is the proxy's own port; health and metrics need a port of their own"))
+        }
         errors.sort { ($0.line ?? 0) < ($1.line ?? 0) }
         return errors.isEmpty ? .success(config) : .failure(ConfigErrors(errors))
+    }
+
+    /// Applies `[proxy]` keys given outside the file (`PROXYCTL_LISTEN` and the like): each value is checked
+    /// as its key in the file would be, and an error names the variable instead of a line.
+    public func applyOverrides(
+        _ overrides: [(source: String, key: String, value: String)], to configuration: inout Configuration
+    ) -> [ConfigError] {
+        var errors: [ConfigError] = []
+        for override in overrides {
+            let section = INIDocument.Section(
+                name: "proxy", argument: nil, line: 0,
+                entries: [INIDocument.Entry(key: override.key, value: override.value, line: 0)])
+            var found: [ConfigError] = []
+            applyProxy(section, file: override.source, into: &configuration.proxy, errors: &found)
+            errors += found.map {
+                ConfigError(file: override.source, line: nil, section: "proxy", key: override.key, $0.message)
+            }
+        }
+        return errors
     }
 
     /// A path value: `~/` expanded, relative paths resolved against the config file's directory.
@@ -323,6 +361,22 @@ public struct ConfigParser: Sendable {
                     return fail("expected one of error, warn, info, debug, \(got())")
                 }
                 settings.logLevel = level
+            case "log_format":
+                guard let format = LogFormat(rawValue: entry.value.lowercased()) else {
+                    return fail("expected text or json, \(got())")
+                }
+                settings.logFormat = format
+            case "admin_listen":
+                if entry.value.isEmpty || entry.value.lowercased() == "none" {
+                    settings.adminListen = nil
+                    continue
+                }
+                // A bare port is a loopback port.
+                let text = ConfigValue.digits(entry.value) != nil ? "127.0.0.1:\(entry.value)" : entry.value
+                guard let address = ListenAddress.parse(text) else {
+                    return fail("expected HOST:PORT with an IP address, or a port for 127.0.0.1, \(got())")
+                }
+                settings.adminListen = address
             case "state_dir":
                 guard !entry.value.isEmpty else { return fail("expected a directory path") }
                 settings.stateDir = resolvePath(entry.value)
@@ -338,8 +392,7 @@ public struct ConfigParser: Sendable {
         "connect_timeout", "idle_timeout",
         "keepalive_timeout", "header_timeout", "shutdown_grace", "max_request_line", "max_header_bytes",
         "max_headers", "max_connections", "max_connections_per_client", "replay_memory", "replay_spool", "http2",
-        "resolve",
-        "notify_command", "log_level",
+        "resolve", "notify_command", "log_level", "log_format", "admin_listen",
         "state_dir",
     ]
 }

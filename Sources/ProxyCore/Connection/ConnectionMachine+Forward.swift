@@ -366,6 +366,11 @@ extension ConnectionMachine {
             "\(forwarding.forward.method) \(LogText.url(forwarding.forward.url)) status=\(forwarding.status) up=\(forwarding.bytesUp) down=\(forwarding.bytesDown) duration=\(LogText.duration(now - forwarding.started))"
         if let note { line += " note=\"\(note)\"" }
         out.append(.log(LogLine(.info, line)))
+        out.append(
+            .requestFinished(
+                RequestOutcome(
+                    kind: .passthrough, status: forwarding.status, up: forwarding.bytesUp, down: forwarding.bytesDown,
+                    milliseconds: now - forwarding.started)))
     }
 
     // MARK: - Upstream events

@@ -115,6 +115,8 @@ public struct ConnectionMachine: Sendable {
         case exchangeFinished(ExchangeRecord)
 
         case log(LogLine)
+        /// A request ended (an answer of the proxy's own, or a forwarded exchange): for the metrics.
+        case requestFinished(RequestOutcome)
     }
 
     // MARK: - State
@@ -238,6 +240,8 @@ public struct ConnectionMachine: Sendable {
     var upstreamOffset = 0
     /// Scratch space for `BodyProgress.take` (kept to avoid an allocation per read).
     var spans: [BodySpan] = []
+    /// What the request being handled was routed to, for the outcome of an answer of the proxy's own.
+    var outcomeKind = RequestOutcome.Kind.proxy
 
     /// - Parameters:
     ///   - frontDoor: the decisions and settings snapshot taken when the connection was accepted.
@@ -461,6 +465,7 @@ public struct ConnectionMachine: Sendable {
             state = .readingHead(reading)
         case .failed(let error):
             requests += 1
+            outcomeKind = role == .frontDoor ? .proxy : .intercepted
             state = .readingHead(reading)
             out.append(.log(LogLine(.info, "rejected status=\(error.status) reason=\"\(error.reason)\"")))
             respond(.badRequest(error), headRequest: false, &out)
@@ -478,7 +483,9 @@ public struct ConnectionMachine: Sendable {
     }
 
     private mutating func decide(_ head: HTTPHead, kept: HostPort?, _ out: inout [Action]) {
-        switch frontDoor.decide(head, peer: peer) {
+        let decision = frontDoor.decide(head, peer: peer)
+        outcomeKind = decision.outcomeKind
+        switch decision {
         case .respond(let answer):
             var line = "\(head.method) \(LogText.target(head.target)) status=\(answer.status) answered-by=proxyctl"
             if let details = answer.response.proxyStatus?.details { line += " reason=\"\(details)\"" }
@@ -523,6 +530,7 @@ public struct ConnectionMachine: Sendable {
     private mutating func interceptedHead(
         _ head: HTTPHead, origin: OriginConfig, kept: HostPort?, _ out: inout [Action]
     ) {
+        outcomeKind = .intercepted
         if let misdirected {
             return refuse(head, origin: origin, .misdirected(reason: misdirected), &out)
         }
@@ -553,6 +561,10 @@ public struct ConnectionMachine: Sendable {
     mutating func respond(_ answer: ProxyAnswer, headRequest: Bool, _ out: inout [Action]) {
         let response = answer.response
         out.append(.writeClient(response.serialized(headRequest: headRequest)))
+        out.append(
+            .requestFinished(
+                RequestOutcome(
+                    kind: outcomeKind, status: answer.status, proxyError: response.proxyStatus?.error?.rawValue)))
         if response.close || clientEOF || draining {
             closeAfterFlush(&out)
         } else {
@@ -641,6 +653,7 @@ public struct ConnectionMachine: Sendable {
         case (.head, .readingHead(let reading)):
             if reading.parser.hasPartialHead {
                 requests += 1
+                outcomeKind = role == .frontDoor ? .proxy : .intercepted
                 out.append(.log(LogLine(.info, "status=408 answered-by=proxyctl reason=\"request head incomplete\"")))
                 respond(.requestHeadTimeout(milliseconds: settings.headerTimeout), headRequest: false, &out)
             } else {

@@ -47,6 +47,8 @@ public struct H2Session: Sendable {
         /// An action of the stream's exchange with `origin`, carried out as on an HTTP/1.1 connection.
         case exchange(Stream, ProtectedExchange.Output, OriginConfig)
         case exchangeFinished(Stream, ExchangeRecord)
+        /// A stream the proxy answered itself, for the metrics.
+        case requestFinished(RequestOutcome)
         /// GOAWAY with this code; no new stream is accepted.
         case goaway(H2ErrorCode)
         /// Close the connection once what was submitted is written.
@@ -219,6 +221,11 @@ public struct H2Session: Sendable {
                 )))
         let (fields, body) = H2Semantics.answer(answer, headRequest: method == "HEAD")
         out.append(.respond(stream, fields, body: body))
+        out.append(
+            .requestFinished(
+                RequestOutcome(
+                    kind: .intercepted, status: answer.status,
+                    proxyError: answer.response.proxyStatus?.error?.rawValue)))
         streamsChanged(&out)
     }
 

@@ -479,7 +479,7 @@ public struct ProtectedExchange: Sendable {
             keptClientAuthorization: begun && auth == nil, attached: auth != nil && generation != 0,
             refreshed: auth?.refreshed ?? false, nonceRetried: auth?.nonceRetried ?? false,
             stepUp: auth?.stepUp != nil, answeredByProxy: answered != nil, note: note, close: close,
-            cutShort: cutShort)
+            cutShort: cutShort, proxyError: answered?.response.proxyStatus?.error?.rawValue)
     }
 }
 
@@ -587,7 +587,9 @@ public struct ExchangeRecord: Sendable, Equatable {
     /// The client connection cannot carry another request (an answer that closes, a response cut short).
     public let close: Bool
     /// A response had begun and will not be complete: the client must see it broken off.
-    public let cutShort: Bool
+    public var cutShort = false
+    /// The `Proxy-Status` error type of the proxy's own answer, for the metrics.
+    public var proxyError: String? = nil
 
     /// The access log line (after the `conn= client=` prefix): no token, no query.
     public func logLine(up: Int, down: Int, milliseconds: Int64) -> String {

@@ -23,6 +23,18 @@ public enum FrontDoorDecision: Sendable, Equatable {
     }
 }
 
+extension FrontDoorDecision {
+    /// What a request with this decision counts as in the metrics.
+    public var outcomeKind: RequestOutcome.Kind {
+        switch self {
+        case .respond: .proxy
+        case .tunnel, .interceptTunnel: .connect
+        case .forward: .passthrough
+        case .interceptRequest: .intercepted
+        }
+    }
+}
+
 /// The front door of the proxy: turns a request head into a decision.
 public struct FrontDoor: Sendable {
     public var settings: ProxySettings
@@ -45,7 +57,7 @@ public struct FrontDoor: Sendable {
 
     /// - Parameter peer: who is on the other end, for `protected_users` and `passthrough_users`.
     public func decide(_ head: HTTPHead, peer: PeerIdentity = .owner) -> FrontDoorDecision {
-        let decision = route(head)
+        let decision = route(head, peer: peer)
         // Local users: the tokens are the proxy's user's; loopback is no access control on a shared machine.
         let authenticated = credentials != nil
         switch decision {
@@ -63,14 +75,16 @@ public struct FrontDoor: Sendable {
         return decision
     }
 
-    private func route(_ head: HTTPHead) -> FrontDoorDecision {
+    private func route(_ head: HTTPHead, peer: PeerIdentity) -> FrontDoorDecision {
         let semantics: RequestSemantics
         switch MessageSemantics.request(head) {
         case .failure(let error): return .respond(.badRequest(error))
         case .success(let checked): semantics = checked
         }
 
-        if let credentials {
+        // `proxyctl exec`'s own proxy: the run's credential, or a process of the user who started it (Java
+        // cannot send proxy credentials for HTTPS without code of its own).
+        if let credentials, !(settings.ownerNeedsNoCredentials && peer == .owner) {
             let value = semantics.proxyAuthorization.map { head.value(at: $0) }
             switch credentials.check(value) {
             case .allowed: break

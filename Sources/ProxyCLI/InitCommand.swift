@@ -1,0 +1,242 @@
+import Foundation
+import ProxyCore
+import ProxyIO
+import ProxyOAuth
+import ProxyTLS
+
+/// `proxyctl init --issuer URL --client-id ID [--origin URL ...] [--dpop]`: a first proxy.conf without
+/// reading the example file. The provider's discovery document is checked first, so a mistake shows now and
+/// not at the first login.
+enum InitCommand {
+    static let spec = CommandSpec(
+        name: "init",
+        abstract: "Write a first proxy.conf for a provider (checked against its discovery document) and its origins.",
+        discussion: """
+            Example: proxyctl init --issuer https://login.example.com/realms/dev --client-id proxyctl \
+            --origin https://api.example.com. The provider's discovery document must name exactly this issuer; \
+            PKCE with S256, the device flow and DPoP are checked and reported. The file is written where \
+            proxyctl looks for it (--config, else $PROXYCTL_CONFIG, else ~/.config/proxyctl/proxy.conf) and an \
+            existing one is never replaced without --force. With origins, the local CA is made too. Then run \
+            the command it prints.
+            """,
+        options: [
+            AuthEnvironment.configOption,
+            .option("issuer", value: "url", help: "The provider's issuer URL (required)."),
+            .option(
+                "client-id", value: "id", help: "The client ID registered for proxyctl, a public client (required)."),
+            OptionSpec(
+                name: "origin", short: nil, valueName: "url",
+                help: "A protected origin, https://HOST[:PORT] (repeatable).", repeatable: true),
+            .option("name", value: "name", help: "The provider's name in proxy.conf (default: the issuer's host)."),
+            .option(
+                "scopes", value: "scopes", help: "Scopes to ask for (default: openid profile email offline_access)."),
+            .flag("dpop", help: "Bind tokens with DPoP (token_binding = dpop, dpop_required = true)."),
+            .flag("force", help: "Replace an existing configuration file."),
+            .option("resolve", value: "pairs", help: "HOST=ADDRESS pairs for [proxy] resolve (development set-ups)."),
+            .option("ca-file", value: "file", help: "A PEM file of CA certificates to trust for the provider."),
+        ],
+        run: run
+    )
+
+    static func run(_ arguments: ParsedArguments, _ context: CommandContext) throws -> Int32 {
+        let path = ["proxyctl", "init"]
+        guard let issuer = arguments.value("issuer") else {
+            throw UsageError(message: "Missing expected option '--issuer <url>'", command: path)
+        }
+        guard let clientID = arguments.value("client-id"), !clientID.isEmpty else {
+            throw UsageError(message: "Missing expected option '--client-id <id>'", command: path)
+        }
+        if let problem = ProviderConfig.checkIssuer(issuer) {
+            throw UsageError(message: "--issuer: \(problem)", command: path)
+        }
+        guard case .success(let issuerURL) = AbsoluteURL.parse(issuer) else {
+            throw UsageError(message: "--issuer: expected an https:// URL", command: path)
+        }
+        let name = arguments.value("name") ?? issuerURL.authority.host
+        var origins: [String] = []
+        for text in arguments.all("origin") {
+            switch OriginConfig.parseURL(text) {
+            case .success(let origin): origins.append(origin.url)
+            case .failure(let error): throw UsageError(message: "--origin \(text): \(error.message)", command: path)
+            }
+        }
+        let scopes = arguments.value("scopes") ?? "openid profile email offline_access"
+        let dpop = arguments.flag("dpop")
+        let loader = ConfigLoader(environment: context.environment)
+        let location = loader.locate(flag: arguments.value("config"))
+        let file: String
+        switch location {
+        case .explicit(let given), .standard(let given): file = given
+        case .text:
+            throw CommandFailure(
+                message: "the configuration comes from $PROXYCTL_CONFIG_TEXT; unset it or give --config FILE")
+        case .none: throw CommandFailure(message: "no home directory to write proxy.conf in: give --config FILE")
+        }
+        if FileManager.default.fileExists(atPath: file) && !arguments.flag("force") {
+            throw CommandFailure(
+                message:
+                    "\(file) exists already; proxyctl init never replaces it without --force (check it with proxyctl doctor)"
+            )
+        }
+
+        // The provider as written, checked against its discovery document before anything is written.
+        var provider = ProviderConfig(name: name)
+        provider.issuer = issuer
+        provider.clientID = clientID
+        provider.scopes = scopes.split(separator: " ").map(String.init)
+        provider.caFile = arguments.value("ca-file")
+        var proxySettings = ProxySettings()
+        if let resolve = arguments.value("resolve") {
+            let parser = ConfigParser(homeDirectory: nil, baseDirectory: nil)
+            var probe = Configuration()
+            let errors = parser.applyOverrides([("--resolve", "resolve", resolve)], to: &probe)
+            if let first = errors.first { throw UsageError(message: "--resolve: \(first.message)", command: path) }
+            proxySettings.resolve = probe.proxy.resolve
+        }
+        context.err("Checking \(issuer) ...")
+        let loopThread = LoopThread()
+        defer { loopThread.stop() }
+        let transport = CurlTransport(
+            loop: loopThread.loop, upstreamProxy: nil, bypass: BypassList(), resolve: proxySettings.resolve)
+        let client = ProviderClient(config: provider, transport: transport)
+        let metadata: ProviderMetadata
+        do {
+            metadata = try runBlocking { try await client.discover() }
+        } catch let error as AuthError {
+            throw CommandFailure(message: "cannot use \(issuer) as a provider: \(error.description)")
+        }
+        var report: [String] = []
+        guard metadata.issuer == issuer else {
+            throw CommandFailure(
+                message:
+                    "the discovery document names the issuer \(metadata.issuer), not \(issuer): give --issuer exactly as the provider names itself"
+            )
+        }
+        report.append("issuer matches the discovery document")
+        guard metadata.supportsS256 else {
+            throw CommandFailure(
+                message:
+                    "the provider does not offer PKCE with S256 (code_challenge_methods_supported), which proxyctl needs"
+            )
+        }
+        report.append(
+            metadata.codeChallengeMethods == nil
+                ? "PKCE: not advertised (S256 is assumed)" : "PKCE with S256: offered")
+        report.append(
+            metadata.deviceAuthorizationEndpoint != nil
+                ? "device flow: offered (proxyctl login --device)" : "device flow: not offered (browser sign-in only)")
+        let dpopAlgorithms = metadata.dpopSigningAlgorithms ?? []
+        if dpop {
+            guard dpopAlgorithms.contains("ES256") else {
+                throw CommandFailure(
+                    message:
+                        "--dpop: the provider does not offer DPoP with ES256 (dpop_signing_alg_values_supported: \(dpopAlgorithms.isEmpty ? "none" : dpopAlgorithms.joined(separator: ", ")))"
+                )
+            }
+            report.append("DPoP with ES256: offered, tokens will be bound to a key of yours")
+        } else if dpopAlgorithms.contains("ES256") {
+            report.append("DPoP with ES256: offered (add --dpop to bind tokens to a key)")
+        }
+
+        let text = configurationText(
+            provider: provider, origins: origins, dpop: dpop, resolve: arguments.value("resolve"), issuer: issuer)
+        // Check what is written with the parser that will read it.
+        let directory = (file as NSString).deletingLastPathComponent
+        let parser = ConfigParser(
+            homeDirectory: context.environment["HOME"], baseDirectory: directory.isEmpty ? "." : directory)
+        let configuration: Configuration
+        switch parser.parse(text, file: file) {
+        case .success(let parsed): configuration = parsed
+        case .failure(let errors): throw CommandFailure(message: "internal error in the written file:\n\(errors)")
+        }
+        do {
+            if !directory.isEmpty {
+                try FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
+            }
+            try SecureFile.write(Array(text.utf8), to: file, mode: 0o600)
+        } catch {
+            throw CommandFailure(message: "cannot write \(file): \(error)")
+        }
+        context.err("Wrote \(file):")
+        for line in report { context.err("  \(line)") }
+        for origin in origins { context.err("  protected origin \(origin)") }
+        if !configuration.origins.tlsHosts.isEmpty {
+            guard
+                let stateDirectory = configuration.proxy.stateDir
+                    ?? TokenStore.defaultStateDirectory(environment: context.environment)
+            else { throw CommandFailure(message: "no state directory for the local CA: set HOME or XDG_STATE_HOME") }
+            let files = LocalCA.Files(stateDirectory: stateDirectory)
+            let existing = try? LocalCA.load(files)
+            if let existing, existing.hosts == configuration.origins.tlsHosts {
+                context.err("  the local CA already covers \(existing.hosts.joined(separator: ", "))")
+            } else {
+                let user = context.environment["USER"] ?? "user"
+                do {
+                    let ca = try LocalCA.create(
+                        hosts: configuration.origins.tlsHosts, label: "\(user)@\(ProcessInfo.processInfo.hostName)")
+                    try ca.save(files, systemRoots: LocalCA.systemRootsPath())
+                } catch {
+                    throw CommandFailure(message: "cannot make the local CA: \(error)")
+                }
+                context.err(
+                    "  made the local CA for \(configuration.origins.tlsHosts.joined(separator: ", ")) (\(files.certificate))"
+                )
+            }
+        }
+        let configFlag = arguments.value("config").map { " --config \(EnvCommand.quote($0))" } ?? ""
+        context.err("")
+        context.err("Next: sign in, then run your tools through the proxy:")
+        context.out(
+            "proxyctl login\(configFlag)\(metadata.deviceAuthorizationEndpoint != nil ? "    # or --device without a browser" : "")"
+        )
+        context.out("proxyctl exec\(configFlag) -- curl \(origins.first ?? "https://api.example.com")/")
+        return ExitCode.success
+    }
+
+    /// A commented proxy.conf for one provider and its origins.
+    static func configurationText(
+        provider: ProviderConfig, origins: [String], dpop: Bool, resolve: String?, issuer: String
+    ) -> String {
+        var text = """
+            # proxy.conf written by proxyctl init. Every key is explained in proxy.conf.example; check the file
+            # with proxyctl serve --check or proxyctl doctor.
+
+            [proxy]
+            # Where the proxy listens (loopback: only this machine can use it).
+            listen = 127.0.0.1:8080
+
+            """
+        if let resolve { text += "# Host names answered without DNS (development set-ups).\nresolve = \(resolve)\n" }
+        text += """
+
+            # The OpenID provider proxyctl signs in to, as a public client (no client secret).
+            [provider \(provider.name)]
+            issuer = \(issuer)
+            client_id = \(provider.clientID)
+            scopes = \(provider.scopes.joined(separator: " "))
+
+            """
+        if let caFile = provider.caFile { text += "ca_file = \(caFile)\n" }
+        if dpop { text += "# Tokens bound to a key of yours (RFC 9449).\ntoken_binding = dpop\ndpop_required = true\n" }
+        for origin in origins {
+            text += """
+
+                # A protected origin: its requests get the token of [provider \(provider.name)].
+                [origin \(origin)]
+                provider = \(provider.name)
+
+                """
+        }
+        if origins.isEmpty {
+            text += """
+
+                # Add the APIs that need the token, for example:
+                # [origin https://api.example.com]
+                # provider = \(provider.name)
+                # then run: proxyctl ca init
+
+                """
+        }
+        return text
+    }
+}
