@@ -16,6 +16,7 @@
 #include <openssl/sha.h>
 #include <openssl/param_build.h>
 #include <openssl/rsa.h>
+#include <openssl/hmac.h>
 
 // BIO_get_mem_data is a macro over BIO_ctrl.
 static inline long proxyctl_BIO_get_mem_data(BIO *bio, char **data) {

@@ -98,6 +98,16 @@ enum ServeCommand {
                         throw CommandFailure(message: "cannot read the DPoP key of \(provider.name): \(error)")
                     }
                 }
+                do {
+                    try prepareClient(provider, client: client, stateDirectory: stateDirectory)
+                } catch let error as AuthError {
+                    throw error.commandFailure
+                }
+                if !provider.needsSignIn, provider.tokenBinding == .dpop, keys[provider.name] == nil,
+                    let key = try? runBlocking({ await client.dpopKey })
+                {
+                    keys[provider.name] = key
+                }
                 managers[provider.name] = TokenManager(provider: provider, store: store, client: client)
             }
             interception = Interception(
