@@ -179,17 +179,44 @@ enum TokenCommand {
             A refresh is waited for until the provider answers: its answer holds the new refresh token. \
             SIGINT and SIGTERM during a refresh stop the command once the answer is stored, within \
             shutdown_grace; a second signal stops it at once.
+            With grant = client_credentials or token_exchange no login is needed: the grant runs when the \
+            stored token is missing or about to expire. --origin prints the token that origin gets (its own \
+            resource and scopes, or the ID token).
             """,
         arguments: [AuthEnvironment.providerArgument],
-        options: [AuthEnvironment.configOption],
+        options: [
+            AuthEnvironment.configOption,
+            .option("origin", value: "url", help: "Print the token this [origin URL] gets instead of the provider's."),
+        ],
         run: run
     )
 
     static func run(_ arguments: ParsedArguments, _ context: CommandContext) throws -> Int32 {
-        let environment = try AuthEnvironment.load(arguments, context, command: "token")
+        var key: TokenKey? = nil
+        var provided = arguments
+        if let url = arguments.value("origin") {
+            let loader = ConfigLoader(environment: context.environment)
+            let configuration = try loader.load(loader.locate(flag: arguments.value("config")))
+            guard case .success(let parsed) = OriginConfig.parseURL(url),
+                let origin = configuration.origins.match(scheme: parsed.scheme, authority: parsed.authority)
+            else {
+                throw CommandFailure(
+                    message:
+                        "no [origin \(url)] in the configuration; configured: \(configuration.origins.origins.map(\.url).joined(separator: ", "))"
+                )
+            }
+            if let named = arguments.positionals.first, named != origin.provider {
+                throw CommandFailure(message: "[origin \(origin.url)] gets its tokens from \(origin.provider), not \(named)")
+            }
+            key = origin.tokenKey
+            provided.positionals = [origin.provider]
+        }
+        let environment = try AuthEnvironment.load(provided, context, command: "token")
         defer { environment.loopThread.stop() }
         try environment.loadDPoPKey()
+        try environment.prepareClientAuthentication()
         let manager = environment.manager()
+        let tokenKey = key ?? manager.defaultKey
         let signals = RefreshSignals(
             gate: manager.gate, grace: environment.configuration.proxy.shutdownGrace, context: context)
         let tokens: TokenSet
@@ -198,15 +225,16 @@ enum TokenCommand {
             defer { slow.cancel() }
             // No time limit of our own: the refresh's answer holds the new refresh token (the request itself
             // gives up after TokenManager.refreshRequestLimit).
-            tokens = try runBlocking { try await manager.currentTokens(waitingAtMost: nil) }
+            tokens = try runBlocking { try await manager.currentTokens(for: tokenKey, waitingAtMost: .some(nil)) }
             try keepUnsaved(manager, environment.provider, context)
         } catch let error as AuthError {
             signals.finish()
             throw error.commandFailure
         }
         signals.finish()
+        let what = tokenKey.kind == .idToken ? "ID token" : "access token"
         context.err(
-            "proxyctl: printing the \(environment.provider.name) access token; it is a secret, and a program handed it may log it"
+            "proxyctl: printing the \(tokenKey.isProviderDefault ? environment.provider.name : tokenKey.description) \(what); it is a secret, and a program handed it may log it"
         )
         if tokens.tokenType == "DPoP" {
             context.err(
