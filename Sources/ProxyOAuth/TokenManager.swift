@@ -603,6 +603,12 @@ public actor TokenManager {
             case "invalid_scope":
                 return .reauthenticate(
                     reason: "the provider refused the scopes on refresh (\(error.summary)); sign in again")
+            case "invalid_target":
+                // RFC 8707 §2: the resource is unknown to the provider or not covered by the grant.
+                return .configuration(
+                    reason:
+                        "the provider refused the resource asked for (\(error.summary)); check resource in the [origin] section, that the provider knows it, and that its refresh tokens keep every resource of the sign-in"
+                )
             default:
                 return .recoverable(reason: "the provider refused the refresh (\(error.summary))", retryAfter: nil)
             }
