@@ -33,7 +33,9 @@ enum KeyCommand {
         ]
     )
 
-    static func locate(_ arguments: ParsedArguments, _ context: CommandContext, command: String) throws -> (
+    static func locate(
+        _ arguments: ParsedArguments, _ context: CommandContext, command: String
+    ) throws -> (
         ProviderConfig, String
     ) {
         let loader = ConfigLoader(environment: context.environment)
@@ -63,7 +65,8 @@ enum KeyCommand {
         context.err("Made the client key of \(provider.name) (ES256) in \(path), readable by you alone.")
         if provider.effectiveClientAuth != .privateKeyJWT {
             context.err(
-                "Note: [provider \(provider.name)] does not use it yet: set token_endpoint_auth_method = private_key_jwt")
+                "Note: [provider \(provider.name)] does not use it yet: set token_endpoint_auth_method = private_key_jwt"
+            )
         }
         context.err("Register this public key with the provider for client \(provider.clientID):")
         return try output(key, pem: arguments.flag("pem"), context: context)

@@ -168,7 +168,9 @@ extension LoginCommand {
         context.err(
             "[provider \(provider.name)] uses grant = \(provider.grant.rawValue): nobody signs in; proxyctl serve and proxyctl token run the grant when they need a token."
         )
-        let expiry = tokens.expiresAt.map { " valid until \(HumanTime.describe($0, now: Int64(Date().timeIntervalSince1970)))" } ?? ""
+        let expiry =
+            tokens.expiresAt.map { " valid until \(HumanTime.describe($0, now: Int64(Date().timeIntervalSince1970)))" }
+            ?? ""
         context.err("Obtained an access token with the grant\(expiry).")
         return ExitCode.success
     }

@@ -71,7 +71,8 @@ enum StatusCommand {
                             let honoured = audience.contains(resource)
                             report["resource_honoured"] = .bool(honoured)
                             if !honoured {
-                                line += " (the provider ignored the resource indicator: this token is not limited to \(resource))"
+                                line +=
+                                    " (the provider ignored the resource indicator: this token is not limited to \(resource))"
                             }
                         }
                     } else if key.kind == .accessToken {
@@ -299,7 +300,8 @@ enum TokenCommand {
                 )
             }
             if let named = arguments.positionals.first, named != origin.provider {
-                throw CommandFailure(message: "[origin \(origin.url)] gets its tokens from \(origin.provider), not \(named)")
+                throw CommandFailure(
+                    message: "[origin \(origin.url)] gets its tokens from \(origin.provider), not \(named)")
             }
             key = origin.tokenKey
             provided.positionals = [origin.provider]

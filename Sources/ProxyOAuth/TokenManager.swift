@@ -140,8 +140,7 @@ public actor TokenManager {
         }
     }
 
-    private func refresh(_ key: TokenKey, replacing generation: Int64, _ patience: Duration?) async throws -> TokenSet
-    {
+    private func refresh(_ key: TokenKey, replacing generation: Int64, _ patience: Duration?) async throws -> TokenSet {
         if let pending = try unsavedTokens() {
             if let view = pending.view(for: key), view.generation > generation, !view.isExpired(at: clock()) {
                 return view
@@ -429,7 +428,8 @@ public actor TokenManager {
         updated.refreshToken = response.refreshToken ?? previous.refreshToken
         updated.audienceTokens[key.id] = TokenSet.AudienceToken(
             accessToken: response.accessToken, tokenType: type, issuedAt: now,
-            expiresAt: response.expiresIn.map { now + Int64($0) }, scope: response.scope ?? key.scopes?.joined(separator: " "),
+            expiresAt: response.expiresIn.map { now + Int64($0) },
+            scope: response.scope ?? key.scopes?.joined(separator: " "),
             generation: updated.generation, dpopThumbprint: type == "DPoP" ? previous.dpopThumbprint : nil)
         updated.lastRefresh = TokenSet.RefreshRecord(at: now, outcome: "ok")
         return updated

@@ -59,7 +59,8 @@ import Testing
         origin.resource = "https://api.test/"
         origin.scopes = ["api.read"]
         let key = TokenKey(provider: "corp", resource: "https://api.test/", scopes: ["api.read"])
-        #expect(origin.tokenKey == key && !key.isProviderDefault && key.id == "resource=https://api.test/;scope=api.read")
+        #expect(
+            origin.tokenKey == key && !key.isProviderDefault && key.id == "resource=https://api.test/;scope=api.read")
         var p = Playbook.intercepted(origin)
         p.event(.tlsEstablished(serverName: "api.test"))
         p.client("GET /me HTTP/1.1\r\nHost: api.test\r\n\r\n")
@@ -211,7 +212,9 @@ import Testing
         #expect(Self.sends(p.next()).map(\.url) == ["https://api.test/1"])
         p.transferHead("HTTP/1.1 204 No Content\r\n\r\n")
         p.event(.transferFinished(nil, detail: ""))
-        #expect(Self.outputs(p.next()) == [.bodyEnded, .getTokens(key: TokenKey(provider: "corp"))], "the second one starts")
+        #expect(
+            Self.outputs(p.next()) == [.bodyEnded, .getTokens(key: TokenKey(provider: "corp"))], "the second one starts"
+        )
         p.event(.tokens(.success(TokenGrant(generation: 1))))
         #expect(Self.sends(p.next()).map(\.url) == ["https://api.test/2"])
     }

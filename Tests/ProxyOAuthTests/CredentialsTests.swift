@@ -16,7 +16,8 @@ private struct Setup {
     let manager: TokenManager
 
     init(
-        provider: ProviderConfig = testProvider(), initial: TokenSet? = nil, authentication: ClientAuthentication? = nil,
+        provider: ProviderConfig = testProvider(), initial: TokenSet? = nil,
+        authentication: ClientAuthentication? = nil,
         reply: @escaping @Sendable (FakeProvider.TokenRequest) async throws -> HTTPResponse
     ) async throws {
         temporary = try TemporaryDirectory()
@@ -151,7 +152,8 @@ private struct Setup {
         let key = try ClientKey.create(path: directory.path + "/ci.pem")
         let setup = try await Setup(
             provider: Self.provider(.clientCredentials),
-            authentication: ClientAuthentication(method: .privateKeyJWT, clientID: "proxyctl-test", secret: nil, key: key)
+            authentication: ClientAuthentication(
+                method: .privateKeyJWT, clientID: "proxyctl-test", secret: nil, key: key)
         ) { request in FakeProvider.tokens(access: "machine-\(request.index)", expiresIn: 600) }
         let first = try await setup.manager.currentTokens()
         #expect(first.accessToken == "machine-1" && first.refreshToken == nil)

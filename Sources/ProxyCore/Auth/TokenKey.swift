@@ -18,8 +18,9 @@ public struct TokenKey: Sendable, Hashable, CustomStringConvertible {
     public let scopes: [String]?
     public let kind: OriginTokenKind
 
-    public init(provider: String, resource: String? = nil, scopes: [String]? = nil, kind: OriginTokenKind = .accessToken)
-    {
+    public init(
+        provider: String, resource: String? = nil, scopes: [String]? = nil, kind: OriginTokenKind = .accessToken
+    ) {
         self.provider = provider
         self.resource = resource
         self.scopes = scopes

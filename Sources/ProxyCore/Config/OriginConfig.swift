@@ -146,7 +146,8 @@ extension ConfigParser {
                 origin.resource = entry.value
             case "scopes":
                 var scopes: [String] = []
-                for scope in entry.value.split(whereSeparator: { $0 == " " || $0 == "," }) where !scopes.contains(String(scope)) {
+                for scope in entry.value.split(whereSeparator: { $0 == " " || $0 == "," })
+                where !scopes.contains(String(scope)) {
                     scopes.append(String(scope))
                 }
                 guard !scopes.isEmpty else {

@@ -289,7 +289,9 @@ extension ConfigParser {
                 provider.subjectTokenCommand = words
             case "subject_token_type":
                 guard entry.value.hasPrefix("urn:") else {
-                    fail("expected a token type URI (RFC 8693 §3), such as urn:ietf:params:oauth:token-type:id_token, \(got())")
+                    fail(
+                        "expected a token type URI (RFC 8693 §3), such as urn:ietf:params:oauth:token-type:id_token, \(got())"
+                    )
                     continue
                 }
                 provider.subjectTokenType = entry.value
@@ -314,12 +316,14 @@ extension ConfigParser {
         if method.usesSecret && provider.clientSecretFile == nil {
             crossError(
                 "token_endpoint_auth_method",
-                "\(method.rawValue) needs client_secret_file: a file readable by you alone that holds the client secret")
+                "\(method.rawValue) needs client_secret_file: a file readable by you alone that holds the client secret"
+            )
         }
         if provider.clientSecretFile != nil && !method.usesSecret {
             crossError(
                 "client_secret_file",
-                "only used with token_endpoint_auth_method = client_secret_basic, client_secret_post or client_secret_jwt")
+                "only used with token_endpoint_auth_method = client_secret_basic, client_secret_post or client_secret_jwt"
+            )
         }
         if provider.grant == .clientCredentials && method == .none {
             crossError(
