@@ -79,6 +79,17 @@ private struct Setup {
     }
 }
 
+@Suite struct IDTokenOriginTests {
+    @Test func anIDTokenOriginSeesTheIDTokenAsABearerTokenWithItsOwnExpiry() throws {
+        var tokens = storedTokens(issuedAt: now, expiresAt: now + 60)
+        tokens.idToken = JWSFixtures.rs256
+        tokens.dpopThumbprint = "bound"
+        let view = try #require(tokens.view(for: TokenKey(provider: "test", kind: .idToken)))
+        #expect(view.accessToken == JWSFixtures.rs256 && view.tokenType == "Bearer" && view.dpopThumbprint == nil)
+        #expect(view.expiresAt == JWSFixtures.expiresAt && view.generation == tokens.generation)
+    }
+}
+
 @Suite struct ClientAuthenticationTests {
     @Test func privateKeyJWTAssertionIsSignedByTheClientKeyForTheTokenEndpoint() throws {
         let directory = try TemporaryDirectory()
