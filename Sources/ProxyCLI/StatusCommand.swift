@@ -192,8 +192,14 @@ enum StatusCommand {
                 text.append("  access token:  no expiry given")
             }
             object["access_token_expired"] = .bool(tokens.isExpired(at: now))
-            text.append("  refresh token: \(tokens.refreshToken != nil ? "held" : "none")")
+            let kept = tokens.refreshTokenInSecretService ? " (in the Secret Service)" : ""
+            if tokens.refreshTokenInSecretService && tokens.refreshToken == nil {
+                text.append("  refresh token: in the Secret Service, which cannot be read now")
+            } else {
+                text.append("  refresh token: \(tokens.refreshToken != nil ? "held\(kept)" : "none")")
+            }
             object["refresh_token"] = .bool(tokens.refreshToken != nil)
+            object["refresh_token_store"] = .string(tokens.refreshTokenInSecretService ? "secret-service" : "file")
             if let record = tokens.lastRefresh {
                 let outcome = record.outcome == "ok" ? "ok" : "failed (\(record.outcome): \(record.reason ?? "-"))"
                 text.append("  last refresh:  \(outcome), \(HumanTime.describe(record.at, now: now))")
@@ -207,6 +213,13 @@ enum StatusCommand {
             originLines(served, tokens: tokens, now: now, text: &text, object: &object)
             if !usable { text.append("  next step:     proxyctl login \(provider.name)") }
             reports.append(.object(object))
+        }
+        if configuration.proxy.tokenStore == .secretService {
+            let fallback = ConfigLoader.secretStoreFallback
+            text.append("")
+            text.append(
+                fallback.map { "token_store = secret-service: not available (\($0)); the 0600 files are used" }
+                    ?? "token_store = secret-service: refresh tokens and DPoP keys are kept in the Secret Service")
         }
         let serving = ServeState.running(stateDirectory: stateDirectory)
         if let serving {

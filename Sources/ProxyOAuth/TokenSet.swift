@@ -22,6 +22,9 @@ public struct TokenSet: Sendable, Equatable {
     /// The generation in which `accessToken` was obtained, when a later change (a token for an origin's
     /// audience, which may rotate the refresh token) left it as it was; nil means `generation`.
     public var accessGeneration: Int64?
+    /// Whether the token file keeps the refresh token in the Secret Service (`token_store = secret-service`);
+    /// set by `TokenStore.load`, not stored.
+    public var refreshTokenInSecretService = false
     /// Tokens obtained for origins' audiences and scopes (RFC 8707, RFC 9700 §4.10), by `TokenKey.id`.
     public var audienceTokens: [String: AudienceToken] = [:]
 

@@ -74,8 +74,10 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
             notify_command = notify-send  proxyctl
             log_level = debug
             state_dir = ~/state
+            token_store = secret-service
             """
         let proxy = try config(text).proxy
+        #expect(proxy.tokenStore == .secretService)
         #expect(proxy.replayMemory == 2 << 20)
         #expect(proxy.replaySpool == 16 << 20)
         #expect(proxy.resolve == ["api.test": "127.0.0.1", "git.test": "::1"])
@@ -99,7 +101,7 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(proxy.protectedUsers == .any && proxy.passthroughUsers == .owner)
         #expect(proxy.logLevel == .debug)
         #expect(proxy.stateDir == "/home/ada/state")
-        #expect(ConfigParser.proxyKeys.count == 22)
+        #expect(ConfigParser.proxyKeys.count == 23)
         for key in ConfigParser.proxyKeys {
             #expect(text.contains("\n\(key) = "), "\(key) is not covered")
         }

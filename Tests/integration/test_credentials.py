@@ -16,8 +16,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import stat
-import sys
+import subprocess
 from pathlib import Path
 
 import jwt
@@ -27,11 +28,11 @@ from cryptography.hazmat.primitives import serialization
 from fixtures import config
 from fixtures.http import free_port, run_curl
 from fixtures.jose import unverified_claims
-from fixtures.proxy import poll
+from fixtures.proxy import clean_env, poll, proxyctl_bin
 from idp_fake import FakeIdP
 from idp_glewlwyd import Glewlwyd, glewlwyd_available
 from resource_server import ResourceServer
-from signin import Workspace as SignInWorkspace
+from signin import Workspace as SignInWorkspace, wait_expired
 from test_protected import BROWSER, Deployment, Workspace
 
 A, B, PLAIN_API, CI = "a.test", "b.test", "default.test", "ci.test"
@@ -370,3 +371,126 @@ def test_logout_end_session_with_glewlwyd(sws, idp):
     assert done.returncode == 0, done.stderr
     opened = poll(lambda: [u for u in sws.browser_urls() if "/end_session" in u], message="the browser")[-1]
     assert opened.startswith(idp.discovery()["end_session_endpoint"] + "?id_token_hint=")
+
+
+# MARK: - token_store = secret-service (gnome-keyring-daemon, headless, on a private D-Bus session)
+
+
+class HeadlessSecretService:
+    """A private D-Bus session bus and gnome-keyring-daemon's Secret Service on it, with an unlocked login
+    keyring; `lookup` reads an item with secret-tool, as another program of the user would."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.runtime = root / "xdg-runtime"
+        self.address = f"unix:path={self.runtime / 'bus'}"
+        self.env = clean_env(HOME=str(root / "home"), XDG_RUNTIME_DIR=str(self.runtime),
+                             XDG_DATA_HOME=str(root / "xdg-data"), DBUS_SESSION_BUS_ADDRESS=self.address)
+        self.processes: list[subprocess.Popen] = []
+
+    def start(self) -> "HeadlessSecretService":
+        for tool in ("dbus-daemon", "gnome-keyring-daemon", "secret-tool"):
+            if shutil.which(tool) is None:
+                pytest.skip(f"{tool} is not installed (scripts/bootstrap test installs dbus-daemon, gnome-keyring, "
+                            "libsecret-tools)")
+        self.runtime.mkdir(parents=True, exist_ok=True)
+        self.runtime.chmod(0o700)
+        bus = subprocess.Popen(["dbus-daemon", "--session", f"--address={self.address}", "--nofork", "--nopidfile"],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env=self.env)
+        self.processes.append(bus)
+        poll(lambda: (self.runtime / "bus").exists(), 10, message="the D-Bus session socket")
+        keyring = subprocess.Popen(["gnome-keyring-daemon", "--foreground", "--login", "--components=secrets"],
+                                   stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                   env=self.env)
+        keyring.stdin.write(b"keyring-password")
+        keyring.stdin.close()
+        self.processes.append(keyring)
+        # `--start` must reach this daemon (its control socket), not start another one without the login keyring.
+        try:
+            poll(lambda: (self.runtime / "keyring" / "control").exists(), 10, message="gnome-keyring's control socket")
+        except AssertionError as error:
+            self.stop()
+            pytest.skip(f"no headless Secret Service could start here: {error}")
+        started = subprocess.run(["gnome-keyring-daemon", "--start", "--components=secrets"], env=self.env,
+                                 capture_output=True, timeout=20)
+
+        def stored():
+            # The login keyring appears a moment after the daemon took its password.
+            done = subprocess.run(["secret-tool", "store", "--label=probe", "application", "probe"], input=b"x",
+                                  env=self.env, capture_output=True, timeout=20)
+            return done if done.returncode == 0 else None
+        try:
+            probe = poll(stored, 10, interval=0.1, message="the Secret Service's login keyring")
+        except AssertionError as error:
+            probe = subprocess.CompletedProcess([], 1, b"", str(error).encode())
+        if started.returncode != 0 or probe.returncode != 0:
+            self.stop()
+            pytest.skip(f"no headless Secret Service could start here: {probe.stderr.decode()[:200]}")
+        return self
+
+    def lookup(self, *attributes: str) -> str | None:
+        done = subprocess.run(["secret-tool", "lookup", *attributes], env=self.env, capture_output=True, timeout=20)
+        return done.stdout.decode() if done.returncode == 0 else None
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(5)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(5)
+
+
+def status_text(sws, **env: str) -> str:
+    """`proxyctl status fake`, not recorded for the hygiene check: it prints the DPoP key's thumbprint, which is
+    public but looks like a token to the check."""
+    done = subprocess.run([proxyctl_bin(), "status", "fake"], capture_output=True, text=True, timeout=30,
+                          env=sws.env(**env), cwd=sws.root, stdin=subprocess.DEVNULL)
+    return done.stdout
+
+
+def test_token_store_secret_service_keeps_the_refresh_token_and_dpop_key_there(tmp_path, sws):
+    service = HeadlessSecretService(sws.root).start()
+    fake = FakeIdP(expires_in=2).start()
+    sws.fakes.append(fake)
+    try:
+        sws.write_config(config.provider("fake", fake.issuer, redirect_port=0, token_binding="dpop"))
+        text = sws.config_path.read_text().replace("[proxy]\n", "[proxy]\ntoken_store = secret-service\n", 1)
+        sws.config_path.write_text(text)
+        bus = {"DBUS_SESSION_BUS_ADDRESS": service.address}
+        login = sws.run("login", "fake", browser="fake", **bus)
+        assert login.returncode == 0, login.stderr
+        state = sws.state_dir
+        stored = json.loads((state / "tokens" / "fake.json").read_text())
+        assert "refresh_token" not in stored and stored["refresh_token_store"] == "secret-service"
+        attributes = ("application", "proxyctl", "state_dir", str(state), "provider", "fake")
+        refresh = service.lookup(*attributes, "kind", "refresh_token")
+        assert refresh and fake.refresh_token_state(refresh) == "active"
+        # The DPoP key too: no key file.
+        assert "BEGIN PRIVATE KEY" in (service.lookup(*attributes, "kind", "dpop_key") or "")
+        assert not (state / "keys" / "fake.dpop.pem").exists()
+        assert "held (in the Secret Service)" in status_text(sws, **bus)
+        # A refresh spends the refresh token from the Secret Service and puts the rotated one there.
+        wait_expired(sws, "fake")
+        token = sws.run("token", "fake", **bus)
+        assert token.returncode == 0, token.stderr
+        assert fake.count("token", grant_type="refresh_token") == 1
+        assert fake.requests("token")[-1].form["refresh_token"] == refresh
+        rotated = service.lookup(*attributes, "kind", "refresh_token")
+        assert rotated and rotated != refresh and fake.refresh_token_state(rotated) == "active"
+        assert "refresh_token" not in json.loads((state / "tokens" / "fake.json").read_text())
+        # logout removes it.
+        assert sws.run("logout", "fake", **bus).returncode == 0
+        assert service.lookup(*attributes, "kind", "refresh_token") is None
+        # Without a Secret Service (a headless machine) the 0600 file is the fallback, and status says so.
+        service.stop()
+        assert sws.run("login", "fake", browser="fake").returncode == 0
+        assert "refresh_token" in json.loads((state / "tokens" / "fake.json").read_text())
+        status = status_text(sws)
+        assert "token_store = secret-service: not available" in status, status
+    finally:
+        fake.stop()
+        service.stop()

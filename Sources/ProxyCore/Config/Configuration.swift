@@ -35,6 +35,14 @@ public enum UserScope: String, Sendable, Equatable {
     case any
 }
 
+/// Where refresh tokens and DPoP keys are kept (`token_store`).
+public enum TokenStoreKind: String, Sendable, Equatable {
+    /// 0600 files under state_dir.
+    case file
+    /// The freedesktop Secret Service (GNOME Keyring, KeePassXC...), with the files as the fallback.
+    case secretService = "secret-service"
+}
+
 /// The `[proxy]` section: the listener, the way out, timeouts and limits.
 public struct ProxySettings: Sendable, Equatable {
     public var listen = ListenAddress.default
@@ -77,6 +85,8 @@ public struct ProxySettings: Sendable, Equatable {
     public var notifyCommand: [String]? = nil
     /// Where tokens, keys and the local CA live; nil means the platform default.
     public var stateDir: String? = nil
+    /// Where refresh tokens and DPoP keys are kept.
+    public var tokenStore = TokenStoreKind.file
 
     public init() {}
 }
@@ -331,6 +341,12 @@ public struct ConfigParser: Sendable {
             case "state_dir":
                 guard !entry.value.isEmpty else { return fail("expected a directory path") }
                 settings.stateDir = resolvePath(entry.value)
+            case "token_store":
+                let value = entry.value.lowercased().replacingOccurrences(of: "_", with: "-")
+                guard let kind = TokenStoreKind(rawValue: value) else {
+                    return fail("expected file or secret-service, \(got())")
+                }
+                settings.tokenStore = kind
             default:
                 fail("unknown key; expected one of \(Self.proxyKeys.joined(separator: ", "))")
             }
@@ -344,6 +360,6 @@ public struct ConfigParser: Sendable {
         "keepalive_timeout", "header_timeout", "shutdown_grace", "max_request_line", "max_header_bytes",
         "max_headers", "max_connections", "max_connections_per_client", "replay_memory", "replay_spool", "resolve",
         "notify_command", "log_level",
-        "state_dir",
+        "state_dir", "token_store",
     ]
 }
