@@ -323,7 +323,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
         upstreamThrottled = false
         bufferevent_setwatermark(client, Int16(EV_WRITE), 0, 0)
         if let upstream { bufferevent_enable(upstream, Int16(EV_READ)) }
-        if let transfer, transfer.paused {
+        if let transfer, transfer.paused, !transfer.aborted {
             transfer.paused = false
             context.curl.resume(transfer)
         }
@@ -608,10 +608,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
         case .send(let request):
             send(request, origin: origin)
         case .cancelTransfer:
-            if let transfer {
-                context.curl.cancel(transfer)
-                self.transfer = nil
-            }
+            stopTransfer()
         case .rememberNonce(let nonce):
             context.nonces.remember(nonce, for: origin.url)
         case .recordStepUp(let challenge):
@@ -676,16 +673,23 @@ final class ClientDriver: ServerConnection, TransferOwner {
         context.curl.add(made)
     }
 
-    // TransferOwner: libcurl's callbacks, at the top of the loop (never inside `handle`).
+    // TransferOwner: libcurl's callbacks, at the top of the loop (never inside `handle`). A transfer that is
+    // no longer the current one (stopped from inside a callback) is not listened to.
 
-    func transferHeader(_ line: UnsafeRawBufferPointer) {
-        guard !closed else { return }
+    /// Inside one of libcurl's callbacks for the current transfer: it cannot be removed from the multi
+    /// handle there, so stopping it marks it aborted instead (libcurl then fails it at once).
+    private var inTransferCallback = false
+
+    func transferHeader(_ from: InterceptTransfer, _ line: UnsafeRawBufferPointer) {
+        guard !closed, from === transfer else { return }
         precondition(!handling, "a libcurl callback inside an event of the same connection")
         lastActivity = EventLoop.monotonicMilliseconds()
         var out: [ConnectionMachine.Action] = []
         machine.transferHeaderLine(line, now: lastActivity, &out)
         handling = true
+        inTransferCallback = true
         run(out)
+        inTransferCallback = false
         handling = false
         if !queued.isEmpty {
             let first = queued.removeFirst()
@@ -693,28 +697,30 @@ final class ClientDriver: ServerConnection, TransferOwner {
         }
     }
 
-    func transferBody(_ data: UnsafeRawBufferPointer) -> Int {
-        guard !closed else { return data.count }
+    func transferBody(_ from: InterceptTransfer, _ data: UnsafeRawBufferPointer) -> Int {
+        guard !closed, from === transfer else { return data.count }
         precondition(!handling, "a libcurl callback inside an event of the same connection")
         lastActivity = EventLoop.monotonicMilliseconds()
-        if Buffers.length(clientOutput) >= context.highWater, let transfer, let client {
+        if Buffers.length(clientOutput) >= context.highWater, let client {
             // A slow client pauses the transfer; the client's write callback resumes it.
-            transfer.paused = true
+            from.paused = true
             upstreamThrottled = true
             bufferevent_setwatermark(client, Int16(EV_WRITE), context.highWater / 2, 0)
             return proxyctl_writefunc_pause()
         }
         transferData = data
-        handle(.transferBody)
+        inTransferCallback = true
+        handle(.transferBody(count: data.count))
+        inTransferCallback = false
         transferData = nil
         return data.count
     }
 
-    func transferRead(_ buffer: UnsafeMutableRawBufferPointer) -> Int {
-        guard let body else { return 0 }
-        let count = body.read(at: transfer?.uploadOffset ?? 0, into: buffer)
+    func transferRead(_ from: InterceptTransfer, _ buffer: UnsafeMutableRawBufferPointer) -> Int {
+        guard from === transfer, let body else { return 0 }
+        let count = body.read(at: from.uploadOffset, into: buffer)
         if count > 0 {
-            transfer?.uploadOffset += count
+            from.uploadOffset += count
             exchangeUp += count
             lastActivity = EventLoop.monotonicMilliseconds()
             if body.streaming && body.queued < context.highWater / 2 { clientMayReadAgain() }
@@ -726,16 +732,29 @@ final class ClientDriver: ServerConnection, TransferOwner {
         return proxyctl_readfunc_pause()
     }
 
-    func transferSeek(_ offset: Int) -> Bool {
-        guard let body, body.replayable, offset <= body.stored else { return false }
-        transfer?.uploadOffset = offset
+    func transferSeek(_ from: InterceptTransfer, _ offset: Int) -> Bool {
+        guard from === transfer, let body, body.replayable, offset <= body.stored else { return false }
+        from.uploadOffset = offset
         return true
     }
 
-    func transferFinished(_ failure: UpstreamFailure?, detail: String) {
+    func transferFinished(_ from: InterceptTransfer, _ failure: UpstreamFailure?, detail: String) {
+        guard from === transfer else { return }
         transfer = nil
         guard !closed else { return }
         handle(.transferFinished(failure, detail: detail))
+    }
+
+    /// Stops the current transfer: removed from libcurl now, or (inside its own callback) failed by libcurl
+    /// at its next step.
+    private func stopTransfer() {
+        guard let transfer else { return }
+        if inTransferCallback {
+            transfer.aborted = true
+        } else {
+            context.curl.cancel(transfer)
+        }
+        self.transfer = nil
     }
 
     private func exchangeFinished(_ record: ExchangeRecord) {
@@ -746,10 +765,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
                 "conn=\(id) client=\(peer) \(record.logLine(up: exchangeUp, down: exchangeDown, milliseconds: duration))"
             )
         }
-        if let transfer {
-            context.curl.cancel(transfer)
-            self.transfer = nil
-        }
+        stopTransfer()
         body = nil
         tokens = nil
         exchangeOrigin = nil
@@ -769,10 +785,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
     func close() {
         guard !closed else { return }
         closed = true
-        if let transfer {
-            context.curl.cancel(transfer)
-            self.transfer = nil
-        }
+        stopTransfer()
         timers.removeAll()
         if let upstream {
             bufferevent_free(upstream)

@@ -5,14 +5,14 @@ import ProxyCore
 /// Who receives an intercept transfer's callbacks (the client connection's driver).
 protocol TransferOwner: AnyObject {
     /// CURLOPT_HEADERFUNCTION: one line of a response head (or a trailer), terminator included.
-    func transferHeader(_ line: UnsafeRawBufferPointer)
+    func transferHeader(_ transfer: InterceptTransfer, _ line: UnsafeRawBufferPointer)
     /// CURLOPT_WRITEFUNCTION: body bytes; returns the count taken, or CURL_WRITEFUNC_PAUSE.
-    func transferBody(_ data: UnsafeRawBufferPointer) -> Int
+    func transferBody(_ transfer: InterceptTransfer, _ data: UnsafeRawBufferPointer) -> Int
     /// CURLOPT_READFUNCTION: request body bytes; 0 at the end, or CURL_READFUNC_PAUSE.
-    func transferRead(_ buffer: UnsafeMutableRawBufferPointer) -> Int
+    func transferRead(_ transfer: InterceptTransfer, _ buffer: UnsafeMutableRawBufferPointer) -> Int
     /// CURLOPT_SEEKFUNCTION: rewind the request body (libcurl resends it on a new HTTP/2 stream, say).
-    func transferSeek(_ offset: Int) -> Bool
-    func transferFinished(_ failure: UpstreamFailure?, detail: String)
+    func transferSeek(_ transfer: InterceptTransfer, _ offset: Int) -> Bool
+    func transferFinished(_ transfer: InterceptTransfer, _ failure: UpstreamFailure?, detail: String)
 }
 
 /// The libcurl transfer of one request to a protected origin: an `UpstreamRequest` (decided by
@@ -23,6 +23,9 @@ final class InterceptTransfer: CurlTransfer {
     var uploadOffset = 0
     /// The response is paused because the client is slow.
     var paused = false
+    /// Stopped from inside one of its own callbacks (where libcurl cannot remove it): every later callback
+    /// fails it, and its owner no longer listens.
+    var aborted = false
 
     /// - Parameter authorization: the `Authorization` (and `DPoP`) fields for the request's credential.
     init(
@@ -90,17 +93,22 @@ final class InterceptTransfer: CurlTransfer {
     }
 
     override func header(_ line: UnsafeRawBufferPointer) -> Bool {
-        owner.transferHeader(line)
-        return true
+        if aborted { return false }
+        owner.transferHeader(self, line)
+        return !aborted
     }
 
-    override func body(_ data: UnsafeRawBufferPointer) -> Int { owner.transferBody(data) }
+    override func body(_ data: UnsafeRawBufferPointer) -> Int {
+        // A count other than the size given fails the transfer (CURLE_WRITE_ERROR).
+        aborted ? 0 : owner.transferBody(self, data)
+    }
 
     override func finish(_ code: CURLcode) {
+        if aborted { return }
         if code == CURLE_OK {
-            owner.transferFinished(nil, detail: "")
+            owner.transferFinished(self, nil, detail: "")
         } else {
-            owner.transferFinished(UpstreamFailure(code), detail: errorText(code))
+            owner.transferFinished(self, UpstreamFailure(code), detail: errorText(code))
         }
     }
 }
@@ -131,7 +139,8 @@ private let transferReadCallback:
     @convention(c) (UnsafeMutablePointer<CChar>?, Int, Int, UnsafeMutableRawPointer?) -> Int = {
         buffer, size, count, context in
         let transfer = Unmanaged<InterceptTransfer>.fromOpaque(context!).takeUnretainedValue()
-        return transfer.owner.transferRead(UnsafeMutableRawBufferPointer(start: buffer, count: size * count))
+        if transfer.aborted { return proxyctl_readfunc_abort() }
+        return transfer.owner.transferRead(transfer, UnsafeMutableRawBufferPointer(start: buffer, count: size * count))
     }
 
 // CURLOPT_SEEKFUNCTION: 0 = done, 2 = cannot seek (the body streamed and is gone).
@@ -139,5 +148,5 @@ private let transferSeekCallback: @convention(c) (UnsafeMutableRawPointer?, curl
     context, offset, origin in
     let transfer = Unmanaged<InterceptTransfer>.fromOpaque(context!).takeUnretainedValue()
     guard origin == SEEK_SET else { return 2 }
-    return transfer.owner.transferSeek(Int(offset)) ? 0 : 2
+    return !transfer.aborted && transfer.owner.transferSeek(transfer, Int(offset)) ? 0 : 2
 }

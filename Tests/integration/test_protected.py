@@ -374,6 +374,12 @@ def test_upload_replayed_byte_identical_after_forced_401(main, rs, size, kind):
     first, second = rs.since(seen_mark)
     assert (first.method, first.status, first.error) == (method, 401, "rejected by the test")
     assert (second.method, second.status) == (method, 200)
+    # The client's framing reaches the origin, on the first try and the replay alike.
+    for seen in (first, second):
+        if kind == "chunked":
+            assert seen.header("Transfer-Encoding") == "chunked" and seen.header("Content-Length") is None
+        else:
+            assert seen.header("Content-Length") == str(size) and seen.header("Transfer-Encoding") is None
     assert first.body_sha256 == second.body_sha256 == expected and first.body_size == second.body_size == size
     after = main.ws.tokens("glew")
     assert after["generation"] == generation + 1
@@ -412,12 +418,33 @@ def test_upload_beyond_replay_spool_is_not_replayed(main, rs):
         assert "too large to keep" in proxy_status and "not sent again" in proxy_status, proxy_status
         [seen] = rs.since(seen_mark)
         assert seen.status == 401 and seen.body_size == size and seen.body_sha256 == expected
+        # Beyond replay_spool the body still goes with the client's Content-Length (it once arrived re-framed
+        # as chunked, which origins that need a length refuse).
+        assert seen.header("Content-Length") == str(size) and seen.header("Transfer-Encoding") is None
         assert ws.tokens("glew")["generation"] == generation  # nothing refreshed for a request it cannot replay
         line = assert_one_intercepted(small, mark, "status=401")
         assert "refreshed=1" not in line
     finally:
         failure = small.stop()
     assert failure is None, failure
+
+
+def test_a_trickled_upload_reaches_the_origin_as_it_is_sent(main, rs):
+    """The body goes upstream as it arrives (a copy is kept for a replay): the origin has the request while
+    the client still holds back the rest of its body. It once waited for the whole body first."""
+    sock, _, response = open_tunnel(main.proxy.port, rs.authority())
+    assert response.status == 200
+    context = ssl.create_default_context(cafile=main.exports["SSL_CERT_FILE"])
+    seen_mark = rs.mark()
+    with context.wrap_socket(sock, server_hostname=API) as tls:
+        tls.sendall(f"PUT /trickle HTTP/1.1\r\nHost: {rs.authority()}\r\nContent-Length: 6\r\n\r\nabc".encode())
+        [seen] = poll(lambda: rs.since(seen_mark) or None, 10, message="the request to reach the origin early")
+        assert seen.method == "PUT" and seen.header("Content-Length") == "6"
+        assert seen.body_size == 0 and seen.status == 0, "the origin already had the whole body"
+        tls.sendall(b"def")
+        final = Reader(tls, timeout=10).read_response("PUT")
+    assert final.status == 200
+    assert json.loads(final.body)["body_sha256"] == hashlib.sha256(b"abcdef").hexdigest()
 
 
 def test_a_second_401_reaches_the_client_with_proxy_status(main, rs):

@@ -62,8 +62,8 @@ public struct AuthExchange: Sendable {
 
     public let origin: String
     public let provider: String
-    /// The request body was kept, so the request can be sent again.
-    public let replayable: Bool
+    /// The request body is kept, so the request can be sent again (false once it outgrew the store).
+    public private(set) var replayable: Bool
     private(set) var state = State.idle
     private(set) var nonceRetried = false
     private(set) var refreshed = false
@@ -78,6 +78,11 @@ public struct AuthExchange: Sendable {
         self.provider = provider
         self.replayable = replayable
         self.nonce = knownNonce
+    }
+
+    /// The request body outgrew what is kept for a replay (it streams on, once): a 401 is then passed on.
+    public mutating func bodyNotKept() {
+        replayable = false
     }
 
     /// The origin's latest DPoP nonce as other exchanges saw it (RFC 9449 §9: a nonce is valid for the

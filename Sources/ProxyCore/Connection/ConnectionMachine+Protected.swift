@@ -118,10 +118,14 @@ extension ConnectionMachine {
     }
 
     /// Body bytes of the transfer's response (the hot path: one call per libcurl write callback).
-    mutating func transferBody(_ out: inout [Action]) {
-        guard case .intercepting(let intercepting) = state, intercepting.exchange.isDelivering,
-            let framing = intercepting.framing, framing != .none
-        else { return }
+    mutating func transferBody(_ count: Int, _ out: inout [Action]) {
+        guard case .intercepting(let intercepting) = state else { return }
+        guard intercepting.exchange.isDelivering else {
+            // Not the client's: the exchange counts what it discards.
+            exchangeEvent(&out) { exchange, outputs in exchange.upstreamBody(count, &outputs) }
+            return
+        }
+        guard let framing = intercepting.framing, framing != .none else { return }
         out.append(.writeResponseBody(chunked: framing == .chunked))
     }
 
@@ -138,7 +142,9 @@ extension ConnectionMachine {
                 state = .intercepting(intercepting)
                 out.append(.writeClient(head))
             case .deliverBody:
-                transferBody(&out)
+                if let framing = intercepting.framing, framing != .none {
+                    out.append(.writeResponseBody(chunked: framing == .chunked))
+                }
             case .endBody:
                 if intercepting.framing == .chunked { out.append(.writeClient(Self.lastChunk)) }
             case .respond(let answer):

@@ -56,8 +56,8 @@ public struct ConnectionMachine: Sendable {
         case credentialFailed(ProxyAnswer)
         /// The body could not be kept for replay.
         case bodyNotKept(directory: String)
-        /// Body bytes of the upstream transfer's response are there (one libcurl write callback).
-        case transferBody
+        /// `count` body bytes of the upstream transfer's response are there (one libcurl write callback).
+        case transferBody(count: Int)
         /// The upstream transfer ended (`failure` nil: complete).
         case transferFinished(UpstreamFailure?, detail: String)
     }
@@ -329,8 +329,8 @@ public struct ConnectionMachine: Sendable {
             exchangeEvent(&out) { exchange, outputs in exchange.credentialFailed(answer, &outputs) }
         case .bodyNotKept(let directory):
             exchangeEvent(&out) { exchange, outputs in exchange.bodyNotKept(directory: directory, &outputs) }
-        case .transferBody:
-            transferBody(&out)
+        case .transferBody(let count):
+            transferBody(count, &out)
         case .transferFinished(let failure, let detail):
             exchangeEvent(&out) { exchange, outputs in
                 exchange.transferFinished(failure.map { ($0, detail) }, &outputs)

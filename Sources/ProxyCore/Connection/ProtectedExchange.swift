@@ -67,21 +67,24 @@ public struct ProtectedExchange: Sendable {
 
     /// Where the exchange is. Each case says where it goes next.
     enum Phase: Sendable, Equatable {
-        /// Receiving the body until it is complete or too large to keep. -> `.gettingTokens`, `.sending`
-        case receivingBody
+        /// Not begun. -> `.gettingTokens`, `.sending`
+        case starting
         /// `.getTokens` issued. -> `.sending`, `.done` (answered)
         case gettingTokens
         /// `.refreshTokens` issued after a 401. -> `.sending` (the replay), `.done` (answered)
         case refreshing
-        /// A transfer runs; its response head has not come. -> `.delivering`, `.discarding`, `.failing`
+        /// A transfer runs; its response head has not come. -> `.delivering`, `.discarding`, `.done` (an
+        /// unusable head: the transfer is stopped and the client answered at once)
         case sending
         /// The head went to the client; body bytes follow. -> `.done`
         case delivering
-        /// The transfer's response is not for the client (a retry follows when it ends). -> `.refreshing`,
-        /// `.sending`
-        case discarding(then: AuthExchange.Action)
-        /// The response could not be used: answer `answer` when the transfer ends. -> `.done`
-        case failing(ProxyAnswer)
+        /// The transfer's response is not for the client (a retry follows when it ends); `held` is that
+        /// response. -> `.refreshing`, `.sending`, `.awaitingBody`
+        case discarding(then: AuthExchange.Action, held: UpstreamResponse)
+        /// The origin answered (401, a nonce challenge) before the client finished sending the body: the rest
+        /// is kept, then the request goes again. -> `.refreshing`, `.sending`, or `.delivering` the held
+        /// response (without its body) when the body outgrows the store
+        case awaitingBody(then: AuthExchange.Action, held: UpstreamResponse)
         case done
     }
 
@@ -93,7 +96,7 @@ public struct ProtectedExchange: Sendable {
     private let knownNonce: String?
     /// The auth exchange, once sending has begun; nil when nothing is attached.
     private var auth: AuthExchange?
-    private(set) var phase = Phase.receivingBody
+    private(set) var phase = Phase.starting
     private var bodyReceived = 0
     private var bodyComplete = false
     private var streaming = false
@@ -129,15 +132,16 @@ public struct ProtectedExchange: Sendable {
 
     // MARK: - The request body
 
-    /// Starts the exchange with the body bytes already there.
+    /// Starts the exchange: the request goes upstream as soon as there is a token, its body following as it
+    /// arrives (a copy is kept for a replay, up to `replay_spool`), in the framing the client chose.
     public mutating func start(_ out: inout [Output]) {
         if bodyComplete { out.append(.bodyEnded) }
         if case .contentLength(let length) = request.framing, length > UInt64(settings.replaySpool) {
-            // Too large to keep: stream it from the start, once.
+            // Too large to keep: it streams from the start, once.
             streaming = true
             out.append(.streamBody)
         }
-        beginIfReady(&out)
+        begin(&out)
     }
 
     /// The I/O layer kept `count` more body bytes (after `.streamBody`, queued them for the transfer).
@@ -145,16 +149,25 @@ public struct ProtectedExchange: Sendable {
         bodyReceived += count
         if !streaming && bodyReceived > settings.replaySpool {
             streaming = true
+            auth?.bodyNotKept()
             out.append(.streamBody)
+            if case .awaitingBody(_, let held) = phase {
+                // The request cannot go again: the client gets the origin's answer (its body was discarded).
+                deliver(
+                    held.withoutBody(
+                        proxyStatus: ProxyStatus(
+                            details:
+                                "the request body was too large to keep, so the request was not sent again; retry it",
+                            receivedStatus: held.head.status)), &out)
+            }
         }
-        beginIfReady(&out)
     }
 
     /// The request body is complete.
     public mutating func bodyEnded(_ out: inout [Output]) {
         bodyComplete = true
         out.append(.bodyEnded)
-        beginIfReady(&out)
+        if case .awaitingBody(let action, _) = phase { perform(action, &out) }
     }
 
     /// The body could not be kept (the spool file could not be written).
@@ -170,8 +183,8 @@ public struct ProtectedExchange: Sendable {
     /// The request body can be sent again (for a refresh or a nonce retry).
     public var replayable: Bool { !streaming }
 
-    private mutating func beginIfReady(_ out: inout [Output]) {
-        guard !begun, phase == .receivingBody, bodyComplete || streaming else { return }
+    private mutating func begin(_ out: inout [Output]) {
+        guard !begun else { return }
         begun = true
         guard attach else {
             send(credential: nil, &out)
@@ -257,8 +270,9 @@ public struct ProtectedExchange: Sendable {
         let body: UpstreamRequest.Body
         switch request.framing {
         case .none, .untilClose: body = .none
+        // The client's framing is kept: its Content-Length, or chunks of a length nobody knows in advance.
         case .contentLength(let length): body = .length(Int(clamping: length))
-        case .chunked: body = bodyComplete && !streaming ? .length(bodyReceived) : .streaming
+        case .chunked: body = .streaming
         }
         out.append(
             .send(
@@ -291,10 +305,11 @@ public struct ProtectedExchange: Sendable {
         case .needMore:
             return
         case .failed(let error):
+            // An unusable head: the transfer stops now (its body could be endless), the client is answered.
             let hop = origin.authority
-            phase = .failing(
+            fail(
                 error.code == .headTooLarge
-                    ? .responseHeadTooLarge(hop) : .invalidResponse(hop, reason: error.reason))
+                    ? .responseHeadTooLarge(hop) : .invalidResponse(hop, reason: error.reason), &out)
         case .complete(let head, _):
             if head.status < 200 {
                 // 1xx answers are libcurl's business (it sent the body without Expect anyway).
@@ -309,7 +324,7 @@ public struct ProtectedExchange: Sendable {
         let semantics: ResponseSemantics
         switch MessageSemantics.response(head, requestMethod: request.method, upgradeRequested: false) {
         case .failure(let error):
-            phase = .failing(.invalidResponse(origin.authority, reason: error.reason))
+            fail(.invalidResponse(origin.authority, reason: error.reason), &out)
             return
         case .success(let checked): semantics = checked
         }
@@ -331,7 +346,7 @@ public struct ProtectedExchange: Sendable {
             deliver(withStatus, &out)
         case .send, .refresh:
             // Retried once this transfer has ended; its body is not the client's business.
-            phase = .discarding(then: action)
+            phase = .discarding(then: action, held: response)
         case .getTokens, .respond:
             perform(action, &out)
         }
@@ -343,20 +358,46 @@ public struct ProtectedExchange: Sendable {
         out.append(.deliverHead(response))
     }
 
-    /// Body bytes of the upstream response arrived.
-    public mutating func upstreamBody(_ out: inout [Output]) {
-        if phase == .delivering { out.append(.deliverBody) }
+    /// Bytes of a response that is not the client's business (a 401 before a retry) are read to the end
+    /// while few, so that the connection can carry the retry; beyond this the transfer stops instead.
+    static let discardLimit = 64 * 1024
+    private var discarded = 0
+
+    /// `count` body bytes of the upstream response arrived.
+    public mutating func upstreamBody(_ count: Int, _ out: inout [Output]) {
+        switch phase {
+        case .delivering:
+            out.append(.deliverBody)
+        case .discarding:
+            discarded += count
+            if discarded > Self.discardLimit {
+                out.append(.cancelTransfer)
+                transferFinished(nil, &out, cancelled: true)
+            }
+        default:
+            break
+        }
     }
 
     /// The transfer ended: `failure` nil when it completed.
     public mutating func transferFinished(_ failure: (UpstreamFailure, detail: String)?, _ out: inout [Output]) {
+        transferFinished(failure, &out, cancelled: false)
+    }
+
+    private mutating func transferFinished(
+        _ failure: (UpstreamFailure, detail: String)?, _ out: inout [Output], cancelled: Bool
+    ) {
         guard transferRunning else { return }
         transferRunning = false
         switch phase {
-        case .failing(let answer):
-            fail(answer, &out)
-        case .discarding(let action):
-            perform(action, &out)
+        case .discarding(let action, let held):
+            discarded = 0
+            if bodyComplete {
+                perform(action, &out)
+            } else {
+                // The origin answered before the whole body came: keep the rest, then send again.
+                phase = .awaitingBody(then: action, held: held)
+            }
         case .delivering:
             if let failure {
                 // The response is cut short: the client sees the connection close before its end.
@@ -368,7 +409,7 @@ public struct ProtectedExchange: Sendable {
         case .sending:
             let (kind, detail) = failure ?? (.incomplete, "no response")
             fail(.upstreamFailed(kind, hop: origin.authority, detail: detail), &out)
-        case .receivingBody, .gettingTokens, .refreshing, .done:
+        case .starting, .gettingTokens, .refreshing, .awaitingBody, .done:
             break
         }
     }
@@ -479,6 +520,18 @@ public struct UpstreamResponse: Sendable {
     public let head: HTTPHead
     public let semantics: ResponseSemantics
     public var proxyStatus: ProxyStatus?
+}
+
+extension UpstreamResponse {
+    /// The head alone, its body discarded: framed as empty, with `proxyStatus` saying why.
+    func withoutBody(proxyStatus: ProxyStatus) -> UpstreamResponse {
+        let dropped = semantics.dropped.union(head.indices(named: "content-length")).union(
+            head.indices(named: "transfer-encoding"))
+        let empty = ResponseSemantics(
+            framing: .none, isInterim: false, switchesProtocols: false, serverCloses: semantics.serverCloses,
+            dropped: dropped)
+        return UpstreamResponse(head: head, semantics: empty, proxyStatus: proxyStatus)
+    }
 }
 
 extension UpstreamResponse: Equatable {

@@ -164,7 +164,7 @@ struct ConnectionHarness {
             transferHead(reader.chunk())
         case 12 where transferRunning:
             transferFresh = false
-            event(.transferBody)
+            event(.transferBody(count: 5))
         case 13 where transferRunning:
             // The transfer is over; a retry may start another.
             transferRunning = false
