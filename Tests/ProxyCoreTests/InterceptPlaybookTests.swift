@@ -324,7 +324,8 @@ import Testing
         p.event(.transferBody(count: 60_000))
         #expect(p.next() == [], "a small body is read to keep the connection")
         p.event(.transferBody(count: 60_000))
-        #expect(Self.outputs(p.next()) == [.cancelTransfer, .refreshTokens(key: TokenKey(provider: "corp"), replacing: 1)])
+        #expect(
+            Self.outputs(p.next()) == [.cancelTransfer, .refreshTokens(key: TokenKey(provider: "corp"), replacing: 1)])
         // The stopped transfer's own end, if it comes, changes nothing.
         p.event(.transferFinished(.other, detail: "aborted"))
         #expect(p.next() == [] && p.clientGot() == "")
