@@ -23,6 +23,11 @@ let package = Package(
             providers: [.apt(["libcurl4-openssl-dev"])]
         ),
         .systemLibrary(
+            name: "CNghttp2",
+            pkgConfig: "libnghttp2",
+            providers: [.apt(["libnghttp2-dev"])]
+        ),
+        .systemLibrary(
             name: "COpenSSL",
             pkgConfig: "openssl",
             providers: [.apt(["libssl-dev"])]
@@ -37,7 +42,8 @@ let package = Package(
         .target(name: "ProxyOAuth", dependencies: ["ProxyCore", "ProxyTLS"]),
         // The only module that touches sockets.
         .target(
-            name: "ProxyIO", dependencies: ["ProxyCore", "ProxyTLS", "ProxyOAuth", "CLibevent", "CCurl", "COpenSSL"]),
+            name: "ProxyIO",
+            dependencies: ["ProxyCore", "ProxyTLS", "ProxyOAuth", "CLibevent", "CCurl", "CNghttp2", "COpenSSL"]),
         // argv -> command, help text, exit codes.
         .target(name: "ProxyCLI", dependencies: ["ProxyCore", "ProxyTLS", "ProxyOAuth", "ProxyIO"]),
         .executableTarget(name: "proxyctl", dependencies: ["ProxyCLI"]),

@@ -30,6 +30,9 @@ static inline CURLcode proxyctl_easy_setopt_seek_cb(CURL *h, int (*cb)(void *, c
     return curl_easy_setopt(h, CURLOPT_SEEKFUNCTION, cb);
 }
 // CURL_WRITEFUNC_PAUSE and CURL_READFUNC_PAUSE are macros of size_t values Swift does not import.
+static inline CURLcode proxyctl_easy_setopt_trailer_cb(CURL *h, int (*cb)(struct curl_slist **, void *)) {
+    return curl_easy_setopt(h, CURLOPT_TRAILERFUNCTION, cb);
+}
 static inline size_t proxyctl_writefunc_pause(void) { return CURL_WRITEFUNC_PAUSE; }
 static inline size_t proxyctl_readfunc_pause(void) { return CURL_READFUNC_PAUSE; }
 static inline size_t proxyctl_readfunc_abort(void) { return CURL_READFUNC_ABORT; }

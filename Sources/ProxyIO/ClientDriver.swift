@@ -234,6 +234,8 @@ final class ClientDriver: ServerConnection, TransferOwner {
             startTunnel(label: label, status: status)
         case .startInterception(let origin):
             startInterception(origin)
+        case .startHTTP2(let origin, let misdirected):
+            startHTTP2(origin, misdirected: misdirected)
 
         case .arm(let timer, let milliseconds):
             self.timer(timer).schedule(milliseconds: milliseconds)
@@ -323,7 +325,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
         upstreamThrottled = false
         bufferevent_setwatermark(client, Int16(EV_WRITE), 0, 0)
         if let upstream { bufferevent_enable(upstream, Int16(EV_READ)) }
-        if let transfer, transfer.paused, !transfer.aborted {
+        if let transfer, transfer.paused, !transfer.cancelled {
             transfer.paused = false
             context.curl.resume(transfer)
         }
@@ -349,7 +351,9 @@ final class ClientDriver: ServerConnection, TransferOwner {
         let what = Int32(events)
         if what & Int32(BEV_EVENT_CONNECTED) != 0 {
             lastActivity = EventLoop.monotonicMilliseconds()
-            handle(.tlsEstablished(serverName: ssl.flatMap { tlsServerName($0) }))
+            handle(
+                .tlsEstablished(
+                    serverName: ssl.flatMap { tlsServerName($0) }, protocol: ssl.flatMap { tlsSelectedProtocol($0) }))
             return
         }
         if let ssl, SSL_is_init_finished(ssl) == 0 {
@@ -528,6 +532,20 @@ final class ClientDriver: ServerConnection, TransferOwner {
         finishHandOff()
     }
 
+    /// The client chose HTTP/2 in the handshake: an `H2Driver` takes the TLS bufferevent over.
+    private func startHTTP2(_ origin: OriginConfig, misdirected: String?) {
+        guard let bev = client else { return close() }
+        bufferevent_setcb(bev, nil, nil, nil, nil)
+        client = nil
+        ssl = nil
+        let session = H2Driver(
+            context: context, id: id, peer: peer, client: clientAddress, origin: origin, bufferevent: bev,
+            misdirected: misdirected)
+        context.owner.adopt(session)
+        finishHandOff()
+        session.begin()
+    }
+
     /// Writes a short answer straight to a fresh socket; false if it did not all go out at once.
     private static func sendAll(_ fd: Int32, _ bytes: [UInt8]) -> Bool {
         bytes.withUnsafeBytes { raw in
@@ -676,10 +694,6 @@ final class ClientDriver: ServerConnection, TransferOwner {
     // TransferOwner: libcurl's callbacks, at the top of the loop (never inside `handle`). A transfer that is
     // no longer the current one (stopped from inside a callback) is not listened to.
 
-    /// Inside one of libcurl's callbacks for the current transfer: it cannot be removed from the multi
-    /// handle there, so stopping it marks it aborted instead (libcurl then fails it at once).
-    private var inTransferCallback = false
-
     func transferHeader(_ from: InterceptTransfer, _ line: UnsafeRawBufferPointer) {
         guard !closed, from === transfer else { return }
         precondition(!handling, "a libcurl callback inside an event of the same connection")
@@ -687,9 +701,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
         var out: [ConnectionMachine.Action] = []
         machine.transferHeaderLine(line, now: lastActivity, &out)
         handling = true
-        inTransferCallback = true
         run(out)
-        inTransferCallback = false
         handling = false
         if !queued.isEmpty {
             let first = queued.removeFirst()
@@ -709,9 +721,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
             return proxyctl_writefunc_pause()
         }
         transferData = data
-        inTransferCallback = true
         handle(.transferBody(count: data.count))
-        inTransferCallback = false
         transferData = nil
         return data.count
     }
@@ -745,15 +755,11 @@ final class ClientDriver: ServerConnection, TransferOwner {
         handle(.transferFinished(failure, detail: detail))
     }
 
-    /// Stops the current transfer: removed from libcurl now, or (inside its own callback) failed by libcurl
-    /// at its next step.
+    /// Stops the current transfer (from inside its own callback too: libcurl then fails it at once and it is
+    /// removed when libcurl returned).
     private func stopTransfer() {
         guard let transfer else { return }
-        if inTransferCallback {
-            transfer.aborted = true
-        } else {
-            context.curl.cancel(transfer)
-        }
+        context.curl.cancel(transfer)
         self.transfer = nil
     }
 

@@ -76,7 +76,14 @@ protocol ServerConnection: AnyObject {
     var isIdle: Bool { get }
     /// The proxy is shutting down: finish what is in flight, then close.
     func shutdown()
+    /// The configuration was reloaded: connections that keep settings for their lifetime (HTTP/2) tell the
+    /// client to open a new one.
+    func reload()
     func abort(_ reason: String?)
+}
+
+extension ServerConnection {
+    func reload() {}
 }
 
 /// One copy buffer for the tunnels of a loop that cannot splice.

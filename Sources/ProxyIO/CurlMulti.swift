@@ -17,6 +17,14 @@ final class CurlMulti {
     private var timer: LoopTimer?
     /// Transfers in progress, by easy handle; the table keeps them alive while curl holds them.
     private var transfers: [UnsafeMutableRawPointer: CurlTransfer] = [:]
+    /// How deep the loop is inside libcurl (its callbacks run there). libcurl forbids removing a handle from
+    /// inside any callback, and resuming another from there is unsafe: both wait until the call returned.
+    private var depth = 0
+    /// Transfers cancelled inside libcurl: removed once it returned (kept alive until then, as libcurl may
+    /// still call them, and fail them, in the same call).
+    private var removals: [CurlTransfer] = []
+    private var resumes: [CurlTransfer] = []
+    private var additions: [CurlTransfer] = []
 
     /// Must be called once per process before any thread starts (with `EventLoop.initializeLibraries`).
     static func initializeLibrary() {
@@ -42,9 +50,10 @@ final class CurlMulti {
         _ = proxyctl_multi_setopt_timer_cb(multi, curlTimerCallback)
         _ = proxyctl_multi_setopt_ptr(multi, CURLMOPT_TIMERDATA, context)
         timer = LoopTimer(loop: loop) { [unowned self] in
-            var running: Int32 = 0
-            curl_multi_socket_action(self.multi, -1, 0, &running)
-            self.collectFinished()
+            insideCurl {
+                var running: Int32 = 0
+                curl_multi_socket_action(self.multi, -1, 0, &running)
+            }
         }
     }
 
@@ -58,6 +67,11 @@ final class CurlMulti {
     }
 
     func add(_ transfer: CurlTransfer) {
+        if depth > 0 {
+            // From inside a callback: added once libcurl returned.
+            additions.append(transfer)
+            return
+        }
         if let share { _ = proxyctl_easy_setopt_ptr(transfer.easy, CURLOPT_SHARE, share) }
         transfers[transfer.easy] = transfer
         let status = curl_multi_add_handle(multi, transfer.easy)
@@ -67,15 +81,55 @@ final class CurlMulti {
         }
     }
 
-    /// Stops a transfer early; its completion is not called.
+    /// Stops a transfer early; its completion is not called, nor any other callback of it that can fail it.
+    /// Safe anywhere, a libcurl callback included.
     func cancel(_ transfer: CurlTransfer) {
+        if let index = additions.firstIndex(where: { $0 === transfer }) {
+            additions.remove(at: index)
+            transfer.cancelled = true
+            return
+        }
         guard transfers.removeValue(forKey: transfer.easy) != nil else { return }
-        curl_multi_remove_handle(multi, transfer.easy)
+        transfer.cancelled = true
+        if depth > 0 {
+            removals.append(transfer)
+        } else {
+            curl_multi_remove_handle(multi, transfer.easy)
+        }
     }
 
-    /// Lets curl continue a paused transfer (after CURL_WRITEFUNC_PAUSE or CURL_READFUNC_PAUSE).
+    /// Lets curl continue a paused transfer (after CURL_WRITEFUNC_PAUSE or CURL_READFUNC_PAUSE). Safe
+    /// anywhere: inside libcurl it happens once the call returned.
     func resume(_ transfer: CurlTransfer) {
-        curl_easy_pause(transfer.easy, CURLPAUSE_CONT)
+        guard transfers[transfer.easy] != nil else { return }
+        if depth > 0 {
+            resumes.append(transfer)
+            return
+        }
+        insideCurl { _ = curl_easy_pause(transfer.easy, CURLPAUSE_CONT) }
+    }
+
+    /// Runs a call into libcurl; once the outermost one returned, the removals and resumes asked for inside
+    /// it happen, and finished transfers are collected.
+    private func insideCurl(_ call: () -> Void) {
+        depth += 1
+        call()
+        depth -= 1
+        guard depth == 0 else { return }
+        while !removals.isEmpty || !resumes.isEmpty || !additions.isEmpty {
+            for transfer in removals { curl_multi_remove_handle(multi, transfer.easy) }
+            removals.removeAll()
+            let added = additions
+            additions.removeAll()
+            for transfer in added where !transfer.cancelled { add(transfer) }
+            let waiting = resumes
+            resumes.removeAll()
+            for transfer in waiting where transfers[transfer.easy] != nil {
+                depth += 1
+                _ = curl_easy_pause(transfer.easy, CURLPAUSE_CONT)
+                depth -= 1
+            }
+        }
         collectFinished()
     }
 
@@ -113,11 +167,13 @@ final class CurlMulti {
         var flags: Int32 = 0
         if Int32(events) & EV_READ != 0 { flags |= CURL_CSELECT_IN }
         if Int32(events) & EV_WRITE != 0 { flags |= CURL_CSELECT_OUT }
-        var running: Int32 = 0
-        curl_multi_socket_action(multi, socket, flags, &running)
-        collectFinished()
+        insideCurl {
+            var running: Int32 = 0
+            curl_multi_socket_action(multi, socket, flags, &running)
+        }
     }
 
+    /// Completions run outside libcurl: a completion may start or cancel transfers.
     private func collectFinished() {
         var remaining: Int32 = 0
         while let message = curl_multi_info_read(multi, &remaining) {
@@ -177,6 +233,8 @@ private let curlTimerCallback: @convention(c) (UnsafeMutableRawPointer?, Int, Un
 /// One easy handle and what happens to its bytes. Subclasses decide where the response goes.
 class CurlTransfer {
     let easy: UnsafeMutableRawPointer
+    /// Cancelled by its owner: every later callback fails it, and it is no longer listened to.
+    fileprivate(set) var cancelled = false
     private var headerList: UnsafeMutablePointer<curl_slist>? = nil
     private var resolveList: UnsafeMutablePointer<curl_slist>? = nil
     let errorBuffer = UnsafeMutablePointer<CChar>.allocate(capacity: Int(CURL_ERROR_SIZE))
@@ -273,8 +331,9 @@ private let curlHeaderCallback:
     @convention(c) (UnsafeMutablePointer<CChar>?, Int, Int, UnsafeMutableRawPointer?) -> Int = {
         data, size, count, context in
         let transfer = Unmanaged<CurlTransfer>.fromOpaque(context!).takeUnretainedValue()
+        if transfer.cancelled { return 0 }
         let ok = transfer.header(UnsafeRawBufferPointer(start: data, count: size * count))
-        return ok ? size * count : 0
+        return ok && !transfer.cancelled ? size * count : 0
     }
 
 // CURLOPT_WRITEFUNCTION: body bytes; returning CURL_WRITEFUNC_PAUSE pauses the transfer.
@@ -282,6 +341,8 @@ private let curlWriteCallback:
     @convention(c) (UnsafeMutablePointer<CChar>?, Int, Int, UnsafeMutableRawPointer?) -> Int = {
         data, size, count, context in
         let transfer = Unmanaged<CurlTransfer>.fromOpaque(context!).takeUnretainedValue()
+        // A count other than the size given fails the transfer (CURLE_WRITE_ERROR).
+        if transfer.cancelled { return 0 }
         return transfer.body(UnsafeRawBufferPointer(start: data, count: size * count))
     }
 

@@ -23,9 +23,10 @@ final class InterceptTransfer: CurlTransfer {
     var uploadOffset = 0
     /// The response is paused because the client is slow.
     var paused = false
-    /// Stopped from inside one of its own callbacks (where libcurl cannot remove it): every later callback
-    /// fails it, and its owner no longer listens.
-    var aborted = false
+    /// The owner's name for the transfer (an HTTP/2 stream's id).
+    var tag: Int32 = 0
+    /// Trailer fields to send after a streamed request body (the client's own trailers).
+    private var trailerSource: (() -> [H2Field])?
 
     /// - Parameter authorization: the `Authorization` (and `DPoP`) fields for the request's credential.
     init(
@@ -92,19 +93,28 @@ final class InterceptTransfer: CurlTransfer {
         }
     }
 
+    /// Sends `source()`'s fields as trailers after a body of unknown length (chunked upstream; libcurl
+    /// asks just before the last chunk).
+    func sendTrailers(_ source: @escaping () -> [H2Field]) {
+        trailerSource = source
+        _ = proxyctl_easy_setopt_trailer_cb(easy, transferTrailerCallback)
+        _ = proxyctl_easy_setopt_ptr(easy, CURLOPT_TRAILERDATA, Unmanaged.passUnretained(self).toOpaque())
+    }
+
+    fileprivate func trailerLines() -> [String] {
+        (trailerSource?() ?? []).map { "\($0.nameText): \($0.valueText)" }
+    }
+
     override func header(_ line: UnsafeRawBufferPointer) -> Bool {
-        if aborted { return false }
         owner.transferHeader(self, line)
-        return !aborted
+        return true
     }
 
     override func body(_ data: UnsafeRawBufferPointer) -> Int {
-        // A count other than the size given fails the transfer (CURLE_WRITE_ERROR).
-        aborted ? 0 : owner.transferBody(self, data)
+        owner.transferBody(self, data)
     }
 
     override func finish(_ code: CURLcode) {
-        if aborted { return }
         if code == CURLE_OK {
             owner.transferFinished(self, nil, detail: "")
         } else {
@@ -139,7 +149,7 @@ private let transferReadCallback:
     @convention(c) (UnsafeMutablePointer<CChar>?, Int, Int, UnsafeMutableRawPointer?) -> Int = {
         buffer, size, count, context in
         let transfer = Unmanaged<InterceptTransfer>.fromOpaque(context!).takeUnretainedValue()
-        if transfer.aborted { return proxyctl_readfunc_abort() }
+        if transfer.cancelled { return proxyctl_readfunc_abort() }
         return transfer.owner.transferRead(transfer, UnsafeMutableRawBufferPointer(start: buffer, count: size * count))
     }
 
@@ -148,5 +158,15 @@ private let transferSeekCallback: @convention(c) (UnsafeMutableRawPointer?, curl
     context, offset, origin in
     let transfer = Unmanaged<InterceptTransfer>.fromOpaque(context!).takeUnretainedValue()
     guard origin == SEEK_SET else { return 2 }
-    return !transfer.aborted && transfer.owner.transferSeek(transfer, Int(offset)) ? 0 : 2
+    return !transfer.cancelled && transfer.owner.transferSeek(transfer, Int(offset)) ? 0 : 2
 }
+
+// CURLOPT_TRAILERFUNCTION: the trailer fields, as a list libcurl frees. 0 = CURL_TRAILERFUNC_OK.
+private let transferTrailerCallback:
+    @convention(c) (UnsafeMutablePointer<UnsafeMutablePointer<curl_slist>?>?, UnsafeMutableRawPointer?) -> Int32 = {
+        list, context in
+        let transfer = Unmanaged<InterceptTransfer>.fromOpaque(context!).takeUnretainedValue()
+        if transfer.cancelled { return 1 }
+        for line in transfer.trailerLines() { list?.pointee = curl_slist_append(list?.pointee, line) }
+        return 0
+    }

@@ -97,7 +97,7 @@ public final class ProxyServer: ConnectionOwner {
         self.reload = reload
         self.resolver = Resolver(overrides: settings.resolve)
         self.tokens = TokenBroker(loop: loop, managers: interception?.managers ?? [:])
-        self.tlsContexts = try interception?.ca.map { try TLSServerContexts(ca: $0) }
+        self.tlsContexts = try interception?.ca.map { try TLSServerContexts(ca: $0, http2: settings.http2) }
         self.spoolDirectory = interception?.spoolDirectory ?? NSTemporaryDirectory()
         self.keys = DPoPKeyring(
             loop: loop, keys: interception?.dpopKeys ?? [:], stateDirectory: interception?.stateDirectory)
@@ -484,8 +484,11 @@ public final class ProxyServer: ConnectionOwner {
             resolver = Resolver(overrides: newSettings.resolve)
             frontDoor = FrontDoor(
                 settings: newSettings, credentials: credentials, boundAddress: boundAddress, origins: frontDoor.origins)
-            // New connections get the new settings; those in flight keep the ones they were accepted with.
+            tlsContexts?.http2 = newSettings.http2
+            // New connections get the new settings; those in flight keep the ones they were accepted with
+            // (an HTTP/2 connection, which may last long, is asked to make way for a new one).
             context = nil
+            for connection in Array(connections.values) { connection.reload() }
             logger.level = newSettings.logLevel
             logger.info("SIGHUP: configuration reloaded")
         }

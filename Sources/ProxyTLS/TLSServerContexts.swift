@@ -12,6 +12,15 @@ public final class TLSServerContexts {
     private var cache: [String: Entry] = [:]
     private var order: [String] = []
     public let capacity: Int
+    /// Whether ALPN offers h2 (before http/1.1) to clients; a change applies to handshakes from then on.
+    public var http2: Bool {
+        didSet {
+            if http2 != oldValue {
+                cache.removeAll()
+                order.removeAll()
+            }
+        }
+    }
     /// Leaves minted so far (for logs and tests).
     public private(set) var minted = 0
 
@@ -29,10 +38,11 @@ public final class TLSServerContexts {
         deinit { SSL_CTX_free(context) }
     }
 
-    public init(ca: LocalCA, capacity: Int = 256) throws {
+    public init(ca: LocalCA, capacity: Int = 256, http2: Bool = true) throws {
         self.ca = ca
         self.leafKey = try PrivateKey.generateP256()
         self.capacity = capacity
+        self.http2 = http2
     }
 
     /// A new server-side SSL object for `host` (which must be one of the CA's hosts).
@@ -64,8 +74,10 @@ public final class TLSServerContexts {
         // Stateful resumption (the session cache) is enough for a local proxy; tickets cost a signature-free
         // but real encryption per handshake that clients rarely use.
         SSL_CTX_set_options(context, proxyctl_SSL_OP_NO_TICKET())
-        // ALPN: only HTTP/1.1 is spoken to clients (RFC 7301); clients that offer only h2 get no ALPN.
-        SSL_CTX_set_alpn_select_cb(context, alpnSelect, nil)
+        // ALPN (RFC 7301): h2 first when enabled, then http/1.1; a client that offers neither gets no ALPN
+        // and speaks HTTP/1.1.
+        SSL_CTX_set_alpn_select_cb(
+            context, alpnSelect, UnsafeMutableRawPointer(http2 ? h2Protocols.baseAddress : http1Protocols.baseAddress))
         if cache[host] == nil {
             order.append(host)
             if order.count > capacity {
@@ -77,30 +89,44 @@ public final class TLSServerContexts {
     }
 }
 
-/// "\x08http/1.1": the one protocol offered, in storage that lives for the whole process (the selected
-/// protocol pointer handed back to OpenSSL may point into it).
-private nonisolated(unsafe) let serverProtocols: UnsafeMutableBufferPointer<UInt8> = {
-    let bytes: [UInt8] = [8] + Array("http/1.1".utf8)
+/// The protocols offered, in ALPN wire form and the server's order of preference, in storage that lives for the
+/// whole process (the selected protocol pointer handed back to OpenSSL points into it): "\x08http/1.1", and
+/// "\x02h2\x08http/1.1". The first byte before each list is its total length.
+private nonisolated(unsafe) let http1Protocols = alpnList(["http/1.1"])
+private nonisolated(unsafe) let h2Protocols = alpnList(["h2", "http/1.1"])
+
+private func alpnList(_ names: [String]) -> UnsafeMutableBufferPointer<UInt8> {
+    let wire = names.flatMap { [UInt8($0.utf8.count)] + Array($0.utf8) }
+    let bytes = [UInt8(wire.count)] + wire
     let buffer = UnsafeMutableBufferPointer<UInt8>.allocate(capacity: bytes.count)
     _ = buffer.initialize(from: bytes)
     return buffer
-}()
+}
 
 private let alpnSelect:
     @convention(c) (
         OpaquePointer?, UnsafeMutablePointer<UnsafePointer<UInt8>?>?, UnsafeMutablePointer<UInt8>?,
         UnsafePointer<UInt8>?, UInt32, UnsafeMutableRawPointer?
-    ) -> Int32 = { _, out, outLength, clientProtocols, clientLength, _ in
+    ) -> Int32 = { _, out, outLength, clientProtocols, clientLength, argument in
+        guard let list = argument?.assumingMemoryBound(to: UInt8.self) else { return SSL_TLSEXT_ERR_NOACK }
         var selected: UnsafeMutablePointer<UInt8>? = nil
         var selectedLength: UInt8 = 0
         let result = SSL_select_next_proto(
-            &selected, &selectedLength, serverProtocols.baseAddress, UInt32(serverProtocols.count), clientProtocols,
-            clientLength)
+            &selected, &selectedLength, list + 1, UInt32(list[0]), clientProtocols, clientLength)
         guard result == OPENSSL_NPN_NEGOTIATED, let selected else { return SSL_TLSEXT_ERR_NOACK }
         out?.pointee = UnsafePointer(selected)
         outLength?.pointee = selectedLength
         return SSL_TLSEXT_ERR_OK
     }
+
+/// The application protocol the TLS handshake chose (ALPN), if any.
+public func tlsSelectedProtocol(_ ssl: OpaquePointer) -> String? {
+    var data: UnsafePointer<UInt8>? = nil
+    var length: UInt32 = 0
+    SSL_get0_alpn_selected(ssl, &data, &length)
+    guard let data, length > 0 else { return nil }
+    return String(decoding: UnsafeBufferPointer(start: data, count: Int(length)), as: UTF8.self)
+}
 
 /// The server name a client asked for in its TLS handshake (SNI), if any.
 public func tlsServerName(_ ssl: OpaquePointer) -> String? {

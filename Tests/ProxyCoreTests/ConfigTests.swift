@@ -70,6 +70,7 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
             passthrough_users = Owner
             replay_memory = 2MiB
             replay_spool = 16MiB
+            http2 = off
             resolve = api.test=127.0.0.1, Git.Test.=::1
             notify_command = notify-send  proxyctl
             log_level = debug
@@ -80,6 +81,7 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(proxy.tokenStore == .secretService)
         #expect(proxy.replayMemory == 2 << 20)
         #expect(proxy.replaySpool == 16 << 20)
+        #expect(proxy.http2 == false)
         #expect(proxy.resolve == ["api.test": "127.0.0.1", "git.test": "::1"])
         #expect(proxy.notifyCommand == ["notify-send", "proxyctl"])
         #expect(proxy.listen == ListenAddress(host: "127.0.0.1", port: 3128, isIPv6: false))
@@ -195,6 +197,7 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         ("log_level", "verbose"),
         ("log_level", ""),
         ("state_dir", ""),
+        ("http2", "maybe"),
     ])
     func badValueNamesItsLocation(key: String, value: String) {
         let found = errors("# comment\n[proxy]\n\n\(key) = \(value)\n")

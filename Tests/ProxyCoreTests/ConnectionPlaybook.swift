@@ -200,7 +200,7 @@ struct Playbook {
             case .closeAfterFlush, .closeNow, .resetClient:
                 clientClosed = action
                 notable.append(action)
-            case .startTunnel, .startInterception:
+            case .startTunnel, .startInterception, .startHTTP2:
                 #expect(!upstreamOpen || { if case .startTunnel = action { true } else { false } }())
                 clientClosed = action
                 notable.append(action)

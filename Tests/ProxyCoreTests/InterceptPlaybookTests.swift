@@ -14,7 +14,7 @@ import Testing
     /// An intercepted connection after its TLS handshake with the right SNI.
     static func tunnel(_ settings: ProxySettings = Playbook.settings) -> Playbook {
         var p = Playbook.intercepted(origin, settings: settings)
-        p.event(.tlsEstablished(serverName: "API.test."))
+        p.event(.tlsEstablished(serverName: "API.test.", protocol: "http/1.1"))
         return p
     }
 
@@ -264,7 +264,7 @@ import Testing
 
     @Test func aServerNameForAnotherHostMakesEveryRequest421() {
         var p = Playbook.intercepted(Self.origin)
-        p.event(.tlsEstablished(serverName: "evil.test"))
+        p.event(.tlsEstablished(serverName: "evil.test", protocol: nil))
         p.client("GET /x HTTP/1.1\r\nHost: api.test\r\n\r\n")
         let answer = p.clientGot()
         #expect(answer.hasPrefix("HTTP/1.1 421 Misdirected Request"))

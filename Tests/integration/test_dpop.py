@@ -39,6 +39,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from fixtures import config
 from fixtures.content import expected_sha256, write_generated
+from fixtures.deployment import Deployment, Workspace
 from fixtures.http import free_port
 from fixtures.pki import new_key_pem
 from fixtures.jose import (DPoPError, DPoPVerifier, access_token_hash, b64url, ec_public_jwk, jwk_thumbprint,
@@ -46,7 +47,6 @@ from fixtures.jose import (DPoPError, DPoPVerifier, access_token_hash, b64url, e
 from idp_fake import FakeIdP, Fault
 from idp_glewlwyd import Glewlwyd, glewlwyd_available
 from resource_server import ResourceServer
-from test_protected import Deployment, Workspace
 
 pytestmark = pytest.mark.skipif(not glewlwyd_available(), reason="glewlwyd is not installed (scripts/bootstrap test)")
 

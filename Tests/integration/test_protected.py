@@ -17,16 +17,13 @@ import ipaddress
 import json
 import os
 import re
-import shlex
 import shutil
 import socket
 import ssl
 import subprocess
 import sys
 import textwrap
-import threading
 import time
-import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -36,10 +33,11 @@ from cryptography.hazmat.primitives import serialization
 
 from fixtures import config
 from fixtures.content import MiB, expected_sha256, fill, write_generated
-from fixtures.http import CurlAnswer, Reader, free_port, open_tunnel, run_curl
+from fixtures.http import Reader, free_port, open_tunnel
 from fixtures.jose import unverified_claims
 from fixtures.pki import CertificateAuthority
-from fixtures.proxy import Proxy, clean_env, poll, proxyctl_bin
+from fixtures.deployment import Deployment, Workspace, parse_exports
+from fixtures.proxy import clean_env, poll
 from fixtures.tls_server import QuietHandler, TLSHTTPServer
 from idp_fake import FakeIdP, Fault
 from idp_glewlwyd import Glewlwyd, glewlwyd_available
@@ -48,183 +46,12 @@ from resource_server import ResourceServer, git_available, git_env
 pytestmark = pytest.mark.skipif(not glewlwyd_available(), reason="glewlwyd is not installed (scripts/bootstrap test)")
 
 HERE = Path(__file__).resolve().parent
-BROWSER = f"{shlex.quote(sys.executable)} {shlex.quote(str(HERE / 'browser.py'))}"
 
 # Host names of the resource server, each a protected origin of the shared proxy (fake.test: of the fake's).
 API, REPLACE, SHORT, NOLOGIN, FAKE = "api.test", "replace.test", "short.test", "nologin.test", "fake.test"
 PLAIN = "plain.test"  # a non-protected HTTPS origin with its own CA
 SCOPES = "openid profile email"
 CONCURRENCY = 100
-
-
-# MARK: - Workspaces: a state directory, a proxy.conf, proxyctl commands and a proxy on a fixed port
-
-
-def parse_exports(text: str, shell: str = "sh") -> dict[str, str]:
-    """The variables of `proxyctl env` output, as a shell would set them; fails on any other line."""
-    pattern = (re.compile(r"export ([A-Za-z_][A-Za-z0-9_]*)=(.*);") if shell == "sh"
-               else re.compile(r"set -gx ([A-Za-z_][A-Za-z0-9_]*) (.*);"))
-    variables = {}
-    for line in text.splitlines():
-        if not line.strip() or line.startswith("#"):
-            continue
-        found = pattern.fullmatch(line)
-        assert found, f"a line a {shell} shell cannot take: {line!r}"
-        words = shlex.split(found.group(2))
-        assert len(words) == 1, line
-        variables[found.group(1)] = words[0]
-    return variables
-
-
-class Workspace:
-    """A private directory with a state_dir, a proxy.conf and the proxyctl commands run against it."""
-
-    LOG_LEVEL = "info"
-
-    def __init__(self, root: Path, sections: str, resolve: str, state: Path | None = None, **proxy_keys):
-        self.root = root
-        root.mkdir(parents=True, exist_ok=True)
-        self.state = state or root / "state"
-        self.sections = sections
-        self.resolve = resolve
-        self.proxy_keys = proxy_keys
-        self.config_path = root / "proxy.conf"
-        self.port = 0
-        self.write_config(0)
-
-    def write_config(self, port: int) -> None:
-        self.port = port
-        head = config.proxy(listen=f"127.0.0.1:{port}", log_level=self.LOG_LEVEL, connect_timeout="5s",
-                            shutdown_grace="3s", state_dir=self.state, resolve=self.resolve, **self.proxy_keys)
-        self.config_path.write_text(head + self.sections)
-
-    def cli(self, *args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
-        home = self.root / "cli-home"
-        home.mkdir(exist_ok=True)
-        full = clean_env(HOME=str(home), XDG_CONFIG_HOME=str(home / "xdg"), **env)
-        full.pop("PROXYCTL_CONFIG", None)
-        if "BROWSER" not in env:
-            full.pop("BROWSER", None)
-        return subprocess.run([proxyctl_bin(), *args, "--config", str(self.config_path)],
-                              capture_output=True, text=True, timeout=timeout, env=full, cwd=self.root,
-                              stdin=subprocess.DEVNULL)
-
-    def ca_init(self) -> subprocess.CompletedProcess:
-        done = self.cli("ca", "init")
-        assert done.returncode == 0, done.stderr
-        return done
-
-    def login_glewlwyd(self, provider: str, idp: Glewlwyd) -> None:
-        done = self.cli("login", provider, BROWSER=BROWSER, PROXYCTL_TEST_BROWSER="glewlwyd",
-                        PROXYCTL_TEST_IDP_URL=idp.base_url, PROXYCTL_TEST_IDP_USER=idp.username,
-                        PROXYCTL_TEST_IDP_PASSWORD=idp.password, PROXYCTL_TEST_IDP_SCOPE=SCOPES)
-        assert done.returncode == 0, f"proxyctl login {provider}: {done.stderr[-2000:]}"
-
-    def login_fake(self, provider: str) -> None:
-        done = self.cli("login", provider, BROWSER=BROWSER, PROXYCTL_TEST_BROWSER="fake")
-        assert done.returncode == 0, f"proxyctl login {provider}: {done.stderr[-2000:]}"
-
-    def tokens(self, provider: str) -> dict:
-        return json.loads((self.state / "tokens" / f"{provider}.json").read_text())
-
-    def start_proxy(self, name: str = "proxy") -> Proxy:
-        """`proxyctl serve --config` listening where proxy.conf says: a port the kernel handed out (again if
-        someone took it in between), so that `proxyctl env` names the real address."""
-        last = None
-        for attempt in range(5):
-            self.write_config(free_port())
-            proxy = Proxy(self.root / f"{name}-{attempt}", None, listen=None, args=("--config", str(self.config_path)))
-            try:
-                return proxy.start()
-            except AssertionError as error:
-                last = error
-                if "in use" not in str(error).lower():
-                    raise
-        raise AssertionError(f"proxyctl did not start: {last}")
-
-    def env(self, shell: str = "sh") -> dict[str, str]:
-        done = self.cli("env", "--shell", shell)
-        assert done.returncode == 0, done.stderr
-        return parse_exports(done.stdout, shell)
-
-
-class Deployment:
-    """A workspace with its proxy running and its clients' environment taken from `proxyctl env`."""
-
-    def __init__(self, workspace: Workspace, proxy: Proxy):
-        self.ws = workspace
-        self.proxy = proxy
-        self.exports = workspace.env()
-        self.client_home = workspace.root / "client-home"
-        self.client_home.mkdir(exist_ok=True)
-
-    def client_env(self, **extra: str) -> dict[str, str]:
-        env = clean_env(HOME=str(self.client_home))
-        env.update(self.exports)
-        env.update(extra)
-        return env
-
-    def curl(self, url: str, *args: str, timeout: float = 120) -> CurlAnswer:
-        """curl with only the environment `proxyctl env` set up: the proxy, the CA bundle."""
-        return run_curl(url, "--suppress-connect-headers", *args, env=self.client_env(),
-                        scratch=self.ws.root / "curl", timeout=timeout)
-
-    def curl_parallel(self, urls: list[str], timeout: float = 120) -> list[int]:
-        """All `urls` at once with curl --parallel (one tunnel each); their status codes.
-
-        Trust comes from the local CA's own file, not the bundle: curl 7.88 reads CURL_CA_BUNDLE again for
-        every connection (about 40 ms for the system roots), which would spread the transfers over seconds.
-        """
-        args = ["curl", "-sS", "--parallel", "--parallel-immediate", "--parallel-max", str(len(urls)),
-                "--cacert", self.exports["NODE_EXTRA_CA_CERTS"], "-w", "STATUS %{http_code}\\n"]
-        for url in urls:
-            args += [url, "-o", "/dev/null"]
-        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=self.client_env())
-        return [int(code) for code in re.findall(r"STATUS (\d+)", done.stdout)] + \
-            ([-done.returncode] if done.returncode else [])
-
-    def burst(self, authority: str, paths: list[str], timeout: float = 60) -> list[int | str]:
-        """One request per path, all sent at the same instant: every tunnel is opened and its TLS handshake done
-        first (Python's ssl, trusting SSL_CERT_FILE from `proxyctl env`), then a barrier releases the requests.
-        The status codes, or the error of a request that failed."""
-        proxy = urllib.parse.urlsplit(self.exports["HTTPS_PROXY"])
-        context = ssl.create_default_context(cafile=self.exports["SSL_CERT_FILE"])
-        barrier = threading.Barrier(len(paths))
-        results: list[int | str] = [""] * len(paths)
-
-        def one(index: int, path: str):
-            try:
-                sock, _, response = open_tunnel(proxy.port, authority, timeout=timeout)
-                assert response.status == 200, response.head
-                with context.wrap_socket(sock, server_hostname=authority.rsplit(":", 1)[0]) as tls:
-                    barrier.wait(timeout)
-                    tls.sendall(f"GET {path} HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\n\r\n".encode())
-                    results[index] = Reader(tls, timeout).read_response().status
-            except Exception as error:  # noqa: BLE001 - reported in the results
-                results[index] = repr(error)
-                barrier.abort()
-
-        threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(paths)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout * 2)
-        return results
-
-    def lines(self, mark: int, needle: str = " intercepted=", at_least: int = 0) -> list[str]:
-        """Log lines written after `mark` that contain `needle`; waits until there are `at_least` of them (a
-        line is written as its exchange ends, which can be a moment after the client has its answer)."""
-        def found():
-            lines = [line for line in self.proxy.log_since(mark).splitlines() if needle in line]
-            return lines if len(lines) >= at_least else None
-        return poll(found, 10, message=f"{at_least} log line(s) with {needle!r}") if at_least else found()
-
-    def stop(self) -> str | None:
-        running = self.proxy.process.poll() is None
-        code = self.proxy.stop()
-        if running and code != 0:
-            return f"proxyctl exited with {code} on SIGTERM; log:\n{self.proxy.log()[-3000:]}"
-        return None
 
 
 # This module's sections: its scopes for every provider; every origin keeps the client's own Authorization

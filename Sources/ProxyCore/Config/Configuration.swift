@@ -77,6 +77,8 @@ public struct ProxySettings: Sendable, Equatable {
     /// Beyond `replayMemory`, bodies are spooled to a 0600 file up to this size; larger ones are forwarded
     /// without the possibility of a replay.
     public var replaySpool = 64 << 20
+    /// Offer HTTP/2 (ALPN h2) to clients of protected origins; off keeps them on HTTP/1.1.
+    public var http2 = true
     /// Host names answered without DNS (`resolve = api.test=127.0.0.1`), like curl's --resolve: for
     /// development setups and sidecars.
     public var resolve: [String: String] = [:]
@@ -316,6 +318,9 @@ public struct ConfigParser: Sendable {
             case "max_connections_per_client": count(1, 1_000_000) { settings.maxConnectionsPerClient = $0 }
             case "replay_memory": size(0, 1 << 30) { settings.replayMemory = $0 }
             case "replay_spool": size(0, 1 << 40) { settings.replaySpool = $0 }
+            case "http2":
+                guard let flag = ConfigValue.bool(entry.value) else { return fail("expected on or off, \(got())") }
+                settings.http2 = flag
             case "resolve":
                 var map: [String: String] = [:]
                 for pair in entry.value.split(whereSeparator: { $0 == "," || $0 == " " }) {
@@ -358,7 +363,8 @@ public struct ConfigParser: Sendable {
         "listen", "upstream_proxy", "no_upstream_proxy", "proxy_auth_file", "protected_users", "passthrough_users",
         "connect_timeout", "idle_timeout",
         "keepalive_timeout", "header_timeout", "shutdown_grace", "max_request_line", "max_header_bytes",
-        "max_headers", "max_connections", "max_connections_per_client", "replay_memory", "replay_spool", "resolve",
+        "max_headers", "max_connections", "max_connections_per_client", "replay_memory", "replay_spool", "http2",
+        "resolve",
         "notify_command", "log_level",
         "state_dir", "token_store",
     ]

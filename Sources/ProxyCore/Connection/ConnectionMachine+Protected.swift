@@ -145,8 +145,19 @@ extension ConnectionMachine {
                 if let framing = intercepting.framing, framing != .none {
                     out.append(.writeResponseBody(chunked: framing == .chunked))
                 }
-            case .endBody:
-                if intercepting.framing == .chunked { out.append(.writeClient(Self.lastChunk)) }
+            case .endBody(let trailers):
+                guard intercepting.framing == .chunked else { break }
+                if trailers.isEmpty || !intercepting.exchange.request.acceptsTrailers {
+                    out.append(.writeClient(Self.lastChunk))
+                } else {
+                    // RFC 9112 §7.1.2: the trailer section of the last chunk, for a client that said TE: trailers.
+                    var bytes = Array("0\r\n".utf8)
+                    for field in H2Semantics.trailers(trailers.map { ($0.nameText, $0.value) }) {
+                        bytes += field.name + Array(": ".utf8) + field.value + [ASCII.cr, ASCII.lf]
+                    }
+                    bytes += [ASCII.cr, ASCII.lf]
+                    out.append(.writeClient(bytes))
+                }
             case .respond(let answer):
                 out.append(.writeClient(answer.response.serialized(headRequest: intercepting.headRequest)))
             case .finished(let record):

@@ -32,8 +32,9 @@ public struct ConnectionMachine: Sendable {
         case clientData
         /// The client closed its sending side (`reset`: the connection broke).
         case clientEnded(reset: Bool)
-        /// The TLS handshake on an intercepted connection finished with this server name (SNI).
-        case tlsEstablished(serverName: String?)
+        /// The TLS handshake on an intercepted connection finished with this server name (SNI) and this
+        /// application protocol (ALPN: "h2", "http/1.1", or none).
+        case tlsEstablished(serverName: String?, protocol: String?)
         case tlsFailed(reason: String)
         /// `.startInterception` could not set up TLS for the origin.
         case interceptionFailed(OriginConfig, reason: String)
@@ -94,6 +95,9 @@ public struct ConnectionMachine: Sendable {
         case startTunnel(label: String, status: Int)
         /// Answer `200 Connection established`, then terminate TLS for the protected origin on the socket.
         case startInterception(OriginConfig)
+        /// The client chose HTTP/2 (ALPN h2): an `H2Session` runs the connection from here (`misdirected`:
+        /// the SNI named another host).
+        case startHTTP2(OriginConfig, misdirected: String?)
 
         // Timers
         case arm(ConnectionTimer, milliseconds: Int)
@@ -292,8 +296,8 @@ public struct ConnectionMachine: Sendable {
             break
         case .clientEnded(let reset):
             clientEnded(reset: reset, &out)
-        case .tlsEstablished(let serverName):
-            tlsEstablished(serverName, &out)
+        case .tlsEstablished(let serverName, let negotiated):
+            tlsEstablished(serverName, protocol: negotiated, &out)
         case .tlsFailed(let reason):
             guard case .handshaking = state, case .intercepted(let origin) = role else { break }
             out.append(
@@ -352,9 +356,16 @@ public struct ConnectionMachine: Sendable {
         out.append(.readClient(true))
     }
 
-    private mutating func tlsEstablished(_ serverName: String?, _ out: inout [Action]) {
+    private mutating func tlsEstablished(_ serverName: String?, protocol negotiated: String?, _ out: inout [Action]) {
         guard case .handshaking = state, case .intercepted(let origin) = role else { return }
         misdirected = ServerName.mismatch(serverName, tunnel: origin.authority)
+        if negotiated == "h2" {
+            // HTTP/2: an `H2Session` takes the connection over.
+            state = .handedOff
+            out.append(.disarm(.head))
+            out.append(.startHTTP2(origin, misdirected: misdirected))
+            return
+        }
         state = .readingHead(ReadingHead(parser: Self.requestParser(frontDoor), deadlineArmed: false, kept: nil))
         out.append(.disarm(.head))
         out.append(.arm(.keepAlive, milliseconds: settings.keepAliveTimeout))

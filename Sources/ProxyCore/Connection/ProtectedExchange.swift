@@ -51,8 +51,8 @@ public struct ProtectedExchange: Sendable {
         case deliverHead(UpstreamResponse)
         /// Pass the body bytes of the current upstream callback to the client.
         case deliverBody
-        /// The response body is complete.
-        case endBody
+        /// The response body is complete; the origin's trailer fields follow it (gRPC's status, say).
+        case endBody(trailers: [H2Field])
         /// Answer the client ourselves; nothing of a response has reached it.
         case respond(ProxyAnswer)
         /// Remember the origin's latest DPoP nonce for the next request (RFC 9449 §9).
@@ -288,8 +288,9 @@ public struct ProtectedExchange: Sendable {
     }
 
     /// One line of the response head as libcurl hands it over (status line, field line or the empty line),
-    /// with its line terminator. Interim (1xx) heads are skipped; lines after the head (trailers) are ignored.
+    /// with its line terminator. Interim (1xx) heads are skipped; lines after the head are trailer fields.
     public mutating func upstreamHeaderLine(_ line: UnsafeRawBufferPointer, _ out: inout [Output]) {
+        if phase == .delivering { return trailerLine(line) }
         guard phase == .sending else { return }
         // libcurl names HTTP/2 and HTTP/3 responses "HTTP/2 200": read their status line as HTTP/1.1's.
         if line.count > 7, line.starts(with: "HTTP/".utf8), line[6] == ASCII.space, line[5] != UInt8(ascii: "1") {
@@ -298,6 +299,27 @@ public struct ProtectedExchange: Sendable {
         } else {
             responseHeadLine(line, &out)
         }
+    }
+
+    /// Trailer fields of the response being delivered, up to the limits of a head.
+    private var trailers: [H2Field] = []
+    private var trailerBytes = 0
+
+    private mutating func trailerLine(_ line: UnsafeRawBufferPointer) {
+        var end = line.count
+        while end > 0 && (line[end - 1] == ASCII.lf || line[end - 1] == ASCII.cr) { end -= 1 }
+        guard end > 0, let colon = line[..<end].firstIndex(of: ASCII.colon), colon > 0 else { return }
+        trailerBytes += end
+        guard trailerBytes <= settings.responseHeadLimits.maxHeadBytes,
+            trailers.count < settings.responseHeadLimits.maxFields
+        else { return }
+        let name = Array(line[..<colon])
+        guard name.allSatisfy({ ASCII.tchar[Int($0)] }) else { return }
+        var value = line[(colon + 1)..<end]
+        while let first = value.first, first == ASCII.space || first == ASCII.tab { value = value.dropFirst() }
+        while let last = value.last, last == ASCII.space || last == ASCII.tab { value = value.dropLast() }
+        guard value.allSatisfy({ ASCII.fieldValue[Int($0)] }) else { return }
+        trailers.append(H2Field(name, Array(value)))
     }
 
     private mutating func responseHeadLine(_ line: UnsafeRawBufferPointer, _ out: inout [Output]) {
@@ -336,7 +358,11 @@ public struct ProtectedExchange: Sendable {
         let challenges = ChallengeParser.parse(head.values(named: "www-authenticate"))
         let nonce = head.values(named: "dpop-nonce").last
         if let nonce { out.append(.rememberNonce(nonce)) }
-        let action = exchange.handle(.response(status: head.status, challenges: challenges, dpopNonce: nonce))
+        // gRPC says "token expired" as 200 with grpc-status 16 (UNAUTHENTICATED) in a trailers-only response:
+        // for the refresh-once/replay-once rule that is a 401.
+        let unauthenticated = head.status == 200 && head.values(named: "grpc-status").last == "16"
+        let action = exchange.handle(
+            .response(status: unauthenticated ? 401 : head.status, challenges: challenges, dpopNonce: nonce))
         auth = exchange
         switch action {
         case .deliver(let proxyStatus):
@@ -401,9 +427,9 @@ public struct ProtectedExchange: Sendable {
         case .delivering:
             if let failure {
                 // The response is cut short: the client sees the connection close before its end.
-                finish(close: true, note: "upstream failed mid-response: \(failure.detail)", &out)
+                finish(close: true, note: "upstream failed mid-response: \(failure.detail)", cutShort: true, &out)
             } else {
-                out.append(.endBody)
+                out.append(.endBody(trailers: trailers))
                 finish(close: false, note: nil, &out)
             }
         case .sending:
@@ -426,13 +452,14 @@ public struct ProtectedExchange: Sendable {
             out.append(.respond(answer))
             finish(close: answer.response.close, note: answer.response.proxyStatus?.details, &out)
         } else {
-            finish(close: true, note: answer.response.proxyStatus?.details, &out)
+            finish(close: true, note: answer.response.proxyStatus?.details, cutShort: true, &out)
         }
     }
 
-    private mutating func finish(close: Bool, note: String?, _ out: inout [Output]) {
+    /// `cutShort`: a response had begun and will not be complete.
+    private mutating func finish(close: Bool, note: String?, cutShort: Bool = false, _ out: inout [Output]) {
         phase = .done
-        out.append(.finished(record(close: close, note: note)))
+        out.append(.finished(record(close: close, note: note, cutShort: cutShort)))
     }
 
     /// The client went away or the proxy shuts down: stop.
@@ -442,16 +469,17 @@ public struct ProtectedExchange: Sendable {
             transferRunning = false
             out.append(.cancelTransfer)
         }
-        finish(close: true, note: "aborted", &out)
+        finish(close: true, note: "aborted", cutShort: delivered != nil, &out)
     }
 
-    private func record(close: Bool, note: String?) -> ExchangeRecord {
+    private func record(close: Bool, note: String?, cutShort: Bool) -> ExchangeRecord {
         ExchangeRecord(
             method: request.method, origin: origin.url, provider: origin.provider, target: request.target,
             status: delivered?.head.status ?? answered?.status ?? 0, attempts: attempts,
             keptClientAuthorization: begun && auth == nil, attached: auth != nil && generation != 0,
             refreshed: auth?.refreshed ?? false, nonceRetried: auth?.nonceRetried ?? false,
-            stepUp: auth?.stepUp != nil, answeredByProxy: answered != nil, note: note, close: close)
+            stepUp: auth?.stepUp != nil, answeredByProxy: answered != nil, note: note, close: close,
+            cutShort: cutShort)
     }
 }
 
@@ -558,6 +586,8 @@ public struct ExchangeRecord: Sendable, Equatable {
     public let note: String?
     /// The client connection cannot carry another request (an answer that closes, a response cut short).
     public let close: Bool
+    /// A response had begun and will not be complete: the client must see it broken off.
+    public let cutShort: Bool
 
     /// The access log line (after the `conn= client=` prefix): no token, no query.
     public func logLine(up: Int, down: Int, milliseconds: Int64) -> String {

@@ -60,11 +60,8 @@ public struct ChunkedScanner: Sendable {
     /// Fields that must not come in a trailer (RFC 9110 §6.5.1): framing, routing and hop-by-hop fields, and
     /// the proxy's own credentials. A later hop that merged them into the head could read another framing
     /// or target than this proxy checked, so they are not passed on.
-    static let forbiddenTrailers: Set<[UInt8]> = Set(
-        [
-            "content-length", "transfer-encoding", "host", "trailer", "connection", "proxy-connection",
-            "keep-alive", "te", "upgrade", "proxy-authorization",
-        ].map { Array($0.utf8) })
+    static let forbiddenTrailers: Set<[UInt8]> = MessageSemantics.hopByHopNames.union(
+        ["content-length", "transfer-encoding", "host", "trailer"].map { Array($0.utf8) })
 
     public init() {}
 

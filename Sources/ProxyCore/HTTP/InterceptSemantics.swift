@@ -16,13 +16,31 @@ public struct InterceptedRequest: Sendable, Equatable {
     public let upgrade: Bool
     /// `Expect: 100-continue` with a body: the proxy, which keeps the body before sending it, answers 100.
     public let expectsContinue: Bool
+    /// The client accepts trailer fields after the response body (`TE: trailers`, RFC 9110 §10.1.4).
+    public let acceptsTrailers: Bool
+
+    public init(
+        method: String, target: String, framing: BodyFraming, keepAlive: Bool,
+        upstreamFields: [(name: String, value: [UInt8])], clientAuthorization: Bool, upgrade: Bool,
+        expectsContinue: Bool, acceptsTrailers: Bool
+    ) {
+        self.method = method
+        self.target = target
+        self.framing = framing
+        self.keepAlive = keepAlive
+        self.upstreamFields = upstreamFields
+        self.clientAuthorization = clientAuthorization
+        self.upgrade = upgrade
+        self.expectsContinue = expectsContinue
+        self.acceptsTrailers = acceptsTrailers
+    }
 
     public static func == (lhs: Self, rhs: Self) -> Bool {
         lhs.method == rhs.method && lhs.target == rhs.target && lhs.framing == rhs.framing
             && lhs.keepAlive == rhs.keepAlive && lhs.upstreamFields.map(\.name) == rhs.upstreamFields.map(\.name)
             && lhs.upstreamFields.map(\.value) == rhs.upstreamFields.map(\.value)
             && lhs.clientAuthorization == rhs.clientAuthorization && lhs.upgrade == rhs.upgrade
-            && lhs.expectsContinue == rhs.expectsContinue
+            && lhs.expectsContinue == rhs.expectsContinue && lhs.acceptsTrailers == rhs.acceptsTrailers
     }
 }
 
@@ -116,7 +134,8 @@ extension MessageSemantics {
                 method: head.method, target: target, framing: framing,
                 keepAlive: head.version == .http1_1 && !options.contains("close"), upstreamFields: fields,
                 clientAuthorization: clientAuthorization, upgrade: upgrade,
-                expectsContinue: framing != .none && head.listElements(named: "expect").contains("100-continue")))
+                expectsContinue: framing != .none && head.listElements(named: "expect").contains("100-continue"),
+                acceptsTrailers: head.listElements(named: "te").contains("trailers")))
     }
 
     /// The response head to send an HTTP/1.1 client for an origin's response (which libcurl already

@@ -52,6 +52,13 @@ private let alwaysHopByHop: [StaticString] = [
     "connection", "proxy-connection", "keep-alive", "te", "upgrade", "proxy-authorization",
 ]
 
+extension MessageSemantics {
+    /// The always-hop-by-hop field names as bytes: the one table trailers and HTTP/2 header blocks are
+    /// checked against too.
+    public static let hopByHopNames: Set<[UInt8]> = Set(
+        alwaysHopByHop.map { name in name.withUTF8Buffer { Array($0) } })
+}
+
 /// Connection options that must never remove a field: dropping these would change the framing or the
 /// target that this proxy checked ("Connection: Content-Length" is an old smuggling trick).
 private let protectedFields: Set<String> = ["content-length", "transfer-encoding", "host"]

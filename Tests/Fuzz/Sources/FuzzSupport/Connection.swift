@@ -129,7 +129,11 @@ struct ConnectionHarness {
             role: role & 1 == 0 ? .frontDoor : .intercepted(protectedHTTPS), frontDoor: frontDoor,
             hasLocalCA: role & 4 == 0)
         event(.start)
-        if role & 1 != 0 { event(.tlsEstablished(serverName: role & 8 == 0 ? "api.test" : "evil.test")) }
+        if role & 1 != 0 {
+            event(
+                .tlsEstablished(
+                    serverName: role & 8 == 0 ? "api.test" : "evil.test", protocol: role & 16 == 0 ? "http/1.1" : "h2"))
+        }
     }
 
     mutating func step(_ opcode: UInt8, _ reader: inout ByteReader) {
@@ -255,7 +259,7 @@ struct ConnectionHarness {
             case .keepBody(let count):
                 invariant(count > 0 && count <= clientIn.count, "keep \(count) of \(clientIn.count)")
                 clientIn.removeFirst(count)
-            case .closeAfterFlush, .closeNow, .resetClient, .startInterception:
+            case .closeAfterFlush, .closeNow, .resetClient, .startInterception, .startHTTP2:
                 clientClosed = true
             case .startTunnel:
                 clientClosed = true

@@ -1,0 +1,315 @@
+/// An HTTP/2 connection from a client inside a TLS tunnel the proxy terminated for a protected origin (ALPN
+/// `h2`): each stream is one `ProtectedExchange`, with exactly the semantics of an HTTP/1.1 request (token
+/// attached, refresh once and replay once on a 401, DPoP nonce retry, step-up passed on with
+/// `proxy-status`).
+///
+/// Pure: nghttp2, driven by `H2Driver` in ProxyIO, does the frames, HPACK and flow-control bookkeeping and
+/// reports complete header blocks, body bytes (already kept by the driver) and stream ends; this machine
+/// decides what each stream's request means, what the client gets and when the connection ends.
+public struct H2Session: Sendable {
+    public typealias Stream = Int32
+
+    public enum Event: Sendable, Equatable {
+        /// A request header block (`endStream`: no body follows).
+        case requestHeaders(Stream, [H2Field], endStream: Bool)
+        /// The driver kept `count` more body bytes of the stream (`endStream`: the last).
+        case requestData(Stream, count: Int, endStream: Bool)
+        /// Trailer fields after the request body (the body ends with them).
+        case requestTrailers(Stream, [H2Field])
+        /// The stream closed: both sides ended it, or one reset it (`errorCode` other than NO_ERROR).
+        case streamClosed(Stream, errorCode: UInt32)
+        case tokens(Stream, Result<TokenGrant, TokenFailure>)
+        case refreshed(Stream, Result<TokenGrant, TokenFailure>)
+        case credentialFailed(Stream, ProxyAnswer)
+        case bodyNotKept(Stream, directory: String)
+        case transferBody(Stream, count: Int)
+        case transferFinished(Stream, UpstreamFailure?, detail: String)
+        case timerFired(ConnectionTimer, lastActivity: Int64)
+        /// The proxy is shutting down (or reloading): GOAWAY, finish the streams in flight, close.
+        case shutdown
+        /// The client's connection ended.
+        case clientGone
+    }
+
+    public enum Action: Sendable, Equatable {
+        /// Send the response head of the stream; `endStream` when no body follows.
+        case submitResponse(Stream, [H2Field], endStream: Bool)
+        /// Send a whole response (the proxy's own answer): head, body, end.
+        case respond(Stream, [H2Field], body: [UInt8])
+        /// Pass the body bytes of the current transfer callback to the stream.
+        case writeBody(Stream)
+        /// The response body is complete; trailer fields end the stream when there are any.
+        case endStream(Stream, trailers: [H2Field])
+        /// Reset the stream (a response cut short, a refused stream).
+        case resetStream(Stream, H2ErrorCode)
+        /// The client's trailer fields, for the transfer to send after the request body.
+        case requestTrailers(Stream, [H2Field])
+        /// An action of the stream's exchange with `origin`, carried out as on an HTTP/1.1 connection.
+        case exchange(Stream, ProtectedExchange.Output, OriginConfig)
+        case exchangeFinished(Stream, ExchangeRecord)
+        /// GOAWAY with this code; no new stream is accepted.
+        case goaway(H2ErrorCode)
+        /// Close the connection once what was submitted is written.
+        case closeAfterFlush
+        case arm(ConnectionTimer, milliseconds: Int)
+        case disarm(ConnectionTimer)
+        case log(LogLine)
+    }
+
+    struct StreamState: Sendable {
+        var exchange: ProtectedExchange
+        let headRequest: Bool
+        /// The client has the whole response (its stream ended on our side).
+        var responseEnded = false
+    }
+
+    public let origin: OriginConfig
+    public let frontDoor: FrontDoor
+    /// Set when the SNI named another host: every request gets 421 and no token.
+    let misdirected: String?
+    var streams: [Stream: StreamState] = [:]
+    var draining = false
+    var closing = false
+    var now: Int64 = 0
+    /// Streams opened on this connection, for the log.
+    public private(set) var requests = 0
+
+    public init(origin: OriginConfig, frontDoor: FrontDoor, misdirected: String?) {
+        self.origin = origin
+        self.frontDoor = frontDoor
+        self.misdirected = misdirected
+    }
+
+    var settings: ProxySettings { frontDoor.settings }
+
+    /// Streams in flight.
+    public var activeStreams: Int { streams.count }
+    public var isIdle: Bool { streams.isEmpty }
+
+    /// The connection begins (after the TLS handshake chose h2).
+    public mutating func start(now: Int64, _ out: inout [Action]) {
+        self.now = now
+        out.append(.arm(.keepAlive, milliseconds: settings.keepAliveTimeout))
+    }
+
+    public mutating func handle(_ event: Event, now: Int64, _ out: inout [Action]) {
+        self.now = now
+        switch event {
+        case .requestHeaders(let stream, let fields, let endStream):
+            requestHeaders(stream, fields, endStream: endStream, &out)
+        case .requestData(let stream, let count, let endStream):
+            exchange(stream, &out) { exchange, outputs in
+                if count > 0 { exchange.bodyReceived(count, &outputs) }
+                if endStream { exchange.bodyEnded(&outputs) }
+            }
+        case .requestTrailers(let stream, let fields):
+            guard streams[stream] != nil else { return }
+            out.append(.requestTrailers(stream, fields))
+            exchange(stream, &out) { exchange, outputs in exchange.bodyEnded(&outputs) }
+        case .streamClosed(let stream, let errorCode):
+            guard let state = streams[stream] else { return }
+            if state.responseEnded && errorCode == H2ErrorCode.noError.rawValue {
+                // The whole response went out (a Trailers-Only answer, say) while the transfer still runs:
+                // the exchange ends, and is recorded, when the transfer does.
+                return
+            }
+            exchange(stream, &out) { exchange, outputs in exchange.abort(&outputs) }
+            streams.removeValue(forKey: stream)
+            streamsChanged(&out)
+        case .tokens(let stream, let result):
+            exchange(stream, &out) { exchange, outputs in exchange.tokens(result, &outputs) }
+        case .refreshed(let stream, let result):
+            exchange(stream, &out) { exchange, outputs in exchange.refreshed(result, &outputs) }
+        case .credentialFailed(let stream, let answer):
+            exchange(stream, &out) { exchange, outputs in exchange.credentialFailed(answer, &outputs) }
+        case .bodyNotKept(let stream, let directory):
+            exchange(stream, &out) { exchange, outputs in exchange.bodyNotKept(directory: directory, &outputs) }
+        case .transferBody(let stream, let count):
+            guard let state = streams[stream] else { return }
+            if state.exchange.isDelivering {
+                // After a head that ended the stream, bytes have nowhere to go.
+                if !state.responseEnded { out.append(.writeBody(stream)) }
+            } else {
+                exchange(stream, &out) { exchange, outputs in exchange.upstreamBody(count, &outputs) }
+            }
+        case .transferFinished(let stream, let failure, let detail):
+            exchange(stream, &out) { exchange, outputs in
+                exchange.transferFinished(failure.map { ($0, detail) }, &outputs)
+            }
+        case .timerFired(let timer, let lastActivity):
+            timerFired(timer, lastActivity: lastActivity, &out)
+        case .shutdown:
+            guard !draining else { return }
+            draining = true
+            out.append(.goaway(.noError))
+            streamsChanged(&out)
+        case .clientGone:
+            for stream in Array(streams.keys).sorted() {
+                exchange(stream, &out) { exchange, outputs in exchange.abort(&outputs) }
+            }
+            streams.removeAll()
+            closing = true
+        }
+    }
+
+    /// One line of a stream's transfer response head (libcurl's header callback), terminator included.
+    public mutating func transferHeaderLine(
+        _ stream: Stream, _ line: UnsafeRawBufferPointer, now: Int64, _ out: inout [Action]
+    ) {
+        self.now = now
+        exchange(stream, &out) { exchange, outputs in exchange.upstreamHeaderLine(line, &outputs) }
+    }
+
+    // MARK: - Requests
+
+    private mutating func requestHeaders(_ stream: Stream, _ fields: [H2Field], endStream: Bool, _ out: inout [Action])
+    {
+        if streams[stream] != nil {
+            // A second header block on a stream is its trailers (nghttp2 tells them apart; this is a guard).
+            out.append(.requestTrailers(stream, fields))
+            exchange(stream, &out) { exchange, outputs in exchange.bodyEnded(&outputs) }
+            return
+        }
+        requests += 1
+        out.append(.disarm(.keepAlive))
+        out.append(.arm(.idle, milliseconds: settings.idleTimeout))
+        let method = fields.first { $0.name == Array(":method".utf8) }.map(\.valueText) ?? "-"
+        let path = fields.first { $0.name == Array(":path".utf8) }.map(\.valueText) ?? "-"
+        if let misdirected {
+            return refuse(stream, method: method, path: path, .misdirected(reason: misdirected), &out)
+        }
+        if draining {
+            return out.append(.resetStream(stream, .refusedStream))
+        }
+        let checked = H2Semantics.interceptedRequest(fields, endStream: endStream, origin: origin.authority) {
+            hasOwn in origin.attachesToken(clientHasAuthorization: hasOwn)
+        }
+        switch checked {
+        case .failure(let refusal):
+            refuse(stream, method: method, path: path, refusal.answer, &out)
+        case .success(let request):
+            var exchange = ProtectedExchange(
+                request: request, origin: origin, settings: exchangeSettings, knownNonce: nil)
+            streams[stream] = StreamState(exchange: exchange, headRequest: request.method == "HEAD")
+            var outputs: [ProtectedExchange.Output] = []
+            exchange.start(&outputs)
+            streams[stream]?.exchange = exchange
+            apply(stream, outputs, &out)
+        }
+    }
+
+    var exchangeSettings: ProtectedExchange.Settings {
+        ProtectedExchange.Settings(
+            replaySpool: max(settings.replaySpool, settings.replayMemory), connectTimeout: settings.connectTimeout,
+            idleTimeout: settings.idleTimeout, responseHeadLimits: settings.headLimits,
+            resolve: settings.resolve[origin.authority.host].map {
+                "\(origin.authority.host):\(origin.authority.port):\($0)"
+            },
+            upstreamProxy: frontDoor.upstream(for: origin.authority))
+    }
+
+    private mutating func refuse(
+        _ stream: Stream, method: String, path: String, _ answer: ProxyAnswer, _ out: inout [Action]
+    ) {
+        out.append(
+            .log(
+                LogLine(
+                    .info,
+                    "\(method) \(origin.url)\(LogText.target(path)) status=\(answer.status) answered-by=proxyctl reason=\"\(answer.response.proxyStatus?.details ?? "")\" h2=\(stream)"
+                )))
+        let (fields, body) = H2Semantics.answer(answer, headRequest: method == "HEAD")
+        out.append(.respond(stream, fields, body: body))
+        streamsChanged(&out)
+    }
+
+    // MARK: - Exchanges
+
+    /// Runs an event of a stream's exchange, if the stream is in flight.
+    private mutating func exchange(
+        _ stream: Stream, _ out: inout [Action],
+        _ body: (inout ProtectedExchange, inout [ProtectedExchange.Output]) -> Void
+    ) {
+        guard var state = streams[stream] else { return }
+        var outputs: [ProtectedExchange.Output] = []
+        body(&state.exchange, &outputs)
+        streams[stream] = state
+        apply(stream, outputs, &out)
+    }
+
+    /// Carries a stream's exchange outputs over to HTTP/2.
+    private mutating func apply(_ stream: Stream, _ outputs: [ProtectedExchange.Output], _ out: inout [Action]) {
+        for output in outputs {
+            guard let state = streams[stream] else { return }
+            switch output {
+            case .deliverHead(let response):
+                let (fields, hasBody) = H2Semantics.responseHead(response, requestMethod: state.exchange.request.method)
+                out.append(.submitResponse(stream, fields, endStream: !hasBody))
+                if !hasBody { streams[stream]?.responseEnded = true }
+            case .deliverBody:
+                if !state.responseEnded { out.append(.writeBody(stream)) }
+            case .endBody(let trailers):
+                guard !state.responseEnded else { break }
+                streams[stream]?.responseEnded = true
+                out.append(.endStream(stream, trailers: H2Semantics.trailers(trailers.map { ($0.nameText, $0.value) })))
+            case .respond(let answer):
+                let (fields, body) = H2Semantics.answer(answer, headRequest: state.headRequest)
+                out.append(.respond(stream, fields, body: body))
+                streams[stream]?.responseEnded = true
+            case .finished(let record):
+                out.append(.exchangeFinished(stream, record))
+                if record.cutShort && !state.responseEnded {
+                    // A response cut short: the client must not take it for complete.
+                    out.append(.resetStream(stream, .internalError))
+                }
+                streams.removeValue(forKey: stream)
+                streamsChanged(&out)
+            default:
+                out.append(.exchange(stream, output, origin))
+            }
+        }
+    }
+
+    /// After a stream ended: the keep-alive timer when none is left, and the end of a draining connection.
+    private mutating func streamsChanged(_ out: inout [Action]) {
+        guard streams.isEmpty else { return }
+        out.append(.disarm(.idle))
+        if draining {
+            closing = true
+            out.append(.closeAfterFlush)
+        } else {
+            out.append(.arm(.keepAlive, milliseconds: settings.keepAliveTimeout))
+        }
+    }
+
+    private mutating func timerFired(_ timer: ConnectionTimer, lastActivity: Int64, _ out: inout [Action]) {
+        switch timer {
+        case .keepAlive where streams.isEmpty:
+            draining = true
+            out.append(.goaway(.noError))
+            out.append(.closeAfterFlush)
+        case .idle where !streams.isEmpty:
+            let remaining = Int64(settings.idleTimeout) - (now - lastActivity)
+            if remaining > 0 {
+                out.append(.arm(.idle, milliseconds: Int(remaining)))
+            } else {
+                out.append(
+                    .log(LogLine(.info, "h2 connection idle for \(LogText.duration(now - lastActivity)); closing")))
+                handle(.clientGone, now: now, &out)
+                out.append(.goaway(.noError))
+                out.append(.closeAfterFlush)
+            }
+        default:
+            break
+        }
+    }
+}
+
+/// HTTP/2 error codes the proxy sends (RFC 9113 §7).
+public enum H2ErrorCode: UInt32, Sendable, Equatable {
+    case noError = 0x0
+    case protocolError = 0x1
+    case internalError = 0x2
+    case refusedStream = 0x7
+    case cancel = 0x8
+    case enhanceYourCalm = 0xb
+}

@@ -1,0 +1,190 @@
+/// One field of an HTTP/2 header block: name and value as bytes (names in lower case, RFC 9113 §8.2.1).
+public struct H2Field: Sendable, Equatable, Hashable {
+    public let name: [UInt8]
+    public let value: [UInt8]
+
+    public init(_ name: [UInt8], _ value: [UInt8]) {
+        self.name = name
+        self.value = value
+    }
+
+    public init(_ name: String, _ value: String) {
+        self.init(Array(name.utf8), Array(value.utf8))
+    }
+
+    public var nameText: String { String(decoding: name, as: UTF8.self) }
+}
+
+/// HTTP/2 messages as the rest of the proxy sees them (RFC 9113 §8): a request header block checked for a
+/// protected origin and turned into the `InterceptedRequest` every exchange uses, and the origin's response (or
+/// the proxy's own answer) as a header block for the client. nghttp2 already enforces the framing rules (no
+/// connection-specific fields, lower-case names, pseudo-fields first, Content-Length against DATA); these are
+/// the rules about meaning.
+public enum H2Semantics {
+    /// Fields that must not appear in HTTP/2 (RFC 9113 §8.2.2), nor travel from an HTTP/1.1 origin to an
+    /// HTTP/2 client: the hop-by-hop ones (`te` is let through only as `te: trailers`) and the framing.
+    static let connectionSpecific: Set<[UInt8]> = MessageSemantics.hopByHopNames.union([Array("transfer-encoding".utf8)]
+    )
+
+    /// Checks a request for `origin` (RFC 9113 §8.3.1): its `:scheme` https, its `:authority` (and a `host`
+    /// field, if any) naming the origin exactly, else it is misdirected and gets no token.
+    public static func interceptedRequest(
+        _ fields: [H2Field], endStream: Bool, origin: HostPort, attachToken: (_ clientHasAuthorization: Bool) -> Bool
+    ) -> Result<InterceptedRequest, InterceptRefusal> {
+        var method: String?
+        var path: String?
+        var scheme: String?
+        var authority: String?
+        var protocolName: String?
+        var regular: [H2Field] = []
+        for field in fields {
+            switch field.name {
+            case Array(":method".utf8): method = field.valueText
+            case Array(":path".utf8): path = field.valueText
+            case Array(":scheme".utf8): scheme = field.valueText
+            case Array(":authority".utf8): authority = field.valueText
+            case Array(":protocol".utf8): protocolName = field.valueText
+            default:
+                if field.name.first == UInt8(ascii: ":") {
+                    return .failure(.badRequest(HTTPParseError(.malformed, "unknown pseudo-header field")))
+                }
+                regular.append(field)
+            }
+        }
+        guard let method else {
+            return .failure(.badRequest(HTTPParseError(.malformed, "request without :method")))
+        }
+        if method == "CONNECT" {
+            // RFC 8441 extended CONNECT (:protocol websocket) is a WebSocket; a plain CONNECT opens a tunnel,
+            // which a protected origin does not give.
+            return .failure(
+                .unsupported(
+                    protocolName == nil
+                        ? "CONNECT inside a tunnel to a protected origin is not supported"
+                        : "protocol upgrades (WebSocket) to protected origins are not supported"))
+        }
+        guard scheme == "https" else {
+            return .failure(.misdirected("the request names the scheme \(scheme ?? "-"), not https"))
+        }
+        guard let path, path.utf8.first == UInt8(ascii: "/") || (path == "*" && method == "OPTIONS") else {
+            return .failure(.badRequest(HTTPParseError(.malformed, "request without an origin-form :path")))
+        }
+        let hosts = regular.filter { $0.name == Array("host".utf8) }.map(\.valueText)
+        let named = authority ?? hosts.first
+        guard let named else {
+            return .failure(.badRequest(HTTPParseError(.malformed, "request without :authority")))
+        }
+        for candidate in [named] + hosts {
+            switch HostPort.parse(candidate[...], defaultPort: 443) {
+            case .failure:
+                return .failure(.misdirected("the :authority is not a valid authority"))
+            case .success(let parsed) where parsed != origin:
+                return .failure(.misdirected(":authority \(parsed) does not match the tunnel's \(origin)"))
+            case .success:
+                break
+            }
+        }
+        var length: UInt64?
+        for field in regular where field.name == Array("content-length".utf8) {
+            guard field.value.count <= 19, !field.value.isEmpty, field.value.allSatisfy(ASCII.isDigit),
+                let parsed = UInt64(String(decoding: field.value, as: UTF8.self)), parsed <= UInt64(Int64.max),
+                length == nil || length == parsed
+            else {
+                return .failure(.badRequest(HTTPParseError(.badFraming, "invalid content-length")))
+            }
+            length = parsed
+        }
+        let framing: BodyFraming
+        if endStream {
+            framing = .none
+        } else if let length {
+            framing = length == 0 ? .none : .contentLength(length)
+        } else {
+            // DATA frames until END_STREAM: a length nobody knows in advance, streamed like a chunked body.
+            framing = .chunked
+        }
+        let clientAuthorization = regular.contains { $0.name == Array("authorization".utf8) }
+        let attach = attachToken(clientAuthorization)
+        var upstream: [(name: String, value: [UInt8])] = []
+        var acceptsTrailers = false
+        for field in regular {
+            if field.name == Array("te".utf8) {
+                // RFC 9113 §8.2.2: only "trailers"; gRPC servers require it, so it travels.
+                acceptsTrailers = true
+                upstream.append(("te", Array("trailers".utf8)))
+                continue
+            }
+            if field.name == Array("host".utf8) || field.name == Array("content-length".utf8)
+                || connectionSpecific.contains(field.name) || field.name == Array("expect".utf8)
+            {
+                continue
+            }
+            if attach && field.name == Array("authorization".utf8) { continue }
+            upstream.append((field.nameText, field.value))
+        }
+        return .success(
+            InterceptedRequest(
+                method: method, target: path, framing: framing, keepAlive: true, upstreamFields: upstream,
+                clientAuthorization: clientAuthorization, upgrade: false, expectsContinue: false,
+                acceptsTrailers: acceptsTrailers))
+    }
+
+    /// The origin's response as an HTTP/2 header block: `:status`, every end-to-end field (names in lower
+    /// case; hop-by-hop and connection-specific ones removed), the proxy's `proxy-status` when set, and
+    /// whether a body follows.
+    public static func responseHead(
+        _ response: UpstreamResponse, requestMethod: String
+    ) -> (
+        fields: [H2Field], hasBody: Bool
+    ) {
+        let head = response.head
+        let status = head.status
+        // A gRPC status in the head makes it a Trailers-Only response (the gRPC HTTP/2 protocol): one HEADERS
+        // frame that ends the stream, which is how a gRPC client must see it.
+        let trailersOnly = head.values(named: "grpc-status").isEmpty == false
+        let hasBody = !(status < 200 || status == 204 || status == 304 || requestMethod == "HEAD" || trailersOnly)
+        var fields: [H2Field] = [H2Field(":status", String(status))]
+        for index in head.fields.indices where !response.semantics.dropped.contains(index) {
+            let name = head.bytes[head.fields[index].name].map(ASCII.lower)
+            if connectionSpecific.contains(name) || name == Array("te".utf8) || name == Array("trailer".utf8) {
+                continue
+            }
+            // A length that is not the body's (discarded) does not travel.
+            if name == Array("content-length".utf8) && response.semantics.framing == .none && hasBody { continue }
+            fields.append(H2Field(name, Array(head.valueBytes(at: index))))
+        }
+        if let proxyStatus = response.proxyStatus {
+            fields.append(H2Field("proxy-status", proxyStatus.fieldValue))
+        }
+        if hasBody && response.semantics.framing == .none { fields.append(H2Field("content-length", "0")) }
+        return (fields, hasBody && response.semantics.framing != .none)
+    }
+
+    /// Trailer fields of the origin's response for an HTTP/2 client (names in lower case, none of the
+    /// fields a trailer must not carry).
+    public static func trailers(_ fields: [(name: String, value: [UInt8])]) -> [H2Field] {
+        fields.compactMap { field in
+            let name = Array(field.name.utf8).map(ASCII.lower)
+            if connectionSpecific.contains(name) || ChunkedScanner.forbiddenTrailers.contains(name) { return nil }
+            return H2Field(name, field.value)
+        }
+    }
+
+    /// The proxy's own answer as an HTTP/2 response: its fields and its one-line body (none for HEAD).
+    public static func answer(_ answer: ProxyAnswer, headRequest: Bool) -> (fields: [H2Field], body: [UInt8]) {
+        let response = answer.response
+        let body = headRequest ? [] : Array((response.message + "\n").utf8)
+        var fields: [H2Field] = [H2Field(":status", String(response.status))]
+        if let proxyStatus = response.proxyStatus { fields.append(H2Field("proxy-status", proxyStatus.fieldValue)) }
+        for (name, value) in response.extraFields { fields.append(H2Field(name.lowercased(), value)) }
+        fields.append(H2Field("content-type", "text/plain; charset=utf-8"))
+        fields.append(H2Field("content-length", String((response.message + "\n").utf8.count)))
+        fields.append(H2Field("cache-control", "no-store"))
+        return (fields, body)
+    }
+}
+
+extension H2Field {
+    /// The value as text (pseudo-field values are ASCII).
+    public var valueText: String { String(decoding: value, as: UTF8.self) }
+}

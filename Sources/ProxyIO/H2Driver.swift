@@ -1,0 +1,769 @@
+import CCurl
+import CLibevent
+import CNghttp2
+import Foundation
+import ProxyCore
+import ProxyOAuth
+
+/// Runs an `H2Session` on an HTTP/2 connection a client opened inside an intercepted TLS tunnel: nghttp2 reads
+/// and writes the frames (HPACK, flow control, the protocol's own limits), its callbacks become the machine's
+/// events, the machine's actions become nghttp2 submissions and libcurl transfers, one per stream.
+///
+/// Mechanics it owns: each stream's request body store (bytes are kept as nghttp2 hands them over, then the
+/// machine is told) and the HTTP/2 flow-control windows (a client's DATA is acknowledged once it is kept or
+/// once the transfer took it, so a slow origin slows the client instead of filling memory); each stream's
+/// response buffer (a slow client stream pauses its transfer); and writing to the socket only while its
+/// buffer is below the high-water mark.
+final class H2Driver: ServerConnection, TransferOwner {
+    let context: ConnectionContext
+    let id: UInt64
+    let peer: String
+    let clientAddress: String
+    private var machine: H2Session
+    private var client: OpaquePointer?
+    private var session: OpaquePointer?
+    private var streams: [Int32: StreamIO] = [:]
+    private var timers: [ConnectionTimer: LoopTimer] = [:]
+    private var lastActivity: Int64
+    private let started: Int64
+    private var closed = false
+    private var closingAfterFlush = false
+    /// Events raised inside nghttp2's callbacks (or while actions run) wait until the current call returned.
+    private var queued: [H2Session.Event] = []
+    private var handling = false
+    private var actions: [H2Session.Action] = []
+    private var afterHandling: [() -> Void] = []
+
+    /// The per-stream state the I/O needs: the body store, the transfer, the response bytes waiting for the
+    /// client's flow-control window.
+    final class StreamIO {
+        let id: Int32
+        var fields: [H2Field] = []
+        var fieldBytes = 0
+        var body: RequestBody?
+        var transfer: InterceptTransfer?
+        var tokens: TokenSet?
+        var uploadPaused = false
+        /// Bytes of the request body received but not yet acknowledged to the client (flow control).
+        var unacknowledged = 0
+        /// Response bytes waiting for the client's window.
+        var pending: [UInt8] = []
+        var pendingStart = 0
+        var responseEnded = false
+        var trailers: [H2Field] = []
+        /// The data provider returned NGHTTP2_ERR_DEFERRED: resume it when bytes come.
+        var deferred = false
+        var requestTrailers: [H2Field] = []
+        var origin: OriginConfig?
+        var started = EventLoop.monotonicMilliseconds()
+        var up = 0
+        var down = 0
+        /// nghttp2 closed the stream.
+        var closed = false
+        /// An exchange runs for the stream (from its first action to `exchangeFinished`).
+        var inExchange = false
+
+        init(id: Int32) { self.id = id }
+
+        var pendingCount: Int { pending.count - pendingStart }
+    }
+
+    init(
+        context: ConnectionContext, id: UInt64, peer: String, client clientAddress: String, origin: OriginConfig,
+        bufferevent: OpaquePointer, misdirected: String?
+    ) {
+        self.context = context
+        self.id = id
+        self.peer = peer
+        self.clientAddress = clientAddress
+        self.started = EventLoop.monotonicMilliseconds()
+        self.lastActivity = started
+        self.client = bufferevent
+        machine = H2Session(origin: origin, frontDoor: context.frontDoor, misdirected: misdirected)
+        setUpSession()
+    }
+
+    /// Starts serving, once the server's table holds this connection.
+    func begin() {
+        guard let client else { return }
+        bufferevent_setcb(client, h2ReadCallback, h2WriteCallback, h2EventCallback, contextPointer)
+        bufferevent_enable(client, Int16(EV_READ | EV_WRITE))
+        actions.removeAll(keepingCapacity: true)
+        machine.start(now: started, &actions)
+        run(actions)
+        // The client's connection preface may have come with the handshake.
+        readable()
+    }
+
+    deinit {
+        if let session { nghttp2_session_del(session) }
+    }
+
+    private var contextPointer: UnsafeMutableRawPointer { Unmanaged.passUnretained(self).toOpaque() }
+
+    /// The server side of nghttp2, with the limits of the known HTTP/2 denial-of-service shapes set.
+    private func setUpSession() {
+        var callbacks: OpaquePointer?
+        nghttp2_session_callbacks_new(&callbacks)
+        defer { nghttp2_session_callbacks_del(callbacks) }
+        nghttp2_session_callbacks_set_on_begin_headers_callback(callbacks, h2BeginHeaders)
+        nghttp2_session_callbacks_set_on_header_callback(callbacks, h2Header)
+        nghttp2_session_callbacks_set_on_frame_recv_callback(callbacks, h2FrameReceived)
+        nghttp2_session_callbacks_set_on_data_chunk_recv_callback(callbacks, h2DataChunk)
+        nghttp2_session_callbacks_set_on_stream_close_callback(callbacks, h2StreamClosed)
+        var option: OpaquePointer?
+        nghttp2_option_new(&option)
+        defer { nghttp2_option_del(option) }
+        // Window updates are sent once a body's bytes are kept or taken by the transfer (end-to-end flow
+        // control), not when they arrive.
+        nghttp2_option_set_no_auto_window_update(option, 1)
+        // Rapid reset (CVE-2023-44487): a token bucket of RST_STREAMs, then GOAWAY.
+        nghttp2_option_set_stream_reset_rate_limit(option, H2Limits.resetBurst, H2Limits.resetRate)
+        // CONTINUATION flood (CVE-2024-27316 and kin): at most this many CONTINUATION frames per header block.
+        nghttp2_option_set_max_continuations(option, H2Limits.maxContinuations)
+        // PING and SETTINGS floods: ACKs queued but unwritten (a client that does not read) end the session.
+        nghttp2_option_set_max_outbound_ack(option, H2Limits.maxOutboundAcks)
+        nghttp2_option_set_max_settings(option, H2Limits.maxSettings)
+        nghttp2_session_server_new2(&session, callbacks, contextPointer, option)
+        let settings = context.settings
+        var entries = [
+            nghttp2_settings_entry(
+                settings_id: Int32(NGHTTP2_SETTINGS_MAX_CONCURRENT_STREAMS.rawValue),
+                value: UInt32(H2Limits.maxConcurrentStreams)),
+            nghttp2_settings_entry(
+                settings_id: Int32(NGHTTP2_SETTINGS_MAX_HEADER_LIST_SIZE.rawValue),
+                value: UInt32(settings.headLimits.maxHeadBytes)),
+            nghttp2_settings_entry(
+                settings_id: Int32(NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE.rawValue), value: UInt32(H2Limits.streamWindow)),
+        ]
+        nghttp2_submit_settings(session, UInt8(NGHTTP2_FLAG_NONE.rawValue), &entries, entries.count)
+        // The connection's own window: room for several streams' bodies in flight.
+        nghttp2_session_set_local_window_size(session, UInt8(NGHTTP2_FLAG_NONE.rawValue), 0, H2Limits.connectionWindow)
+    }
+
+    var isIdle: Bool { machine.isIdle }
+
+    // MARK: - Bytes from the client
+
+    fileprivate func readable() {
+        guard !closed, let client else { return }
+        lastActivity = EventLoop.monotonicMilliseconds()
+        let input = bufferevent_get_input(client)
+        while Buffers.length(input) > 0 && !closed {
+            var consumed = 0
+            var failed: Int = 0
+            Buffers.forEachSegment(input) { segment in
+                let result = nghttp2_session_mem_recv(
+                    session, segment.baseAddress?.assumingMemoryBound(to: UInt8.self), segment.count)
+                if result < 0 {
+                    failed = result
+                    return false
+                }
+                consumed += result
+                return true
+            }
+            evbuffer_drain(input, consumed)
+            if failed != 0 {
+                let reason = String(cString: nghttp2_strerror(Int32(failed)))
+                context.logger.info("conn=\(id) client=\(peer) h2 connection error: \(reason)")
+                flush()
+                return close()
+            }
+            if consumed == 0 { break }
+        }
+        processQueued()
+        flush()
+    }
+
+    fileprivate func writable() {
+        guard !closed else { return }
+        lastActivity = EventLoop.monotonicMilliseconds()
+        flush()
+        if !closed && closingAfterFlush && Buffers.length(clientOutput) == 0 { close() }
+    }
+
+    fileprivate func event(_ events: Int16) {
+        handle(.clientGone)
+        close()
+    }
+
+    private var clientOutput: OpaquePointer? { client.map { bufferevent_get_output($0) } }
+
+    /// Writes what nghttp2 has to send, while the socket's buffer has room.
+    private func flush() {
+        guard !closed, let session, let output = clientOutput else { return }
+        while Buffers.length(output) < context.highWater {
+            var data: UnsafePointer<UInt8>?
+            let length = nghttp2_session_mem_send(session, &data)
+            if length < 0 {
+                context.logger.info(
+                    "conn=\(id) client=\(peer) h2 send error: \(String(cString: nghttp2_strerror(Int32(length))))")
+                return close()
+            }
+            if length == 0 { break }
+            evbuffer_add(output, data, length)
+        }
+        if nghttp2_session_want_read(session) == 0 && nghttp2_session_want_write(session) == 0 {
+            closingAfterFlush = true
+            if Buffers.length(output) == 0 { return close() }
+        }
+        // The data source may have made room for a paused transfer: resume it now that nghttp2 returned.
+        if !handling && !afterHandling.isEmpty { processQueued() }
+    }
+
+    // MARK: - Events into the machine
+
+    private func handle(_ event: H2Session.Event) {
+        if closed { return }
+        queued.append(event)
+        if !handling { processQueued() }
+    }
+
+    private func processQueued() {
+        guard !handling else { return }
+        handling = true
+        while !queued.isEmpty && !closed {
+            let event = queued.removeFirst()
+            actions.removeAll(keepingCapacity: true)
+            machine.handle(event, now: EventLoop.monotonicMilliseconds(), &actions)
+            run(actions)
+        }
+        handling = false
+        let work = afterHandling
+        afterHandling.removeAll()
+        for job in work where !closed { job() }
+        flush()
+    }
+
+    // MARK: - Actions
+
+    private func run(_ actions: [H2Session.Action]) {
+        for action in actions {
+            if closed {
+                if case .exchangeFinished(let stream, let record) = action { exchangeFinished(stream, record) }
+                if case .log(let line) = action { log(line) }
+                continue
+            }
+            perform(action)
+        }
+    }
+
+    private func perform(_ action: H2Session.Action) {
+        switch action {
+        case .submitResponse(let stream, let fields, let endStream):
+            submit(stream, fields, provider: !endStream)
+        case .respond(let stream, let fields, let body):
+            let io = streamIO(stream)
+            io.pending = body
+            io.pendingStart = 0
+            io.responseEnded = true
+            submit(stream, fields, provider: !body.isEmpty)
+        case .writeBody(let stream):
+            guard let data = transferData, let io = streams[stream] else { return }
+            io.pending.append(contentsOf: data)
+            io.down += data.count
+            resumeData(io)
+        case .endStream(let stream, let trailers):
+            guard let io = streams[stream] else { return }
+            io.responseEnded = true
+            io.trailers = trailers
+            resumeData(io)
+        case .resetStream(let stream, let code):
+            nghttp2_submit_rst_stream(session, UInt8(NGHTTP2_FLAG_NONE.rawValue), stream, code.rawValue)
+        case .requestTrailers(let stream, let fields):
+            streams[stream]?.requestTrailers = fields
+        case .exchange(let stream, let output, let origin):
+            exchange(stream, output, origin: origin)
+        case .exchangeFinished(let stream, let record):
+            exchangeFinished(stream, record)
+        case .goaway(let code):
+            let last = nghttp2_session_get_last_proc_stream_id(session)
+            nghttp2_submit_goaway(session, UInt8(NGHTTP2_FLAG_NONE.rawValue), last, code.rawValue, nil, 0)
+        case .closeAfterFlush:
+            closingAfterFlush = true
+            if let client { bufferevent_disable(client, Int16(EV_READ)) }
+        case .arm(let timer, let milliseconds):
+            self.timer(timer).schedule(milliseconds: milliseconds)
+        case .disarm(let timer):
+            timers[timer]?.cancel()
+        case .log(let line):
+            log(line)
+        }
+    }
+
+    private func log(_ line: LogLine) {
+        switch line.level {
+        case .debug: context.logger.debug("conn=\(id) client=\(peer) \(line.text)")
+        case .info: context.logger.info("conn=\(id) client=\(peer) \(line.text)")
+        case .warn: context.logger.warn("conn=\(id) client=\(peer) \(line.text)")
+        }
+    }
+
+    private func timer(_ kind: ConnectionTimer) -> LoopTimer {
+        if let existing = timers[kind] { return existing }
+        let made = LoopTimer(loop: context.loop) { [unowned self] in
+            handle(.timerFired(kind, lastActivity: lastActivity))
+        }
+        timers[kind] = made
+        return made
+    }
+
+    private func streamIO(_ stream: Int32) -> StreamIO {
+        if let io = streams[stream] { return io }
+        let made = StreamIO(id: stream)
+        streams[stream] = made
+        return made
+    }
+
+    /// Submits a response head; with `provider`, the body comes from the stream's pending bytes.
+    private func submit(_ stream: Int32, _ fields: [H2Field], provider: Bool) {
+        withHeaderList(fields) { list, count in
+            if provider {
+                var data = nghttp2_data_provider(
+                    source: nghttp2_data_source(ptr: nil), read_callback: h2ReadResponseBody)
+                nghttp2_submit_response(session, stream, list, count, &data)
+            } else {
+                nghttp2_submit_response(session, stream, list, count, nil)
+            }
+        }
+    }
+
+    private func resumeData(_ io: StreamIO) {
+        if io.deferred {
+            io.deferred = false
+            nghttp2_session_resume_data(session, io.id)
+        }
+    }
+
+    /// nghttp2's data source callback: the stream's pending response bytes, as many as the window allows.
+    fileprivate func responseBody(
+        _ stream: Int32, _ buffer: UnsafeMutablePointer<UInt8>, _ length: Int, _ flags: UnsafeMutablePointer<UInt32>
+    ) -> Int {
+        guard let io = streams[stream] else { return Int(NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE.rawValue) }
+        let count = min(length, io.pendingCount)
+        if count > 0 {
+            io.pending.withUnsafeBufferPointer { source in
+                buffer.update(from: source.baseAddress! + io.pendingStart, count: count)
+            }
+            io.pendingStart += count
+            if io.pendingStart == io.pending.count {
+                io.pending.removeAll(keepingCapacity: true)
+                io.pendingStart = 0
+            }
+            lastActivity = EventLoop.monotonicMilliseconds()
+            // The client caught up: let the transfer go on.
+            if io.pendingCount < context.highWater / 2, let transfer = io.transfer, transfer.paused, !transfer.cancelled
+            {
+                transfer.paused = false
+                afterHandling.append { [unowned self] in context.curl.resume(transfer) }
+            }
+        }
+        if io.pendingCount == 0 {
+            if io.responseEnded {
+                flags.pointee |= NGHTTP2_DATA_FLAG_EOF.rawValue
+                if !io.trailers.isEmpty {
+                    flags.pointee |= NGHTTP2_DATA_FLAG_NO_END_STREAM.rawValue
+                    withHeaderList(io.trailers) { list, count in
+                        nghttp2_submit_trailer(session, stream, list, count)
+                    }
+                    io.trailers = []
+                }
+            } else if count == 0 {
+                io.deferred = true
+                return Int(NGHTTP2_ERR_DEFERRED.rawValue)
+            }
+        }
+        return count
+    }
+
+    /// Calls `body` with an nghttp2 header list for `fields`, its names and values in one buffer that lives
+    /// for the call (nghttp2 copies them).
+    private func withHeaderList(_ fields: [H2Field], _ body: (UnsafePointer<nghttp2_nv>, Int) -> Void) {
+        let total = fields.reduce(0) { $0 + $1.name.count + $1.value.count }
+        withUnsafeTemporaryAllocation(of: UInt8.self, capacity: max(1, total)) { bytes in
+            withUnsafeTemporaryAllocation(of: nghttp2_nv.self, capacity: max(1, fields.count)) { list in
+                var offset = 0
+                for (index, field) in fields.enumerated() {
+                    let name = bytes.baseAddress! + offset
+                    _ = UnsafeMutableBufferPointer(start: name, count: field.name.count).initialize(from: field.name)
+                    offset += field.name.count
+                    let value = bytes.baseAddress! + offset
+                    _ = UnsafeMutableBufferPointer(start: value, count: field.value.count).initialize(from: field.value)
+                    offset += field.value.count
+                    list[index] = nghttp2_nv(
+                        name: name, value: value, namelen: field.name.count, valuelen: field.value.count,
+                        flags: UInt8(NGHTTP2_NV_FLAG_NONE.rawValue))
+                }
+                body(UnsafePointer(list.baseAddress!), fields.count)
+            }
+        }
+    }
+
+    // MARK: - nghttp2's callbacks (inside nghttp2_session_mem_recv)
+
+    fileprivate func beginHeaders(_ stream: Int32) {
+        let io = streamIO(stream)
+        io.fields.removeAll()
+        io.fieldBytes = 0
+    }
+
+    /// One header field; false resets the stream (a header list beyond the limits: an HPACK bomb, say).
+    fileprivate func header(_ stream: Int32, name: UnsafeRawBufferPointer, value: UnsafeRawBufferPointer) -> Bool {
+        let io = streamIO(stream)
+        io.fieldBytes += name.count + value.count + 32
+        let limits = context.settings.headLimits
+        guard io.fieldBytes <= limits.maxHeadBytes, io.fields.count < limits.maxFields else {
+            context.logger.info(
+                "conn=\(id) client=\(peer) h2 stream \(stream) reset: header list over \(limits.maxHeadBytes) bytes or \(limits.maxFields) fields"
+            )
+            return false
+        }
+        io.fields.append(H2Field(Array(name), Array(value)))
+        return true
+    }
+
+    fileprivate func frameReceived(_ frame: UnsafePointer<nghttp2_frame>) {
+        let header = frame.pointee.hd
+        let endStream = header.flags & UInt8(NGHTTP2_FLAG_END_STREAM.rawValue) != 0
+        switch Int(header.type) {
+        case Int(NGHTTP2_HEADERS.rawValue):
+            guard let io = streams[header.stream_id] else { return }
+            let fields = io.fields
+            io.fields = []
+            if frame.pointee.headers.cat == NGHTTP2_HCAT_REQUEST {
+                io.body = RequestBody(
+                    memoryLimit: context.settings.replayMemory, spoolDirectory: context.spoolDirectory)
+                queued.append(.requestHeaders(header.stream_id, fields, endStream: endStream))
+            } else {
+                queued.append(.requestTrailers(header.stream_id, fields))
+            }
+        case Int(NGHTTP2_DATA.rawValue):
+            if endStream { queued.append(.requestData(header.stream_id, count: 0, endStream: true)) }
+        default:
+            break
+        }
+    }
+
+    /// Request body bytes: kept in the stream's store now (they are only valid during the callback).
+    fileprivate func dataChunk(_ stream: Int32, _ data: UnsafeRawBufferPointer) {
+        guard let io = streams[stream], let body = io.body else {
+            nghttp2_session_consume(session, stream, data.count)
+            return
+        }
+        do {
+            try body.append(data)
+        } catch {
+            queued.append(.bodyNotKept(stream, directory: context.spoolDirectory))
+        }
+        if body.streaming {
+            // Streaming on unkept: acknowledged when the transfer takes it.
+            io.unacknowledged += data.count
+        } else {
+            nghttp2_session_consume(session, stream, data.count)
+        }
+        queued.append(.requestData(stream, count: data.count, endStream: false))
+        if io.uploadPaused, let transfer = io.transfer {
+            io.uploadPaused = false
+            afterHandling.append { [unowned self] in context.curl.resume(transfer) }
+        }
+    }
+
+    /// nghttp2 closed the stream: its I/O state goes once no exchange needs it (the machine decides whether
+    /// the exchange ends with it).
+    fileprivate func streamClosed(_ stream: Int32, errorCode: UInt32) {
+        guard let io = streams[stream] else { return }
+        io.closed = true
+        if io.inExchange {
+            queued.append(.streamClosed(stream, errorCode: errorCode))
+        } else {
+            streams.removeValue(forKey: stream)
+        }
+    }
+
+    // MARK: - Exchanges
+
+    private func exchange(_ stream: Int32, _ output: ProtectedExchange.Output, origin: OriginConfig) {
+        guard let io = streams[stream] else { return }
+        io.origin = origin
+        io.inExchange = true
+        switch output {
+        case .streamBody:
+            io.body?.startStreaming()
+        case .bodyEnded:
+            io.body?.finish()
+            if io.uploadPaused, let transfer = io.transfer {
+                io.uploadPaused = false
+                afterHandling.append { [unowned self] in context.curl.resume(transfer) }
+            }
+        case .getTokens(let provider):
+            context.tokens.tokens(provider) { [weak self] result in
+                self?.tokensArrived(stream, result, refreshed: false)
+            }
+        case .refreshTokens(let provider, let generation):
+            context.tokens.refresh(provider, replacing: generation) { [weak self] result in
+                self?.tokensArrived(stream, result, refreshed: true)
+            }
+        case .send(let request):
+            send(io, request, origin: origin)
+        case .cancelTransfer:
+            if let transfer = io.transfer { stopTransfer(io, transfer) }
+        case .rememberNonce(let nonce):
+            context.nonces.remember(nonce, for: origin.url)
+        case .recordStepUp(let challenge):
+            context.owner.stepUpRequired(origin: origin, challenge: challenge)
+        case .signInNeeded(let reason):
+            context.owner.signInNeeded(provider: origin.provider, origin: origin.url, reason: reason)
+        case .deliverHead, .deliverBody, .endBody, .respond, .finished:
+            break
+        }
+    }
+
+    private func tokensArrived(_ stream: Int32, _ result: Result<TokenSet, AuthError>, refreshed: Bool) {
+        guard !closed, let io = streams[stream] else { return }
+        let grant: Result<TokenGrant, TokenFailure>
+        switch result {
+        case .success(let fresh):
+            io.tokens = fresh
+            grant = .success(
+                TokenGrant(
+                    generation: fresh.generation, dpopNonce: io.origin.flatMap { context.nonces.nonce(for: $0.url) }))
+        case .failure(let error):
+            grant = .failure(error.tokenFailure)
+        }
+        handle(refreshed ? .refreshed(stream, grant) : .tokens(stream, grant))
+    }
+
+    private func send(_ io: StreamIO, _ request: UpstreamRequest, origin: OriginConfig) {
+        let stream = io.id
+        var authorization: [(name: String, value: [UInt8])] = []
+        if request.credential != nil, let tokens = io.tokens {
+            authorization.append(("Authorization", Array("\(tokens.tokenType) \(tokens.accessToken)".utf8)))
+            if tokens.tokenType == "DPoP" {
+                guard let key = context.keys.cached(provider: origin.provider, thumbprint: tokens.dpopThumbprint) else {
+                    context.keys.load(provider: origin.provider, thumbprint: tokens.dpopThumbprint) { [weak self] key in
+                        guard let self, !self.closed, let io = self.streams[stream] else { return }
+                        if key == nil {
+                            self.handle(.credentialFailed(stream, .dpopKeyMissing(provider: origin.provider)))
+                        } else {
+                            self.send(io, request, origin: origin)
+                        }
+                    }
+                    return
+                }
+                do {
+                    let proof = try key.proof(
+                        method: request.method, url: request.url, accessToken: tokens.accessToken,
+                        nonce: request.credential?.dpopNonce, now: Int64(time(nil)))
+                    authorization.append(("DPoP", Array(proof.utf8)))
+                } catch {
+                    queued.append(.credentialFailed(stream, .dpopProofFailed(reason: "\(error)")))
+                    return
+                }
+            }
+        }
+        let body =
+            io.body ?? RequestBody(memoryLimit: context.settings.replayMemory, spoolDirectory: context.spoolDirectory)
+        io.body = body
+        let made = InterceptTransfer(owner: self, request: request, authorization: authorization, body: body)
+        made.tag = stream
+        if request.body == .streaming { made.sendTrailers { [weak io] in io?.requestTrailers ?? [] } }
+        io.transfer = made
+        io.uploadPaused = false
+        context.curl.add(made)
+    }
+
+    private func exchangeFinished(_ stream: Int32, _ record: ExchangeRecord) {
+        guard let io = streams[stream] else {
+            context.owner.record(record)
+            return
+        }
+        let duration = EventLoop.monotonicMilliseconds() - io.started
+        context.owner.record(record)
+        if context.logger.enabled(.info) {
+            context.logger.info(
+                "conn=\(id) client=\(peer) \(record.logLine(up: io.up, down: io.down, milliseconds: duration)) h2=\(stream)"
+            )
+        }
+        if let transfer = io.transfer { stopTransfer(io, transfer) }
+        io.tokens = nil
+        io.inExchange = false
+        // The response bytes still pending stay until nghttp2 has sent them and closed the stream.
+        if io.closed { streams.removeValue(forKey: stream) }
+    }
+
+    /// Stops a stream's transfer (safe inside libcurl's callbacks: `CurlMulti` removes it once libcurl
+    /// returned).
+    private func stopTransfer(_ io: StreamIO, _ transfer: InterceptTransfer) {
+        context.curl.cancel(transfer)
+        if io.transfer === transfer { io.transfer = nil }
+    }
+
+    // MARK: - TransferOwner (libcurl's callbacks, at the top of the loop)
+
+    private var transferData: UnsafeRawBufferPointer?
+
+    private func current(_ transfer: InterceptTransfer) -> StreamIO? {
+        guard !closed, let io = streams[transfer.tag], io.transfer === transfer else { return nil }
+        return io
+    }
+
+    func transferHeader(_ from: InterceptTransfer, _ line: UnsafeRawBufferPointer) {
+        guard let io = current(from) else { return }
+        lastActivity = EventLoop.monotonicMilliseconds()
+        actions.removeAll(keepingCapacity: true)
+        machine.transferHeaderLine(io.id, line, now: lastActivity, &actions)
+        handling = true
+        run(actions)
+        handling = false
+        processQueued()
+    }
+
+    func transferBody(_ from: InterceptTransfer, _ data: UnsafeRawBufferPointer) -> Int {
+        guard let io = current(from) else { return data.count }
+        lastActivity = EventLoop.monotonicMilliseconds()
+        if io.pendingCount >= context.highWater {
+            // The client's stream window is full: pause the transfer until the data source drained it.
+            from.paused = true
+            return proxyctl_writefunc_pause()
+        }
+        transferData = data
+        handle(.transferBody(io.id, count: data.count))
+        transferData = nil
+        return data.count
+    }
+
+    func transferRead(_ from: InterceptTransfer, _ buffer: UnsafeMutableRawBufferPointer) -> Int {
+        guard let io = current(from), let body = io.body else { return 0 }
+        let count = body.read(at: from.uploadOffset, into: buffer)
+        if count > 0 {
+            from.uploadOffset += count
+            io.up += count
+            lastActivity = EventLoop.monotonicMilliseconds()
+            if io.unacknowledged > 0 {
+                // Streamed bytes the transfer took: the client may send more.
+                let acknowledged = min(io.unacknowledged, count)
+                io.unacknowledged -= acknowledged
+                nghttp2_session_consume(session, io.id, acknowledged)
+                flush()
+            }
+            return count
+        }
+        if body.complete { return 0 }
+        io.uploadPaused = true
+        return proxyctl_readfunc_pause()
+    }
+
+    func transferSeek(_ from: InterceptTransfer, _ offset: Int) -> Bool {
+        guard let io = current(from), let body = io.body, body.replayable, offset <= body.stored else { return false }
+        from.uploadOffset = offset
+        return true
+    }
+
+    func transferFinished(_ from: InterceptTransfer, _ failure: UpstreamFailure?, detail: String) {
+        guard let io = current(from) else { return }
+        io.transfer = nil
+        handle(.transferFinished(io.id, failure, detail: detail))
+    }
+
+    // MARK: - Ending
+
+    func shutdown() { handle(.shutdown) }
+
+    /// A reload: clients are told (GOAWAY) to open new connections, which get the new settings.
+    func reload() { handle(.shutdown) }
+
+    func abort(_ reason: String?) {
+        handle(.clientGone)
+        close()
+    }
+
+    func close() {
+        guard !closed else { return }
+        closed = true
+        for io in streams.values {
+            if let transfer = io.transfer { stopTransfer(io, transfer) }
+        }
+        streams.removeAll()
+        timers.removeAll()
+        if let client {
+            bufferevent_free(client)
+            self.client = nil
+        }
+        context.logger.debug(
+            "conn=\(id) client=\(peer) h2 \(machine.origin.authority): \(machine.requests) stream(s) in \(LogText.duration(EventLoop.monotonicMilliseconds() - started))"
+        )
+        context.owner.connectionClosed(self)
+    }
+}
+
+/// Limits of the HTTP/2 connections the proxy serves (announced in SETTINGS, or nghttp2 options).
+enum H2Limits {
+    static let maxConcurrentStreams = 100
+    /// Per stream: how much body a client may send before its bytes are kept or taken.
+    static let streamWindow = 1 << 20
+    static let connectionWindow: Int32 = 16 << 20
+    static let resetBurst: UInt64 = 200
+    static let resetRate: UInt64 = 50
+    static let maxContinuations = 8
+    static let maxOutboundAcks = 1000
+    static let maxSettings = 32
+}
+
+// MARK: - C callbacks (user data: the H2Driver, unretained; the server's table owns it)
+
+private func driver(_ pointer: UnsafeMutableRawPointer?) -> H2Driver {
+    Unmanaged<H2Driver>.fromOpaque(pointer!).takeUnretainedValue()
+}
+
+private let h2ReadCallback: bufferevent_data_cb = { _, context in driver(context).readable() }
+private let h2WriteCallback: bufferevent_data_cb = { _, context in driver(context).writable() }
+private let h2EventCallback: bufferevent_event_cb = { _, events, context in driver(context).event(events) }
+
+private let h2BeginHeaders:
+    @convention(c) (OpaquePointer?, UnsafePointer<nghttp2_frame>?, UnsafeMutableRawPointer?) -> Int32 = {
+        _, frame, user in
+        if let frame, Int(frame.pointee.hd.type) == Int(NGHTTP2_HEADERS.rawValue) {
+            driver(user).beginHeaders(frame.pointee.hd.stream_id)
+        }
+        return 0
+    }
+
+private let h2Header:
+    @convention(c) (
+        OpaquePointer?, UnsafePointer<nghttp2_frame>?, UnsafePointer<UInt8>?, Int, UnsafePointer<UInt8>?, Int, UInt8,
+        UnsafeMutableRawPointer?
+    ) -> Int32 = { _, frame, name, nameLength, value, valueLength, _, user in
+        guard let frame else { return 0 }
+        let accepted = driver(user).header(
+            frame.pointee.hd.stream_id, name: UnsafeRawBufferPointer(start: name, count: nameLength),
+            value: UnsafeRawBufferPointer(start: value, count: valueLength))
+        return accepted ? 0 : NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE.rawValue
+    }
+
+private let h2FrameReceived:
+    @convention(c) (OpaquePointer?, UnsafePointer<nghttp2_frame>?, UnsafeMutableRawPointer?) -> Int32 = {
+        _, frame, user in
+        if let frame { driver(user).frameReceived(frame) }
+        return 0
+    }
+
+private let h2DataChunk:
+    @convention(c) (OpaquePointer?, UInt8, Int32, UnsafePointer<UInt8>?, Int, UnsafeMutableRawPointer?) -> Int32 = {
+        _, _, stream, data, length, user in
+        driver(user).dataChunk(stream, UnsafeRawBufferPointer(start: data, count: length))
+        return 0
+    }
+
+private let h2StreamClosed: @convention(c) (OpaquePointer?, Int32, UInt32, UnsafeMutableRawPointer?) -> Int32 = {
+    _, stream, errorCode, user in
+    driver(user).streamClosed(stream, errorCode: errorCode)
+    return 0
+}
+
+private let h2ReadResponseBody:
+    @convention(c) (
+        OpaquePointer?, Int32, UnsafeMutablePointer<UInt8>?, Int, UnsafeMutablePointer<UInt32>?,
+        UnsafeMutablePointer<nghttp2_data_source>?, UnsafeMutableRawPointer?
+    ) -> Int = { _, stream, buffer, length, flags, _, user in
+        driver(user).responseBody(stream, buffer!, length, flags!)
+    }
