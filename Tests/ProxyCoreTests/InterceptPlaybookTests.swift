@@ -62,7 +62,7 @@ import Testing
         #expect(
             origin.tokenKey == key && !key.isProviderDefault && key.id == "resource=https://api.test/;scope=api.read")
         var p = Playbook.intercepted(origin)
-        p.event(.tlsEstablished(serverName: "api.test"))
+        p.event(.tlsEstablished(serverName: "api.test", protocol: "http/1.1"))
         p.client("GET /me HTTP/1.1\r\nHost: api.test\r\n\r\n")
         #expect(Self.outputs(p.next()) == [.bodyEnded, .getTokens(key: key)])
         p.event(.tokens(.success(TokenGrant(generation: 3))))
@@ -76,7 +76,7 @@ import Testing
         var origin = Self.origin
         origin.tokenType = .idToken
         var p = Playbook.intercepted(origin)
-        p.event(.tlsEstablished(serverName: "api.test"))
+        p.event(.tlsEstablished(serverName: "api.test", protocol: "http/1.1"))
         p.client("GET / HTTP/1.1\r\nHost: api.test\r\n\r\n")
         #expect(Self.outputs(p.next()) == [.bodyEnded, .getTokens(key: TokenKey(provider: "corp", kind: .idToken))])
     }

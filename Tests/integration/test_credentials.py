@@ -33,7 +33,7 @@ from idp_fake import FakeIdP
 from idp_glewlwyd import Glewlwyd, glewlwyd_available
 from resource_server import ResourceServer
 from signin import Workspace as SignInWorkspace, wait_expired
-from test_protected import BROWSER, Deployment, Workspace
+from fixtures.deployment import BROWSER, Deployment, Workspace
 
 A, B, PLAIN_API, CI = "a.test", "b.test", "default.test", "ci.test"
 A_RES, B_RES, CI_RES = "https://a.test/", "https://b.test/", "https://ci.test/"
