@@ -200,6 +200,16 @@ private struct Setup {
         #expect(setup.fake.tokenRequests.last?.form["subject_token"] == "eyJ.subject.two")
     }
 
+    @Test func aSubjectTokenCommandIsRunWithoutAShell() async throws {
+        var provider = Self.provider(.tokenExchange)
+        provider.subjectTokenCommand = ["/bin/echo", "eyJ.from.command"]
+        #expect(try await SubjectToken.read(provider, timeout: 5000) == "eyJ.from.command")
+        provider.subjectTokenCommand = ["/bin/false"]
+        await #expect(throws: AuthError.self) { try await SubjectToken.read(provider, timeout: 5000) }
+        provider.subjectTokenCommand = ["/bin/echo", "two words"]
+        await #expect(throws: AuthError.self) { try await SubjectToken.read(provider, timeout: 5000) }
+    }
+
     @Test func aRefusedSubjectTokenNamesItsSource() async throws {
         let directory = try TemporaryDirectory()
         var provider = Self.provider(.tokenExchange)
