@@ -18,6 +18,7 @@
 #include <openssl/rsa.h>
 #include <openssl/pkcs12.h>
 #include <stdio.h>
+#include <openssl/hmac.h>
 
 // BIO_get_mem_data is a macro over BIO_ctrl.
 static inline long proxyctl_BIO_get_mem_data(BIO *bio, char **data) {

@@ -95,8 +95,34 @@ struct AuthEnvironment {
         }
     }
 
+    /// The client authentication of a confidential client (`token_endpoint_auth_method`), and for a machine
+    /// grant with `token_binding = dpop` its DPoP key (made on first use: there is no login to make it).
+    func prepareClientAuthentication() throws {
+        do {
+            try prepareClient(provider, client: client, stateDirectory: store.stateDirectory)
+        } catch let error as AuthError {
+            throw error.commandFailure
+        }
+    }
+
     func manager() -> TokenManager {
         TokenManager(provider: provider, store: store, client: client)
+    }
+}
+
+/// Sets up `client` for `provider`'s token requests: its client authentication, and for a machine grant with
+/// `token_binding = dpop` the DPoP key (made when there is none).
+func prepareClient(_ provider: ProviderConfig, client: ProviderClient, stateDirectory: String) throws {
+    let authentication = try ClientAuthentication.load(provider: provider, stateDirectory: stateDirectory)
+    try runBlocking { await client.setClientAuthentication(authentication) }
+    guard !provider.needsSignIn, provider.tokenBinding == .dpop else { return }
+    do {
+        let key =
+            try DPoPKey.load(stateDirectory: stateDirectory, provider: provider.name)
+            ?? DPoPKey.create(stateDirectory: stateDirectory, provider: provider.name)
+        try runBlocking { await client.setDPoPKey(key) }
+    } catch {
+        throw AuthError.configuration(reason: "cannot prepare the DPoP key of \(provider.name): \(error)")
     }
 }
 

@@ -1,5 +1,7 @@
 import Foundation
 import ProxyCore
+import ProxyOAuth
+import Synchronization
 
 /// Finds, reads and validates proxy.conf and the files it names.
 struct ConfigLoader {
@@ -98,8 +100,34 @@ struct ConfigLoader {
         if baseDirectory.isEmpty { baseDirectory = "." }
         let parser = ConfigParser(homeDirectory: environment["HOME"], baseDirectory: baseDirectory)
         switch parser.parse(text, file: path) {
-        case .success(let configuration): return configuration
+        case .success(let configuration):
+            configureSecretStore(configuration)
+            return configuration
         case .failure(let errors): throw CommandFailure(message: errors.description)
+        }
+    }
+
+    /// Why `token_store = secret-service` fell back to the files in this process, if it did.
+    static var secretStoreFallback: String? { fallback.withLock { $0 } }
+    private static let fallback = Mutex<String?>(nil)
+
+    /// With `token_store = secret-service`: refresh tokens and DPoP keys of this process go to the Secret
+    /// Service when one answers, else (a headless machine, no secret-tool) to the 0600 files.
+    func configureSecretStore(_ configuration: Configuration) {
+        guard configuration.proxy.tokenStore == .secretService,
+            let stateDirectory = configuration.proxy.stateDir
+                ?? TokenStore.defaultStateDirectory(environment: environment)
+        else {
+            SecretService.configure(nil)
+            return
+        }
+        switch SecretService.connect(stateDirectory: stateDirectory, environment: environment) {
+        case .success(let service):
+            SecretService.configure(service)
+            Self.fallback.withLock { $0 = nil }
+        case .failure(let failure):
+            SecretService.configure(nil)
+            Self.fallback.withLock { $0 = failure.description }
         }
     }
 

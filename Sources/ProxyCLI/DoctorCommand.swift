@@ -65,6 +65,16 @@ enum DoctorCommand {
         let now = Int64(time(nil))
         if configuration.providers.isEmpty { note("no [provider] configured: passthrough only") }
         for provider in configuration.providers {
+            if !provider.needsSignIn {
+                // A machine grant needs nobody: what it needs is its client credential.
+                do {
+                    _ = try ClientAuthentication.load(provider: provider, stateDirectory: stateDirectory)
+                    ok("\(provider.name): grant = \(provider.grant.rawValue), client authentication ready")
+                } catch {
+                    bad("\(provider.name): \(error)", fix: "proxyctl key init \(provider.name), or client_secret_file")
+                }
+                continue
+            }
             let tokens = try? store.load(provider.name)
             guard let tokens, tokens.issuer == provider.issuer, tokens.clientID == provider.clientID else {
                 bad("\(provider.name): not signed in", fix: "proxyctl login \(provider.name)")

@@ -21,6 +21,9 @@ enum LoginCommand {
             .flag("no-browser", help: "Do not open a browser; print the URL (for ssh -L port forwarding)."),
             .flag("create", help: "Ask the provider to create an account (prompt=create)."),
             .option(
+                "prompt", value: "login|select_account|consent",
+                help: "Ask the provider to sign in again, let you choose the account, or ask for consent again."),
+            .option(
                 "acr-values", value: "values", help: "Authentication context class references to ask for (acr_values)."),
             .option("max-age", value: "seconds", help: "Require a sign-in no older than this (max_age)."),
             .option("login-hint", value: "hint", help: "Who is signing in (login_hint), e.g. an email address."),
@@ -39,6 +42,14 @@ enum LoginCommand {
         options.acrValues = arguments.value("acr-values")
         options.loginHint = arguments.value("login-hint")
         options.create = arguments.flag("create")
+        if let prompt = arguments.value("prompt") {
+            guard LoginOptions.promptValues.contains(prompt) else {
+                throw UsageError(
+                    message: "--prompt expects one of \(LoginOptions.promptValues.joined(separator: ", "))",
+                    command: ["proxyctl", "login"])
+            }
+            options.prompt = prompt
+        }
         if let maxAge = arguments.value("max-age") {
             guard let seconds = Int(maxAge), seconds >= 0 else {
                 throw UsageError(message: "--max-age expects a number of seconds", command: ["proxyctl", "login"])
@@ -53,6 +64,12 @@ enum LoginCommand {
         }
         let environment = try AuthEnvironment.load(arguments, context, command: "login")
         defer { environment.loopThread.stop() }
+        if !environment.provider.needsSignIn {
+            return try machineGrant(environment, context: context)
+        }
+        options.originResources = environment.configuration.origins.origins.filter {
+            $0.provider == environment.provider.name
+        }.compactMap(\.resource)
         _ = try signIn(
             environment, options: options, device: arguments.flag("device"), noBrowser: arguments.flag("no-browser"),
             newKey: arguments.flag("new-key"), context: context)
@@ -131,6 +148,31 @@ enum LoginCommand {
             context.err("Step-up satisfied for: \(satisfied.map(\.origin).joined(separator: ", ")); retry the request.")
         }
         return tokens
+    }
+}
+
+extension LoginCommand {
+    /// `proxyctl login` for a provider with a machine grant: nobody signs in; the grant runs once, so that a
+    /// mistake in the registration, the key or the subject token shows now rather than at the first request.
+    static func machineGrant(_ environment: AuthEnvironment, context: CommandContext) throws -> Int32 {
+        let provider = environment.provider
+        try environment.prepareClientAuthentication()
+        let manager = environment.manager()
+        let tokens: TokenSet
+        do {
+            let generation = (try? environment.store.load(provider.name))?.generation ?? Int64.min
+            tokens = try runBlocking { try await manager.refresh(replacing: generation) }
+        } catch let error as AuthError {
+            throw error.commandFailure
+        }
+        context.err(
+            "[provider \(provider.name)] uses grant = \(provider.grant.rawValue): nobody signs in; proxyctl serve and proxyctl token run the grant when they need a token."
+        )
+        let expiry =
+            tokens.expiresAt.map { " valid until \(HumanTime.describe($0, now: Int64(Date().timeIntervalSince1970)))" }
+            ?? ""
+        context.err("Obtained an access token with the grant\(expiry).")
+        return ExitCode.success
     }
 }
 

@@ -87,6 +87,17 @@ enum ProxyRuntime {
             if let key = keys[provider.name] {
                 try runBlocking { await client.setDPoPKey(key) }
             }
+            do {
+                try prepareClient(provider, client: client, stateDirectory: stateDirectory)
+            } catch let error as AuthError {
+                throw error.commandFailure
+            }
+            // A machine grant with DPoP made its key just now.
+            if !provider.needsSignIn, provider.tokenBinding == .dpop, keys[provider.name] == nil,
+                let key = try? runBlocking({ await client.dpopKey })
+            {
+                keys[provider.name] = key
+            }
             managers[provider.name] = TokenManager(provider: provider, store: store, client: client)
         }
         return Interception(

@@ -24,6 +24,7 @@ public enum ProxyctlCommand {
             TokenCommand.spec,
             StepUpCommand.spec,
             CACommand.spec,
+            KeyCommand.spec,
             EnvCommand.spec,
             ExecCommand.spec,
             DoctorCommand.spec,

@@ -20,6 +20,83 @@ enum StatusCommand {
         return text
     }
 
+    /// The origins a provider serves and the token each gets: the provider's own, the ID token, or one of
+    /// their own (resource, scopes) with its expiry and the `aud` it really has. A provider that ignored the
+    /// resource indicator is named as such rather than trusted.
+    static func originLines(
+        _ origins: [OriginConfig], tokens: TokenSet?, now: Int64, text: inout [String], object: inout JSONObject
+    ) {
+        guard !origins.isEmpty else {
+            text.append("  origins:       none")
+            return
+        }
+        text.append("  origins:")
+        var reports: [JSONValue] = []
+        for origin in origins {
+            let key = origin.tokenKey
+            var report = JSONObject([("origin", .string(origin.url))])
+            var line = "    \(origin.url): "
+            switch (key.isProviderDefault, key.kind) {
+            case (true, _):
+                report["token"] = "provider"
+                line += "the provider's access token"
+            case (false, .idToken):
+                report["token"] = "id_token"
+                line += "the ID token"
+            case (false, .accessToken):
+                report["token"] = "own"
+                var wanted: [String] = []
+                if let resource = key.resource {
+                    wanted.append("resource \(resource)")
+                    report["resource"] = .string(resource)
+                }
+                if let scopes = key.scopes {
+                    wanted.append("scopes \(scopes.joined(separator: " "))")
+                    report["scopes"] = .array(scopes.map { .string($0) })
+                }
+                line += "its own token (\(wanted.joined(separator: ", ")))"
+            }
+            if !key.isProviderDefault {
+                if let view = tokens?.view(for: key), !view.accessToken.isEmpty {
+                    if let expiresAt = view.expiresAt {
+                        line += view.isExpired(at: now) ? ", expired " : ", valid until "
+                        line += HumanTime.describe(expiresAt, now: now)
+                        report["expires_at"] = .int(expiresAt)
+                    }
+                    let audience = Self.audience(of: view.accessToken)
+                    if let audience {
+                        report["aud"] = .array(audience.map { .string($0) })
+                        line += "; aud \(audience.joined(separator: " "))"
+                        if let resource = key.resource {
+                            let honoured = audience.contains(resource)
+                            report["resource_honoured"] = .bool(honoured)
+                            if !honoured {
+                                line +=
+                                    " (the provider ignored the resource indicator: this token is not limited to \(resource))"
+                            }
+                        }
+                    } else if key.kind == .accessToken {
+                        line += "; aud unknown (an opaque token)"
+                    }
+                } else {
+                    line += ", not obtained yet (the first request gets it)"
+                    report["obtained"] = false
+                }
+            }
+            text.append(line)
+            reports.append(.object(report))
+        }
+        object["origin_tokens"] = .array(reports)
+    }
+
+    /// The `aud` of a JWT access token (a string or an array), without checking its signature: this only
+    /// reports what the provider issued. Nil for an opaque token.
+    static func audience(of token: String) -> [String]? {
+        guard case .success(let jwt) = JWT.parse(token), let aud = jwt.claims["aud"] else { return nil }
+        if let single = aud.string { return [single] }
+        return aud.stringList
+    }
+
     static func run(_ arguments: ParsedArguments, _ context: CommandContext) throws -> Int32 {
         let loader = ConfigLoader(environment: context.environment)
         let location = loader.locate(flag: arguments.value("config"))
@@ -51,16 +128,31 @@ enum StatusCommand {
                 problem = "\(error)"
             }
             let matches = tokens.map { $0.issuer == provider.issuer && $0.clientID == provider.clientID } ?? false
-            let usable = matches && tokens.map { !$0.isExpired(at: now) || $0.refreshToken != nil } ?? false
+            // A machine grant needs nobody: it is usable whenever its client can authenticate.
+            let machine = !provider.needsSignIn
+            let usable =
+                machine
+                || (matches && tokens.map { !$0.isExpired(at: now) || $0.refreshToken != nil } ?? false)
             allUsable = allUsable && usable
             var object = JSONObject()
             object["provider"] = .string(provider.name)
             object["issuer"] = .string(provider.issuer)
+            object["grant"] = .string(provider.grant.rawValue)
             object["signed_in"] = .bool(usable)
-            guard let tokens else {
-                text.append("\(provider.name): not signed in (run: proxyctl login \(provider.name))")
+            let served = configuration.origins.origins.filter { $0.provider == provider.name }
+            object["origins"] = .array(served.map { .string($0.url) })
+            guard let tokens, !(machine && !matches) else {
+                if machine {
+                    text.append(
+                        "\(provider.name): grant = \(provider.grant.rawValue), no sign-in needed; no token obtained yet (proxyctl token \(provider.name) or the first request gets one)"
+                    )
+                    text.append("  issuer:        \(provider.issuer)")
+                } else {
+                    text.append("\(provider.name): not signed in (run: proxyctl login \(provider.name))")
+                }
                 if let problem { text.append("  problem:       \(problem)") }
                 if let problem { object["problem"] = .string(problem) }
+                originLines(served, tokens: nil, now: now, text: &text, object: &object)
                 reports.append(.object(object))
                 continue
             }
@@ -100,8 +192,14 @@ enum StatusCommand {
                 text.append("  access token:  no expiry given")
             }
             object["access_token_expired"] = .bool(tokens.isExpired(at: now))
-            text.append("  refresh token: \(tokens.refreshToken != nil ? "held" : "none")")
+            let kept = tokens.refreshTokenInSecretService ? " (in the Secret Service)" : ""
+            if tokens.refreshTokenInSecretService && tokens.refreshToken == nil {
+                text.append("  refresh token: in the Secret Service, which cannot be read now")
+            } else {
+                text.append("  refresh token: \(tokens.refreshToken != nil ? "held\(kept)" : "none")")
+            }
             object["refresh_token"] = .bool(tokens.refreshToken != nil)
+            object["refresh_token_store"] = .string(tokens.refreshTokenInSecretService ? "secret-service" : "file")
             if let record = tokens.lastRefresh {
                 let outcome = record.outcome == "ok" ? "ok" : "failed (\(record.outcome): \(record.reason ?? "-"))"
                 text.append("  last refresh:  \(outcome), \(HumanTime.describe(record.at, now: now))")
@@ -111,8 +209,17 @@ enum StatusCommand {
                 if let reason = record.reason { refresh["reason"] = .string(reason) }
                 object["last_refresh"] = .object(refresh)
             }
+            if machine { text.append("  grant:         \(provider.grant.rawValue) (no sign-in needed)") }
+            originLines(served, tokens: tokens, now: now, text: &text, object: &object)
             if !usable { text.append("  next step:     proxyctl login \(provider.name)") }
             reports.append(.object(object))
+        }
+        if configuration.proxy.tokenStore == .secretService {
+            let fallback = ConfigLoader.secretStoreFallback
+            text.append("")
+            text.append(
+                fallback.map { "token_store = secret-service: not available (\($0)); the 0600 files are used" }
+                    ?? "token_store = secret-service: refresh tokens and DPoP keys are kept in the Secret Service")
         }
         let serving = ServeState.running(stateDirectory: stateDirectory)
         if let serving {
@@ -179,17 +286,45 @@ enum TokenCommand {
             A refresh is waited for until the provider answers: its answer holds the new refresh token. \
             SIGINT and SIGTERM during a refresh stop the command once the answer is stored, within \
             shutdown_grace; a second signal stops it at once.
+            With grant = client_credentials or token_exchange no login is needed: the grant runs when the \
+            stored token is missing or about to expire. --origin prints the token that origin gets (its own \
+            resource and scopes, or the ID token).
             """,
         arguments: [AuthEnvironment.providerArgument],
-        options: [AuthEnvironment.configOption],
+        options: [
+            AuthEnvironment.configOption,
+            .option("origin", value: "url", help: "Print the token this [origin URL] gets instead of the provider's."),
+        ],
         run: run
     )
 
     static func run(_ arguments: ParsedArguments, _ context: CommandContext) throws -> Int32 {
-        let environment = try AuthEnvironment.load(arguments, context, command: "token")
+        var key: TokenKey? = nil
+        var provided = arguments
+        if let url = arguments.value("origin") {
+            let loader = ConfigLoader(environment: context.environment)
+            let configuration = try loader.load(loader.locate(flag: arguments.value("config")))
+            guard case .success(let parsed) = OriginConfig.parseURL(url),
+                let origin = configuration.origins.match(scheme: parsed.scheme, authority: parsed.authority)
+            else {
+                throw CommandFailure(
+                    message:
+                        "no [origin \(url)] in the configuration; configured: \(configuration.origins.origins.map(\.url).joined(separator: ", "))"
+                )
+            }
+            if let named = arguments.positionals.first, named != origin.provider {
+                throw CommandFailure(
+                    message: "[origin \(origin.url)] gets its tokens from \(origin.provider), not \(named)")
+            }
+            key = origin.tokenKey
+            provided.positionals = [origin.provider]
+        }
+        let environment = try AuthEnvironment.load(provided, context, command: "token")
         defer { environment.loopThread.stop() }
         try environment.loadDPoPKey()
+        try environment.prepareClientAuthentication()
         let manager = environment.manager()
+        let tokenKey = key ?? manager.defaultKey
         let signals = RefreshSignals(
             gate: manager.gate, grace: environment.configuration.proxy.shutdownGrace, context: context)
         let tokens: TokenSet
@@ -198,15 +333,16 @@ enum TokenCommand {
             defer { slow.cancel() }
             // No time limit of our own: the refresh's answer holds the new refresh token (the request itself
             // gives up after TokenManager.refreshRequestLimit).
-            tokens = try runBlocking { try await manager.currentTokens(waitingAtMost: nil) }
+            tokens = try runBlocking { try await manager.currentTokens(for: tokenKey, waitingAtMost: .some(nil)) }
             try keepUnsaved(manager, environment.provider, context)
         } catch let error as AuthError {
             signals.finish()
             throw error.commandFailure
         }
         signals.finish()
+        let what = tokenKey.kind == .idToken ? "ID token" : "access token"
         context.err(
-            "proxyctl: printing the \(environment.provider.name) access token; it is a secret, and a program handed it may log it"
+            "proxyctl: printing the \(tokenKey.isProviderDefault ? environment.provider.name : tokenKey.description) \(what); it is a secret, and a program handed it may log it"
         )
         if tokens.tokenType == "DPoP" {
             context.err(
@@ -245,6 +381,12 @@ extension TokenCommand {
     }
 }
 
+enum EndSession {
+    static func url(_ endpoint: String, _ parameters: [(String, String)]) -> String {
+        endpoint + (endpoint.contains("?") ? "&" : "?") + FormEncoding.encode(parameters)
+    }
+}
+
 /// Watches the refresh gate every 100 ms (the request may go out late on a busy machine) and says once why
 /// the command is still waiting when a refresh has been out for `timeout` milliseconds.
 final class SlowRefreshNote: Sendable {
@@ -278,8 +420,17 @@ enum LogoutCommand {
     static let spec = CommandSpec(
         name: "logout",
         abstract: "Revoke the refresh token where the provider allows it, and delete the local tokens.",
+        discussion: """
+            With --end-session the provider's own session ends too (OpenID Connect RP-Initiated Logout): the \
+            browser opens the provider's end_session_endpoint from its discovery document, with the ID token as \
+            id_token_hint, so that the next proxyctl login can choose another account.
+            """,
         arguments: [AuthEnvironment.providerArgument],
-        options: [AuthEnvironment.configOption],
+        options: [
+            AuthEnvironment.configOption,
+            .flag("end-session", help: "Also end the provider's session in the browser (RP-initiated logout)."),
+            .flag("no-browser", help: "With --end-session: print the URL instead of opening a browser."),
+        ],
         run: run
     )
 
@@ -335,6 +486,44 @@ enum LogoutCommand {
             throw CommandFailure(message: "\(error)")
         }
         context.err("Deleted the local tokens for \(name).")
+        if arguments.flag("end-session") {
+            try endSession(environment, idToken: tokens.idToken, arguments: arguments, context: context)
+        }
         return ExitCode.success
+    }
+
+    /// RP-initiated logout (OpenID Connect RP-Initiated Logout 1.0 §2): the end_session_endpoint from
+    /// discovery with `id_token_hint` and `client_id`, opened in the browser. The printed URL leaves the ID
+    /// token out (it names the user); the provider then asks which session to end.
+    static func endSession(
+        _ environment: AuthEnvironment, idToken: String?, arguments: ParsedArguments, context: CommandContext
+    ) throws {
+        let client = environment.client
+        let metadata: ProviderMetadata
+        do {
+            metadata = try runBlocking { try await client.discover() }
+        } catch let error as AuthError {
+            throw error.commandFailure
+        }
+        guard let endpoint = metadata.endSessionEndpoint else {
+            throw CommandFailure(
+                message:
+                    "the provider's discovery document has no end_session_endpoint: it does not offer RP-initiated logout; sign out on its own pages"
+            )
+        }
+        var parameters = [("client_id", environment.provider.clientID)]
+        let shown = EndSession.url(endpoint, parameters)
+        if let idToken { parameters.insert(("id_token_hint", idToken), at: 0) }
+        let full = EndSession.url(endpoint, parameters)
+        let launcher = BrowserLauncher(environment: context.environment, interactive: context.isInteractive)
+        if let reason = launcher.unavailableReason(noBrowserFlag: arguments.flag("no-browser")) {
+            context.err("No browser can be opened here: \(reason). To end the provider's session, open:")
+            context.out(shown)
+        } else if launcher.open(full) {
+            context.err("Opened the provider's sign-out page in the browser (\(endpoint)).")
+        } else {
+            context.err("Could not start a browser. To end the provider's session, open:")
+            context.out(shown)
+        }
     }
 }

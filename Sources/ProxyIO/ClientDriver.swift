@@ -622,11 +622,11 @@ final class ClientDriver: ServerConnection, TransferOwner {
         case .bodyEnded:
             requestBody().finish()
             resumeUploadLater()
-        case .getTokens(let provider):
+        case .getTokens(let key):
             _ = requestBody()
-            context.tokens.tokens(provider) { [weak self] result in self?.tokensArrived(result, refreshed: false) }
-        case .refreshTokens(let provider, let generation):
-            context.tokens.refresh(provider, replacing: generation) { [weak self] result in
+            context.tokens.tokens(key) { [weak self] result in self?.tokensArrived(result, refreshed: false) }
+        case .refreshTokens(let key, let generation):
+            context.tokens.refresh(key, replacing: generation) { [weak self] result in
                 self?.tokensArrived(result, refreshed: true)
             }
         case .send(let request):

@@ -497,12 +497,12 @@ final class H2Driver: ServerConnection, TransferOwner {
                 io.uploadPaused = false
                 afterHandling.append { [unowned self] in context.curl.resume(transfer) }
             }
-        case .getTokens(let provider):
-            context.tokens.tokens(provider) { [weak self] result in
+        case .getTokens(let key):
+            context.tokens.tokens(key) { [weak self] result in
                 self?.tokensArrived(stream, result, refreshed: false)
             }
-        case .refreshTokens(let provider, let generation):
-            context.tokens.refresh(provider, replacing: generation) { [weak self] result in
+        case .refreshTokens(let key, let generation):
+            context.tokens.refresh(key, replacing: generation) { [weak self] result in
                 self?.tokensArrived(stream, result, refreshed: true)
             }
         case .send(let request):

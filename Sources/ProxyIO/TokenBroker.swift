@@ -10,7 +10,8 @@ import ProxyOAuth
 final class TokenBroker {
     let loop: EventLoop
     private let managers: [String: TokenManager]
-    private var snapshots: [String: (tokens: TokenSet, checkedAt: Int64, version: TokenStore.FileVersion?)] = [:]
+    /// Usable tokens per key (an origin's own audience and scopes, or the provider's token).
+    private var snapshots: [TokenKey: (tokens: TokenSet, checkedAt: Int64, version: TokenStore.FileVersion?)] = [:]
     /// How long a cached snapshot is trusted without asking the manager (milliseconds).
     let snapshotLifetime: Int64 = 1000
 
@@ -30,43 +31,44 @@ final class TokenBroker {
 
     /// Tokens usable right now without leaving the loop, if the cache has them. One stat(2) makes sure no
     /// other process (`proxyctl login`, `step-up`, `logout`) replaced the file since.
-    func cachedTokens(_ provider: String) -> TokenSet? {
-        guard let snapshot = snapshots[provider] else { return nil }
+    func cachedTokens(_ key: TokenKey) -> TokenSet? {
+        guard let snapshot = snapshots[key] else { return nil }
         let now = EventLoop.monotonicMilliseconds()
         guard now - snapshot.checkedAt < snapshotLifetime, snapshot.tokens.isFresh(at: Int64(time(nil))),
-            let file = tokenFiles[provider], TokenStore.version(atPath: file) == snapshot.version
+            let file = tokenFiles[key.provider], TokenStore.version(atPath: file) == snapshot.version
         else { return nil }
         return snapshot.tokens
     }
 
-    /// Usable tokens for `provider`; `completion` runs on the loop.
-    func tokens(_ provider: String, completion: @escaping (Result<TokenSet, AuthError>) -> Void) {
-        if let cached = cachedTokens(provider) {
+    /// A usable token of `key` (as `TokenSet.view(for:)` shows it); `completion` runs on the loop.
+    func tokens(_ key: TokenKey, completion: @escaping (Result<TokenSet, AuthError>) -> Void) {
+        if let cached = cachedTokens(key) {
             completion(.success(cached))
             return
         }
-        run(provider, completion: completion) { manager in try await manager.currentTokens() }
+        run(key, completion: completion) { manager in try await manager.currentTokens(for: key) }
     }
 
     /// Refreshes because the tokens of `generation` were rejected; newer tokens are reused when someone
     /// already refreshed. `completion` runs on the loop.
     func refresh(
-        _ provider: String, replacing generation: Int64, completion: @escaping (Result<TokenSet, AuthError>) -> Void
+        _ key: TokenKey, replacing generation: Int64, completion: @escaping (Result<TokenSet, AuthError>) -> Void
     ) {
-        if let snapshot = snapshots[provider], snapshot.tokens.generation > generation,
+        if let snapshot = snapshots[key], snapshot.tokens.generation > generation,
             !snapshot.tokens.isExpired(at: Int64(Date().timeIntervalSince1970))
         {
             completion(.success(snapshot.tokens))
             return
         }
-        snapshots.removeValue(forKey: provider)
-        run(provider, completion: completion) { manager in try await manager.refresh(replacing: generation) }
+        snapshots.removeValue(forKey: key)
+        run(key, completion: completion) { manager in try await manager.refresh(key, replacing: generation) }
     }
 
     private func run(
-        _ provider: String, completion: @escaping (Result<TokenSet, AuthError>) -> Void,
+        _ key: TokenKey, completion: @escaping (Result<TokenSet, AuthError>) -> Void,
         _ work: @escaping @Sendable (TokenManager) async throws -> TokenSet
     ) {
+        let provider = key.provider
         guard let manager = managers[provider] else {
             completion(.failure(.configuration(reason: "no provider named \(provider)")))
             return
@@ -87,7 +89,7 @@ final class TokenBroker {
             }
             loop.post {
                 if case .success(let tokens) = result {
-                    broker.value.snapshots[provider] = (
+                    broker.value.snapshots[key] = (
                         tokens, EventLoop.monotonicMilliseconds(), manager.store.version(provider)
                     )
                 }

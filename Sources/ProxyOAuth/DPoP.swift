@@ -28,6 +28,12 @@ public final class DPoPKey: Sendable {
 
     /// Reads the provider's key; nil when there is none yet.
     public static func load(stateDirectory: String, provider: String) throws -> DPoPKey? {
+        // token_store = secret-service: the key is in the Secret Service; the file is the fallback.
+        if let service = SecretService.configured, service.stateDirectory == stateDirectory,
+            let pem = try? service.lookup(provider: provider, kind: .dpopKey)
+        {
+            return try DPoPKey(try PrivateKey.fromPEM(pem))
+        }
         let file = path(stateDirectory: stateDirectory, provider: provider)
         guard let pem = FileManager.default.contents(atPath: file) else { return nil }
         return try DPoPKey(try PrivateKey.fromPEM(Array(pem)))
@@ -36,6 +42,13 @@ public final class DPoPKey: Sendable {
     /// Makes a new key and stores it (0600, atomically), replacing any earlier one.
     public static func create(stateDirectory: String, provider: String) throws -> DPoPKey {
         let key = try PrivateKey.generateP256()
+        if let service = SecretService.configured, service.stateDirectory == stateDirectory,
+            (try? service.store(try key.pem(), provider: provider, kind: .dpopKey)) != nil
+        {
+            // An older key file would be read if the Secret Service went away: it must not outlive its key.
+            unlink(path(stateDirectory: stateDirectory, provider: provider))
+            return try DPoPKey(key)
+        }
         try SecureFile.makePrivateDirectory(stateDirectory)
         try SecureFile.makePrivateDirectory(stateDirectory + "/keys")
         try SecureFile.write(try key.pem(), to: path(stateDirectory: stateDirectory, provider: provider), mode: 0o600)

@@ -71,6 +71,14 @@ public struct LoginOptions: Sendable, Equatable {
     public var loginHint: String? = nil
     /// Ask the provider for enrolment (`prompt=create`).
     public var create = false
+    /// OpenID Connect `prompt` (Core §3.1.2.1): `login`, `select_account` or `consent`.
+    public var prompt: String? = nil
+    /// The resource indicators of the provider's origins (RFC 8707 §2.1): the grant covers each of them, so
+    /// that refreshes can ask for a token per origin.
+    public var originResources: [String] = []
+
+    /// The `prompt` values `proxyctl login --prompt` accepts.
+    public static let promptValues = ["login", "select_account", "consent"]
 
     public init() {}
 }
@@ -116,9 +124,12 @@ public struct AuthorizationRequest: Sendable {
         if let acr = options.acrValues ?? provider.acrValues { parameters.append(("acr_values", acr)) }
         if let maxAge = options.maxAge { parameters.append(("max_age", String(maxAge))) }
         if let hint = options.loginHint ?? provider.loginHint { parameters.append(("login_hint", hint)) }
-        if options.create { parameters.append(("prompt", "create")) }
+        let prompts = (options.create ? ["create"] : []) + (options.prompt.map { [$0] } ?? [])
+        if !prompts.isEmpty { parameters.append(("prompt", prompts.joined(separator: " "))) }
         if let dpopThumbprint { parameters.append(("dpop_jkt", dpopThumbprint)) }
-        for resource in provider.resources { parameters.append(("resource", resource)) }
+        var resources = provider.resources
+        for resource in options.originResources where !resources.contains(resource) { resources.append(resource) }
+        for resource in resources { parameters.append(("resource", resource)) }
         for (name, value) in provider.extraParameters { parameters.append((name, value)) }
         return parameters
     }

@@ -26,6 +26,13 @@ public actor ProviderClient {
 
     public func setDPoPKey(_ key: DPoPKey?) { dpopKey = key }
 
+    /// How a confidential client authenticates at the token endpoint; nil for a public client (`client_id`).
+    public private(set) var clientAuthentication: ClientAuthentication?
+
+    public func setClientAuthentication(_ authentication: ClientAuthentication?) {
+        clientAuthentication = authentication
+    }
+
     func setSleep(_ sleep: @escaping @Sendable (Int) async throws -> Void) { self.sleep = sleep }
 
     /// The provider's metadata, fetched once (OpenID Connect Discovery, then RFC 8414).
@@ -115,7 +122,21 @@ public actor ProviderClient {
                     throw AuthError.configuration(reason: "cannot sign a DPoP proof: \(error)")
                 }
             }
-            var request = HTTPRequest.form(metadata.tokenEndpoint, parameters, caFile: config.caFile, headers: headers)
+            var form = parameters
+            if let clientAuthentication {
+                // A new assertion for every attempt: providers refuse a jti they have seen.
+                do {
+                    let applied = try clientAuthentication.apply(
+                        to: parameters, tokenEndpoint: metadata.tokenEndpoint, now: Int64(Date().timeIntervalSince1970))
+                    form = applied.parameters
+                    headers += applied.headers
+                } catch let error as AuthError {
+                    throw error
+                } catch {
+                    throw AuthError.configuration(reason: "cannot sign the client assertion: \(error)")
+                }
+            }
+            var request = HTTPRequest.form(metadata.tokenEndpoint, form, caFile: config.caFile, headers: headers)
             request.timeout = timeout ?? config.tokenTimeout
             let outcome: Result<TokenResponse, TokenEndpointError>
             do {

@@ -27,8 +27,9 @@ public actor TokenManager {
     public nonisolated let tally = RefreshTally()
     private var cached: TokenSet?
     private var cachedVersion: TokenStore.FileVersion?
-    /// The refresh in flight: every caller joins it, and it runs to its end even when they stop waiting.
-    private var flight: Flight?
+    /// The refresh in flight per token key: every caller joins it, and it runs to its end even when they stop
+    /// waiting. Flights for different keys of one provider are serialised by the provider's lock.
+    private var flights: [String: Flight] = [:]
     private var flightCount = 0
     /// Refreshed tokens that could not be written yet (a full disk): kept in memory and written again at
     /// each use, with the provider's lock held meanwhile so that no other process spends the refresh token
@@ -91,17 +92,35 @@ public actor TokenManager {
     /// Usable tokens: the stored ones while fresh, else refreshed ones. Waits for a refresh up to the
     /// provider's `token_timeout`, then throws `.pending` (the refresh goes on).
     public func currentTokens() async throws -> TokenSet {
-        try await currentTokens(waitingAtMost: .milliseconds(provider.tokenTimeout))
+        try await currentTokens(for: defaultKey, waitingAtMost: .milliseconds(provider.tokenTimeout))
     }
 
     /// Usable tokens; `patience` nil waits for a refresh until it ends.
     public func currentTokens(waitingAtMost patience: Duration?) async throws -> TokenSet {
+        try await currentTokens(for: defaultKey, waitingAtMost: patience)
+    }
+
+    /// The provider's own token: what `proxyctl login` stores.
+    public nonisolated var defaultKey: TokenKey { TokenKey(provider: provider.name) }
+
+    /// A usable token of `key`, as `TokenSet.view(for:)` shows it: from the store while fresh, else obtained
+    /// (a refresh, with the key's `resource` and `scope` when it has them, or the provider's grant). Waits up
+    /// to `patience` (default `token_timeout`; nil: until the refresh ends).
+    public func currentTokens(for key: TokenKey, waitingAtMost patience: Duration?? = nil) async throws -> TokenSet {
+        let patience = patience ?? .milliseconds(provider.tokenTimeout)
         do {
-            if let tokens = try unsavedTokens(), tokens.isFresh(at: clock()) { return tokens }
-            guard let tokens = try storedTokens() else { throw notSignedIn }
-            try checkBelongsToProvider(tokens)
-            if tokens.isFresh(at: clock()) { return tokens }
-            return try await refresh(replacing: tokens.generation, patience)
+            if let tokens = try unsavedTokens(), let view = tokens.view(for: key), view.isFresh(at: clock()) {
+                return view
+            }
+            let stored = try storedTokens()
+            if provider.needsSignIn {
+                guard let stored else { throw notSignedIn }
+                try checkBelongsToProvider(stored)
+            }
+            let belongs = stored.map { $0.issuer == provider.issuer && $0.clientID == provider.clientID } ?? false
+            let view = belongs ? stored?.view(for: key) : nil
+            if let view, view.isUsable(at: clock()) { return view }
+            return try await refresh(key, replacing: view?.generation ?? Int64.min, patience)
         } catch let error as StoreError {
             throw error.authError(provider: provider.name)
         }
@@ -110,29 +129,40 @@ public actor TokenManager {
     /// Refreshes because the tokens of `generation` were rejected or are stale. When the stored tokens are
     /// already newer than that (someone refreshed meanwhile), they are returned without a new request.
     public func refresh(replacing generation: Int64) async throws -> TokenSet {
+        try await refresh(defaultKey, replacing: generation)
+    }
+
+    /// Obtains a new token of `key` because the one of `generation` was rejected; a newer one already stored
+    /// is returned without a request. With a machine grant this runs the grant again (there is no refresh token).
+    public func refresh(_ key: TokenKey, replacing generation: Int64) async throws -> TokenSet {
         do {
-            return try await refresh(replacing: generation, .milliseconds(provider.tokenTimeout))
+            return try await refresh(key, replacing: generation, .milliseconds(provider.tokenTimeout))
         } catch let error as StoreError {
             throw error.authError(provider: provider.name)
         }
     }
 
-    private func refresh(replacing generation: Int64, _ patience: Duration?) async throws -> TokenSet {
+    private func refresh(_ key: TokenKey, replacing generation: Int64, _ patience: Duration?) async throws -> TokenSet {
         if let pending = try unsavedTokens() {
-            if pending.generation > generation, !pending.isExpired(at: clock()) { return pending }
+            if let view = pending.view(for: key), view.generation > generation, !view.isExpired(at: clock()) {
+                return view
+            }
             throw unsavedFailure
         }
-        if let current = try storedTokens(), current.generation > generation, !current.isExpired(at: clock()) {
-            return current
+        if let current = try storedTokens(), current.issuer == provider.issuer, current.clientID == provider.clientID,
+            let view = current.view(for: key), view.generation > generation, !view.accessToken.isEmpty,
+            !view.isExpired(at: clock())
+        {
+            return view
         }
-        if let flight { return try await wait(for: flight, patience) }
+        if let flight = flights[key.id] { return try await wait(for: flight, patience) }
         flightCount += 1
         let id = flightCount
         let tally = self.tally
         let task = Task {
-            defer { endFlight(id) }
+            defer { endFlight(key.id, id) }
             do {
-                let tokens = try await refreshUnderLock(replacing: generation)
+                let tokens = try await obtainUnderLock(key, replacing: generation)
                 tally.record(ok: true)
                 return tokens
             } catch {
@@ -141,12 +171,12 @@ public actor TokenManager {
             }
         }
         let started = Flight(id: id, task: task, started: .now)
-        flight = started
+        flights[key.id] = started
         return try await wait(for: started, patience)
     }
 
-    private func endFlight(_ id: Int) {
-        if flight?.id == id { flight = nil }
+    private func endFlight(_ key: String, _ id: Int) {
+        if flights[key]?.id == id { flights[key] = nil }
     }
 
     /// The flight's tokens, or `.pending` once `patience` has passed since it started.
@@ -211,7 +241,29 @@ public actor TokenManager {
         return current + max(current, 8192)
     }
 
-    private func refreshUnderLock(replacing generation: Int64) async throws -> TokenSet {
+    /// Takes the provider's lock and obtains a token of `key`: by refreshing (the provider's token, the ID
+    /// token, or a token for an origin's audience) or by the provider's machine grant.
+    private func obtainUnderLock(_ key: TokenKey, replacing generation: Int64) async throws -> TokenSet {
+        if !provider.needsSignIn { return try await grantUnderLock(key, replacing: generation) }
+        let refreshed = try await refreshUnderLock(key, replacing: generation)
+        guard let view = refreshed.view(for: key) else {
+            throw AuthError.reauthenticate(
+                reason:
+                    key.kind == .idToken
+                    ? "there is no ID token for \(provider.name); run: proxyctl login \(provider.name)"
+                    : "the provider gave no token for \(key); run: proxyctl login \(provider.name)")
+        }
+        if key.kind == .idToken && (view.generation <= generation || view.isExpired(at: clock())) {
+            // The provider refreshed without a new ID token (glewlwyd does): only a sign-in makes one.
+            throw AuthError.reauthenticate(
+                reason:
+                    "the ID token for \(provider.name) has expired and the provider gives no new one on refresh; run: proxyctl login \(provider.name)"
+            )
+        }
+        return view
+    }
+
+    private func refreshUnderLock(_ key: TokenKey, replacing generation: Int64) async throws -> TokenSet {
         let lock = try await store.lock(provider.name)
         var keepLock = false
         defer { if !keepLock { lock.release() } }
@@ -221,7 +273,11 @@ public actor TokenManager {
         guard let onDisk = try store.load(provider.name) else { throw notSignedIn }
         try checkBelongsToProvider(onDisk)
         remember(onDisk)
-        if onDisk.generation > generation && onDisk.isFresh(at: clock()) { return onDisk }
+        if let view = onDisk.view(for: key), view.generation > generation, view.isUsable(at: clock()) {
+            return onDisk
+        }
+        // The ID token comes with the provider's own refresh.
+        let audience = key.kind == .accessToken && !key.isProviderDefault
         if let bound = onDisk.dpopThumbprint, await client.dpopKey?.thumbprint != bound {
             // `proxyctl login --new-key` may have made a new key since this process started.
             if let key = try? DPoPKey.load(stateDirectory: store.stateDirectory, provider: provider.name),
@@ -252,9 +308,14 @@ public actor TokenManager {
         }
         defer { if !keepLock { gate.leave() } }
         refreshCount += 1
-        let parameters: [(String, String)] = [
+        var parameters: [(String, String)] = [
             ("grant_type", "refresh_token"), ("refresh_token", refreshToken), ("client_id", provider.clientID),
         ]
+        if audience {
+            // RFC 8707 §2.2 and RFC 6749 §6: a token for one resource, with no more than the scopes it needs.
+            if let resource = key.resource { parameters.append(("resource", resource)) }
+            if let scopes = key.scopes { parameters.append(("scope", scopes.joined(separator: " "))) }
+        }
         let outcome: Result<TokenResponse, TokenEndpointError>
         do {
             outcome = try await client.postToken(parameters, resendable: false, timeout: Self.refreshRequestLimit)
@@ -264,7 +325,7 @@ public actor TokenManager {
         }
         switch outcome {
         case .success(let response):
-            let tokens = try await adopt(response, previous: onDisk, into: reservation)
+            let tokens = try await adopt(response, previous: onDisk, key: audience ? key : nil, into: reservation)
             if case .failure(let failure) = tokens.saved {
                 // Keep the lock (and the gate) until the write succeeds: the file still holds the spent token.
                 keepLock = true
@@ -294,11 +355,15 @@ public actor TokenManager {
     /// Checks the refreshed tokens, then writes them at once into the room taken before the request (the
     /// rotated refresh token exists nowhere else), and returns them with the outcome of the write.
     private func adopt(
-        _ response: TokenResponse, previous: TokenSet, into reservation: TokenStore.Reservation
+        _ response: TokenResponse, previous: TokenSet, key: TokenKey?, into reservation: TokenStore.Reservation
     ) async throws -> (tokens: TokenSet, saved: Result<Void, StoreError>) {
         let updated: TokenSet
         do {
-            updated = try await check(response, previous: previous)
+            if let key {
+                updated = try checkAudience(response, previous: previous, key: key)
+            } else {
+                updated = try await check(response, previous: previous)
+            }
         } catch let error as AuthError {
             // The old refresh token was spent by this answer: never send it again.
             var dead = previous
@@ -346,11 +411,160 @@ public actor TokenManager {
             }
             updated.idToken = idToken
             updated.identity = identity
+            updated.idTokenSince = nil
+        } else {
+            updated.idTokenSince = previous.idTokenGeneration
         }
         updated.dpopThumbprint = type == "DPoP" ? previous.dpopThumbprint : nil
+        updated.accessGeneration = nil
         updated.generation = previous.generation + 1
         updated.lastRefresh = TokenSet.RefreshRecord(at: now, outcome: "ok")
         return updated
+    }
+
+    /// The tokens a refresh for `key`'s audience makes of `previous`: the key's own token is added; the
+    /// provider's access token and ID token stay as they were (their generations too), and a rotated refresh
+    /// token replaces the old one.
+    private func checkAudience(_ response: TokenResponse, previous: TokenSet, key: TokenKey) throws -> TokenSet {
+        guard let type = TokenEndpoint.normalizedType(response.tokenType) else {
+            throw AuthError.configuration(
+                reason: "the provider issued an unsupported token type \(AuthText.clip(response.tokenType, 20))")
+        }
+        let now = clock()
+        var updated = previous
+        updated.accessGeneration = previous.accessGeneration ?? previous.generation
+        updated.idTokenSince = previous.idTokenGeneration
+        updated.generation = previous.generation + 1
+        updated.refreshToken = response.refreshToken ?? previous.refreshToken
+        updated.audienceTokens[key.id] = TokenSet.AudienceToken(
+            accessToken: response.accessToken, tokenType: type, issuedAt: now,
+            expiresAt: response.expiresIn.map { now + Int64($0) },
+            scope: response.scope ?? key.scopes?.joined(separator: " "),
+            generation: updated.generation, dpopThumbprint: type == "DPoP" ? previous.dpopThumbprint : nil)
+        updated.lastRefresh = TokenSet.RefreshRecord(at: now, outcome: "ok")
+        return updated
+    }
+
+    // MARK: - Machine grants
+
+    /// Runs the provider's grant (client credentials, token exchange) for `key` under the provider's lock and
+    /// stores the token: no person, no refresh token; a new token is a new grant. Resending a grant request is
+    /// harmless (nothing is rotated), so it follows the usual retry rules.
+    private func grantUnderLock(_ key: TokenKey, replacing generation: Int64) async throws -> TokenSet {
+        let lock = try await store.lock(provider.name)
+        defer { lock.release() }
+        store.removeStaleTemporaries(provider.name)
+        var onDisk = try store.load(provider.name)
+        if let stored = onDisk, stored.issuer != provider.issuer || stored.clientID != provider.clientID {
+            onDisk = nil
+        }
+        if let stored = onDisk {
+            remember(stored)
+            if let view = stored.view(for: key), view.generation > generation, view.isUsable(at: clock()) {
+                return view
+            }
+        }
+        var parameters: [(String, String)]
+        let scopes = key.scopes ?? provider.scopes.filter { $0 != "openid" }
+        let resources = key.resource.map { [$0] } ?? provider.resources
+        switch provider.grant {
+        case .clientCredentials:
+            parameters = [("grant_type", "client_credentials"), ("client_id", provider.clientID)]
+        case .tokenExchange:
+            let subject = try await SubjectToken.read(provider, timeout: provider.tokenTimeout)
+            parameters = [
+                ("grant_type", "urn:ietf:params:oauth:grant-type:token-exchange"), ("client_id", provider.clientID),
+                ("subject_token", subject), ("subject_token_type", provider.subjectTokenType),
+                ("requested_token_type", "urn:ietf:params:oauth:token-type:access_token"),
+            ]
+            if let audience = provider.audience { parameters.append(("audience", audience)) }
+        case .authorizationCode:
+            throw AuthError.configuration(reason: "[provider \(provider.name)] signs in with proxyctl login")
+        }
+        for resource in resources { parameters.append(("resource", resource)) }
+        if !scopes.isEmpty { parameters.append(("scope", scopes.joined(separator: " "))) }
+        refreshCount += 1
+        let outcome = try await client.postToken(parameters, resendable: true)
+        let response: TokenResponse
+        switch outcome {
+        case .success(let answer): response = answer
+        case .failure(let failure): throw classifyGrantFailure(failure)
+        }
+        guard let type = TokenEndpoint.normalizedType(response.tokenType) else {
+            throw AuthError.configuration(
+                reason: "the provider issued an unsupported token type \(AuthText.clip(response.tokenType, 20))")
+        }
+        let now = clock()
+        var updated =
+            onDisk
+            ?? TokenSet(
+                provider: provider.name, issuer: provider.issuer, clientID: provider.clientID, accessToken: "",
+                tokenType: "Bearer", issuedAt: now, expiresAt: now, refreshToken: nil, idToken: nil, scope: nil,
+                identity: nil, generation: 0)
+        let bound = type == "DPoP" ? await client.dpopKey?.thumbprint : nil
+        if key.isProviderDefault {
+            updated.accessToken = response.accessToken
+            updated.tokenType = type
+            updated.issuedAt = now
+            updated.expiresAt = response.expiresIn.map { now + Int64($0) }
+            updated.scope = response.scope ?? (scopes.isEmpty ? nil : scopes.joined(separator: " "))
+            updated.dpopThumbprint = bound
+            updated.accessGeneration = nil
+            updated.generation += 1
+        } else {
+            updated.accessGeneration = updated.accessGeneration ?? updated.generation
+            updated.generation += 1
+            updated.audienceTokens[key.id] = TokenSet.AudienceToken(
+                accessToken: response.accessToken, tokenType: type, issuedAt: now,
+                expiresAt: response.expiresIn.map { now + Int64($0) },
+                scope: response.scope ?? (scopes.isEmpty ? nil : scopes.joined(separator: " ")),
+                generation: updated.generation, dpopThumbprint: bound)
+        }
+        updated.lastRefresh = TokenSet.RefreshRecord(at: now, outcome: "ok")
+        do {
+            try store.save(updated)
+            remember(updated)
+        } catch {
+            // Nothing is lost when this cannot be written: the next grant makes a new token.
+            cached = updated
+        }
+        guard let view = updated.view(for: key) else {
+            throw AuthError.rejected(reason: "the provider's answer held no token for \(key)")
+        }
+        return view
+    }
+
+    /// What a failed machine grant means for the user: there is nobody to sign in, so the fix is the
+    /// registration, the key or secret, or the subject token.
+    func classifyGrantFailure(_ failure: TokenEndpointError) -> AuthError {
+        let what = provider.grant == .tokenExchange ? "token exchange" : "client credentials grant"
+        switch failure {
+        case .oauth(let error, let status, _):
+            switch error.error {
+            case "invalid_grant", "invalid_token", "http_400":
+                if provider.grant == .tokenExchange {
+                    let source = provider.subjectTokenFile ?? provider.subjectTokenCommand?.first ?? "-"
+                    return .reauthenticate(
+                        reason:
+                            "the provider refused the subject token from \(source) (\(error.summary)); it may have expired or not be trusted for this client"
+                    )
+                }
+                return .configuration(
+                    reason: "the provider refused the \(what) for client \(provider.clientID) (\(error.summary))")
+            case "invalid_client", "unauthorized_client", "unsupported_grant_type", "http_401", "http_403",
+                "invalid_scope", "invalid_target":
+                return .configuration(
+                    reason:
+                        "the provider refused the \(what) for client \(provider.clientID) (\(error.summary), HTTP \(status)); check its registration, the client key or secret, and the scopes and resource asked for"
+                )
+            default:
+                return .recoverable(reason: "the provider refused the \(what) (\(error.summary))", retryAfter: nil)
+            }
+        case .unavailable(let status, let retryAfter):
+            return .recoverable(reason: "the provider is unavailable (HTTP \(status))", retryAfter: retryAfter)
+        case .malformed(let reason), .unanswered(let reason):
+            return .recoverable(reason: reason, retryAfter: nil)
+        }
     }
 
     /// Records a failed refresh in the token file. The failure matters more than its record: when the write
@@ -399,6 +613,12 @@ public actor TokenManager {
             case "invalid_scope":
                 return .reauthenticate(
                     reason: "the provider refused the scopes on refresh (\(error.summary)); sign in again")
+            case "invalid_target":
+                // RFC 8707 §2: the resource is unknown to the provider or not covered by the grant.
+                return .configuration(
+                    reason:
+                        "the provider refused the resource asked for (\(error.summary)); check resource in the [origin] section, that the provider knows it, and that its refresh tokens keep every resource of the sign-in"
+                )
             default:
                 return .recoverable(reason: "the provider refused the refresh (\(error.summary))", retryAfter: nil)
             }

@@ -19,6 +19,62 @@ public struct TokenSet: Sendable, Equatable {
     public var lastRefresh: RefreshRecord?
     /// With DPoP: the thumbprint of the key the tokens are bound to (RFC 9449 `cnf.jkt`).
     public var dpopThumbprint: String?
+    /// The generation in which `accessToken` was obtained, when a later change (a token for an origin's
+    /// audience, which may rotate the refresh token) left it as it was; nil means `generation`.
+    public var accessGeneration: Int64?
+    /// Whether the token file keeps the refresh token in the Secret Service (`token_store = secret-service`);
+    /// set by `TokenStore.load`, not stored.
+    public var refreshTokenInSecretService = false
+    /// Tokens obtained for origins' audiences and scopes (RFC 8707, RFC 9700 §4.10), by `TokenKey.id`.
+    public var audienceTokens: [String: AudienceToken] = [:]
+
+    /// An access token obtained for one `TokenKey` (an origin's resource and scopes).
+    public struct AudienceToken: Sendable, Equatable {
+        public var accessToken: String
+        public var tokenType: String
+        public var issuedAt: Int64
+        public var expiresAt: Int64?
+        public var scope: String?
+        /// The generation of the token file when this token was obtained.
+        public var generation: Int64
+        public var dpopThumbprint: String?
+
+        public init(
+            accessToken: String, tokenType: String, issuedAt: Int64, expiresAt: Int64?, scope: String?,
+            generation: Int64, dpopThumbprint: String?
+        ) {
+            self.accessToken = accessToken
+            self.tokenType = tokenType
+            self.issuedAt = issuedAt
+            self.expiresAt = expiresAt
+            self.scope = scope
+            self.generation = generation
+            self.dpopThumbprint = dpopThumbprint
+        }
+
+        var json: JSONValue {
+            var object = JSONObject()
+            object["access_token"] = .string(accessToken)
+            object["token_type"] = .string(tokenType)
+            object["issued_at"] = .int(issuedAt)
+            if let expiresAt { object["expires_at"] = .int(expiresAt) }
+            if let scope { object["scope"] = .string(scope) }
+            object["generation"] = .int(generation)
+            if let dpopThumbprint { object["dpop_jkt"] = .string(dpopThumbprint) }
+            return .object(object)
+        }
+
+        init?(json: JSONValue) {
+            guard let object = json.object, let accessToken = object["access_token"]?.string,
+                let tokenType = object["token_type"]?.string, let issuedAt = object["issued_at"]?.int,
+                let generation = object["generation"]?.int
+            else { return nil }
+            self.init(
+                accessToken: accessToken, tokenType: tokenType, issuedAt: issuedAt,
+                expiresAt: object["expires_at"]?.int, scope: object["scope"]?.string, generation: generation,
+                dpopThumbprint: object["dpop_jkt"]?.string)
+        }
+    }
 
     /// The outcome of the last refresh, for `proxyctl status`.
     public struct RefreshRecord: Sendable, Equatable {
@@ -66,11 +122,55 @@ public struct TokenSet: Sendable, Equatable {
         return now < refreshAt
     }
 
+    /// Whether there is an access token that can be used at `now` without obtaining a new one first (a machine
+    /// grant's token file may hold none yet: only tokens for origins' audiences).
+    public func isUsable(at now: Int64) -> Bool { !accessToken.isEmpty && isFresh(at: now) }
+
     /// Whether the access token has expired at `now`.
     public func isExpired(at now: Int64) -> Bool {
         guard let expiresAt else { return false }
         return now >= expiresAt
     }
+
+    /// The tokens as an origin of `key` sees them: `accessToken`, `tokenType`, the expiry and `generation` are
+    /// those of the key's own token (the ID token for `.idToken`); nil when there is none yet. The refresh
+    /// token and the identity stay the provider's.
+    public func view(for key: TokenKey) -> TokenSet? {
+        if key.isProviderDefault {
+            var view = self
+            view.generation = accessGeneration ?? generation
+            view.audienceTokens = [:]
+            return view
+        }
+        if key.kind == .idToken {
+            guard let idToken, case .success(let jwt) = JWT.parse(idToken) else { return nil }
+            var view = self
+            view.accessToken = idToken
+            view.tokenType = "Bearer"
+            view.dpopThumbprint = nil
+            view.issuedAt = jwt.claims["iat"]?.int ?? issuedAt
+            view.expiresAt = jwt.claims["exp"]?.int
+            view.generation = idTokenGeneration
+            view.audienceTokens = [:]
+            return view
+        }
+        guard let token = audienceTokens[key.id] else { return nil }
+        var view = self
+        view.accessToken = token.accessToken
+        view.tokenType = token.tokenType
+        view.issuedAt = token.issuedAt
+        view.expiresAt = token.expiresAt
+        view.scope = token.scope
+        view.generation = token.generation
+        view.dpopThumbprint = token.dpopThumbprint
+        view.audienceTokens = [:]
+        return view
+    }
+
+    /// The generation in which the ID token was last replaced: a refresh that brings none leaves it.
+    public var idTokenGeneration: Int64 { idTokenSince ?? accessGeneration ?? generation }
+    /// Set when a later change kept the ID token as it was (see `idTokenGeneration`).
+    public var idTokenSince: Int64?
 
     // MARK: - JSON
 
@@ -99,6 +199,13 @@ public struct TokenSet: Sendable, Equatable {
         }
         object["generation"] = .int(generation)
         if let dpopThumbprint { object["dpop_jkt"] = .string(dpopThumbprint) }
+        if let accessGeneration { object["access_generation"] = .int(accessGeneration) }
+        if let idTokenSince { object["id_token_generation"] = .int(idTokenSince) }
+        if !audienceTokens.isEmpty {
+            var tokens = JSONObject()
+            for (id, token) in audienceTokens.sorted(by: { $0.key < $1.key }) { tokens[id] = token.json }
+            object["audience_tokens"] = .object(tokens)
+        }
         if let lastRefresh {
             var record = JSONObject()
             record["at"] = .int(lastRefresh.at)
@@ -131,6 +238,13 @@ public struct TokenSet: Sendable, Equatable {
             idToken: object["id_token"]?.string, scope: object["scope"]?.string, identity: identity,
             generation: generation)
         dpopThumbprint = object["dpop_jkt"]?.string
+        accessGeneration = object["access_generation"]?.int
+        idTokenSince = object["id_token_generation"]?.int
+        if let tokens = object["audience_tokens"]?.object {
+            for (id, value) in tokens.members {
+                if let token = AudienceToken(json: value) { audienceTokens[id] = token }
+            }
+        }
         if let record = object["last_refresh"]?.object, let at = record["at"]?.int,
             let outcome = record["outcome"]?.string
         {

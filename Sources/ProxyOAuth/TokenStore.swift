@@ -7,10 +7,17 @@ import ProxyCore
 public struct TokenStore: Sendable {
     public let stateDirectory: String
     public var tokensDirectory: String { stateDirectory + "/tokens" }
+    /// With `token_store = secret-service`: where the refresh token goes instead of the file (which keeps
+    /// everything else, its layout and its lock). Nil: the file holds it all.
+    public let secrets: SecretService?
 
-    public init(stateDirectory: String) {
+    public init(stateDirectory: String, secrets: SecretService? = SecretService.configured) {
         self.stateDirectory = stateDirectory
+        self.secrets = secrets
     }
+
+    /// The member a token file carries when its refresh token is in the Secret Service.
+    static let secretServiceMarker = "refresh_token_store"
 
     /// The default state directory: `$XDG_STATE_HOME/proxyctl`, else `~/.local/state/proxyctl`.
     public static func defaultStateDirectory(environment: [String: String]) -> String? {
@@ -83,17 +90,40 @@ public struct TokenStore: Sendable {
             data.append(contentsOf: buffer[0..<count])
             if data.count > 4 << 20 { throw StoreError(path: file, "is too large to be a token file", kind: .damaged) }
         }
-        guard case .success(let json) = JSON.parse(data), let tokens = TokenSet(json: json) else {
+        guard case .success(let json) = JSON.parse(data), var tokens = TokenSet(json: json) else {
             throw StoreError(
                 path: file, "is damaged; sign in again to replace it (proxyctl login \(provider))", kind: .damaged)
         }
+        if json.object?[Self.secretServiceMarker]?.string == "secret-service", tokens.refreshToken == nil {
+            tokens.refreshTokenInSecretService = true
+            if let secret = try? (secrets ?? SecretService.configured)?.lookup(provider: provider, kind: .refreshToken)
+            {
+                tokens.refreshToken = String(decoding: secret, as: UTF8.self)
+            }
+        }
         return tokens
+    }
+
+    /// The bytes of `tokens`' file. With the Secret Service, the refresh token is stored there first and left
+    /// out of the file (marked instead); when the service cannot take it, the 0600 file keeps it.
+    static func fileBytes(_ tokens: TokenSet, secrets: SecretService?) -> [UInt8] {
+        guard let secrets else { return serialize(tokens) }
+        guard let refreshToken = tokens.refreshToken else {
+            secrets.clear(provider: tokens.provider, kind: .refreshToken)
+            return serialize(tokens)
+        }
+        guard (try? secrets.store(Array(refreshToken.utf8), provider: tokens.provider, kind: .refreshToken)) != nil,
+            var object = tokens.json.object
+        else { return serialize(tokens) }
+        object["refresh_token"] = nil
+        object[secretServiceMarker] = "secret-service"
+        return Array(JSON.serialize(.object(object)).utf8) + [0x0A]
     }
 
     /// Replaces the stored tokens atomically: a crash leaves either the old file or the new one.
     public func save(_ tokens: TokenSet) throws {
         let bytes = Self.serialize(tokens)
-        try reserve(tokens.provider, bytes: bytes.count).commit(bytes)
+        try reserve(tokens.provider, bytes: bytes.count).commit(tokens)
     }
 
     /// The bytes of a token file.
@@ -113,7 +143,8 @@ public struct TokenStore: Sendable {
         let temporary = "\(tokensDirectory)/.\(provider).\(getpid()).\(UInt32.random(in: 0...UInt32.max)).tmp"
         let fd = open(temporary, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0o600)
         guard fd >= 0 else { throw StoreError(path: file, "cannot be written", errno: errno) }
-        let reservation = Reservation(fd: fd, temporary: temporary, file: file, directory: tokensDirectory, size: bytes)
+        let reservation = Reservation(
+            fd: fd, temporary: temporary, file: file, directory: tokensDirectory, size: bytes, secrets: secrets)
         let zeros = [UInt8](repeating: 0, count: min(bytes, 16384))
         var written = 0
         while written < bytes {
@@ -134,15 +165,17 @@ public struct TokenStore: Sendable {
         let directory: String
         /// The bytes reserved: a commit of at most this many needs no new blocks.
         public let size: Int
+        let secrets: SecretService?
         /// Not committed yet, and still usable.
         public var isOpen: Bool { fd >= 0 }
 
-        init(fd: Int32, temporary: String, file: String, directory: String, size: Int) {
+        init(fd: Int32, temporary: String, file: String, directory: String, size: Int, secrets: SecretService?) {
             self.fd = fd
             self.temporary = temporary
             self.file = file
             self.directory = directory
             self.size = size
+            self.secrets = secrets
         }
 
         deinit {
@@ -155,7 +188,7 @@ public struct TokenStore: Sendable {
         /// Writes `tokens` over the placeholder, fsyncs, renames it over the token file and fsyncs the
         /// directory. On failure the reservation stays usable, so the caller can try again later.
         public func commit(_ tokens: TokenSet) throws {
-            try commit(TokenStore.serialize(tokens))
+            try commit(TokenStore.fileBytes(tokens, secrets: secrets))
         }
 
         func commit(_ bytes: [UInt8]) throws {
@@ -204,6 +237,7 @@ public struct TokenStore: Sendable {
     /// Removes the stored tokens; true when there were some.
     @discardableResult
     public func delete(_ provider: String) throws -> Bool {
+        (secrets ?? SecretService.configured)?.clear(provider: provider, kind: .refreshToken)
         let file = path(for: provider)
         if unlink(file) != 0 {
             if errno == ENOENT { return false }

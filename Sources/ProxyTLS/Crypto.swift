@@ -52,6 +52,20 @@ public enum Crypto {
     }
 
     public static func sha256(_ text: String) -> [UInt8] { sha256(Array(text.utf8)) }
+
+    /// HMAC-SHA256 (RFC 2104) of `message` keyed by `key`: the HS256 JWS algorithm.
+    public static func hmacSHA256(key: [UInt8], message: [UInt8]) -> [UInt8] {
+        var digest = [UInt8](repeating: 0, count: 32)
+        var length: UInt32 = 32
+        key.withUnsafeBufferPointer { keyBuffer in
+            message.withUnsafeBufferPointer { messageBuffer in
+                _ = HMAC(
+                    EVP_sha256(), keyBuffer.baseAddress, Int32(keyBuffer.count), messageBuffer.baseAddress,
+                    messageBuffer.count, &digest, &length)
+            }
+        }
+        return digest
+    }
 }
 
 /// JWS algorithms this project verifies (RFC 7518 §3).

@@ -50,6 +50,14 @@ public final class PrivateKey: @unchecked Sendable {
         return Self.drain(bio)
     }
 
+    /// The public key as SubjectPublicKeyInfo PEM ("BEGIN PUBLIC KEY"), for registrations that take PEM.
+    public func publicPEM() throws -> [UInt8] {
+        guard let bio = BIO_new(BIO_s_mem()) else { throw CryptoError("BIO_new") }
+        defer { BIO_free(bio) }
+        guard PEM_write_bio_PUBKEY(bio, pkey) == 1 else { throw CryptoError("writing a PEM public key") }
+        return Self.drain(bio)
+    }
+
     static func drain(_ bio: OpaquePointer) -> [UInt8] {
         var pointer: UnsafeMutablePointer<CChar>? = nil
         let length = proxyctl_BIO_get_mem_data(bio, &pointer)

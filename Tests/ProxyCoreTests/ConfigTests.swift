@@ -77,10 +77,12 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
             log_format = JSON
             admin_listen = 9464
             state_dir = ~/state
+            token_store = secret-service
             """
         let proxy = try config(text).proxy
         #expect(proxy.logFormat == .json)
         #expect(proxy.adminListen == ListenAddress(host: "127.0.0.1", port: 9464, isIPv6: false))
+        #expect(proxy.tokenStore == .secretService)
         #expect(proxy.replayMemory == 2 << 20)
         #expect(proxy.replaySpool == 16 << 20)
         #expect(proxy.http2 == false)
@@ -105,7 +107,7 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(proxy.protectedUsers == .any && proxy.passthroughUsers == .owner)
         #expect(proxy.logLevel == .debug)
         #expect(proxy.stateDir == "/home/ada/state")
-        #expect(ConfigParser.proxyKeys.count == 25)
+        #expect(ConfigParser.proxyKeys.count == 26)
         for key in ConfigParser.proxyKeys {
             #expect(text.contains("\n\(key) = "), "\(key) is not covered")
         }
@@ -404,5 +406,107 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
     @Test func theKeyIsParsed() throws {
         let configuration = try config("[proxy]\nmax_connections_per_client = 7\n")
         #expect(configuration.proxy.maxConnectionsPerClient == 7)
+    }
+}
+
+/// Issue 15's keys: per-origin audience and scopes, ID-token origins, machine grants and client authentication.
+@Suite struct CredentialConfigTests {
+    let parser = ConfigParser(homeDirectory: "/home/ada", baseDirectory: "/etc/proxyctl")
+
+    func parse(_ text: String) -> Result<Configuration, ConfigErrors> { parser.parse(text, file: "proxy.conf") }
+
+    @Test func anOriginNamesItsOwnAudienceAndScopes() throws {
+        let text = """
+            [provider corp]
+            issuer = https://login.example.com
+            client_id = proxyctl
+            [origin https://a.example.com]
+            provider = corp
+            resource = https://a.example.com/
+            scopes = a.read, a.write a.read
+            [origin https://iap.example.com]
+            provider = corp
+            token_type = id_token
+            """
+        let origins = try parse(text).get().origins.origins
+        #expect(
+            origins[0].tokenKey
+                == TokenKey(provider: "corp", resource: "https://a.example.com/", scopes: ["a.read", "a.write"]))
+        #expect(origins[1].tokenKey == TokenKey(provider: "corp", kind: .idToken))
+    }
+
+    @Test(arguments: [
+        ("resource = a.example.com", "resource"), ("resource = https://a.example.com/#x", "resource"),
+        ("token_type = refresh_token", "token_type"), ("scopes =", "scopes"),
+        ("token_type = id_token\nresource = https://a.example.com/", "token_type"),
+    ])
+    func badOriginValuesNameTheirKey(line: String, key: String) {
+        let text =
+            "[provider corp]\nissuer = https://login.example.com\nclient_id = p\n[origin https://a.example.com]\nprovider = corp\n\(line)\n"
+        guard case .failure(let errors) = parse(text) else {
+            Issue.record("accepted \(line)")
+            return
+        }
+        #expect(errors.errors.contains { $0.key == key }, "\(errors)")
+    }
+
+    @Test func machineGrantsAndClientAuthentication() throws {
+        let text = """
+            [provider ci]
+            issuer = https://login.example.com
+            client_id = ci-bot
+            grant = client_credentials
+            client_key_file = keys/ci.pem
+            [provider exchange]
+            issuer = https://login.example.com
+            client_id = ci
+            grant = token-exchange
+            subject_token_file = /run/ci/token
+            subject_token_type = urn:ietf:params:oauth:token-type:id_token
+            audience = api
+            token_endpoint_auth_method = client_secret_basic
+            client_secret_file = ~/ci.secret
+            """
+        let providers = try parse(text).get().providers
+        #expect(providers[0].grant == .clientCredentials && providers[0].effectiveClientAuth == .privateKeyJWT)
+        #expect(providers[0].clientKeyFile == "/etc/proxyctl/keys/ci.pem" && !providers[0].needsSignIn)
+        #expect(providers[1].grant == .tokenExchange && providers[1].effectiveClientAuth == .clientSecretBasic)
+        #expect(providers[1].clientSecretFile == "/home/ada/ci.secret" && providers[1].audience == "api")
+        #expect(providers[1].subjectTokenType == "urn:ietf:params:oauth:token-type:id_token")
+    }
+
+    @Test(arguments: [
+        ("grant = client_credentials\ntoken_endpoint_auth_method = none", "token_endpoint_auth_method"),
+        ("token_endpoint_auth_method = client_secret_post", "token_endpoint_auth_method"),
+        ("client_secret_file = s", "client_secret_file"),
+        ("grant = token_exchange", "grant"),
+        ("grant = token_exchange\nsubject_token_file = a\nsubject_token_command = b", "grant"),
+        ("subject_token_file = a", "subject_token_file"),
+        ("grant = password", "grant"),
+    ])
+    func inconsistentProviderKeysAreNamed(lines: String, key: String) {
+        let text = "[provider ci]\nissuer = https://login.example.com\nclient_id = c\n\(lines)\n"
+        guard case .failure(let errors) = parse(text) else {
+            Issue.record("accepted \(lines)")
+            return
+        }
+        #expect(errors.errors.contains { $0.key == key }, "\(errors)")
+    }
+
+    @Test func anIDTokenOriginNeedsAProviderWithASignIn() {
+        let text = """
+            [provider ci]
+            issuer = https://login.example.com
+            client_id = c
+            grant = client_credentials
+            [origin https://a.example.com]
+            provider = ci
+            token_type = id_token
+            """
+        guard case .failure(let errors) = parse(text) else {
+            Issue.record("accepted")
+            return
+        }
+        #expect(errors.errors.contains { $0.key == "token_type" && $0.description.contains("no ID token") })
     }
 }

@@ -29,7 +29,7 @@ import Testing
     @Test func attachesTheTokenAndDeliversTheResponse() {
         var p = Self.tunnel()
         p.client("GET /me?x=1 HTTP/1.1\r\nHost: api.test\r\nAccept: */*\r\n\r\n")
-        #expect(Self.outputs(p.next()) == [.bodyEnded, .getTokens(provider: "corp")])
+        #expect(Self.outputs(p.next()) == [.bodyEnded, .getTokens(key: TokenKey(provider: "corp"))])
         p.event(.tokens(.success(TokenGrant(generation: 7, dpopNonce: "n-cached"))))
         let sent = Self.sends(p.next())
         #expect(sent.count == 1)
@@ -52,6 +52,35 @@ import Testing
         #expect(p.machine.isIdle && p.timers[.keepAlive] != nil)
     }
 
+    /// An origin with its own audience and scopes asks for the token of its key, for the first request and
+    /// for the refresh after a 401 alike: never the provider's default token, never another origin's.
+    @Test func anOriginWithItsOwnAudienceAsksForItsOwnToken() {
+        var origin = Self.origin
+        origin.resource = "https://api.test/"
+        origin.scopes = ["api.read"]
+        let key = TokenKey(provider: "corp", resource: "https://api.test/", scopes: ["api.read"])
+        #expect(
+            origin.tokenKey == key && !key.isProviderDefault && key.id == "resource=https://api.test/;scope=api.read")
+        var p = Playbook.intercepted(origin)
+        p.event(.tlsEstablished(serverName: "api.test", protocol: "http/1.1"))
+        p.client("GET /me HTTP/1.1\r\nHost: api.test\r\n\r\n")
+        #expect(Self.outputs(p.next()) == [.bodyEnded, .getTokens(key: key)])
+        p.event(.tokens(.success(TokenGrant(generation: 3))))
+        #expect(Self.sends(p.next()).first?.credential?.generation == 3)
+        p.transferHead("HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer error=\"invalid_token\"\r\n\r\n")
+        p.event(.transferFinished(nil, detail: ""))
+        #expect(Self.outputs(p.next()) == [.refreshTokens(key: key, replacing: 3)])
+    }
+
+    @Test func anIDTokenOriginAsksForTheIDToken() {
+        var origin = Self.origin
+        origin.tokenType = .idToken
+        var p = Playbook.intercepted(origin)
+        p.event(.tlsEstablished(serverName: "api.test", protocol: "http/1.1"))
+        p.client("GET / HTTP/1.1\r\nHost: api.test\r\n\r\n")
+        #expect(Self.outputs(p.next()) == [.bodyEnded, .getTokens(key: TokenKey(provider: "corp", kind: .idToken))])
+    }
+
     @Test func refreshesOnceAndReplaysOnceOnA401() {
         var p = Self.tunnel()
         p.client("POST /items HTTP/1.1\r\nHost: api.test\r\nContent-Length: 4\r\n\r\nbody")
@@ -61,7 +90,7 @@ import Testing
         p.transferHead("HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer error=\"invalid_token\"\r\n\r\n")
         #expect(p.clientGot() == "", "the 401 is not the client's business")
         p.event(.transferFinished(nil, detail: ""))
-        #expect(Self.outputs(p.next()) == [.refreshTokens(provider: "corp", replacing: 1)])
+        #expect(Self.outputs(p.next()) == [.refreshTokens(key: TokenKey(provider: "corp"), replacing: 1)])
         // A late answer of the wrong kind changes nothing.
         p.event(.tokens(.success(TokenGrant(generation: 9))))
         #expect(p.next() == [])
@@ -150,7 +179,7 @@ import Testing
         var p = Self.tunnel()
         p.client("PUT /u HTTP/1.1\r\nHost: api.test\r\nTransfer-Encoding: chunked\r\n\r\n3;x=1\r\nabc\r\n")
         // The request goes as soon as there is a token, not when the body is complete.
-        #expect(Self.outputs(p.next()) == [.getTokens(provider: "corp")])
+        #expect(Self.outputs(p.next()) == [.getTokens(key: TokenKey(provider: "corp"))])
         p.event(.tokens(.success(TokenGrant(generation: 1))))
         #expect(Self.sends(p.next()).first?.body == .streaming, "chunked stays chunked")
         #expect(p.keptBody == Array("abc".utf8))
@@ -176,7 +205,7 @@ import Testing
         p.event(.transferFinished(nil, detail: ""))
         #expect(Self.outputs(p.next()) == [], "the rest of the body comes first")
         p.client("def")
-        #expect(Self.outputs(p.next()) == [.bodyEnded, .refreshTokens(provider: "corp", replacing: 1)])
+        #expect(Self.outputs(p.next()) == [.bodyEnded, .refreshTokens(key: TokenKey(provider: "corp"), replacing: 1)])
         p.event(.refreshed(.success(TokenGrant(generation: 2))))
         let replay = Self.sends(p.next())
         #expect(replay.first?.attempt == 2 && replay.first?.body == .length(6))
@@ -203,7 +232,7 @@ import Testing
         var p = Self.tunnel()
         p.client(
             "POST /big HTTP/1.1\r\nHost: api.test\r\nContent-Length: 2000\r\n\r\n" + String(repeating: "x", count: 100))
-        #expect(Self.outputs(p.next()) == [.streamBody, .getTokens(provider: "corp")])
+        #expect(Self.outputs(p.next()) == [.streamBody, .getTokens(key: TokenKey(provider: "corp"))])
         p.event(.tokens(.success(TokenGrant(generation: 1))))
         #expect(Self.sends(p.next()).first?.body == .length(2000), "sent before the body is complete")
         p.transferHead("HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\n\r\n")
@@ -214,7 +243,7 @@ import Testing
         var p = Self.tunnel()
         p.client("POST /c HTTP/1.1\r\nHost: api.test\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n")
         #expect(p.clientGot() == "HTTP/1.1 100 Continue\r\n\r\n")
-        #expect(Self.outputs(p.next()) == [.getTokens(provider: "corp")])
+        #expect(Self.outputs(p.next()) == [.getTokens(key: TokenKey(provider: "corp"))])
         p.client("ok")
         #expect(Self.outputs(p.next()) == [.bodyEnded])
     }
@@ -226,7 +255,9 @@ import Testing
         #expect(Self.sends(p.next()).map(\.url) == ["https://api.test/1"])
         p.transferHead("HTTP/1.1 204 No Content\r\n\r\n")
         p.event(.transferFinished(nil, detail: ""))
-        #expect(Self.outputs(p.next()) == [.bodyEnded, .getTokens(provider: "corp")], "the second one starts")
+        #expect(
+            Self.outputs(p.next()) == [.bodyEnded, .getTokens(key: TokenKey(provider: "corp"))], "the second one starts"
+        )
         p.event(.tokens(.success(TokenGrant(generation: 1))))
         #expect(Self.sends(p.next()).map(\.url) == ["https://api.test/2"])
     }
@@ -293,7 +324,8 @@ import Testing
         p.event(.transferBody(count: 60_000))
         #expect(p.next() == [], "a small body is read to keep the connection")
         p.event(.transferBody(count: 60_000))
-        #expect(Self.outputs(p.next()) == [.cancelTransfer, .refreshTokens(provider: "corp", replacing: 1)])
+        #expect(
+            Self.outputs(p.next()) == [.cancelTransfer, .refreshTokens(key: TokenKey(provider: "corp"), replacing: 1)])
         // The stopped transfer's own end, if it comes, changes nothing.
         p.event(.transferFinished(.other, detail: "aborted"))
         #expect(p.next() == [] && p.clientGot() == "")

@@ -22,6 +22,12 @@ Endpoints (relative to the issuer, which is `http://127.0.0.1:PORT` plus an opti
   device_authorization /device_authorization, and `device` /device?user_code=... (a "browser" approving)
   revoke     /revoke    RFC 7009; always 200; records what it got
   userinfo   /userinfo  Bearer or DPoP access token; 401 + WWW-Authenticate when expired/unknown/revoked
+  end_session /end_session  RP-initiated logout: records the request, answers 200
+Machine grants (for confidential clients): client_credentials and RFC 8693 token exchange
+(`subject_tokens`: the subject tokens it accepts), with client authentication checked when configured:
+`client_secret` (client_secret_basic, client_secret_post, client_secret_jwt) and `client_jwks` (public JWKs
+for private_key_jwt; the assertion's signature, iss, sub, aud = token endpoint, exp and jti are checked). A
+`resource` parameter (RFC 8707) becomes the JWT access token's `aud` (unless `honour_resource` is False).
 
 Every request is counted per endpoint and recorded (method, path, query, form, headers, DPoP header) in
 memory; nothing is ever printed or logged. Faults are queued per endpoint and each one is used by one
@@ -70,7 +76,9 @@ from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 from fixtures.jose import b64url, b64url_uint, jwk_thumbprint, unverified_header
 
 ENDPOINTS = ("discovery", "jwks", "authorize", "par", "token", "device_authorization", "device", "revoke",
-             "userinfo", "unknown")
+             "userinfo", "end_session", "unknown")
+TOKEN_EXCHANGE_GRANT = "urn:ietf:params:oauth:grant-type:token-exchange"
+ASSERTION_TYPE = "urn:ietf:params:oauth:client-assertion-type:jwt-bearer"
 DEVICE_GRANT = "urn:ietf:params:oauth:grant-type:device_code"
 PAR_PREFIX = "urn:ietf:params:oauth:request_uri:"
 ID_TOKEN_DEFECTS = ("bad_signature", "wrong_aud", "wrong_iss", "expired", "iat_future", "wrong_nonce",
@@ -371,8 +379,18 @@ class FakeIdP:
                  granted_scope: Optional[str] = None,
                  claims: Optional[dict] = None,
                  acr: Optional[str] = None,
-                 discovery_overrides: Optional[dict] = None):
+                 discovery_overrides: Optional[dict] = None,
+                 client_secret: Optional[str] = None,
+                 client_jwks: Optional[List[dict]] = None,
+                 subject_tokens: Iterable[str] = (),
+                 honour_resource: bool = True):
         self.client_id = client_id
+        self.client_secret = client_secret
+        self.client_jwks = list(client_jwks or [])
+        self.subject_tokens = set(subject_tokens)
+        self.honour_resource = honour_resource
+        self.client_auth_methods: List[str] = []     # the method each token request authenticated with
+        self._seen_jti: set = set()
         self.issuer_path = "/" + issuer_path.strip("/") if issuer_path.strip("/") else ""
         self.expires_in = expires_in
         self.access_token_format = access_token_format
@@ -466,7 +484,7 @@ class FakeIdP:
     def url(self, endpoint: str) -> str:
         paths = {"discovery": "/.well-known/openid-configuration", "jwks": "/jwks", "authorize": "/authorize",
                  "par": "/par", "token": "/token", "device_authorization": "/device_authorization",
-                 "device": "/device", "revoke": "/revoke", "userinfo": "/userinfo"}
+                 "device": "/device", "revoke": "/revoke", "userinfo": "/userinfo", "end_session": "/end_session"}
         return self.issuer + paths[endpoint]
 
     @property
@@ -486,10 +504,13 @@ class FakeIdP:
             "require_pushed_authorization_requests": self.require_par,
             "response_types_supported": ["code"],
             "response_modes_supported": ["query"],
-            "grant_types_supported": ["authorization_code", "refresh_token", DEVICE_GRANT],
+            "grant_types_supported": ["authorization_code", "refresh_token", DEVICE_GRANT, "client_credentials",
+                                      TOKEN_EXCHANGE_GRANT],
+            "end_session_endpoint": self.url("end_session"),
             "subject_types_supported": ["public"],
             "id_token_signing_alg_values_supported": ["RS256", "PS256", "ES256"],
-            "token_endpoint_auth_methods_supported": ["none"],
+            "token_endpoint_auth_methods_supported": ["none", "client_secret_basic", "client_secret_post",
+                                                      "client_secret_jwt", "private_key_jwt"],
             "revocation_endpoint_auth_methods_supported": ["none"],
             "code_challenge_methods_supported": ["S256"],
             "scopes_supported": ["openid", "profile", "email", "offline_access", "api"],
@@ -962,17 +983,55 @@ class FakeIdP:
         claims = {k: v for k, v in self.claims.items()}
         _send_json(h, 200, claims)
 
+    def _ep_end_session(self, h, rec, fault) -> None:
+        _send(h, 200, b"signed out", {"Content-Type": "text/plain"})
+
+    def _client_authentication(self, rec) -> Tuple[Optional[str], str]:
+        """The authenticated client_id (None: refused) and the method, as RFC 6749 §2.3 and RFC 7523 §3 say."""
+        form = rec.form
+        basic = rec.headers.get("authorization", "")
+        if basic.lower().startswith("basic "):
+            try:
+                user, _, password = base64.b64decode(basic[6:]).decode().partition(":")
+                user, password = urllib.parse.unquote(user), urllib.parse.unquote(password)
+            except Exception:  # noqa: BLE001
+                return None, "client_secret_basic"
+            ok = self.client_secret is not None and secrets.compare_digest(password, self.client_secret)
+            return (user if ok else None), "client_secret_basic"
+        if "client_secret" in form:
+            ok = self.client_secret is not None and secrets.compare_digest(form["client_secret"], self.client_secret)
+            return (form.get("client_id") if ok else None), "client_secret_post"
+        if form.get("client_assertion_type") == ASSERTION_TYPE:
+            import jwt as pyjwt
+            assertion = form.get("client_assertion", "")
+            try:
+                header = pyjwt.get_unverified_header(assertion)
+                if header.get("alg") == "HS256":
+                    method, key = "client_secret_jwt", (self.client_secret or "").encode()
+                    algorithms = ["HS256"]
+                else:
+                    method, algorithms = "private_key_jwt", ["ES256", "RS256"]
+                    jwk = next(k for k in self.client_jwks if k.get("kid") in (None, header.get("kid")))
+                    key = pyjwt.PyJWK(jwk).key
+                claims = pyjwt.decode(assertion, key, algorithms=algorithms, audience=self.url("token"),
+                                      options={"require": ["iss", "sub", "aud", "exp", "jti"]})
+            except Exception:  # noqa: BLE001 - any defect refuses the client
+                return None, "jwt"
+            if claims["iss"] != claims["sub"] or claims["jti"] in self._seen_jti:
+                return None, method
+            self._seen_jti.add(claims["jti"])
+            return claims["iss"], method
+        if self.client_secret is not None or self.client_jwks:
+            return None, "none"              # a confidential client must authenticate
+        return form.get("client_id"), "none"
+
     def _ep_token(self, h, rec, fault) -> None:
         if rec.method != "POST":
             return _send_json(h, 405, {"error": "invalid_request"})
         form = rec.form
-        client_id = form.get("client_id")
-        basic = rec.headers.get("authorization", "")
-        if not client_id and basic.lower().startswith("basic "):
-            try:
-                client_id = urllib.parse.unquote(base64.b64decode(basic[6:]).decode().split(":", 1)[0])
-            except Exception:  # noqa: BLE001
-                client_id = None
+        with self._lock:
+            client_id, method = self._client_authentication(rec)
+            self.client_auth_methods.append(method)
         if client_id != self.client_id:
             return _send_json(h, 401, {"error": "invalid_client"}, {"WWW-Authenticate": 'Basic realm="fake"'})
         jkt = _dpop_jkt(rec.dpop) if (self.dpop and rec.dpop) else None
@@ -981,7 +1040,8 @@ class FakeIdP:
         defects = fault.defects if (fault is not None and fault.kind == "id_token") else ()
         grant = form.get("grant_type")
         grants = {"authorization_code": self._grant_code, "refresh_token": self._grant_refresh,
-                  DEVICE_GRANT: self._grant_device}
+                  DEVICE_GRANT: self._grant_device, "client_credentials": self._grant_client_credentials,
+                  TOKEN_EXCHANGE_GRANT: self._grant_token_exchange}
         if grant not in grants:
             return _send_json(h, 400, {"error": "unsupported_grant_type"})
         with self._lock:                 # decide under the lock, answer outside it
@@ -1027,7 +1087,25 @@ class FakeIdP:
             rt.state = "rotated"
         resp = self._token_response(scope, rt.client_id, rt.nonce, rt.auth_time, rt.dpop_jkt or jkt, defects,
                                     with_refresh=self.refresh_rotation, with_id_token=self.id_token_on_refresh,
-                                    family=rt.family)
+                                    family=rt.family, resource=form.get("resource"))
+        return (200, resp)
+
+    def _grant_client_credentials(self, form, jkt, defects) -> Tuple[int, dict]:
+        scope = form.get("scope", "")
+        return (200, self._token_response(scope, self.client_id, None, int(time.time()), jkt, defects,
+                                          with_refresh=False, with_id_token=False, resource=form.get("resource")))
+
+    def _grant_token_exchange(self, form, jkt, defects) -> Tuple[int, dict]:
+        # RFC 8693 §2.1: subject_token and subject_token_type are required.
+        if not form.get("subject_token") or not form.get("subject_token_type"):
+            return (400, {"error": "invalid_request", "error_description": "subject_token missing"})
+        if form["subject_token"] not in self.subject_tokens:
+            return (400, {"error": "invalid_grant", "error_description": "subject token not trusted"})
+        scope = form.get("scope", "")
+        resp = self._token_response(scope, self.client_id, None, int(time.time()), jkt, defects,
+                                    with_refresh=False, with_id_token=False,
+                                    resource=form.get("resource") or form.get("audience"))
+        resp["issued_token_type"] = "urn:ietf:params:oauth:token-type:access_token"
         return (200, resp)
 
     def _grant_device(self, form, jkt, defects) -> Tuple[int, dict]:
@@ -1077,12 +1155,13 @@ class FakeIdP:
 
     def _token_response(self, scope: str, client_id: str, nonce: Optional[str], auth_time: int,
                         jkt: Optional[str], defects: Iterable[str], with_refresh: bool, with_id_token: bool,
-                        family: Optional[str] = None) -> dict:
+                        family: Optional[str] = None, resource: Optional[str] = None) -> dict:
         now = int(time.time())
         granted = self.granted_scope if self.granted_scope is not None else scope
         lifetime = self.expires_in if self.expires_in is not None else 3600
         if self.access_token_format == "jwt":
-            at_claims = {"iss": self.issuer, "sub": self.claims["sub"], "aud": self.access_token_audience,
+            audience = resource if (resource and self.honour_resource) else self.access_token_audience
+            at_claims = {"iss": self.issuer, "sub": self.claims["sub"], "aud": audience,
                          "client_id": client_id, "scope": granted, "iat": now, "exp": now + lifetime,
                          "jti": secrets.token_urlsafe(16)}
             if jkt:

@@ -181,8 +181,10 @@ class ResourceServer:
     """See the module docstring."""
 
     def __init__(self, workdir: Path, hosts: list[str], label: str = "api", require_token: bool = True,
-                 dpop: bool = False):
+                 dpop: bool = False, audiences: dict[str, str] | None = None):
         self.workdir = workdir
+        # host -> the `aud` its tokens must carry (RFC 8707): a token meant for another origin is refused.
+        self.audiences = dict(audiences or {})
         self.hosts = list(hosts)
         self.require_token = require_token
         self.dpop: DPoPVerifier | None = DPoPVerifier() if dpop else None
@@ -268,6 +270,13 @@ class ResourceServer:
             # RFC 9449 §7.1: a DPoP-bound token is not accepted as a Bearer token.
             seen.error = "a DPoP-bound token sent as Bearer"
             return realm + f', error="invalid_token", error_description="{seen.error}"'
+        wanted = self.audiences.get((seen.host or "").split(":")[0])
+        if wanted is not None:
+            audience = seen.claims.get("aud")
+            audiences = audience if isinstance(audience, list) else [audience]
+            if wanted not in audiences:
+                seen.error = f"aud {audience!r} is not {wanted}"
+                return realm + f', error="invalid_token", error_description="{auth_param(seen.error)}"'
         return self._test_rejections(seen, realm)
 
     def _test_rejections(self, seen: Seen, challenge: str) -> str | None:

@@ -41,6 +41,14 @@ public enum UserScope: String, Sendable, Equatable {
     case any
 }
 
+/// Where refresh tokens and DPoP keys are kept (`token_store`).
+public enum TokenStoreKind: String, Sendable, Equatable {
+    /// 0600 files under state_dir.
+    case file
+    /// The freedesktop Secret Service (GNOME Keyring, KeePassXC...), with the files as the fallback.
+    case secretService = "secret-service"
+}
+
 /// The `[proxy]` section: the listener, the way out, timeouts and limits.
 public struct ProxySettings: Sendable, Equatable {
     public var listen = ListenAddress.default
@@ -91,6 +99,8 @@ public struct ProxySettings: Sendable, Equatable {
     public var notifyCommand: [String]? = nil
     /// Where tokens, keys and the local CA live; nil means the platform default.
     public var stateDir: String? = nil
+    /// Where refresh tokens and DPoP keys are kept.
+    public var tokenStore = TokenStoreKind.file
 
     public init() {}
 }
@@ -211,6 +221,16 @@ public struct ConfigParser: Sendable {
                     ConfigError(
                         file: file, line: line ?? origin.line, section: "origin \(origin.url)", key: "provider",
                         "no [provider \(origin.provider)] section; configured: \(config.providers.isEmpty ? "none" : config.providers.map(\.name).joined(separator: ", "))"
+                    ))
+            } else if origin.tokenType == .idToken,
+                let provider = config.providers.first(where: { $0.name == origin.provider }), !provider.needsSignIn
+            {
+                let line = document.sections.first { $0.line == origin.line }?.entries.first { $0.key == "token_type" }?
+                    .line
+                errors.append(
+                    ConfigError(
+                        file: file, line: line ?? origin.line, section: "origin \(origin.url)", key: "token_type",
+                        "[provider \(provider.name)] uses grant = \(provider.grant.rawValue), which gives no ID token; only a person's sign-in does"
                     ))
             }
         }
@@ -380,6 +400,12 @@ public struct ConfigParser: Sendable {
             case "state_dir":
                 guard !entry.value.isEmpty else { return fail("expected a directory path") }
                 settings.stateDir = resolvePath(entry.value)
+            case "token_store":
+                let value = entry.value.lowercased().replacingOccurrences(of: "_", with: "-")
+                guard let kind = TokenStoreKind(rawValue: value) else {
+                    return fail("expected file or secret-service, \(got())")
+                }
+                settings.tokenStore = kind
             default:
                 fail("unknown key; expected one of \(Self.proxyKeys.joined(separator: ", "))")
             }
@@ -393,6 +419,6 @@ public struct ConfigParser: Sendable {
         "keepalive_timeout", "header_timeout", "shutdown_grace", "max_request_line", "max_header_bytes",
         "max_headers", "max_connections", "max_connections_per_client", "replay_memory", "replay_spool", "http2",
         "resolve", "notify_command", "log_level", "log_format", "admin_listen",
-        "state_dir",
+        "state_dir", "token_store",
     ]
 }

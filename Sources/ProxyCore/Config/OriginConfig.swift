@@ -16,6 +16,12 @@ public struct OriginConfig: Sendable, Equatable {
     public var clientAuthorization: ClientAuthorizationPolicy = .keep
     /// PEM bundle to trust for the origin's TLS instead of the system roots.
     public var caFile: String? = nil
+    /// The audience of this origin's own token (RFC 8707 resource indicator); nil uses the provider's token.
+    public var resource: String? = nil
+    /// Narrowed scopes for this origin's own token (RFC 9700 §4.10); nil uses the provider's.
+    public var scopes: [String]? = nil
+    /// Which token the origin gets: an access token, or the ID token (`token_type = id_token`).
+    public var tokenType: OriginTokenKind = .accessToken
     public var line: Int = 0
 
     public init(scheme: String, authority: HostPort) {
@@ -29,6 +35,11 @@ public struct OriginConfig: Sendable, Equatable {
         clientAuthorization == .replace || !clientHasAuthorization
     }
 
+    /// The token this origin gets: it never receives one obtained for another audience.
+    public var tokenKey: TokenKey {
+        TokenKey(provider: provider, resource: resource, scopes: scopes, kind: tokenType)
+    }
+
     /// `https://api.example.com` or `http://127.0.0.1:8000`: the default port is left out.
     public var url: String {
         let defaultPort = scheme == "https" ? 443 : 80
@@ -36,7 +47,7 @@ public struct OriginConfig: Sendable, Equatable {
             ? "\(scheme)://\(authority.hostForURL)" : "\(scheme)://\(authority.hostForURL):\(authority.port)"
     }
 
-    public static let keys = ["provider", "client_authorization", "ca_file"]
+    public static let keys = ["provider", "client_authorization", "ca_file", "resource", "scopes", "token_type"]
 
     /// Parses the section argument: scheme, host and optional port; nothing else.
     public static func parseURL(_ text: String) -> Result<OriginConfig, ValueError> {
@@ -124,6 +135,32 @@ extension ConfigParser {
                     continue
                 }
                 origin.caFile = resolvePath(entry.value)
+            case "resource":
+                // RFC 8707 §2: an absolute URI without a fragment.
+                guard entry.value.contains("://"), !entry.value.contains("#"), !entry.value.contains(" ") else {
+                    fail(
+                        "expected one absolute URI without a fragment (RFC 8707), such as https://api.example.com/, got \"\(INIDocument.clip(entry.value))\""
+                    )
+                    continue
+                }
+                origin.resource = entry.value
+            case "scopes":
+                var scopes: [String] = []
+                for scope in entry.value.split(whereSeparator: { $0 == " " || $0 == "," })
+                where !scopes.contains(String(scope)) {
+                    scopes.append(String(scope))
+                }
+                guard !scopes.isEmpty else {
+                    fail("expected the scopes this origin's token needs, such as scopes = api.read")
+                    continue
+                }
+                origin.scopes = scopes
+            case "token_type":
+                guard let kind = OriginTokenKind(rawValue: entry.value.lowercased()) else {
+                    fail("expected access_token or id_token, got \"\(INIDocument.clip(entry.value))\"")
+                    continue
+                }
+                origin.tokenType = kind
             default:
                 fail("unknown key; expected one of \(OriginConfig.keys.joined(separator: ", "))")
             }
@@ -133,6 +170,14 @@ extension ConfigParser {
                 ConfigError(
                     file: file, line: section.line, section: section.label, key: "provider",
                     "missing; every origin needs the provider whose tokens it gets"))
+        }
+        if origin.tokenType == .idToken && (origin.resource != nil || origin.scopes != nil) {
+            let line = section.entries.first { $0.key == "token_type" }?.line ?? section.line
+            errors.append(
+                ConfigError(
+                    file: file, line: line, section: section.label, key: "token_type",
+                    "an ID token's audience is the client (OpenID Connect Core §2): remove resource and scopes, or use token_type = access_token"
+                ))
         }
     }
 }

@@ -16,6 +16,33 @@ public enum PARPolicy: String, Sendable, Equatable {
     case never
 }
 
+/// How proxyctl obtains tokens from a provider (`grant`).
+public enum ProviderGrant: String, Sendable, Equatable {
+    /// A person signs in (`proxyctl login`: Authorization Code + PKCE or the device flow); refresh tokens renew.
+    case authorizationCode = "authorization_code"
+    /// The client's own credentials (RFC 6749 §4.4): machines and CI, no person and no refresh token.
+    case clientCredentials = "client_credentials"
+    /// An ambient workload token exchanged for an access token (RFC 8693), e.g. a CI system's OIDC ID token.
+    case tokenExchange = "token_exchange"
+}
+
+/// How the client authenticates at the token endpoint (`token_endpoint_auth_method`, RFC 7591 §2).
+public enum ClientAuthMethod: String, Sendable, Equatable {
+    /// A public client: `client_id` only.
+    case none
+    /// A JWT signed with the client's own key (RFC 7523 §2.2), made by `proxyctl key init`.
+    case privateKeyJWT = "private_key_jwt"
+    /// HTTP Basic with the client secret (RFC 6749 §2.3.1).
+    case clientSecretBasic = "client_secret_basic"
+    /// The client secret in the form body (RFC 6749 §2.3.1).
+    case clientSecretPost = "client_secret_post"
+    /// A JWT signed with HMAC-SHA256 keyed by the client secret (RFC 7523 §2.2, OpenID Connect Core §9).
+    case clientSecretJWT = "client_secret_jwt"
+
+    /// Whether the method needs `client_secret_file`.
+    public var usesSecret: Bool { self == .clientSecretBasic || self == .clientSecretPost || self == .clientSecretJWT }
+}
+
 /// A `[provider NAME]` section: an OpenID provider that proxyctl signs in to as a public client.
 public struct ProviderConfig: Sendable, Equatable {
     public let name: String
@@ -44,10 +71,35 @@ public struct ProviderConfig: Sendable, Equatable {
     /// How long a caller waits for the token endpoint (milliseconds). A refresh still unanswered then is
     /// left running, never sent again, and callers are told to retry.
     public var tokenTimeout: Int = 30_000
+    /// How tokens are obtained: a person's sign-in, or a grant that needs nobody.
+    public var grant: ProviderGrant = .authorizationCode
+    /// Client authentication at the token endpoint; nil means the default for the grant (`none` for sign-in,
+    /// `private_key_jwt` for the machine grants).
+    public var clientAuthMethod: ClientAuthMethod? = nil
+    /// The client's private key for `private_key_jwt` (default `<state_dir>/keys/NAME.client.pem`).
+    public var clientKeyFile: String? = nil
+    /// A 0600 file holding the client secret (client_secret_basic, _post, _jwt).
+    public var clientSecretFile: String? = nil
+    /// With `grant = token_exchange`: the file holding the subject token (read anew each time).
+    public var subjectTokenFile: String? = nil
+    /// With `grant = token_exchange`: a command printing the subject token (run without a shell).
+    public var subjectTokenCommand: [String]? = nil
+    /// RFC 8693 §3 token type identifier of the subject token.
+    public var subjectTokenType: String = "urn:ietf:params:oauth:token-type:jwt"
+    /// RFC 8693 `audience` of the requested token.
+    public var audience: String? = nil
     /// Line of the section header, for messages.
     public var line: Int = 0
 
     public init(name: String) { self.name = name }
+
+    /// The client authentication in force.
+    public var effectiveClientAuth: ClientAuthMethod {
+        clientAuthMethod ?? (grant == .authorizationCode ? .none : .privateKeyJWT)
+    }
+
+    /// Whether tokens come from a person signing in (`proxyctl login`) rather than from a grant that needs nobody.
+    public var needsSignIn: Bool { grant == .authorizationCode }
 
     public static func == (lhs: Self, rhs: Self) -> Bool {
         lhs.name == rhs.name && lhs.issuer == rhs.issuer && lhs.clientID == rhs.clientID && lhs.scopes == rhs.scopes
@@ -57,14 +109,19 @@ public struct ProviderConfig: Sendable, Equatable {
             && lhs.extraParameters.map(\.value) == rhs.extraParameters.map(\.value) && lhs.usePAR == rhs.usePAR
             && lhs.caFile == rhs.caFile && lhs.tokenBinding == rhs.tokenBinding
             && lhs.dpopRequired == rhs.dpopRequired && lhs.loginTimeout == rhs.loginTimeout
-            && lhs.tokenTimeout == rhs.tokenTimeout
+            && lhs.tokenTimeout == rhs.tokenTimeout && lhs.grant == rhs.grant
+            && lhs.clientAuthMethod == rhs.clientAuthMethod && lhs.clientKeyFile == rhs.clientKeyFile
+            && lhs.clientSecretFile == rhs.clientSecretFile && lhs.subjectTokenFile == rhs.subjectTokenFile
+            && lhs.subjectTokenCommand == rhs.subjectTokenCommand && lhs.subjectTokenType == rhs.subjectTokenType
+            && lhs.audience == rhs.audience
     }
 
     /// Every key of `[provider NAME]`, in the order of proxy.conf.example.
     public static let keys = [
         "issuer", "client_id", "scopes", "redirect_port", "redirect_path", "acr_values", "login_hint", "resource",
         "param.NAME", "use_par", "ca_file", "token_binding", "dpop_required", "login_timeout",
-        "token_timeout",
+        "token_timeout", "grant", "token_endpoint_auth_method", "client_key_file", "client_secret_file",
+        "subject_token_file", "subject_token_command", "subject_token_type", "audience",
     ]
 
     /// Authorization parameters proxyctl sets itself; `param.` cannot override them.
@@ -195,6 +252,51 @@ extension ConfigParser {
                     continue
                 }
                 provider.tokenTimeout = value
+            case "grant":
+                let value = entry.value.lowercased().replacingOccurrences(of: "-", with: "_")
+                guard let grant = ProviderGrant(rawValue: value == "login" ? "authorization_code" : value) else {
+                    fail("expected authorization_code, client_credentials or token_exchange, \(got())")
+                    continue
+                }
+                provider.grant = grant
+            case "token_endpoint_auth_method":
+                guard let method = ClientAuthMethod(rawValue: entry.value.lowercased()) else {
+                    fail(
+                        "expected none, private_key_jwt, client_secret_basic, client_secret_post or client_secret_jwt, \(got())"
+                    )
+                    continue
+                }
+                provider.clientAuthMethod = method
+            case "client_key_file", "client_secret_file", "subject_token_file":
+                guard !entry.value.isEmpty else {
+                    fail("expected a file path")
+                    continue
+                }
+                let path = resolvePath(entry.value)
+                if entry.key == "client_key_file" {
+                    provider.clientKeyFile = path
+                } else if entry.key == "client_secret_file" {
+                    provider.clientSecretFile = path
+                } else {
+                    provider.subjectTokenFile = path
+                }
+            case "subject_token_command":
+                let words = entry.value.split(separator: " ").map(String.init)
+                guard !words.isEmpty else {
+                    fail("expected a command that prints the subject token, such as /usr/local/bin/ci-id-token")
+                    continue
+                }
+                provider.subjectTokenCommand = words
+            case "subject_token_type":
+                guard entry.value.hasPrefix("urn:") else {
+                    fail(
+                        "expected a token type URI (RFC 8693 §3), such as urn:ietf:params:oauth:token-type:id_token, \(got())"
+                    )
+                    continue
+                }
+                provider.subjectTokenType = entry.value
+            case "audience":
+                provider.audience = entry.value.isEmpty ? nil : entry.value
             default:
                 fail("unknown key; expected one of \(ProviderConfig.keys.joined(separator: ", "))")
             }
@@ -205,6 +307,43 @@ extension ConfigParser {
                 ConfigError(
                     file: file, line: section.line, section: label, key: key,
                     "missing; every provider needs an issuer and a client_id"))
+        }
+        func crossError(_ key: String, _ message: String) {
+            let line = section.entries.first { $0.key == key }?.line ?? section.line
+            errors.append(ConfigError(file: file, line: line, section: label, key: key, message))
+        }
+        let method = provider.effectiveClientAuth
+        if method.usesSecret && provider.clientSecretFile == nil {
+            crossError(
+                "token_endpoint_auth_method",
+                "\(method.rawValue) needs client_secret_file: a file readable by you alone that holds the client secret"
+            )
+        }
+        if provider.clientSecretFile != nil && !method.usesSecret {
+            crossError(
+                "client_secret_file",
+                "only used with token_endpoint_auth_method = client_secret_basic, client_secret_post or client_secret_jwt"
+            )
+        }
+        if provider.grant == .clientCredentials && method == .none {
+            crossError(
+                "token_endpoint_auth_method",
+                "grant = client_credentials needs a client that authenticates: private_key_jwt (proxyctl key init \(provider.name)) or a client secret"
+            )
+        }
+        let sources = [provider.subjectTokenFile != nil, provider.subjectTokenCommand != nil].filter { $0 }.count
+        if provider.grant == .tokenExchange && sources != 1 {
+            crossError(
+                "grant",
+                sources == 0
+                    ? "grant = token_exchange needs subject_token_file or subject_token_command: where the workload token comes from"
+                    : "give one of subject_token_file and subject_token_command, not both")
+        }
+        if provider.grant != .tokenExchange {
+            for key in ["subject_token_file", "subject_token_command", "subject_token_type", "audience"]
+            where section.entries.contains(where: { $0.key == key }) {
+                crossError(key, "only used with grant = token_exchange")
+            }
         }
         if provider.dpopRequired && provider.tokenBinding != .dpop {
             let line = section.entries.first { $0.key == "dpop_required" }?.line ?? section.line

@@ -39,10 +39,10 @@ public struct ProtectedExchange: Sendable {
         case streamBody
         /// The whole request body has been received.
         case bodyEnded
-        /// Get usable tokens for the provider.
-        case getTokens(provider: String)
-        /// Refresh because the tokens of `replacing` were rejected (single-flight).
-        case refreshTokens(provider: String, replacing: Int64)
+        /// Get a usable token of `key` (the origin's provider, audience, scopes and kind: `OriginConfig.tokenKey`).
+        case getTokens(key: TokenKey)
+        /// Refresh the token of `key` because the one of `replacing` was rejected (single-flight).
+        case refreshTokens(key: TokenKey, replacing: Int64)
         /// Start the upstream transfer the description says.
         case send(UpstreamRequest)
         /// Stop the upstream transfer (nothing of it is needed any more).
@@ -245,10 +245,10 @@ public struct ProtectedExchange: Sendable {
         switch action {
         case .getTokens:
             phase = .gettingTokens
-            out.append(.getTokens(provider: origin.provider))
+            out.append(.getTokens(key: origin.tokenKey))
         case .refresh(let replacing):
             phase = .refreshing
-            out.append(.refreshTokens(provider: origin.provider, replacing: replacing))
+            out.append(.refreshTokens(key: origin.tokenKey, replacing: replacing))
         case .send(let generation, let nonce):
             send(credential: UpstreamRequest.Credential(generation: generation, dpopNonce: nonce), &out)
         case .deliver:
