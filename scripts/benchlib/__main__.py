@@ -1,6 +1,7 @@
 """The bench's run (scripts/bench starts it as `python -m benchlib`, with everything it needs checked, built
 and installed; run that, not this): the origin, then the passthrough rows, the intercept rows and the DPoP rows
-(all, or those BENCH_ONLY names), then the report. Every process started here is started in its own session
+(all, or those BENCH_ONLY names), then the report. With --baseline (BENCH_BASELINE), a second proxyctl binary runs
+wherever proxyctl does, and the report compares the two. Every process started here is started in its own session
 and ended (TERM, then KILL) on exit, on SIGTERM/SIGINT/SIGHUP and on errors.
 """
 
@@ -20,7 +21,7 @@ from benchlib.harness import (BENCH_HOST, BenchError, InterceptSetup, InterceptT
                               fake_access_token, log, make_certificates, prepare_www, start_origin)
 from benchlib.measurement import (Results, measure_dpop, measure_idle_row, measure_intercept_rows,
                                   measure_throughput_rows, plan, watch_load)
-from benchlib.report import machine_info, write_report
+from benchlib.report import binaries, machine_info, write_report
 
 SECTIONS = ("passthrough", "intercept", "dpop")
 
@@ -29,6 +30,10 @@ def main() -> int:
     """Runs the bench; the exit status."""
     parser = argparse.ArgumentParser(prog="python -m benchlib", description=__doc__)
     parser.add_argument("--proxyctl", required=True)
+    parser.add_argument("--proxyctl-built", action="store_true",
+                        help="scripts/bench built --proxyctl from --repo (not given by BENCH_PROXYCTL)")
+    parser.add_argument("--baseline", help="BENCH_BASELINE: another proxyctl binary, run as proxyctl-before "
+                                           "wherever proxyctl runs, for the report's before / after table")
     parser.add_argument("--tmp", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--repo", required=True, type=Path)
@@ -55,6 +60,8 @@ def main() -> int:
     t0 = time.monotonic()
     processes = Processes(args.tmp / "children.pids")
     www: Path | None = None
+    # Which binaries run, before any of them starts (checked again at the end: a rebuild meanwhile is reported).
+    proxyctls = binaries(args.proxyctl, args.repo if args.proxyctl_built else None, args.baseline)
     try:
         log(f"preparing the origin ({p.bulk_bytes >> 20} MiB file) in {args.tmp}")
         certificates = make_certificates(args.tmp / "tls")
@@ -63,7 +70,7 @@ def main() -> int:
         log(f"origin: https://127.0.0.1:{origin.https_port}, http://127.0.0.1:{origin.http_port} and "
             f"https://{BENCH_HOST} on {origin.bench_address}:{origin.bench_port} ({storage})")
         load = watch_load(processes, wait=not p.quick)
-        proxies = Proxies(processes, args.tmp, args.proxyctl)
+        proxies = Proxies(processes, args.tmp, args.proxyctl, args.baseline)
         results = Results()
         only = os.environ.get("BENCH_ONLY", "")  # for working on the bench itself: some of SECTIONS
         sections = set(only.split(",")) if only else set(SECTIONS)
@@ -71,17 +78,20 @@ def main() -> int:
             measure_throughput_rows(p, origin, proxies, results)
             measure_idle_row(p, proxies, results)
         setup = InterceptSetup(origin, fake_access_token(int(time.time())), certificates.bench, args.mitmdump)
-        targets = InterceptTargets(processes, args.tmp, args.proxyctl, setup)
+        targets = InterceptTargets(processes, args.tmp, args.proxyctl, setup, args.baseline)
         results.intercept_token = setup.token
         if "intercept" in sections:
             measure_intercept_rows(p, setup, targets, results)
         if "dpop" in sections:
             key = targets.dpop.path if targets.dpop else None
             measure_dpop(p, args.dpop_bench, len(setup.token), key, results)
-        info = machine_info(args.proxyctl, args.repo, args.mitmdump)
+        for name, binary in proxyctls.items():
+            if not binary.check_unchanged():
+                log(f"warning: the {name} binary {binary.path} changed during the run (the report says so)")
+        info = machine_info(proxyctls, args.mitmdump)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         write_report(args.out, p, results, info, args.command, storage, started, time.monotonic() - t0,
-                     load.waited)
+                     load.waited, binaries=proxyctls)
         log(f"wrote {args.out}")
         return 0
     except BenchError as error:

@@ -1,8 +1,10 @@
 """The bench's processes: every child in its own session and ended on exit (`Processes`), the origin (nginx
 serving a bulk and a small file over HTTPS and HTTP, and https://bench.test, the protected origin), the
 passthrough proxies (proxyctl, tinyproxy, squid) and the intercept targets (proxyctl with a Bearer and with a
-DPoP token, nginx as a TLS-terminating reverse proxy, mitmproxy with an addon). Everything listens on 127.0.0.1
-(the protected origin: port 443 of another loopback address) on ports the OS picked.
+DPoP token, nginx as a TLS-terminating reverse proxy, mitmproxy with an addon). With a baseline binary
+(BENCH_BASELINE), `proxyctl-before` runs wherever proxyctl does: as a passthrough proxy and as a Bearer
+intercept target, started by the same functions. Everything listens on 127.0.0.1 (the protected origin: port 443
+of another loopback address) on ports the OS picked.
 """
 
 from __future__ import annotations
@@ -31,9 +33,12 @@ TARGETS = ("direct",) + PEERS
 INTERCEPT_PEERS = ("proxyctl", "proxyctl-dpop", "nginx", "mitmproxy")
 INTERCEPT_TARGETS = ("direct",) + INTERCEPT_PEERS
 RATE_TARGETS = ("direct", "proxyctl", "proxyctl-dpop", "nginx")  # mitmproxy cannot sustain row 6b's rate
+# The BENCH_BASELINE binary: started as proxyctl is (passthrough, and intercept with a Bearer token).
+BASELINE = "proxyctl-before"
 INTERCEPT_LABELS = {
     "direct": "direct",
     "proxyctl": "proxyctl (Bearer)",
+    BASELINE: f"{BASELINE} (Bearer)",
     "proxyctl-dpop": "proxyctl (DPoP)",
     "nginx": "nginx (reverse proxy)",
     "mitmproxy": "mitmproxy",
@@ -46,6 +51,15 @@ ISSUER = "https://idp.bench.test"
 CLIENT_ID = "proxyctl-bench"
 # The clients' environment (curl, hey): no proxy variable of the user's.
 CLIENT_ENV = clean_env()
+
+
+def with_baseline(names: tuple[str, ...], baseline: bool) -> tuple[str, ...]:
+    """`names` (targets of some rows) with BASELINE right after proxyctl when the run has a baseline binary, so
+    that each round measures the two binaries one right after the other; `names` unchanged otherwise."""
+    if not baseline:
+        return names
+    after = names.index("proxyctl") + 1
+    return names[:after] + (BASELINE,) + names[after:]
 
 
 def log(message: str) -> None:
@@ -345,13 +359,20 @@ class Proxy:
 
 
 class Proxies:
-    """Starts proxyctl, tinyproxy and squid as forward proxies, each in a directory of its own."""
+    """Starts proxyctl, tinyproxy and squid (and proxyctl-before, with a baseline binary) as forward proxies, each
+    in a directory of its own."""
 
-    def __init__(self, processes: Processes, directory: Path, proxyctl: str) -> None:
+    def __init__(self, processes: Processes, directory: Path, proxyctl: str, baseline: str | None = None) -> None:
         self.processes = processes
         self.directory = directory
         self.proxyctl = proxyctl
+        self.baseline = baseline
         self.serial = 0
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        """The passthrough peers of this run: PEERS, with BASELINE when there is a baseline binary."""
+        return with_baseline(PEERS, self.baseline is not None)
 
     def _dir(self, name: str) -> Path:
         self.serial += 1
@@ -362,26 +383,35 @@ class Proxies:
         return path
 
     def start(self, name: str) -> Proxy:
-        """A fresh instance of the peer `name` (one of PEERS), listening."""
-        return getattr(self, f"_start_{name}")(self._dir(name))
+        """A fresh instance of the peer `name` (one of `peers`), listening."""
+        if name == "proxyctl":
+            return self._start_proxyctl(self._dir(name), self.proxyctl, name)
+        if name == BASELINE and self.baseline is not None:
+            return self._start_proxyctl(self._dir(name), self.baseline, name)
+        if name == "tinyproxy":
+            return self._start_tinyproxy(self._dir(name))
+        if name == "squid":
+            return self._start_squid(self._dir(name))
+        raise BenchError(f"no passthrough peer {name}")
 
     def stop(self, proxy: Proxy) -> None:
         self.processes.stop(proxy.child, timeout=15)
 
-    def _start_proxyctl(self, work: Path) -> Proxy:
+    def _start_proxyctl(self, work: Path, binary: str, name: str) -> Proxy:
+        """The proxyctl binary `binary` as the forward proxy `name` (proxyctl, or BASELINE)."""
         conf = work / "proxy.conf"
         conf.write_text(config.proxy(listen="127.0.0.1:0", log_level="info"))
         log_path = work / "proxyctl.log"
         env = dict(os.environ, XDG_CONFIG_HOME=str(work), HOME=str(work))
         env.pop("PROXYCTL_CONFIG", None)
         child = self.processes.start(
-            [self.proxyctl, "serve", "--config", str(conf), "--listen", "127.0.0.1:0"],
+            [binary, "serve", "--config", str(conf), "--listen", "127.0.0.1:0"],
             stderr=open(log_path, "wb"),
             env=env,
         )
-        port = int(wait_for_log(child, log_path, r"listening on http://127\.0\.0\.1:(\d+)", "proxyctl").group(1))
-        wait_for_port(port, child, "proxyctl")
-        return Proxy("proxyctl", port, child, log_path)
+        port = int(wait_for_log(child, log_path, r"listening on http://127\.0\.0\.1:(\d+)", name).group(1))
+        wait_for_port(port, child, name)
+        return Proxy(name, port, child, log_path)
 
     def _start_tinyproxy(self, work: Path) -> Proxy:
         port = free_port()
@@ -489,14 +519,27 @@ class InterceptSetup:
 
 
 class InterceptTargets:
-    """Starts the intercept targets (INTERCEPT_TARGETS), each in a directory of its own."""
+    """Starts the intercept targets (INTERCEPT_TARGETS, and BASELINE with a baseline binary), each in a directory
+    of its own."""
 
-    def __init__(self, processes: Processes, directory: Path, proxyctl: str, setup: InterceptSetup) -> None:
+    def __init__(self, processes: Processes, directory: Path, proxyctl: str, setup: InterceptSetup,
+                 baseline: str | None = None) -> None:
         self.processes = processes
         self.directory = directory
         self.proxyctl = proxyctl
+        self.baseline = baseline
         self.setup = setup
         self.dpop: DPoPKey | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The targets of rows 6-8 in this run: INTERCEPT_TARGETS, with BASELINE when there is a baseline binary."""
+        return with_baseline(INTERCEPT_TARGETS, self.baseline is not None)
+
+    @property
+    def rate_names(self) -> tuple[str, ...]:
+        """The targets of row 6b in this run: RATE_TARGETS, with BASELINE when there is a baseline binary."""
+        return with_baseline(RATE_TARGETS, self.baseline is not None)
 
     @property
     def origin_url(self) -> str:
@@ -518,16 +561,20 @@ class InterceptTargets:
                  "--resolve", f"{BENCH_HOST}:{origin.bench_port}:{origin.bench_address}"],
                 self.origin_url, CLIENT_ENV, None)
         if name == "proxyctl":
-            return self._start_proxyctl(self._dir(name), "bearer")
+            return self._start_proxyctl(self._dir(name), "bearer", self.proxyctl, name)
+        if name == BASELINE and self.baseline is not None:
+            return self._start_proxyctl(self._dir(name), "bearer", self.baseline, name)
         if name == "proxyctl-dpop":
-            return self._start_proxyctl(self._dir(name), "dpop")
+            return self._start_proxyctl(self._dir(name), "dpop", self.proxyctl, name)
         if name == "nginx":
             return self._start_nginx(self._dir(name))
         if name == "mitmproxy":
             return self._start_mitmproxy(self._dir(name))
         raise BenchError(f"no intercept target {name}")
 
-    def _start_proxyctl(self, work: Path, binding: str) -> InterceptTarget:
+    def _start_proxyctl(self, work: Path, binding: str, binary: str, name: str) -> InterceptTarget:
+        """The proxyctl binary `binary` as the intercept target `name`, with a token bound as `binding` ("bearer"
+        or "dpop"): its own state_dir, local CA and token store, set up as a user would have them."""
         origin = self.setup.origin
         state = work / "state"
         port = free_port()
@@ -539,7 +586,7 @@ class InterceptTargets:
                         + config.origin(self.origin_url, PROVIDER, ca_file=origin.ca))
         env = dict(os.environ, XDG_CONFIG_HOME=str(work), XDG_STATE_HOME=str(work), HOME=str(work))
         env.pop("PROXYCTL_CONFIG", None)
-        run([self.proxyctl, "ca", "init", "--config", str(conf)], env=env)
+        run([binary, "ca", "init", "--config", str(conf)], env=env)
         # The tokens, as `proxyctl login` would have stored them (TokenSet's JSON, version 1).
         now = int(time.time())
         tokens = {
@@ -559,24 +606,24 @@ class InterceptTargets:
             details["thumbprint"] = self.dpop.thumbprint
         (state / "tokens").mkdir(mode=0o700, exist_ok=True)
         write_private(state / "tokens" / f"{PROVIDER}.json", json.dumps(tokens, indent=2))
-        status = json.loads(run([self.proxyctl, "status", "--config", str(conf), "--json"], env=env))
+        status = json.loads(run([binary, "status", "--config", str(conf), "--json"], env=env))
         signed_in = [p for p in status.get("providers", []) if p.get("provider") == PROVIDER]
         if not signed_in or not signed_in[0].get("signed_in"):
-            raise BenchError(f"proxyctl does not take the bench's token file: {status}")
+            raise BenchError(f"{name} does not take the bench's token file: {status}")
         # What a user would do: eval "$(proxyctl env)". The clients take the proxy and the CA bundle from it.
         exported = dict(re.findall(r"^export ([A-Z_a-z0-9]+)='([^']*)';?$",
-                                   run([self.proxyctl, "env", "--config", str(conf)], env=env), re.M))
+                                   run([binary, "env", "--config", str(conf)], env=env), re.M))
         if "HTTPS_PROXY" not in exported or "CURL_CA_BUNDLE" not in exported:
-            raise BenchError(f"proxyctl env printed no HTTPS_PROXY or CURL_CA_BUNDLE: {exported}")
+            raise BenchError(f"{name}: proxyctl env printed no HTTPS_PROXY or CURL_CA_BUNDLE: {exported}")
         log_path = work / "proxyctl.log"
-        child = self.processes.start([self.proxyctl, "serve", "--config", str(conf)],
+        child = self.processes.start([binary, "serve", "--config", str(conf)],
                                      stderr=open(log_path, "wb"), env=env)
-        wait_for_log(child, log_path, rf"listening on http://127\.0\.0\.1:{port}\b", f"proxyctl ({binding})")
-        wait_for_port(port, child, "proxyctl")
+        wait_for_log(child, log_path, rf"listening on http://127\.0\.0\.1:{port}\b", f"{name} ({binding})")
+        wait_for_port(port, child, name)
         curl_env = dict(CLIENT_ENV, HTTPS_PROXY=exported["HTTPS_PROXY"], CURL_CA_BUNDLE=exported["CURL_CA_BUNDLE"])
         details["log"] = str(log_path)
         return InterceptTarget(
-            "proxyctl-dpop" if binding == "dpop" else "proxyctl", child, ["-x", exported["HTTPS_PROXY"]],
+            name, child, ["-x", exported["HTTPS_PROXY"]],
             self.origin_url, [], self.origin_url, curl_env, "DPoP" if binding == "dpop" else "Bearer", details)
 
     def _start_nginx(self, work: Path) -> InterceptTarget:

@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from benchlib.harness import (CLIENT_ENV, INTERCEPT_TARGETS, PEERS, RATE_TARGETS, TARGETS, BenchError,
-                              InterceptSetup, InterceptTarget, InterceptTargets, Origin, Processes, Proxies, Proxy,
-                              check_headers, log, run)
+from benchlib.harness import (CLIENT_ENV, BenchError, InterceptSetup, InterceptTarget, InterceptTargets, Origin,
+                              Processes, Proxies, Proxy, check_headers, log, run)
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 GIB = 1 << 30
@@ -417,7 +416,7 @@ def run_rows(p: Plan, rows: list[Row], targets: tuple[str, ...], running: dict, 
 
 def measure_throughput_rows(p: Plan, origin: Origin, proxies: Proxies, results: Results) -> None:
     """Rows 1-4: bulk, keep-alive tunnels, new tunnels, plain HTTP; every peer running throughout."""
-    running = {name: proxies.start(name) for name in PEERS}
+    running = {name: proxies.start(name) for name in proxies.peers}
     for name, proxy in running.items():
         log(f"{name} listening on {proxy.url} (pid {proxy.pid})")
     try:
@@ -433,7 +432,7 @@ def measure_throughput_rows(p: Plan, origin: Origin, proxies: Proxies, results: 
             ("plain", lambda proxy: hey(http_small, proxy, p.plain_requests, True),
              lambda proxy: hey(http_small, proxy, p.warmup_requests, True)),
         ]
-        run_rows(p, rows, TARGETS, running, results)
+        run_rows(p, rows, ("direct",) + proxies.peers, running, results)
     finally:
         for proxy in running.values():
             proxies.stop(proxy)
@@ -442,7 +441,7 @@ def measure_throughput_rows(p: Plan, origin: Origin, proxies: Proxies, results: 
 def measure_idle_row(p: Plan, proxies: Proxies, results: Results) -> None:
     """Row 5: idle tunnels, a fresh proxy for each run."""
     for index in range(p.runs):
-        for name in PEERS:
+        for name in proxies.peers:
             proxy = proxies.start(name)  # fresh, so the baseline is an idle, warmed-up proxy
             try:
                 sample = idle_tunnels(proxy, p.idle_count)
@@ -461,7 +460,7 @@ def measure_intercept_rows(p: Plan, setup: InterceptSetup, targets: InterceptTar
     /headers; every target running throughout."""
     running: dict[str, InterceptTarget] = {}
     try:
-        for name in INTERCEPT_TARGETS:
+        for name in targets.names:
             running[name] = targets.start(name)
             target = running[name]
             results.intercept_checks[name] = check_headers(target, targets, setup.token)
@@ -481,12 +480,12 @@ def measure_intercept_rows(p: Plan, setup: InterceptSetup, targets: InterceptTar
             ("i-newconn", lambda t: intercept_hey(t, count(t, p.intercept_new_requests), False),
              lambda t: intercept_hey(t, count(t, p.warmup_requests // 2), False)),
         ]
-        run_rows(p, rows, INTERCEPT_TARGETS, running, results)
+        run_rows(p, rows, targets.names, running, results)
         rate_rows = [
             ("i-rate", lambda t: intercept_hey(t, p.intercept_rate_requests, True, p.intercept_rate),
              lambda t: intercept_hey(t, p.warmup_requests, True, p.intercept_rate)),
         ]
-        run_rows(p, rate_rows, RATE_TARGETS, running, results)
+        run_rows(p, rate_rows, targets.rate_names, running, results)
         for name, target in running.items():
             if target.child is not None and target.child.poll() is not None:
                 raise BenchError(f"{name} exited during the intercept rows ({target.child.returncode})")

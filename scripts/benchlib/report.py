@@ -1,8 +1,11 @@
 """docs/benchmarks.md: the machine and the versions, one table per section (passthrough, intercept path,
-DPoP) with the targets and earlier figures of reference.toml, the method, and every run's figures."""
+DPoP) with the targets and earlier figures of reference.toml, the method, and every run's figures; with a
+baseline binary (BENCH_BASELINE), a before / after table of proxyctl against it first."""
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import os
 import platform
 import re
@@ -10,9 +13,11 @@ import statistics
 import subprocess
 import tomllib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from benchlib.harness import INTERCEPT_LABELS, INTERCEPT_PEERS, INTERCEPT_TARGETS, PEERS, RATE_TARGETS, TARGETS
+from benchlib.harness import (BASELINE, INTERCEPT_LABELS, INTERCEPT_PEERS, INTERCEPT_TARGETS, PEERS, RATE_TARGETS,
+                              TARGETS, with_baseline)
 from benchlib.measurement import CLK_TCK, CONCURRENCY, GIB, Plan, Results
 
 REFERENCE = Path(__file__).with_name("reference.toml")
@@ -84,8 +89,71 @@ def first_line(argv: list[str]) -> str:
         return "?"
 
 
-def machine_info(proxyctl: str, repo: Path, mitmdump: str) -> list[tuple[str, str]]:
-    """The machine, the OS and every program's version, for the report's head."""
+def git_head(tree: Path) -> str:
+    """The short commit of a git work tree's HEAD, and whether tracked files have uncommitted changes."""
+    commit = first_line(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"])
+    dirty = subprocess.run(
+        ["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    ).stdout.strip()
+    return commit + (" with uncommitted changes" if dirty else "")
+
+
+def file_digest(path: str) -> str:
+    """The first 12 hex digits of a file's SHA-256."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]
+
+
+@dataclass
+class Binary:
+    """A proxyctl binary of the run, as found when the run began: what `proxyctl --version` prints, where the
+    binary comes from, and its checksum, to tell whether the file was replaced during the run."""
+    path: str
+    version: str
+    source: str
+    digest: str
+    changed: bool = False  # replaced during the run (a rebuild): its figures may mix two builds
+
+    def __str__(self) -> str:
+        warning = "; **the file changed during the run: its figures may mix two builds**" if self.changed else ""
+        return f"{self.version} ({self.source}{warning})"
+
+    def check_unchanged(self) -> bool:
+        """Whether the file is still the one described; marks it `changed` when not."""
+        self.changed = self.changed or file_digest(self.path) != self.digest
+        return not self.changed
+
+
+def describe_binary(path: str, built_from: Path | None = None, given_by: str = "") -> Binary:
+    """Which proxyctl binary `path` is: what `proxyctl --version` prints, and either the commit of the work tree
+    `built_from` that this run built it from, or the variable that named it (`given_by`: BENCH_PROXYCTL,
+    BENCH_BASELINE), its path, checksum and modification time, and the git work tree it lies in, if any, with that
+    tree's HEAD (the binary may be older than that)."""
+    version = first_line([path, "--version"])
+    digest = file_digest(path)
+    if built_from is not None:
+        return Binary(path, version, f"release build of commit {git_head(built_from)}", digest)
+    modified = datetime.datetime.fromtimestamp(os.stat(path).st_mtime, datetime.timezone.utc)
+    source = f"{given_by}={path}, sha256 {digest}…, modified {modified:%Y-%m-%d %H:%M:%S UTC}"
+    tree = subprocess.run(["git", "-C", str(Path(path).parent), "rev-parse", "--show-toplevel"],
+                          capture_output=True, text=True).stdout.strip()
+    if tree:
+        source += f"; it lies in the git work tree {tree}, whose HEAD was {git_head(Path(tree))} when the run began"
+    return Binary(path, version, source, digest)
+
+
+def binaries(proxyctl: str, built_from: Path | None, baseline: str | None) -> dict[str, Binary]:
+    """Each proxyctl binary of the run, by target name, described when the run begins: proxyctl (built by this
+    run from the work tree `built_from`, or given by BENCH_PROXYCTL when that is None), and BASELINE with a
+    baseline binary."""
+    found = {"proxyctl": describe_binary(proxyctl, built_from, "BENCH_PROXYCTL")}
+    if baseline is not None:
+        found[BASELINE] = describe_binary(baseline, given_by="BENCH_BASELINE")
+    return found
+
+
+def machine_info(proxyctl: dict[str, Binary], mitmdump: str) -> list[tuple[str, str]]:
+    """The machine, the OS and every program's version, for the report's head; `proxyctl`: each proxyctl binary
+    of the run (`binaries()`)."""
     cpu = "?"
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
@@ -96,10 +164,6 @@ def machine_info(proxyctl: str, repo: Path, mitmdump: str) -> list[tuple[str, st
     if Path("/etc/os-release").exists():
         match = re.search(r'PRETTY_NAME="([^"]+)"', Path("/etc/os-release").read_text())
         os_name = match.group(1) if match else "?"
-    commit = first_line(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"])
-    dirty = subprocess.run(
-        ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
-    ).stdout.strip()
     hey_version = first_line(["dpkg-query", "-W", "-f=${Version}", "hey"])
     return [
         ("nproc", str(os.cpu_count())),
@@ -107,8 +171,7 @@ def machine_info(proxyctl: str, repo: Path, mitmdump: str) -> list[tuple[str, st
         ("Memory", f"{mem_kib / (1 << 20):.1f} GiB"),
         ("Kernel", f"{platform.system()} {platform.release()} ({platform.machine()})"),
         ("OS", os_name),
-        ("proxyctl", f"{first_line([proxyctl, '--version'])} (release build of commit {commit}"
-                     f"{' with uncommitted changes' if dirty else ''})"),
+        *((name, str(binary)) for name, binary in proxyctl.items()),
         ("tinyproxy", first_line(["tinyproxy", "-v"])),
         ("squid", first_line(["squid", "-v"])),
         ("nginx (origin, reverse proxy)", first_line(["nginx", "-v"])),
@@ -132,6 +195,23 @@ def fmt_ratio(value: float) -> str:
     return f"{value:.2f}×"
 
 
+def fmt_change(before: float, after: float) -> str:
+    """after against before, in per cent ("+3.1%"); "—" when before is not a positive figure."""
+    if before <= 0:
+        return "—"
+    return f"{round((after / before - 1) * 100, 1) + 0.0:+.1f}%"  # + 0.0: no "-0.0%"
+
+
+@dataclass
+class Comparison:
+    """One line of the before / after table: a figure of a row, for proxyctl and for BASELINE."""
+    row: str
+    metric: str
+    higher_is_better: bool
+    runs: Callable[[str], list[float]]  # a target's figure in each run
+    fmt: Callable[[float], str]
+
+
 class Report:
     """The report's lines, section by section."""
 
@@ -145,8 +225,23 @@ class Report:
         self.intercept = ("i-bulk", "direct") in results.samples
         self.dpop = bool(results.dpop)
         self.rated = ("i-rate", "direct") in results.samples
+        self.baseline = BASELINE in results.idle or any(target == BASELINE for _, target in results.samples)
         self.bulk_label = f"{p.bulk_bytes / GIB:g} GiB" if p.bulk_bytes >= GIB else f"{p.bulk_bytes >> 20} MiB"
         self.token_bytes = len(results.intercept_token) if results.intercept_token else "~900"
+        # Each row's number and scenario, as every table names them.
+        self.scenarios = {
+            "bulk": ("1", f"CONNECT bulk {self.bulk_label} download over HTTPS (curl)"),
+            "keepalive": ("2", f"Small HTTPS requests, keep-alive tunnels, c={CONCURRENCY} (hey -x)"),
+            "newtunnel": ("3", f"New CONNECT + TLS handshake per request, c={CONCURRENCY} (hey -disable-keepalive)"),
+            "plain": ("4", f"Plain-HTTP absolute-form requests, c={CONCURRENCY} (hey -x, http:// URL)"),
+            "idle": ("5", f"{p.idle_count:,} idle CONNECT tunnels (Python asyncio client)"),
+            "i-keepalive": ("6", f"Small HTTPS requests, keep-alive, c={CONCURRENCY} (hey; -x for the forward "
+                                 "proxies)"),
+            "i-rate": ("6b", f"As row 6 at a fixed {p.intercept_rate:,} req/s (hey -q), equal load for every target"),
+            "i-bulk": ("7", f"Bulk {self.bulk_label} download (curl)"),
+            "i-newconn": ("8", f"New connection + TLS handshake per request, c={CONCURRENCY} "
+                               "(hey -disable-keepalive)"),
+        }
 
     def add(self, line: str) -> None:
         self.lines.append(line)
@@ -159,9 +254,13 @@ class Report:
         mine = self.results.samples[(row, target)]
         return [m.value / d.value for m, d in zip(mine, direct)]
 
+    def cpu_runs(self, row: str, target: str, scale: float) -> list[float]:
+        """Each run's CPU seconds per unit (GiB, or request), times `scale`."""
+        return [s.cpu / s.units * scale for s in self.results.samples[(row, target)]]
+
     def cpu_per(self, row: str, target: str, scale: float) -> float:
         """The median CPU seconds per unit (GiB, or request), times `scale`."""
-        return median([s.cpu / s.units * scale for s in self.results.samples[(row, target)]])
+        return median(self.cpu_runs(row, target, scale))
 
     def absolute(self, row: str, target: str, unit: str) -> str:
         value = median([s.value for s in self.results.samples[(row, target)]])
@@ -211,16 +310,10 @@ class Report:
         add("")
         add("| # | Scenario | Metric | Target (issue) | direct | proxyctl | tinyproxy | squid | earlier reference |")
         add("|---|---|---|---|---|---|---|---|---|")
-        scenarios = [
-            ("1", "bulk", f"CONNECT bulk {self.bulk_label} download over HTTPS (curl)", "throughput × direct", "MB/s"),
-            ("2", "keepalive", f"Small HTTPS requests, keep-alive tunnels, c={CONCURRENCY} (hey -x)",
-             "req/s × direct", "req/s"),
-            ("3", "newtunnel", f"New CONNECT + TLS handshake per request, c={CONCURRENCY} (hey -disable-keepalive)",
-             "req/s × direct", "req/s"),
-            ("4", "plain", f"Plain-HTTP absolute-form requests, c={CONCURRENCY} (hey -x, http:// URL)",
-             "req/s × direct", "req/s"),
-        ]
-        for number, row, scenario, metric, unit in scenarios:
+        rows = [("bulk", "throughput × direct", "MB/s"), ("keepalive", "req/s × direct", "req/s"),
+                ("newtunnel", "req/s × direct", "req/s"), ("plain", "req/s × direct", "req/s")]
+        for row, metric, unit in rows:
+            number, scenario = self.scenarios[row]
             r = {t: median(self.ratios(row, t)) for t in PEERS}
             throughput, cpu = f"{row}.throughput", f"{row}.cpu"
             add(f"| {number} | {scenario} | {metric} | {ref.target(throughput)} | "
@@ -246,7 +339,7 @@ class Report:
         for t in PEERS:
             last = results.idle[t][-1]
             model[t] = f"{last['processes']} proc, {last['threads']} thr"
-        add(f"| 5 | {p.idle_count:,} idle CONNECT tunnels (Python asyncio client) | KiB RSS per idle tunnel | "
+        add(f"| 5 | {self.scenarios['idle'][1]} | KiB RSS per idle tunnel | "
             f"{ref.target('idle.per_tunnel')} | — | "
             f"{per['proxyctl']:.1f}{ref.check('idle.per_tunnel', per['proxyctl'])} | "
             f"{per['tinyproxy']:.1f} | {per['squid']:.1f} |{ref.earlier('idle.per_tunnel')}|")
@@ -288,8 +381,7 @@ class Report:
         add("| # | Scenario | Metric | Target (issue) | direct | proxyctl (Bearer) | proxyctl (DPoP) | nginx | "
             "mitmproxy | earlier reference |")
         add("|---|---|---|---|---|---|---|---|---|---|")
-        add(f"| 6 | Small HTTPS requests, keep-alive, c={CONCURRENCY} (hey; -x for the forward proxies) | "
-            f"req/s × direct | {ref.target('i-keepalive.throughput')} | "
+        add(f"| 6 | {self.scenarios['i-keepalive'][1]} | req/s × direct | {ref.target('i-keepalive.throughput')} | "
             f"1.00× ({self.absolute('i-keepalive', 'direct', 'req/s')}) | "
             f"{cells('i-keepalive.throughput', ik, fmt_ratio)} |{ref.earlier('i-keepalive.throughput')}|")
         add(f"| 6 | | proxy CPU µs/req | {ref.target('i-keepalive.cpu')} | — | "
@@ -305,17 +397,16 @@ class Report:
                                          if key and t in OURS else "")) if t in iratec else "—"
                     for t in INTERCEPT_PEERS)
 
-            add(f"| 6b | As row 6 at a fixed {p.intercept_rate:,} req/s (hey -q), equal load for every target | "
-                f"req/s achieved | — | {irate['direct']:,.0f} | {rate_cells(irate)} | |")
+            add(f"| 6b | {self.scenarios['i-rate'][1]} | req/s achieved | — | {irate['direct']:,.0f} | "
+                f"{rate_cells(irate)} | |")
             add(f"| 6b | | proxy CPU µs/req | {ref.target('i-rate.cpu')} | — | {rate_cells(iratec, 'i-rate.cpu')} |"
                 f"{ref.earlier('i-rate.cpu')}|")
-        add(f"| 7 | Bulk {self.bulk_label} download (curl) | throughput × direct | "
+        add(f"| 7 | {self.scenarios['i-bulk'][1]} | throughput × direct | "
             f"{ref.target('i-bulk.throughput')} | 1.00× ({self.absolute('i-bulk', 'direct', 'MB/s')}) | "
             f"{cells('i-bulk.throughput', ib, fmt_ratio)} |{ref.earlier('i-bulk.throughput')}|")
         add(f"| 7 | | proxy CPU-s per GiB | {ref.target('i-bulk.cpu')} | — | "
             f"{cells('i-bulk.cpu', ibc, lambda v: f'{v:.2f}')} |{ref.earlier('i-bulk.cpu')}|")
-        add(f"| 8 | New connection + TLS handshake per request, c={CONCURRENCY} (hey -disable-keepalive) | "
-            f"req/s × direct | {ref.target('i-newconn.throughput')} | "
+        add(f"| 8 | {self.scenarios['i-newconn'][1]} | req/s × direct | {ref.target('i-newconn.throughput')} | "
             f"1.00× ({self.absolute('i-newconn', 'direct', 'req/s')}) | "
             f"{cells('i-newconn.throughput', inew, fmt_ratio)} |{ref.earlier('i-newconn.throughput')}|")
         add(f"| 8 | | proxy CPU µs/req | {ref.target('i-newconn.cpu')} | — | {cells('i-newconn.cpu', inc, micro)} |"
@@ -327,7 +418,7 @@ class Report:
         add("")
         add("What the origin received, checked once per target before the samples (its `/headers` echoes them):")
         add("")
-        for name in INTERCEPT_TARGETS:
+        for name in with_baseline(INTERCEPT_TARGETS, self.baseline):
             add(f"- {INTERCEPT_LABELS[name]}: {results.intercept_checks.get(name, '?')}")
         add("")
 
@@ -368,6 +459,75 @@ class Report:
                 f"{ref.earlier('dpop.overhead')}|")
         add("")
         add("✅/❌: proxyctl against the issue's target; the raw signing rate is `openssl speed` of this run.")
+        add("")
+
+    def comparisons(self) -> list[Comparison]:
+        """The figures the before / after table compares, row by row, for the rows this run measured."""
+        results = self.results
+        micro = lambda v: f"{v:,.0f}"  # noqa: E731
+        decimals = lambda v: f"{v:.2f}"  # noqa: E731
+
+        def throughput_and_cpu(row: str) -> list[Comparison]:
+            """A row's throughput as a ratio to direct, and the proxy's CPU per GiB (bulk rows) or per request."""
+            bulk = row.endswith("bulk")
+            return [
+                Comparison(row, "throughput × direct" if bulk else "req/s × direct", True,
+                           lambda t: self.ratios(row, t), fmt_ratio),
+                Comparison(row, "proxy CPU-s per GiB" if bulk else "proxy CPU µs/req", False,
+                           lambda t: self.cpu_runs(row, t, 1.0 if bulk else 1e6), decimals if bulk else micro),
+            ]
+
+        found: list[Comparison] = []
+        if self.passthrough:
+            for row in ("bulk", "keepalive", "newtunnel", "plain"):
+                found += throughput_and_cpu(row)
+            found += [
+                Comparison("idle", "KiB RSS per idle tunnel", False,
+                           lambda t: [s["per_tunnel_kib"] for s in results.idle[t]], lambda v: f"{v:.1f}"),
+                Comparison("idle", "total RSS with the tunnels open", False,
+                           lambda t: [s["after_kib"] * 1024 / 1e6 for s in results.idle[t]], lambda v: f"{v:.1f} MB"),
+            ]
+        if self.intercept:
+            found += throughput_and_cpu("i-keepalive")
+            if self.rated:
+                found += [
+                    Comparison("i-rate", "req/s achieved", True,
+                               lambda t: [s.value for s in results.samples[("i-rate", t)]], micro),
+                    Comparison("i-rate", "proxy CPU µs/req", False, lambda t: self.cpu_runs("i-rate", t, 1e6), micro),
+                ]
+            found += throughput_and_cpu("i-bulk") + throughput_and_cpu("i-newconn")
+        return found
+
+    def before_after_table(self, binaries: dict[str, Binary]) -> None:
+        """proxyctl against BASELINE (the BENCH_BASELINE binary) in every row both ran, from the same rounds of
+        this run; `binaries`: what each binary is (`binaries()`)."""
+        p, add = self.p, self.add
+        add(f"## Before / after: proxyctl against {BASELINE} (BENCH_BASELINE)")
+        add("")
+        add(f"- after, `proxyctl`: {binaries['proxyctl']}")
+        add(f"- before, `{BASELINE}`: {binaries[BASELINE]}")
+        if binaries["proxyctl"].version == binaries[BASELINE].version:
+            add(f"- Both print the same `proxyctl --version` ({binaries[BASELINE].version}): what follows it above "
+                "tells them apart.")
+        add("")
+        add(f"The two binaries ran in the same run, set up alike: forward proxies in rows 1–5, Bearer intercept "
+            f"targets in rows 6–8 (no DPoP column for {BASELINE}). In every round of a row, {BASELINE} was measured "
+            "right after proxyctl, both after direct (the ratios' denominator). Change: after / before − 1, of the "
+            "medians; each run: the same of one round's figures, which shows how much "
+            "of a change is noise. ↑: higher is better, ↓: lower is better."
+            + (" **Quick run: one run of small sizes, a smoke test; not evidence of a change.**" if p.quick else ""))
+        add("")
+        add(f"| # | Scenario | Metric | before ({BASELINE}) | after (proxyctl) | change | each run |")
+        add("|---|---|---|---|---|---|---|")
+        previous = ""
+        for comparison in self.comparisons():
+            before, after = comparison.runs(BASELINE), comparison.runs("proxyctl")
+            number, scenario = self.scenarios[comparison.row]
+            runs = ", ".join(fmt_change(b, a) for b, a in zip(before, after))
+            add(f"| {number} | {scenario if comparison.row != previous else ''} | {comparison.metric} "
+                f"{'↑' if comparison.higher_is_better else '↓'} | {comparison.fmt(median(before))} | "
+                f"{comparison.fmt(median(after))} | {fmt_change(median(before), median(after))} | {runs} |")
+            previous = comparison.row
         add("")
 
     def method(self) -> None:
@@ -481,6 +641,12 @@ class Report:
             if self.intercept:
                 add("- **Row 10**: per run, the DPoP column's CPU µs/request less the Bearer column's, in rows 6, 6b "
                     "and 8; the target is one raw signature from row 9.")
+        if self.baseline:
+            add(f"- **{BASELINE}** (`BENCH_BASELINE`): the baseline binary, started by the same code as proxyctl "
+                "with the same configuration: a forward proxy in rows 1–4 (running throughout) and row 5 (afresh "
+                "for each run), and a Bearer intercept target in rows 6–8 and 6b, with a `state_dir`, local CA "
+                "(`proxyctl ca init` of that binary) and token file of its own, made the same way. In every round it "
+                "is measured right after proxyctl.")
         if results.retries:
             add(f"- Samples taken again after a failed first try: {', '.join(results.retries)}.")
         add("")
@@ -493,13 +659,13 @@ class Report:
         add("|---|---|" + "---|" * p.runs)
         table = []
         if self.passthrough:
-            table += [(row, unit, TARGETS) for row, unit in
+            table += [(row, unit, with_baseline(TARGETS, self.baseline)) for row, unit in
                       (("bulk", "MB/s"), ("keepalive", "req/s"), ("newtunnel", "req/s"), ("plain", "req/s"))]
         if self.intercept:
-            table += [(row, unit, INTERCEPT_TARGETS) for row, unit in
+            table += [(row, unit, with_baseline(INTERCEPT_TARGETS, self.baseline)) for row, unit in
                       (("i-keepalive", "req/s"), ("i-bulk", "MB/s"), ("i-newconn", "req/s"))]
             if self.rated:
-                table.append(("i-rate", "req/s", RATE_TARGETS))
+                table.append(("i-rate", "req/s", with_baseline(RATE_TARGETS, self.baseline)))
         for row, unit, targets in table:
             for target in targets:
                 cells = []
@@ -515,7 +681,7 @@ class Report:
                 add(f"| {row} | {INTERCEPT_LABELS.get(target, target) if row.startswith('i-') else target} | "
                     + " | ".join(cells) + " |")
         if self.passthrough:
-            for target in PEERS:
+            for target in with_baseline(PEERS, self.baseline):
                 cells = [
                     f"{s['before_kib']:,} → {s['after_kib']:,} KiB, anonymous {s['anon_before_kib']:,} → "
                     f"{s['anon_after_kib']:,} ({s['per_tunnel_kib']:.1f} KiB/tunnel, "
@@ -537,10 +703,16 @@ class Report:
 
 
 def write_report(out: Path, p: Plan, results: Results, info: list[tuple[str, str]], command: str, storage: str,
-                 started: str, elapsed: float, waited: float, reference: Reference | None = None) -> None:
-    """Writes the report of a run to `out`."""
+                 started: str, elapsed: float, waited: float, reference: Reference | None = None,
+                 binaries: dict[str, Binary] | None = None) -> None:
+    """Writes the report of a run to `out`; `binaries`: what each proxyctl binary is (`binaries()`), for the
+    before / after table of a run with a baseline."""
     report = Report(p, results, storage, reference or Reference.load())
     report.head(info, command, started, elapsed, waited)
+    if report.baseline:
+        if binaries is None or BASELINE not in binaries:
+            raise ValueError("a run with a baseline needs what each proxyctl binary is (binaries)")
+        report.before_after_table(binaries)
     if report.passthrough:
         report.passthrough_table()
     if report.intercept:
