@@ -17,9 +17,10 @@ let package = Package(
             pkgConfig: "libevent_openssl",
             providers: [.apt(["libevent-dev"])]
         ),
+        // No pkgConfig: libcurl 8's pkg-config adds -isystem flags SwiftPM refuses; the header and library are
+        // in the default paths.
         .systemLibrary(
             name: "CCurl",
-            pkgConfig: "libcurl",
             providers: [.apt(["libcurl4-openssl-dev"])]
         ),
         .systemLibrary(

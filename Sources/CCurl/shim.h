@@ -33,6 +33,8 @@ static inline CURLcode proxyctl_easy_setopt_seek_cb(CURL *h, int (*cb)(void *, c
 static inline CURLcode proxyctl_easy_setopt_trailer_cb(CURL *h, int (*cb)(struct curl_slist **, void *)) {
     return curl_easy_setopt(h, CURLOPT_TRAILERFUNCTION, cb);
 }
+// CURLVERSION_NOW is a macro.
+static inline curl_version_info_data *proxyctl_curl_version_info(void) { return curl_version_info(CURLVERSION_NOW); }
 static inline size_t proxyctl_writefunc_pause(void) { return CURL_WRITEFUNC_PAUSE; }
 static inline size_t proxyctl_readfunc_pause(void) { return CURL_READFUNC_PAUSE; }
 static inline size_t proxyctl_readfunc_abort(void) { return CURL_READFUNC_ABORT; }

@@ -47,6 +47,7 @@ static inline int proxyctl_SSL_set_tlsext_host_name(SSL *ssl, const char *name) 
 
 // SSL_OP_NO_TICKET is a macro expression (SSL_OP_BIT).
 static inline uint64_t proxyctl_SSL_OP_NO_TICKET(void) { return SSL_OP_NO_TICKET; }
+static inline uint64_t proxyctl_SSL_OP_IGNORE_UNEXPECTED_EOF(void) { return SSL_OP_IGNORE_UNEXPECTED_EOF; }
 
 // XN_FLAG_RFC2253 is a macro expression.
 static inline unsigned long proxyctl_XN_FLAG_RFC2253(void) { return XN_FLAG_RFC2253; }

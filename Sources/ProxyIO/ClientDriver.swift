@@ -30,6 +30,10 @@ final class ClientDriver: ServerConnection, TransferOwner {
     private var upstream: OpaquePointer?
     /// The upstream bufferevent is connecting (its first event is CONNECTED or the failure).
     private var upstreamConnecting = false
+    /// The TLS session the proxy runs over the upstream connection (an upgrade to an https origin), and
+    /// whether its handshake is still under way.
+    private var upstreamSSL: OpaquePointer?
+    private var upstreamTLSConnecting = false
     private var addresses: [SocketAddress] = []
     private var timers: [ConnectionTimer: LoopTimer] = [:]
     /// When a byte last moved on this connection (either side, the transfer included).
@@ -219,12 +223,18 @@ final class ClientDriver: ServerConnection, TransferOwner {
             bufferevent_free(upstream)
             upstream = nil
             upstreamConnecting = false
+            upstreamSSL = nil
+            upstreamTLSConnecting = false
             upstreamThrottled = false
             clientThrottled = false
             updateClientReading()
         case .writeUpstream(let bytes):
             Buffers.append(bytes, to: upstreamOutput)
             throttleClientIfNeeded()
+        case .writeUpstreamHead(let head, let credential, let method, let url):
+            writeUpstreamHead(head, credential: credential, method: method, url: url)
+        case .startUpstreamTLS(let serverName, let caFile):
+            startUpstreamTLS(serverName: serverName, caFile: caFile)
         case .consumeUpstream(let count):
             evbuffer_drain(upstreamInput, count)
         case .moveClientToUpstream(let count):
@@ -370,9 +380,13 @@ final class ClientDriver: ServerConnection, TransferOwner {
     }
 
     private func tlsErrors() -> String {
+        client.map { Self.tlsErrors($0) } ?? "connection closed"
+    }
+
+    private static func tlsErrors(_ bev: OpaquePointer) -> String {
         var messages: [String] = []
-        while let client {
-            let code = bufferevent_get_openssl_error(client)
+        while true {
+            let code = bufferevent_get_openssl_error(bev)
             if code == 0 { break }
             var buffer = [CChar](repeating: 0, count: 200)
             ERR_error_string_n(code, &buffer, buffer.count)
@@ -434,6 +448,18 @@ final class ClientDriver: ServerConnection, TransferOwner {
     fileprivate func upstreamEvent(_ events: Int16) {
         let what = Int32(events)
         guard let upstream else { return }
+        if upstreamTLSConnecting {
+            upstreamTLSConnecting = false
+            lastActivity = EventLoop.monotonicMilliseconds()
+            if what & Int32(BEV_EVENT_CONNECTED) != 0 {
+                handle(.upstreamTLSEstablished)
+            } else if let ssl = upstreamSSL, let reason = tlsVerifyFailure(ssl) {
+                handle(.upstreamTLSFailed(.certificate, detail: "the certificate does not verify: \(reason)"))
+            } else {
+                handle(.upstreamTLSFailed(.tls, detail: "TLS handshake failed: \(Self.tlsErrors(upstream))"))
+            }
+            return
+        }
         if what & Int32(BEV_EVENT_CONNECTED) != 0 {
             upstreamConnecting = false
             let fd = bufferevent_getfd(upstream)
@@ -463,6 +489,24 @@ final class ClientDriver: ServerConnection, TransferOwner {
     private func startTunnel(label: String, status: Int) {
         guard let clientBev = client, let upstreamBev = upstream else {
             return close()
+        }
+        if ssl != nil || upstreamSSL != nil {
+            // TLS on either side (an upgraded connection to a protected origin): the bytes must pass through
+            // OpenSSL, so a relay between the two bufferevents instead of splice.
+            bufferevent_setcb(clientBev, nil, nil, nil, nil)
+            bufferevent_setcb(upstreamBev, nil, nil, nil, nil)
+            let relay = RelayTunnel(
+                context: context, id: id, peer: peer, client: clientAddress, label: label, status: status,
+                started: started, clientBev: clientBev, clientSSL: ssl, upstreamBev: upstreamBev,
+                upstreamSSL: upstreamSSL)
+            client = nil
+            ssl = nil
+            upstream = nil
+            upstreamSSL = nil
+            context.owner.adopt(relay)
+            finishHandOff()
+            relay.begin()
+            return
         }
         let clientFD = bufferevent_getfd(clientBev)
         let upstreamFD = bufferevent_getfd(upstreamBev)
@@ -663,8 +707,25 @@ final class ClientDriver: ServerConnection, TransferOwner {
 
     /// Starts the libcurl transfer for `request`, with the token of its generation attached.
     private func send(_ request: UpstreamRequest, origin: OriginConfig) {
+        credentialFields(request.credential, method: request.method, url: request.url, origin: origin) {
+            [unowned self] authorization in
+            let made = InterceptTransfer(
+                owner: self, request: request, authorization: authorization, body: requestBody())
+            transfer = made
+            uploadPaused = false
+            context.curl.add(made)
+        }
+    }
+
+    /// The `Authorization` (and with DPoP a fresh `DPoP` proof for `method` and `url`) fields of the token of
+    /// `credential`, given to `use`; none without a credential. A key that was replaced is read off the loop
+    /// first; a key that is missing or a proof that cannot be signed ends in `.credentialFailed`.
+    private func credentialFields(
+        _ credential: UpstreamRequest.Credential?, method: String, url: String, origin: OriginConfig,
+        _ use: @escaping ([(name: String, value: [UInt8])]) -> Void
+    ) {
         var authorization: [(name: String, value: [UInt8])] = []
-        if request.credential != nil, let tokens {
+        if credential != nil, let tokens {
             authorization.append(("Authorization", Array("\(tokens.tokenType) \(tokens.accessToken)".utf8)))
             if tokens.tokenType == "DPoP" {
                 guard let key = context.keys.cached(provider: origin.provider, thumbprint: tokens.dpopThumbprint) else {
@@ -674,7 +735,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
                         if key == nil {
                             self.handle(.credentialFailed(.dpopKeyMissing(provider: origin.provider)))
                         } else {
-                            self.send(request, origin: origin)
+                            self.credentialFields(credential, method: method, url: url, origin: origin, use)
                         }
                     }
                     return
@@ -682,8 +743,8 @@ final class ClientDriver: ServerConnection, TransferOwner {
                 do {
                     // RFC 9449 §7: a fresh proof for every request, replays included, bound to the token (ath).
                     let proof = try key.proof(
-                        method: request.method, url: request.url, accessToken: tokens.accessToken,
-                        nonce: request.credential?.dpopNonce, now: Int64(time(nil)))
+                        method: method, url: url, accessToken: tokens.accessToken, nonce: credential?.dpopNonce,
+                        now: Int64(time(nil)))
                     authorization.append(("DPoP", Array(proof.utf8)))
                 } catch {
                     queued.append(.credentialFailed(.dpopProofFailed(reason: "\(error)")))
@@ -691,10 +752,64 @@ final class ClientDriver: ServerConnection, TransferOwner {
                 }
             }
         }
-        let made = InterceptTransfer(owner: self, request: request, authorization: authorization, body: requestBody())
-        transfer = made
-        uploadPaused = false
-        context.curl.add(made)
+        use(authorization)
+    }
+
+    /// An upgrade request head to the origin, its credential's fields added before the empty line.
+    private func writeUpstreamHead(
+        _ head: [UInt8], credential: UpstreamRequest.Credential?, method: String, url: String
+    ) {
+        guard credential != nil else {
+            Buffers.append(head, to: upstreamOutput)
+            return
+        }
+        guard let origin = exchangeOrigin else {
+            preconditionFailure("an upgrade credential without the exchange that got its token")
+        }
+        exchangeStarted = exchangeStarted == 0 ? EventLoop.monotonicMilliseconds() : exchangeStarted
+        let upstreamAtStart = upstream
+        credentialFields(credential, method: method, url: url, origin: origin) { [unowned self] fields in
+            // A key read off the loop may come back after the connection went.
+            guard upstream != nil, upstream == upstreamAtStart else { return }
+            var bytes = Array(head.dropLast(2))
+            for (name, value) in fields {
+                bytes += Array(name.utf8) + Array(": ".utf8) + value + Array("\r\n".utf8)
+            }
+            bytes += Array("\r\n".utf8)
+            Buffers.append(bytes, to: upstreamOutput)
+        }
+    }
+
+    /// TLS to the origin over the connected upstream socket (an upgrade to an https origin): a filter
+    /// bufferevent on top of the socket's, which then stands for the upstream connection.
+    private func startUpstreamTLS(serverName: String, caFile: String?) {
+        guard let socket = upstream else { return }
+        let ssl: OpaquePointer
+        do {
+            ssl = try context.tlsClients.makeSSL(serverName: serverName, caFile: caFile)
+        } catch {
+            queued.append(.upstreamTLSFailed(.tls, detail: "\(error)"))
+            return
+        }
+        bufferevent_setcb(socket, nil, nil, nil, nil)
+        let options = Int32(BEV_OPT_CLOSE_ON_FREE.rawValue | BEV_OPT_DEFER_CALLBACKS.rawValue)
+        guard
+            let filter = bufferevent_openssl_filter_new(
+                context.loop.base, socket, ssl, BUFFEREVENT_SSL_CONNECTING, options)
+        else {
+            SSL_free(ssl)
+            bufferevent_setcb(
+                socket, upstreamReadCallback, upstreamWriteCallback, upstreamEventCallback, contextPointer)
+            queued.append(.upstreamTLSFailed(.tls, detail: "cannot start TLS"))
+            return
+        }
+        bufferevent_openssl_set_allow_dirty_shutdown(filter, 1)
+        upstream = filter
+        upstreamSSL = ssl
+        upstreamTLSConnecting = true
+        bufferevent_setcb(filter, upstreamReadCallback, upstreamWriteCallback, upstreamEventCallback, contextPointer)
+        Self.tune(filter)
+        bufferevent_enable(filter, Int16(EV_READ | EV_WRITE))
     }
 
     // TransferOwner: libcurl's callbacks, at the top of the loop (never inside `handle`). A transfer that is

@@ -20,6 +20,8 @@ final class ConnectionContext {
     let tokens: TokenBroker
     /// TLS contexts with leaves from the local CA; nil without protected https origins or a CA.
     let tlsContexts: TLSServerContexts?
+    /// TLS client contexts for the connections the proxy makes to origins itself (upgrades).
+    let tlsClients: TLSClientContexts
     let spoolDirectory: String
     /// The latest DPoP nonce of each protected origin, from every response (RFC 9449 §9).
     let nonces: DPoPNonces
@@ -34,7 +36,8 @@ final class ConnectionContext {
 
     init(
         loop: EventLoop, logger: Logger, frontDoor: FrontDoor, resolver: Resolver, curl: @escaping () -> CurlMulti,
-        tokens: TokenBroker, tlsContexts: TLSServerContexts?, spoolDirectory: String, nonces: DPoPNonces,
+        tokens: TokenBroker, tlsContexts: TLSServerContexts?, tlsClients: TLSClientContexts, spoolDirectory: String,
+        nonces: DPoPNonces,
         keys: DPoPKeyring, pipes: PipePool, tunnelBuffer: TunnelBuffer, owner: any ConnectionOwner
     ) {
         self.loop = loop
@@ -44,6 +47,7 @@ final class ConnectionContext {
         self.curlProvider = curl
         self.tokens = tokens
         self.tlsContexts = tlsContexts
+        self.tlsClients = tlsClients
         self.spoolDirectory = spoolDirectory
         self.nonces = nonces
         self.keys = keys

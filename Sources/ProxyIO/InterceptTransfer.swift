@@ -72,7 +72,8 @@ final class InterceptTransfer: CurlTransfer {
             }
         }
         _ = proxyctl_easy_setopt_long(
-            easy, CURLOPT_HTTP_VERSION, request.http2 ? CURL_HTTP_VERSION_2TLS : CURL_HTTP_VERSION_1_1)
+            easy, CURLOPT_HTTP_VERSION,
+            request.http2 && Self.http2Works ? CURL_HTTP_VERSION_2TLS : CURL_HTTP_VERSION_1_1)
         _ = proxyctl_easy_setopt_long(easy, CURLOPT_PIPEWAIT, 1)
         _ = proxyctl_easy_setopt_long(easy, CURLOPT_BUFFERSIZE, 256 * 1024)
         _ = proxyctl_easy_setopt_long(easy, CURLOPT_CONNECTTIMEOUT_MS, request.connectTimeout)
@@ -91,6 +92,18 @@ final class InterceptTransfer: CurlTransfer {
             // Never pick up HTTPS_PROXY from the environment: that may be this very proxy.
             _ = proxyctl_easy_setopt_string(easy, CURLOPT_PROXY, "")
         }
+    }
+
+    /// Whether libcurl's HTTP/2 client can be used for origins: curl 7.x's loses a response head when a small
+    /// response arrives whole on a reused connection while the request is still being sent (curl 8 rewrote
+    /// it). With an older libcurl, origins are spoken to in HTTP/1.1 (gRPC origins then refuse).
+    static let http2Works: Bool = proxyctl_curl_version_info().pointee.version_num >= 0x08_00_00
+
+    /// What the start-up log says when `http2Works` is false.
+    static var http2Warning: String? {
+        guard !http2Works, let version = proxyctl_curl_version_info().pointee.version else { return nil }
+        return
+            "libcurl \(String(cString: version)) is older than 8: protected origins are spoken to in HTTP/1.1 (gRPC origins need HTTP/2); install libcurl 8 (Debian 12: bookworm-backports, see scripts/bootstrap)"
     }
 
     /// Sends `source()`'s fields as trailers after a body of unknown length (chunked upstream; libcurl

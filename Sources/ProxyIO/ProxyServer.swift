@@ -80,6 +80,8 @@ public final class ProxyServer: ConnectionOwner {
     private(set) var tokens: TokenBroker
     /// TLS contexts with leaves from the local CA; nil without protected https origins.
     private(set) var tlsContexts: TLSServerContexts?
+    /// Trust for the proxy's own TLS connections to origins (made again on a reload: ca_files are read anew).
+    private var tlsClients = TLSClientContexts()
     private(set) var spoolDirectory: String
     /// DPoP keys by provider.
     private var keys: DPoPKeyring
@@ -143,8 +145,8 @@ public final class ProxyServer: ConnectionOwner {
         let made = ConnectionContext(
             loop: loop, logger: logger, frontDoor: frontDoor, resolver: resolver, curl: { [unowned self] in curl },
             tokens: tokens,
-            tlsContexts: tlsContexts, spoolDirectory: spoolDirectory, nonces: resourceNonces, keys: keys,
-            pipes: pipes, tunnelBuffer: tunnelBuffer, owner: self)
+            tlsContexts: tlsContexts, tlsClients: tlsClients, spoolDirectory: spoolDirectory, nonces: resourceNonces,
+            keys: keys, pipes: pipes, tunnelBuffer: tunnelBuffer, owner: self)
         context = made
         return made
     }
@@ -200,6 +202,9 @@ public final class ProxyServer: ConnectionOwner {
     }
 
     // MARK: - Accepting
+
+    /// A warning about the libcurl this process runs with, if it limits what protected origins get.
+    public static var libcurlWarning: String? { InterceptTransfer.http2Warning }
 
     /// The process's open-file limit (its soft limit, which serve raises to the hard one first).
     public static func openFileLimit() -> Int {
@@ -587,6 +592,7 @@ public final class ProxyServer: ConnectionOwner {
             frontDoor = FrontDoor(
                 settings: newSettings, credentials: credentials, boundAddress: boundAddress, origins: origins)
             tlsContexts?.http2 = newSettings.http2
+            tlsClients = TLSClientContexts()
             // New connections get the new settings; those in flight keep the ones they were accepted with
             // (an HTTP/2 connection, which may last long, is asked to make way for a new one).
             context = nil

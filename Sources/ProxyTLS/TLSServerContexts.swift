@@ -74,6 +74,9 @@ public final class TLSServerContexts {
         // Stateful resumption (the session cache) is enough for a local proxy; tickets cost a signature-free
         // but real encryption per handshake that clients rarely use.
         SSL_CTX_set_options(context, proxyctl_SSL_OP_NO_TICKET())
+        // A peer that closes without close_notify (most clients do) ends the stream like a close, as it did
+        // before OpenSSL 3; HTTP framing and WebSocket's close handshake say whether a message was whole.
+        SSL_CTX_set_options(context, proxyctl_SSL_OP_IGNORE_UNEXPECTED_EOF())
         // ALPN (RFC 7301): h2 first when enabled, then http/1.1; a client that offers neither gets no ALPN
         // and speaks HTTP/1.1.
         SSL_CTX_set_alpn_select_cb(

@@ -175,6 +175,19 @@ struct Playbook {
             case .writeUpstream(let bytes):
                 #expect(upstreamOpen, "writing to an upstream that is not open")
                 upstreamOut += bytes
+            case .writeUpstreamHead(let bytes, let credential, _, _):
+                #expect(upstreamOpen, "writing to an upstream that is not open")
+                // What the I/O layer adds for a credential, visible to the test as a marker line.
+                if let credential {
+                    upstreamOut +=
+                        bytes.dropLast(2) + Array("Authorization: <token \(credential.generation)>\r\n\r\n".utf8)
+                } else {
+                    upstreamOut += bytes
+                }
+                notable.append(action)
+            case .startUpstreamTLS:
+                #expect(upstreamOpen, "TLS on an upstream that is not open")
+                notable.append(action)
             case .keepBody(let count):
                 #expect(count > 0 && count <= clientIn.count)
                 keptBody += clientIn.prefix(count)

@@ -283,21 +283,6 @@ import Testing
         #expect(Self.outputs(p.next()).isEmpty)
     }
 
-    @Test func upgradesAreRefusedTheSameWayInsideAndOutside() {
-        var inside = Self.tunnel()
-        inside.client("GET /ws HTTP/1.1\r\nHost: api.test\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
-        var outside = Playbook.frontDoor(origins: [Origins.http])
-        outside.client(
-            "GET http://127.0.0.1:9000/ws HTTP/1.1\r\nHost: 127.0.0.1:9000\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
-        )
-        let answers = [inside.clientGot(), outside.clientGot()]
-        for answer in answers {
-            #expect(answer.hasPrefix("HTTP/1.1 501 Not Implemented"))
-            #expect(answer.contains("protocol upgrades (WebSocket) to protected origins are not supported"))
-        }
-        #expect(Self.outputs(inside.next()).isEmpty && Self.outputs(outside.next()).isEmpty)
-    }
-
     @Test(arguments: [
         ("HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 8\r\n\r\n", "error=http_protocol_error"),
         ("HTTP/1.1 200 OK\r\nContent-Length: +5\r\n\r\n", "error=http_protocol_error"),

@@ -1,5 +1,5 @@
 """The connection machine's rules, end to end with the real binary (each was a defect of the callback code it
-replaced): no automatic resend of a non-idempotent request, one refusal for upgrades to protected origins on
+replaced): no automatic resend of a non-idempotent request, one rule for upgrades to protected origins on
 both ways in, settings captured per connection (a SIGHUP does not change an exchange in flight), WebSocket
 upgrades on passthrough becoming tunnels, and the intercepted target reaching the origin byte for byte."""
 
@@ -166,17 +166,17 @@ def protected_http_config(port: int, origin_port: int) -> str:
             + config.origin(f"http://127.0.0.1:{origin_port}", "corp"))
 
 
-def test_an_upgrade_to_a_protected_http_origin_is_refused_like_inside_a_tunnel(proxy_factory, echo_origin):
-    """Before, the Upgrade field was stripped and the request went out as an ordinary one with the token; the
-    https path answered 501. One rule: 501, and the origin is never contacted."""
+def test_an_upgrade_to_a_protected_http_origin_follows_the_token_rules(proxy_factory, echo_origin):
+    """Before, the Upgrade field was stripped and the request went out as an ordinary one with the token. An
+    upgrade is now a protected exchange like any other (test_websocket.py has the whole of it): without a
+    sign-in it is the same 401 naming the login, and the origin is never contacted."""
     proxy = proxy_factory(raw_config=protected_http_config(0, echo_origin.port))
     tag = token()
     with proxy.connect() as sock:
         sock.sendall(request("GET", echo_origin, f"/ws/{tag}", "Connection: Upgrade\r\nUpgrade: websocket\r\n"))
         answer = Reader(sock).read_response()
-    assert answer.status == 501
-    assert answer.header("proxy-status") == ('proxyctl; error=http_request_error; details="protocol upgrades '
-                                             '(WebSocket) to protected origins are not supported"')
+    assert answer.status == 401
+    assert "run proxyctl login corp" in answer.header("proxy-status")
     assert not echo_origin.requests_with(f"/ws/{tag}")
 
 

@@ -119,6 +119,22 @@ extension ConnectionMachine {
             startTunnel(label: "CONNECT \(target)", status: 200, &out)
         case .forward(let forward, let retried):
             beginForwarding(forward, hop: connecting.hop, reused: false, retried: retried, &out)
+        case .protectedUpgrade(let upgrade):
+            if let proxy = upgrade.proxy {
+                // The upstream proxy opens a tunnel to the origin; the upgrade goes through it.
+                let target = upgrade.origin.authority
+                var request = "CONNECT \(target) HTTP/1.1\r\nHost: \(target)\r\n"
+                if let authorization = proxy.authorization { request += "Proxy-Authorization: \(authorization)\r\n" }
+                request += "\r\n"
+                state = .proxyHandshake(
+                    ProxyHandshake(
+                        target: target, proxy: proxy,
+                        parser: HTTPHeadParser(kind: .response, limits: settings.headLimits), then: upgrade))
+                out.append(.writeUpstream(Array(request.utf8)))
+                out.append(.arm(.connect, milliseconds: settings.connectTimeout))
+            } else {
+                upgradeConnected(upgrade, &out)
+            }
         }
     }
 
@@ -147,7 +163,10 @@ extension ConnectionMachine {
         case .failed:
             answerConnectFailure(.upstreamProxyMalformedAnswer(hop), log: target, &out)
         case .complete(let head, _):
-            if (200..<300).contains(head.status) {
+            if (200..<300).contains(head.status), let upgrade = handshake.then {
+                out.append(.disarm(.connect))
+                upgradeConnected(upgrade, &out)
+            } else if (200..<300).contains(head.status) {
                 out.append(.writeClient(Self.connectEstablished))
                 startTunnel(label: target, status: 200, &out)
             } else if head.status == 407 {
@@ -163,15 +182,24 @@ extension ConnectionMachine {
     // MARK: - Forwarding
 
     mutating func beginForwarding(
-        _ forward: FrontDoorDecision.Forward, hop: HostPort, reused: Bool, retried: Bool, _ out: inout [Action]
+        _ forward: FrontDoorDecision.Forward, hop: HostPort, reused: Bool, retried: Bool,
+        protected: ProtectedUpgrade? = nil, _ out: inout [Action]
     ) {
         var forwarding = Forwarding(
             forward: forward, hop: hop, started: now,
             request: BodyProgress(forward.framing == .untilClose ? .none : forward.framing),
             parser: HTTPHeadParser(kind: .response, limits: settings.headLimits), reused: reused, retried: retried)
         forwarding.bytesUp = forward.head.count
+        forwarding.protected = protected
         state = .forwarding(forwarding)
-        out.append(.writeUpstream(forward.head))
+        if let upgrade = protected {
+            out.append(
+                .writeUpstreamHead(
+                    forward.head, credential: upgrade.credential, method: forward.method,
+                    url: upgrade.origin.url + upgrade.target))
+        } else {
+            out.append(.writeUpstream(forward.head))
+        }
         out.append(.arm(.idle, milliseconds: settings.idleTimeout))
         out.append(.readClient(true))
     }
@@ -268,6 +296,13 @@ extension ConnectionMachine {
                     forwarding.clientSawResponse = true
                     continue
                 }
+                var proxyStatus: ProxyStatus? = nil
+                if forwarding.protected != nil {
+                    // An upgrade with a token: its answer may not be the client's (refresh, replay).
+                    let decision = upgradeResponse(head, &forwarding, &out)
+                    guard decision.deliver else { return }
+                    proxyStatus = decision.proxyStatus
+                }
                 forwarding.serverCloses = semantics.serverCloses
                 forwarding.closeAfter =
                     !forwarding.forward.keepAlive || semantics.framing == .untilClose || clientEOF || draining
@@ -276,6 +311,7 @@ extension ConnectionMachine {
                 if forwarding.closeAfter && !semantics.switchesProtocols && head.version == .http1_1 {
                     extra.append(("Connection", "close"))
                 }
+                if let proxyStatus { extra.append(("Proxy-Status", proxyStatus.fieldValue)) }
                 let outgoing = head.serialized(drop: { semantics.dropped.contains($0) }, extra: extra)
                 out.append(.writeClient(outgoing))
                 forwarding.bytesDown += outgoing.count
@@ -362,6 +398,10 @@ extension ConnectionMachine {
     }
 
     func logForwarded(_ forwarding: Forwarding, note: String?, _ out: inout [Action]) {
+        if let upgrade = forwarding.protected {
+            out.append(.exchangeFinished(upgradeRecord(upgrade, status: forwarding.status, note: note)))
+            return
+        }
         var line =
             "\(forwarding.forward.method) \(LogText.url(forwarding.forward.url)) status=\(forwarding.status) up=\(forwarding.bytesUp) down=\(forwarding.bytesDown) duration=\(LogText.duration(now - forwarding.started))"
         if let note { line += " note=\"\(note)\"" }
@@ -482,6 +522,7 @@ extension ConnectionMachine.Connecting {
         switch purpose {
         case .tunnel(_, let proxy): proxy != nil
         case .forward(let forward, _): forward.upstream != nil
+        case .protectedUpgrade(let upgrade): upgrade.proxy != nil
         }
     }
 
@@ -490,6 +531,7 @@ extension ConnectionMachine.Connecting {
         switch purpose {
         case .tunnel(let target, _): "CONNECT \(target)"
         case .forward(let forward, _): "\(forward.method) \(LogText.url(forward.url))"
+        case .protectedUpgrade(let upgrade): "\(upgrade.forward.method) \(LogText.url(upgrade.forward.url))"
         }
     }
 }

@@ -18,12 +18,10 @@ extension ConnectionMachine {
     mutating func beginProtected(
         _ request: InterceptedRequest, origin: OriginConfig, kept: HostPort?, head: HTTPHead, _ out: inout [Action]
     ) {
-        // One rule for both ways in (an https tunnel, a plain http:// origin): no upgrade reaches a protected
-        // origin with a token until WebSocket interception exists.
+        // One rule for both ways in (an https tunnel, a plain http:// origin): an upgrade (WebSocket) goes on a
+        // connection of the proxy's own, which becomes a tunnel after the 101.
         if request.upgrade {
-            return refuse(
-                head, origin: origin,
-                .unsupported(reason: "protocol upgrades (WebSocket) to protected origins are not supported"), &out)
+            return beginProtectedUpgrade(request, origin: origin, kept: kept, head: head, &out)
         }
         var exchange = ProtectedExchange(
             request: request, origin: origin, settings: exchangeSettings(origin), knownNonce: nil)

@@ -61,6 +61,9 @@ public struct ConnectionMachine: Sendable {
         case transferBody(count: Int)
         /// The upstream transfer ended (`failure` nil: complete).
         case transferFinished(UpstreamFailure?, detail: String)
+        /// The TLS handshake with the origin (`.startUpstreamTLS`) finished, or failed.
+        case upstreamTLSEstablished
+        case upstreamTLSFailed(UpstreamFailure, detail: String)
     }
 
     public enum Action: Sendable, Equatable {
@@ -85,6 +88,12 @@ public struct ConnectionMachine: Sendable {
         /// Close the upstream connection (a kept one, a failed attempt, or one that is done).
         case closeUpstream
         case writeUpstream([UInt8])
+        /// Write a request head to the upstream with the credential for it added (`Authorization`, and with
+        /// DPoP a proof for `method` and `url`) before its last line; nil: as it is.
+        case writeUpstreamHead([UInt8], credential: UpstreamRequest.Credential?, method: String, url: String)
+        /// Start TLS to the origin on the upstream connection: SNI and certificate check for `serverName`,
+        /// trusting `caFile` (nil: the system's roots); ALPN http/1.1.
+        case startUpstreamTLS(serverName: String, caFile: String?)
         case consumeUpstream(Int)
         /// Move body bytes from the client's input to the upstream's output, unchanged.
         case moveClientToUpstream(Int)
@@ -137,6 +146,11 @@ public struct ConnectionMachine: Sendable {
         case forwarding(Forwarding)
         /// A request to a protected origin in flight. -> `.readingHead`, `.closing`
         case intercepting(Intercepting)
+        /// An upgrade to a protected origin waits for tokens or a refresh; no upstream connection.
+        /// -> `.connecting`, `.closing`
+        case awaitingUpgradeTokens(ProtectedUpgrade)
+        /// TLS handshake with the origin of an upgrade. -> `.forwarding`, `.closing`
+        case upstreamTLS(ProtectedUpgrade)
         /// The last bytes go to the client, then the connection closes. -> `.closed`
         case closing
         /// A tunnel or a TLS session took the connection over. Terminal.
@@ -155,6 +169,7 @@ public struct ConnectionMachine: Sendable {
     enum Purpose: Sendable {
         case tunnel(target: HostPort, proxy: UpstreamProxy?)
         case forward(FrontDoorDecision.Forward, retried: Bool)
+        case protectedUpgrade(ProtectedUpgrade)
     }
 
     struct Connecting: Sendable {
@@ -172,6 +187,8 @@ public struct ConnectionMachine: Sendable {
         let target: HostPort
         let proxy: UpstreamProxy
         var parser: HTTPHeadParser
+        /// The upgrade that goes on once the tunnel is open (else the tunnel is the client's).
+        var then: ProtectedUpgrade? = nil
     }
 
     struct Forwarding: Sendable {
@@ -192,6 +209,8 @@ public struct ConnectionMachine: Sendable {
         var headBytesRead = 0
         /// A byte of a response reached the client: no answer of ours can follow.
         var clientSawResponse = false
+        /// An upgrade to a protected origin (its token decisions, its log record).
+        var protected: ProtectedUpgrade? = nil
     }
 
     struct Intercepting: Sendable {
@@ -330,11 +349,18 @@ public struct ConnectionMachine: Sendable {
         case .abort(let reason):
             abort(reason: reason, &out)
         case .tokens(let result):
+            if case .awaitingUpgradeTokens = state { upgradeTokens(result, refreshed: false, &out) }
             exchangeEvent(&out) { exchange, outputs in exchange.tokens(result, &outputs) }
         case .refreshed(let result):
+            if case .awaitingUpgradeTokens = state { upgradeTokens(result, refreshed: true, &out) }
             exchangeEvent(&out) { exchange, outputs in exchange.refreshed(result, &outputs) }
         case .credentialFailed(let answer):
+            upgradeCredentialFailed(answer, &out)
             exchangeEvent(&out) { exchange, outputs in exchange.credentialFailed(answer, &outputs) }
+        case .upstreamTLSEstablished:
+            upstreamTLSEstablished(&out)
+        case .upstreamTLSFailed(let failure, let detail):
+            upstreamTLSFailed(failure, detail: detail, &out)
         case .bodyNotKept(let directory):
             exchangeEvent(&out) { exchange, outputs in exchange.bodyNotKept(directory: directory, &outputs) }
         case .transferBody(let count):
@@ -390,7 +416,7 @@ public struct ConnectionMachine: Sendable {
             if !forwarding.request.isComplete { abort(reason: "client closed during the request body", &out) }
         case .intercepting(let intercepting):
             if !intercepting.exchange.isBodyComplete { abort(reason: "client closed during the request body", &out) }
-        case .connecting, .proxyHandshake, .closing, .handedOff, .closed:
+        case .connecting, .proxyHandshake, .closing, .handedOff, .closed, .awaitingUpgradeTokens, .upstreamTLS:
             // The answer can still be delivered when the client only half-closed.
             break
         }
@@ -425,7 +451,7 @@ public struct ConnectionMachine: Sendable {
                     out.append(.consumeClient(client.count - clientOffset))
                     clientOffset = client.count
                 }
-            case .handshaking, .connecting, .handedOff, .closed:
+            case .handshaking, .connecting, .handedOff, .closed, .awaitingUpgradeTokens, .upstreamTLS:
                 break
             }
             if (clientOffset, upstreamOffset, stateTag) == before { return }
@@ -444,6 +470,8 @@ public struct ConnectionMachine: Sendable {
         case .closing: 6
         case .handedOff: 7
         case .closed: 8
+        case .awaitingUpgradeTokens: 9
+        case .upstreamTLS: 10
         }
     }
 
@@ -604,6 +632,8 @@ public struct ConnectionMachine: Sendable {
         switch state {
         case .forwarding(let forwarding):
             logForwarded(forwarding, note: reason ?? "aborted", &out)
+        case .awaitingUpgradeTokens(let upgrade), .upstreamTLS(let upgrade):
+            out.append(.exchangeFinished(upgradeRecord(upgrade, status: 0, note: reason ?? "aborted")))
         case .intercepting(var intercepting):
             var outputs: [ProtectedExchange.Output] = []
             intercepting.exchange.abort(&outputs)
@@ -635,8 +665,8 @@ public struct ConnectionMachine: Sendable {
         case .readingHead(let reading): reading.kept != nil
         case .intercepting(let intercepting): intercepting.kept != nil
         case .connecting(let connecting): connecting.attempting
-        case .proxyHandshake, .forwarding: true
-        case .handshaking, .closing, .handedOff, .closed: false
+        case .proxyHandshake, .forwarding, .upstreamTLS: true
+        case .handshaking, .closing, .handedOff, .closed, .awaitingUpgradeTokens: false
         }
     }
 
@@ -674,6 +704,11 @@ public struct ConnectionMachine: Sendable {
         case (.connect, .proxyHandshake(let handshake)):
             answerConnectFailure(
                 .upstreamProxyTimeout(handshake.proxy.address), log: "CONNECT \(handshake.target)", &out)
+        case (.connect, .upstreamTLS):
+            upstreamTLSFailed(
+                .timeout,
+                detail: "the TLS handshake did not finish within \(LogText.duration(Int64(settings.connectTimeout)))",
+                &out)
         case (.idle, .forwarding(let forwarding)):
             if let remaining = idleRemaining(lastActivity) {
                 out.append(.arm(.idle, milliseconds: remaining))

@@ -249,6 +249,11 @@ struct ConnectionHarness {
             case .writeUpstream(let bytes):
                 invariant(upstreamOpen, "writing to a closed upstream")
                 checkResend(bytes)
+            case .writeUpstreamHead(let bytes, _, _, _):
+                invariant(upstreamOpen, "writing to a closed upstream")
+                invariant(bytes.suffix(4) == Array("\r\n\r\n".utf8), "an upgrade head without its end")
+            case .startUpstreamTLS:
+                invariant(upstreamOpen, "TLS on a closed upstream")
             case .connect:
                 invariant(!upstreamOpen, "connect while an upstream connection is open")
                 upstreamOpen = true
