@@ -111,6 +111,30 @@ final class ClientDriver: ServerConnection, TransferOwner {
         handle(.start)
     }
 
+    /// The HTTP/1.1 side of a WebSocket stream of an HTTP/2 connection (RFC 8441): `pair` is one end of a
+    /// buffer pair whose other end the `H2Driver` writes the upgrade request into. The connection is already
+    /// inside the intercepted tunnel (no TLS of its own); `begin()` starts it once the server's table holds it.
+    init(
+        context: ConnectionContext, id: UInt64, peer: String, client: String, origin: OriginConfig, pair: OpaquePointer
+    ) {
+        self.context = context
+        self.id = id
+        self.peer = peer
+        self.clientAddress = client
+        self.started = EventLoop.monotonicMilliseconds()
+        self.lastActivity = started
+        machine = ConnectionMachine(
+            role: .intercepted(origin), frontDoor: context.frontDoor, hasLocalCA: context.tlsContexts != nil)
+        self.client = pair
+        setUpClient()
+    }
+
+    /// Starts a connection made by `init(...pair:)`.
+    func begin() {
+        handle(.start)
+        handle(.tlsEstablished(serverName: nil, protocol: "http/1.1"))
+    }
+
     private var contextPointer: UnsafeMutableRawPointer { Unmanaged.passUnretained(self).toOpaque() }
 
     /// Which user's process is on the other end of `fd`, looked up only when a rule needs it (one netlink
@@ -490,9 +514,10 @@ final class ClientDriver: ServerConnection, TransferOwner {
         guard let clientBev = client, let upstreamBev = upstream else {
             return close()
         }
-        if ssl != nil || upstreamSSL != nil {
-            // TLS on either side (an upgraded connection to a protected origin): the bytes must pass through
-            // OpenSSL, so a relay between the two bufferevents instead of splice.
+        if ssl != nil || upstreamSSL != nil || bufferevent_getfd(clientBev) < 0 {
+            // TLS on either side (an upgraded connection to a protected origin), or a client that is an HTTP/2
+            // stream: the bytes must pass through OpenSSL or the pair, so a relay between the two bufferevents
+            // instead of splice.
             bufferevent_setcb(clientBev, nil, nil, nil, nil)
             bufferevent_setcb(upstreamBev, nil, nil, nil, nil)
             let relay = RelayTunnel(

@@ -62,6 +62,8 @@ final class H2Driver: ServerConnection, TransferOwner {
         var closed = false
         /// An exchange runs for the stream (from its first action to `exchangeFinished`).
         var inExchange = false
+        /// A WebSocket stream: our end of the pair whose other end an HTTP/1.1 `ClientDriver` reads.
+        var tunnel: TunnelEnd?
 
         init(id: Int32) { self.id = id }
 
@@ -79,7 +81,9 @@ final class H2Driver: ServerConnection, TransferOwner {
         self.started = EventLoop.monotonicMilliseconds()
         self.lastActivity = started
         self.client = bufferevent
-        machine = H2Session(origin: origin, frontDoor: context.frontDoor, misdirected: misdirected)
+        machine = H2Session(
+            origin: origin, frontDoor: context.frontDoor, misdirected: misdirected,
+            keySeed: UInt64.random(in: 1...UInt64.max))
         setUpSession()
     }
 
@@ -135,6 +139,8 @@ final class H2Driver: ServerConnection, TransferOwner {
                 value: UInt32(settings.headLimits.maxHeadBytes)),
             nghttp2_settings_entry(
                 settings_id: Int32(NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE.rawValue), value: UInt32(H2Limits.streamWindow)),
+            // RFC 8441: WebSocket over HTTP/2 (extended CONNECT with :protocol).
+            nghttp2_settings_entry(settings_id: Int32(NGHTTP2_SETTINGS_ENABLE_CONNECT_PROTOCOL.rawValue), value: 1),
         ]
         nghttp2_submit_settings(session, UInt8(NGHTTP2_FLAG_NONE.rawValue), &entries, entries.count)
         // The connection's own window: room for several streams' bodies in flight.
@@ -290,7 +296,86 @@ final class H2Driver: ServerConnection, TransferOwner {
             context.owner.count(outcome)
         case .log(let line):
             log(line)
+        case .openTunnel(let stream, let head):
+            openTunnel(stream, head: head)
+        case .consumeTunnel(let stream, let count):
+            guard let end = streams[stream]?.tunnel else { return }
+            evbuffer_drain(bufferevent_get_input(end.bev), count)
+        case .tunnelToStream(let stream, let count):
+            guard let io = streams[stream], let end = io.tunnel else { return }
+            var bytes = [UInt8](repeating: 0, count: count)
+            let taken = bytes.withUnsafeMutableBytes {
+                evbuffer_remove(bufferevent_get_input(end.bev), $0.baseAddress, count)
+            }
+            io.pending.append(contentsOf: bytes.prefix(max(0, Int(taken))))
+            io.down += max(0, Int(taken))
+            if io.pendingCount >= context.highWater {
+                // The client's stream window is full: stop reading the tunnel until it drained.
+                bufferevent_disable(end.bev, Int16(EV_READ))
+            }
+            resumeData(io)
+        case .endTunnelInput(let stream):
+            guard let end = streams[stream]?.tunnel else { return }
+            bufferevent_flush(end.bev, Int16(EV_WRITE), BEV_FINISHED)
+        case .closeTunnel(let stream):
+            guard let io = streams[stream], let end = io.tunnel else { return }
+            io.tunnel = nil
+            io.inExchange = false
+            end.close()
+            if io.closed { streams.removeValue(forKey: stream) }
         }
+    }
+
+    /// A WebSocket stream's HTTP/1.1 side: a `ClientDriver` on one end of a buffer pair, fed the upgrade request
+    /// `H2Session` made, running it as it runs any upgrade (tokens, the origin's TLS, refresh and replay).
+    private func openTunnel(_ stream: Int32, head: [UInt8]) {
+        var pair: [OpaquePointer?] = [nil, nil]
+        let options = Int32(BEV_OPT_CLOSE_ON_FREE.rawValue | BEV_OPT_DEFER_CALLBACKS.rawValue)
+        guard bufferevent_pair_new(context.loop.base, options, &pair) == 0, let inner = pair[0], let outer = pair[1]
+        else {
+            queued.append(.tunnelEnded(stream))
+            return
+        }
+        let io = streamIO(stream)
+        let end = TunnelEnd(driver: self, stream: stream, bev: outer)
+        io.tunnel = end
+        io.inExchange = true
+        let driver = ClientDriver(
+            context: context, id: id, peer: peer, client: clientAddress, origin: machine.origin, pair: inner)
+        context.owner.adopt(driver)
+        driver.begin()
+        bufferevent_setwatermark(outer, Int16(EV_WRITE), context.highWater / 2, 0)
+        bufferevent_setcb(outer, tunnelReadCallback, tunnelWriteCallback, tunnelEventCallback, end.pointer)
+        bufferevent_enable(outer, Int16(EV_READ | EV_WRITE))
+        Buffers.append(head, to: bufferevent_get_output(outer))
+    }
+
+    /// Bytes from a WebSocket stream's HTTP/1.1 side.
+    fileprivate func tunnelReadable(_ end: TunnelEnd) {
+        guard !closed, let io = streams[end.stream], io.tunnel === end else { return }
+        lastActivity = EventLoop.monotonicMilliseconds()
+        actions.removeAll(keepingCapacity: true)
+        machine.tunnelData(end.stream, EvbufferView(bufferevent_get_input(end.bev)), now: lastActivity, &actions)
+        handling = true
+        run(actions)
+        handling = false
+        processQueued()
+    }
+
+    /// The HTTP/1.1 side took what the client sent: the client may send more.
+    fileprivate func tunnelWritable(_ end: TunnelEnd) {
+        guard !closed, let io = streams[end.stream], io.tunnel === end, io.unacknowledged > 0 else { return }
+        nghttp2_session_consume(session, io.id, io.unacknowledged)
+        io.unacknowledged = 0
+        flush()
+    }
+
+    fileprivate func tunnelEvent(_ end: TunnelEnd, _ events: Int16) {
+        guard !closed, let io = streams[end.stream], io.tunnel === end else { return }
+        // What came before the end goes first.
+        tunnelReadable(end)
+        guard streams[end.stream]?.tunnel === end else { return }
+        handle(.tunnelEnded(io.id))
     }
 
     private func log(_ line: LogLine) {
@@ -353,6 +438,9 @@ final class H2Driver: ServerConnection, TransferOwner {
                 io.pendingStart = 0
             }
             lastActivity = EventLoop.monotonicMilliseconds()
+            if io.pendingCount < context.highWater / 2, let end = io.tunnel {
+                bufferevent_enable(end.bev, Int16(EV_READ))
+            }
             // The client caught up: let the transfer go on.
             if io.pendingCount < context.highWater / 2, let transfer = io.transfer, transfer.paused, !transfer.cancelled
             {
@@ -448,6 +536,18 @@ final class H2Driver: ServerConnection, TransferOwner {
 
     /// Request body bytes: kept in the stream's store now (they are only valid during the callback).
     fileprivate func dataChunk(_ stream: Int32, _ data: UnsafeRawBufferPointer) {
+        if let io = streams[stream], let end = io.tunnel {
+            // A WebSocket stream's bytes go to its HTTP/1.1 side; acknowledged once that side took them.
+            let output = bufferevent_get_output(end.bev)
+            evbuffer_add(output, data.baseAddress, data.count)
+            io.up += data.count
+            if Buffers.length(output) < context.highWater {
+                nghttp2_session_consume(session, stream, data.count)
+            } else {
+                io.unacknowledged += data.count
+            }
+            return
+        }
         guard let io = streams[stream], let body = io.body else {
             nghttp2_session_consume(session, stream, data.count)
             return
@@ -684,6 +784,8 @@ final class H2Driver: ServerConnection, TransferOwner {
         closed = true
         for io in streams.values {
             if let transfer = io.transfer { stopTransfer(io, transfer) }
+            io.tunnel?.close()
+            io.tunnel = nil
         }
         streams.removeAll()
         timers.removeAll()
@@ -769,3 +871,45 @@ private let h2ReadResponseBody:
     ) -> Int = { _, stream, buffer, length, flags, _, user in
         driver(user).responseBody(stream, buffer!, length, flags!)
     }
+
+/// Our end of a WebSocket stream's buffer pair (the context pointer of its callbacks).
+final class TunnelEnd {
+    unowned let driver: H2Driver
+    let stream: Int32
+    let bev: OpaquePointer
+    private var closed = false
+
+    init(driver: H2Driver, stream: Int32, bev: OpaquePointer) {
+        self.driver = driver
+        self.stream = stream
+        self.bev = bev
+    }
+
+    var pointer: UnsafeMutableRawPointer { Unmanaged.passUnretained(self).toOpaque() }
+
+    /// Ends the pair: the other side reads its end (EOF), then this end is freed.
+    func close() {
+        guard !closed else { return }
+        closed = true
+        bufferevent_setcb(bev, nil, nil, nil, nil)
+        bufferevent_flush(bev, Int16(EV_WRITE), BEV_FINISHED)
+        bufferevent_free(bev)
+    }
+}
+
+private func tunnelEnd(_ pointer: UnsafeMutableRawPointer?) -> TunnelEnd {
+    Unmanaged<TunnelEnd>.fromOpaque(pointer!).takeUnretainedValue()
+}
+
+private let tunnelReadCallback: bufferevent_data_cb = { _, context in
+    let end = tunnelEnd(context)
+    end.driver.tunnelReadable(end)
+}
+private let tunnelWriteCallback: bufferevent_data_cb = { _, context in
+    let end = tunnelEnd(context)
+    end.driver.tunnelWritable(end)
+}
+private let tunnelEventCallback: bufferevent_event_cb = { _, events, context in
+    let end = tunnelEnd(context)
+    end.driver.tunnelEvent(end, events)
+}

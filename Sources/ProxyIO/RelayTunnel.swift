@@ -138,7 +138,8 @@ final class RelayTunnel: ServerConnection {
             ERR_error_string_n(code, &buffer, buffer.count)
             return ": " + String(decoding: buffer.prefix { $0 != 0 }.map { UInt8(bitPattern: $0) }, as: UTF8.self)
         }
-        let errno = proxyctl_socket_error(bufferevent_getfd(bev))
+        let fd = bufferevent_getfd(bev)
+        let errno = fd < 0 ? 0 : proxyctl_socket_error(fd)
         return errno == 0 ? "" : ": " + String(cString: strerror(errno))
     }
 
@@ -148,8 +149,11 @@ final class RelayTunnel: ServerConnection {
             from.passedOn = true
             if let ssl = to.ssl {
                 _ = SSL_shutdown(ssl)
-            } else {
+            } else if bufferevent_getfd(to.bev) >= 0 {
                 Glibc.shutdown(bufferevent_getfd(to.bev), Int32(SHUT_WR))
+            } else {
+                // A buffer pair (an HTTP/2 stream's side): the other end reads its EOF.
+                bufferevent_flush(to.bev, Int16(EV_WRITE), BEV_FINISHED)
             }
         }
         if client.passedOn && upstream.passedOn { finish(reason: nil) }

@@ -15,27 +15,20 @@ import functools
 import hashlib
 import json
 import os
-import socket
-import ssl
 import subprocess
 import threading
-import time
 import urllib.parse
 from pathlib import Path
 
 import grpc
-import h2.config
-import h2.connection
-import h2.events
-import h2.exceptions
 import httpx
 import pytest
 
 from fixtures import config
 from fixtures.content import MiB, expected_sha256, write_generated
 from fixtures.deployment import Deployment, Workspace
-from fixtures.http import open_tunnel, run_curl
-from fixtures.proxy import poll
+from fixtures.h2client import H2Client
+from fixtures.http import run_curl
 from grpc_server import SERVICE, GrpcOrigin
 from idp_fake import FakeIdP
 from resource_server import ResourceServer
@@ -371,110 +364,3 @@ def test_reload_asks_http2_clients_to_reconnect(own_proxy, rs):
         assert client.goaway is not None and client.goaway.error_code == 0
     answer = h2_curl(own_proxy, rs.url("/after-reload"))
     assert answer.status == 200, str(answer)
-
-
-# MARK: - A raw HTTP/2 client for what curl and httpx do not send
-
-
-class H2Answer:
-    def __init__(self):
-        self.headers: dict[str, str] = {}
-        self.body = b""
-        self.trailers: dict[str, str] = {}
-        self.reset: int | None = None
-        self.ended = False
-
-    @property
-    def status(self) -> int:
-        return int(self.headers.get(":status", "0"))
-
-    def header(self, name: str) -> str | None:
-        return self.headers.get(name)
-
-    def __repr__(self) -> str:
-        return f"H2Answer({self.headers}, {self.body[:200]!r}, reset={self.reset})"
-
-
-class H2Client:
-    """An HTTP/2 connection to `authority` through the proxy's tunnel, TLS trusting `cafile`."""
-
-    def __init__(self, proxy_port: int, authority: str, cafile: str, server_hostname: str | None = None,
-                 timeout: float = 30):
-        sock, _, response = open_tunnel(proxy_port, authority, timeout=timeout)
-        assert response.status == 200, response.head
-        context = ssl.create_default_context(cafile=cafile)
-        context.set_alpn_protocols(["h2"])
-        if server_hostname is not None:
-            context.check_hostname = False
-        self.authority = authority
-        self.sock = context.wrap_socket(sock, server_hostname=server_hostname or authority.rsplit(":", 1)[0])
-        assert self.sock.selected_alpn_protocol() == "h2"
-        self.sock.settimeout(timeout)
-        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
-        self.conn.initiate_connection()
-        self.flush()
-        self.answers: dict[int, H2Answer] = {}
-        self.goaway: h2.events.ConnectionTerminated | None = None
-        self.closed = False
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.sock.close()
-
-    def flush(self):
-        data = self.conn.data_to_send()
-        if data:
-            self.sock.sendall(data)
-
-    def send_headers(self, method: str, path: str, authority: str | None = None, end_stream: bool = True,
-                     extra: list[tuple[str, str]] = ()) -> int:
-        stream = self.conn.get_next_available_stream_id()
-        headers = [(":method", method), (":scheme", "https"), (":authority", authority or self.authority),
-                   (":path", path), *extra]
-        self.conn.send_headers(stream, headers, end_stream=end_stream)
-        self.answers[stream] = H2Answer()
-        self.flush()
-        return stream
-
-    def pump(self) -> bool:
-        """Reads once; False when the connection ended."""
-        try:
-            data = self.sock.recv(65536)
-        except (ConnectionResetError, ssl.SSLError):
-            data = b""
-        if not data:
-            self.closed = True
-            return False
-        for event in self.conn.receive_data(data):
-            answer = self.answers.get(getattr(event, "stream_id", 0))
-            if isinstance(event, h2.events.ResponseReceived) and answer:
-                answer.headers = dict(event.headers)
-            elif isinstance(event, h2.events.TrailersReceived) and answer:
-                answer.trailers = dict(event.headers)
-            elif isinstance(event, h2.events.DataReceived) and answer:
-                answer.body += event.data
-                self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-            elif isinstance(event, h2.events.StreamEnded) and answer:
-                answer.ended = True
-            elif isinstance(event, h2.events.StreamReset) and answer:
-                answer.reset = event.error_code
-                answer.ended = True
-            elif isinstance(event, h2.events.ConnectionTerminated):
-                self.goaway = event
-        self.flush()
-        return True
-
-    def wait(self, stream: int) -> H2Answer:
-        answer = self.answers[stream]
-        while not answer.ended and self.pump():
-            pass
-        return answer
-
-    def request(self, method: str, path: str, authority: str | None = None, body: bytes = b"") -> H2Answer:
-        stream = self.send_headers(method, path, authority, end_stream=not body)
-        if body:
-            self.conn.send_data(stream, body, end_stream=True)
-            self.flush()
-        return self.wait(stream)

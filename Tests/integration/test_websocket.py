@@ -229,8 +229,10 @@ def frame(payload: bytes, opcode: int = 0x1) -> bytes:
     header = bytes([0x80 | opcode])
     if len(payload) < 126:
         header += bytes([0x80 | len(payload)])
-    else:
+    elif len(payload) < 65536:
         header += bytes([0x80 | 126]) + len(payload).to_bytes(2, "big")
+    else:
+        header += bytes([0x80 | 127]) + len(payload).to_bytes(8, "big")
     return header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
 
 
@@ -310,3 +312,86 @@ def test_a_dpop_proof_for_get_rides_on_the_upgrade_and_a_nonce_challenge_is_met_
     assert upgrades[1]["proof_nonce"] == origin.dpop.current_nonce(origin.authority)
     line = upgrade_lines(dpop_deployment, mark, 1)[0]
     assert "attempts=2" in line and "nonce_retry=1" in line, line
+
+
+# MARK: - WebSocket over HTTP/2 (RFC 8441)
+
+
+def test_a_websocket_over_http2_extended_connect(deployment, wss):
+    """An HTTP/2 client opens the WebSocket with extended CONNECT (:protocol websocket): the proxy sends the
+    origin an HTTP/1.1 upgrade with the token, answers 200 when it switched, and the stream carries the frames
+    both ways."""
+    from fixtures.h2client import H2Client
+
+    seen, mark = wss.mark(), deployment.proxy.mark()
+    proxy = urllib.parse.urlsplit(deployment.exports["HTTPS_PROXY"])
+    with H2Client(proxy.port, wss.authority, deployment.exports["SSL_CERT_FILE"]) as h2:
+        while h2.conn.remote_settings.enable_connect_protocol != 1:
+            assert h2.pump(), "no SETTINGS_ENABLE_CONNECT_PROTOCOL from the proxy (RFC 8441 §3)"
+        stream = h2.send_headers("CONNECT", "/over-h2?x=1", end_stream=False, protocol="websocket",
+                                 extra=[("sec-websocket-version", "13")])
+        answer = h2.wait_for(stream, lambda a: a.headers)
+        assert answer.status == 200, answer
+        assert "sec-websocket-accept" not in answer.headers and "upgrade" not in answer.headers
+        for text in (b"first over h2", b"x" * 70_000):
+            before = len(answer.body)
+            h2.send_data(stream, frame(text))
+            size = len(text) + (2 if len(text) < 126 else 4 if len(text) < 65536 else 10)
+            answer = h2.wait_for(stream, lambda a: len(a.body) >= before + size)
+            reader_bytes = answer.body[before:]
+            opcode, payload = parse_frame(reader_bytes)
+            assert (opcode, payload) == (0x1, text)
+        # The client ends its side: the origin sees the end, and the stream ends cleanly.
+        h2.send_data(stream, frame(b"\x03\xe8", opcode=0x8), end_stream=True)
+        answer = h2.wait(stream)
+        assert answer.reset is None
+    upgrades = wss.since(seen)
+    assert len(upgrades) == 1 and upgrades[0]["status"] == 101 and upgrades[0]["sub"], upgrades
+    assert upgrades[0]["path"] == "/over-h2?x=1"
+    line = upgrade_lines(deployment, mark, 1)[0]
+    assert f"GET https://{wss.authority}/over-h2?... status=101" in line, line
+
+
+def test_an_extended_connect_is_refreshed_and_replayed_like_an_upgrade(deployment, fake, wss):
+    from fixtures.h2client import H2Client
+
+    before = fake.count("token", grant_type="refresh_token")
+    seen = wss.mark()
+    wss.reject_next(1)
+    proxy = urllib.parse.urlsplit(deployment.exports["HTTPS_PROXY"])
+    with H2Client(proxy.port, wss.authority, deployment.exports["SSL_CERT_FILE"]) as h2:
+        stream = h2.send_headers("CONNECT", "/h2-healed", end_stream=False, protocol="websocket",
+                                 extra=[("sec-websocket-version", "13")])
+        answer = h2.wait_for(stream, lambda a: a.headers)
+        assert answer.status == 200, answer
+    assert [u["status"] for u in wss.since(seen)] == [401, 101]
+    assert fake.count("token", grant_type="refresh_token") == before + 1
+
+
+def test_an_extended_connect_refused_twice_gets_the_401_on_its_stream(deployment, wss):
+    from fixtures.h2client import H2Client
+
+    wss.reject_next(2)
+    proxy = urllib.parse.urlsplit(deployment.exports["HTTPS_PROXY"])
+    with H2Client(proxy.port, wss.authority, deployment.exports["SSL_CERT_FILE"]) as h2:
+        stream = h2.send_headers("CONNECT", "/h2-refused", end_stream=False, protocol="websocket",
+                                 extra=[("sec-websocket-version", "13")])
+        answer = h2.wait(stream)
+        assert answer.status == 401, answer
+        assert answer.header("proxy-status").startswith("proxyctl; received-status=401"), answer
+        assert answer.body == b"a valid bearer token is required\n"
+        # The connection goes on: another stream works.
+        wss.reject_next(0)
+        again = h2.send_headers("CONNECT", "/h2-after", end_stream=False, protocol="websocket",
+                                extra=[("sec-websocket-version", "13")])
+        assert h2.wait_for(again, lambda a: a.headers).status == 200
+
+
+def parse_frame(data: bytes) -> tuple[int, bytes]:
+    """One unmasked server frame from the start of `data`."""
+    opcode, length, offset = data[0] & 0x0F, data[1] & 0x7F, 2
+    if length == 126:
+        length, offset = int.from_bytes(data[2:4], "big"), 4
+    elif length == 127:
+        length, offset = int.from_bytes(data[2:10], "big"), 10
+    return opcode, data[offset:offset + length]

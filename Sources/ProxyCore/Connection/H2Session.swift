@@ -25,6 +25,8 @@ public struct H2Session: Sendable {
         case transferBody(Stream, count: Int)
         case transferFinished(Stream, UpstreamFailure?, detail: String)
         case timerFired(ConnectionTimer, lastActivity: Int64)
+        /// The HTTP/1.1 side of a WebSocket stream ended (its connection closed).
+        case tunnelEnded(Stream)
         /// The proxy is shutting down (or reloading): GOAWAY, finish the streams in flight, close.
         case shutdown
         /// The client's connection ended.
@@ -56,6 +58,19 @@ public struct H2Session: Sendable {
         case arm(ConnectionTimer, milliseconds: Int)
         case disarm(ConnectionTimer)
         case log(LogLine)
+
+        // WebSocket streams (RFC 8441): an HTTP/1.1 connection machine carries out the upgrade behind a pair of
+        // connected buffers; the stream's DATA goes into it as it comes.
+        /// Open the pair for the stream and write this HTTP/1.1 upgrade request into it.
+        case openTunnel(Stream, head: [UInt8])
+        /// Drop this many bytes of the pair's output (framing of a response body).
+        case consumeTunnel(Stream, Int)
+        /// Move this many bytes of the pair's output to the stream's DATA.
+        case tunnelToStream(Stream, Int)
+        /// The client ended its side of the stream: the pair's input ends too (half-close).
+        case endTunnelInput(Stream)
+        /// Close the pair (the stream is gone, or the answer was whole).
+        case closeTunnel(Stream)
     }
 
     struct StreamState: Sendable {
@@ -65,28 +80,42 @@ public struct H2Session: Sendable {
         var responseEnded = false
     }
 
+    /// A WebSocket stream: the HTTP/1.1 answer to its upgrade request, read from the pair.
+    struct TunnelState: Sendable {
+        var parser: HTTPHeadParser
+        /// The body (or, once opened, the tunnel's bytes) after the head.
+        var body: BodyProgress?
+        var opened = false
+        var method: String
+        var path: String
+    }
+
     public let origin: OriginConfig
     public let frontDoor: FrontDoor
     /// Set when the SNI named another host: every request gets 421 and no token.
     let misdirected: String?
     var streams: [Stream: StreamState] = [:]
+    var tunnels: [Stream: TunnelState] = [:]
+    /// Makes each WebSocket key (RFC 6455 §4.1: random per handshake); seeded by the I/O layer.
+    var keyState: UInt64
     var draining = false
     var closing = false
     var now: Int64 = 0
     /// Streams opened on this connection, for the log.
     public private(set) var requests = 0
 
-    public init(origin: OriginConfig, frontDoor: FrontDoor, misdirected: String?) {
+    public init(origin: OriginConfig, frontDoor: FrontDoor, misdirected: String?, keySeed: UInt64 = 0) {
         self.origin = origin
         self.frontDoor = frontDoor
         self.misdirected = misdirected
+        self.keyState = keySeed
     }
 
     var settings: ProxySettings { frontDoor.settings }
 
     /// Streams in flight.
-    public var activeStreams: Int { streams.count }
-    public var isIdle: Bool { streams.isEmpty }
+    public var activeStreams: Int { streams.count + tunnels.count }
+    public var isIdle: Bool { streams.isEmpty && tunnels.isEmpty }
 
     /// The connection begins (after the TLS handshake chose h2).
     public mutating func start(now: Int64, _ out: inout [Action]) {
@@ -99,6 +128,8 @@ public struct H2Session: Sendable {
         switch event {
         case .requestHeaders(let stream, let fields, let endStream):
             requestHeaders(stream, fields, endStream: endStream, &out)
+        case .requestData(let stream, _, let endStream) where tunnels[stream] != nil:
+            if endStream { out.append(.endTunnelInput(stream)) }
         case .requestData(let stream, let count, let endStream):
             exchange(stream, &out) { exchange, outputs in
                 if count > 0 { exchange.bodyReceived(count, &outputs) }
@@ -108,6 +139,12 @@ public struct H2Session: Sendable {
             guard streams[stream] != nil else { return }
             out.append(.requestTrailers(stream, fields))
             exchange(stream, &out) { exchange, outputs in exchange.bodyEnded(&outputs) }
+        case .streamClosed(let stream, _) where tunnels[stream] != nil:
+            tunnels.removeValue(forKey: stream)
+            out.append(.closeTunnel(stream))
+            streamsChanged(&out)
+        case .tunnelEnded(let stream):
+            tunnelEnded(stream, &out)
         case .streamClosed(let stream, let errorCode):
             guard let state = streams[stream] else { return }
             if state.responseEnded && errorCode == H2ErrorCode.noError.rawValue {
@@ -150,6 +187,8 @@ public struct H2Session: Sendable {
                 exchange(stream, &out) { exchange, outputs in exchange.abort(&outputs) }
             }
             streams.removeAll()
+            for stream in tunnels.keys.sorted() { out.append(.closeTunnel(stream)) }
+            tunnels.removeAll()
             closing = true
         }
     }
@@ -182,6 +221,9 @@ public struct H2Session: Sendable {
         }
         if draining {
             return out.append(.resetStream(stream, .refusedStream))
+        }
+        if H2Semantics.isWebSocketConnect(fields) {
+            return openWebSocket(stream, fields, method: method, path: path, &out)
         }
         let checked = H2Semantics.interceptedRequest(fields, endStream: endStream, origin: origin.authority) {
             hasOwn in origin.attachesToken(clientHasAuthorization: hasOwn)
@@ -226,6 +268,123 @@ public struct H2Session: Sendable {
                 RequestOutcome(
                     kind: .intercepted, status: answer.status,
                     proxyError: answer.response.proxyStatus?.error?.rawValue)))
+        streamsChanged(&out)
+    }
+
+    // MARK: - WebSocket streams (RFC 8441)
+
+    private mutating func openWebSocket(
+        _ stream: Stream, _ fields: [H2Field], method: String, path: String, _ out: inout [Action]
+    ) {
+        switch H2Semantics.webSocketRequest(fields, origin: origin.authority, key: nextKey()) {
+        case .failure(let refusal):
+            refuse(stream, method: method, path: path, refusal.answer, &out)
+        case .success(let head):
+            tunnels[stream] = TunnelState(
+                parser: HTTPHeadParser(kind: .response, limits: settings.headLimits), method: method, path: path)
+            out.append(.openTunnel(stream, head: head))
+        }
+    }
+
+    /// A Sec-WebSocket-Key: 16 bytes from the seeded generator, base64.
+    private mutating func nextKey() -> String {
+        var bytes: [UInt8] = []
+        for _ in 0..<2 {
+            // SplitMix64.
+            keyState &+= 0x9E37_79B9_7F4A_7C15
+            var z = keyState
+            z = (z ^ (z >> 30)) &* 0xBF58_476D_1CE4_E5B9
+            z = (z ^ (z >> 27)) &* 0x94D0_49BB_1331_11EB
+            z ^= z >> 31
+            bytes += withUnsafeBytes(of: z.bigEndian) { Array($0) }
+        }
+        return Base64.encode(bytes)
+    }
+
+    /// Bytes from the HTTP/1.1 side of a WebSocket stream: the answer's head, then its body, or once the
+    /// stream is open, the tunnel's bytes as they come.
+    public mutating func tunnelData(_ stream: Stream, _ view: some ByteView, now: Int64, _ out: inout [Action]) {
+        self.now = now
+        guard var tunnel = tunnels[stream] else { return }
+        var offset = 0
+        if tunnel.body == nil {
+            let (outcome, taken) = view.parseHead(&tunnel.parser, from: 0)
+            if taken > 0 { out.append(.consumeTunnel(stream, taken)) }
+            offset = taken
+            switch outcome {
+            case .needMore:
+                tunnels[stream] = tunnel
+                return
+            case .failed(let error):
+                tunnels.removeValue(forKey: stream)
+                out.append(.closeTunnel(stream))
+                let answer = ProxyAnswer.invalidResponse(origin.authority, reason: error.reason)
+                let (fields, body) = H2Semantics.answer(answer, headRequest: false)
+                out.append(.respond(stream, fields, body: body))
+                streamsChanged(&out)
+                return
+            case .complete(let head, _):
+                if head.status < 200 && head.status != 101 {
+                    tunnel.parser = HTTPHeadParser(kind: .response, limits: settings.headLimits)
+                    tunnels[stream] = tunnel
+                    return tunnelData(stream, view, now: now, &out)
+                }
+                let (fields, opened, framing) = H2Semantics.webSocketResponse(head)
+                tunnel.opened = opened
+                tunnel.body = BodyProgress(framing)
+                out.append(.submitResponse(stream, fields, endStream: framing == .none))
+                out.append(
+                    .log(
+                        LogLine(
+                            .debug,
+                            "\(origin.url)\(LogText.target(tunnel.path)) extended CONNECT answered \(head.status)\(opened ? "; WebSocket open" : "") h2=\(stream)"
+                        )))
+                if framing == .none {
+                    tunnels.removeValue(forKey: stream)
+                    out.append(.closeTunnel(stream))
+                    streamsChanged(&out)
+                    return
+                }
+            }
+        }
+        guard var body = tunnel.body else { return }
+        var spans: [BodySpan] = []
+        if body.take(from: view, at: offset, into: &spans) != nil {
+            tunnels.removeValue(forKey: stream)
+            out.append(.closeTunnel(stream))
+            out.append(.resetStream(stream, .internalError))
+            streamsChanged(&out)
+            return
+        }
+        for span in spans {
+            switch span {
+            case .pass(let count): out.append(.tunnelToStream(stream, count))
+            case .drop(let count): out.append(.consumeTunnel(stream, count))
+            }
+        }
+        tunnel.body = body
+        tunnels[stream] = tunnel
+        if body.isComplete {
+            tunnels.removeValue(forKey: stream)
+            out.append(.endStream(stream, trailers: []))
+            out.append(.closeTunnel(stream))
+            streamsChanged(&out)
+        }
+    }
+
+    private mutating func tunnelEnded(_ stream: Stream, _ out: inout [Action]) {
+        guard let tunnel = tunnels.removeValue(forKey: stream) else { return }
+        out.append(.closeTunnel(stream))
+        if tunnel.body == nil {
+            let answer = ProxyAnswer.responseIncomplete(origin.authority)
+            let (fields, body) = H2Semantics.answer(answer, headRequest: false)
+            out.append(.respond(stream, fields, body: body))
+        } else if tunnel.opened || tunnel.body?.framing == .untilClose {
+            // The WebSocket (or a body read until the close) ended: the stream ends cleanly.
+            out.append(.endStream(stream, trailers: []))
+        } else {
+            out.append(.resetStream(stream, .internalError))
+        }
         streamsChanged(&out)
     }
 
@@ -278,7 +437,7 @@ public struct H2Session: Sendable {
 
     /// After a stream ended: the keep-alive timer when none is left, and the end of a draining connection.
     private mutating func streamsChanged(_ out: inout [Action]) {
-        guard streams.isEmpty else { return }
+        guard streams.isEmpty && tunnels.isEmpty else { return }
         out.append(.disarm(.idle))
         if draining {
             closing = true
@@ -290,11 +449,11 @@ public struct H2Session: Sendable {
 
     private mutating func timerFired(_ timer: ConnectionTimer, lastActivity: Int64, _ out: inout [Action]) {
         switch timer {
-        case .keepAlive where streams.isEmpty:
+        case .keepAlive where isIdle:
             draining = true
             out.append(.goaway(.noError))
             out.append(.closeAfterFlush)
-        case .idle where !streams.isEmpty:
+        case .idle where !isIdle:
             let remaining = Int64(settings.idleTimeout) - (now - lastActivity)
             if remaining > 0 {
                 out.append(.arm(.idle, milliseconds: Int(remaining)))

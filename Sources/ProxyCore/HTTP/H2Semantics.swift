@@ -55,13 +55,14 @@ public enum H2Semantics {
             return .failure(.badRequest(HTTPParseError(.malformed, "request without :method")))
         }
         if method == "CONNECT" {
-            // RFC 8441 extended CONNECT (:protocol websocket) is a WebSocket; a plain CONNECT opens a tunnel,
-            // which a protected origin does not give.
+            // RFC 8441 extended CONNECT (:protocol websocket) is a WebSocket (`webSocketRequest`); a plain
+            // CONNECT opens a tunnel, which a protected origin does not give.
             return .failure(
                 .unsupported(
                     protocolName == nil
                         ? "CONNECT inside a tunnel to a protected origin is not supported"
-                        : "protocol upgrades (WebSocket) to protected origins are not supported"))
+                        : "the protocol \(protocolName ?? "-") cannot be tunnelled to a protected origin; only websocket"
+                ))
         }
         guard scheme == "https" else {
             return .failure(.misdirected("the request names the scheme \(scheme ?? "-"), not https"))
@@ -127,6 +128,91 @@ public enum H2Semantics {
                 method: method, target: path, framing: framing, keepAlive: true, upstreamFields: upstream,
                 clientAuthorization: clientAuthorization, upgrade: false, expectsContinue: false,
                 acceptsTrailers: acceptsTrailers))
+    }
+
+    /// Whether a request header block is an RFC 8441 extended CONNECT for a WebSocket.
+    public static func isWebSocketConnect(_ fields: [H2Field]) -> Bool {
+        fields.contains { $0.name == Array(":method".utf8) && $0.value == Array("CONNECT".utf8) }
+            && fields.contains { $0.name == Array(":protocol".utf8) && $0.value == Array("websocket".utf8) }
+    }
+
+    /// An RFC 8441 WebSocket (extended CONNECT, `:protocol websocket`) as the HTTP/1.1 upgrade request the
+    /// proxy sends on (RFC 6455 §4.1: GET, Upgrade and Connection, a Sec-WebSocket-Key of `key`), for an
+    /// HTTP/1.1 connection machine to carry out like any upgrade: token, refresh and replay, the origin's TLS.
+    /// The client's other fields travel (Sec-WebSocket-Version, -Protocol, -Extensions, Origin, Authorization).
+    public static func webSocketRequest(
+        _ fields: [H2Field], origin: HostPort, key: String
+    ) -> Result<
+        [UInt8], InterceptRefusal
+    > {
+        var path: String?
+        var scheme: String?
+        var authority: String?
+        var regular: [H2Field] = []
+        for field in fields {
+            switch field.name {
+            case Array(":path".utf8): path = field.valueText
+            case Array(":scheme".utf8): scheme = field.valueText
+            case Array(":authority".utf8): authority = field.valueText
+            case Array(":method".utf8), Array(":protocol".utf8): break
+            default:
+                if field.name.first == UInt8(ascii: ":") {
+                    return .failure(.badRequest(HTTPParseError(.malformed, "unknown pseudo-header field")))
+                }
+                regular.append(field)
+            }
+        }
+        guard scheme == "https" else {
+            return .failure(.misdirected("the request names the scheme \(scheme ?? "-"), not https"))
+        }
+        guard let path, path.utf8.first == UInt8(ascii: "/") else {
+            return .failure(.badRequest(HTTPParseError(.malformed, "extended CONNECT without an origin-form :path")))
+        }
+        guard let authority else {
+            return .failure(.badRequest(HTTPParseError(.malformed, "extended CONNECT without :authority")))
+        }
+        switch HostPort.parse(authority[...], defaultPort: 443) {
+        case .failure:
+            return .failure(.misdirected("the :authority is not a valid authority"))
+        case .success(let parsed) where parsed != origin:
+            return .failure(.misdirected(":authority \(parsed) does not match the tunnel's \(origin)"))
+        case .success:
+            break
+        }
+        var head = Array(
+            "GET \(path) HTTP/1.1\r\nHost: \(authority)\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: \(key)\r\n"
+                .utf8)
+        let skipped: Set<[UInt8]> = connectionSpecific.union(
+            ["host", "content-length", "sec-websocket-key"].map { Array($0.utf8) })
+        for field in regular where !skipped.contains(field.name) {
+            head += field.name + Array(": ".utf8) + field.value + [ASCII.cr, ASCII.lf]
+        }
+        head += [ASCII.cr, ASCII.lf]
+        return .success(head)
+    }
+
+    /// The answer to an extended CONNECT from the HTTP/1.1 response to its upgrade request: a 101 becomes the
+    /// 200 that opens the stream (RFC 8441 §5), without the fields that only HTTP/1.1's handshake has; any
+    /// other response is passed on as it is (the proxy's Proxy-Status included), with whether a body follows.
+    public static func webSocketResponse(_ head: HTTPHead) -> (fields: [H2Field], opened: Bool, framing: BodyFraming) {
+        if head.status == 101 {
+            var fields = [H2Field(":status", "200")]
+            let handshake: Set<[UInt8]> = connectionSpecific.union([Array("sec-websocket-accept".utf8)])
+            for index in head.fields.indices {
+                let name = head.bytes[head.fields[index].name].map(ASCII.lower)
+                if handshake.contains(name) { continue }
+                fields.append(H2Field(name, Array(head.valueBytes(at: index))))
+            }
+            return (fields, true, .untilClose)
+        }
+        let semantics: ResponseSemantics
+        switch MessageSemantics.response(head, requestMethod: "GET", upgradeRequested: true) {
+        case .success(let checked): semantics = checked
+        case .failure: return ([H2Field(":status", "502"), H2Field("content-length", "0")], false, .none)
+        }
+        let (fields, _) = responseHead(
+            UpstreamResponse(head: head, semantics: semantics, proxyStatus: nil), requestMethod: "GET")
+        return (fields, false, semantics.framing)
     }
 
     /// The origin's response as an HTTP/2 header block: `:status`, every end-to-end field (names in lower
