@@ -882,3 +882,62 @@ import Testing
         #expect(p.next() == [])
     }
 }
+
+/// A request body that outgrows the replay store while the origin's refusal is on its way: the request
+/// cannot go again, so the client gets the refusal, and the exchange ends with it.
+@Suite struct H2UnkeptBodyPlaybooks {
+    typealias P = H2SessionPlaybooks
+
+    static let refused = P.fields(
+        (":status", "401"), ("www-authenticate", "Bearer error=\"invalid_token\""),
+        (
+            "proxy-status",
+            "proxyctl; received-status=401; details=\"the request body was too large to keep, so the request was not sent again; retry it\""
+        ), ("content-length", "0"))
+
+    /// A PUT of unknown length, 100 bytes kept, its transfer answered 401.
+    static func refusedMidBody() -> H2Playbook {
+        var p = H2Playbook()
+        p.request(1, H2Playbook.request("PUT", "/u"), endStream: false)
+        p.tokens(1)
+        p.event(.requestData(1, count: 100, endStream: false))
+        p.transferHead(
+            1, "HTTP/2 401 \r\nwww-authenticate: Bearer error=\"invalid_token\"\r\ncontent-length: 0\r\n\r\n")
+        _ = p.next()
+        return p
+    }
+
+    @Test func aBodyThatOutgrowsTheStoreAfterTheRefusalEndedGetsTheRefusal() {
+        var p = Self.refusedMidBody()
+        p.event(.transferFinished(1, nil, detail: ""))
+        #expect(p.next() == [], "the rest of the body comes first")
+        p.event(.requestData(1, count: 2_000, endStream: false))
+        #expect(
+            p.next() == [
+                P.exchange(1, .streamBody), .submitResponse(1, Self.refused, endStream: true),
+                // `refreshed`: the refresh was decided (it is what the 401 called for), not carried out.
+                .exchangeFinished(1, P.record("PUT", "/u", status: 401, refreshed: true)),
+            ])
+        p.event(.requestData(1, count: 10, endStream: true))
+        #expect(p.next() == [] && p.session.isIdle)
+        p.finishEverything()
+        #expect(p.violations == [])
+    }
+
+    @Test func aBodyThatOutgrowsTheStoreWhileTheRefusalArrivesIsNotSentAgain() {
+        var p = Self.refusedMidBody()
+        p.event(.requestData(1, count: 2_000, endStream: false))
+        #expect(p.next() == [P.exchange(1, .streamBody)])
+        p.event(.transferFinished(1, nil, detail: ""))
+        #expect(
+            p.next() == [
+                .submitResponse(1, Self.refused, endStream: true),
+                // `refreshed`: the refresh was decided (it is what the 401 called for), not carried out.
+                .exchangeFinished(1, P.record("PUT", "/u", status: 401, refreshed: true)),
+            ], "no refresh: the body is gone")
+        p.event(.requestData(1, count: 0, endStream: true))
+        #expect(p.next() == [])
+        p.finishEverything()
+        #expect(p.violations == [] && p.streams[1]?.sends.count == 1)
+    }
+}
