@@ -1003,3 +1003,27 @@ import Testing
         #expect(answer.first == H2Field(":status", "400"))
     }
 }
+
+extension H2SessionRFCGaps {
+    @Test(
+        .disabled(
+            "RFC 9113 §8.1/§8.2.2 and RFC 9110 §6.5.1: trailers carry no pseudo-field, no connection-specific field and none that framing or routing needs; H2Session hands the client's request trailers to the transfer unfiltered (the response direction filters them with H2Semantics.trailers)"
+        ))
+    func requestTrailersAreFilteredLikeResponseTrailers() {
+        var p = H2Playbook()
+        p.request(1, H2Playbook.request("POST", "/upload"), endStream: false)
+        p.tokens(1)
+        _ = p.next()
+        p.event(
+            .requestTrailers(
+                1,
+                H2Playbook.fields([
+                    ("x-checksum", "abc"), ("host", "evil.test"), ("content-length", "9"), ("connection", "close"),
+                    ("trailer", "x-checksum"), (":path", "/other"),
+                ])))
+        #expect(
+            p.next() == [
+                .requestTrailers(1, H2Playbook.fields([("x-checksum", "abc")])), P.exchange(1, .bodyEnded),
+            ])
+    }
+}
