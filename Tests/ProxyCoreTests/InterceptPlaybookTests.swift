@@ -228,6 +228,45 @@ import Testing
         #expect(answer.contains("the request body was too large to keep, so the request was not sent again"))
     }
 
+    /// The refusal that goes to the client instead of a replay ends the exchange: its transfer is over. The
+    /// rest of the body is not read as a request; the connection closes.
+    @Test func aRefusalForABodyThatOutgrewTheStoreEndsTheExchange() {
+        var p = Self.tunnel()
+        p.client("POST /p HTTP/1.1\r\nHost: api.test\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")
+        p.event(.tokens(.success(TokenGrant(generation: 1))))
+        p.transferHead("HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer\r\nContent-Length: 0\r\n\r\n")
+        p.event(.transferFinished(nil, detail: ""))
+        _ = p.next()
+        p.client("800\r\n" + String(repeating: "x", count: 2048) + "\r\n")
+        let notable = p.next()
+        #expect(notable.first == .exchange(.streamBody, Self.origin))
+        guard case .exchangeFinished(let record) = notable.dropFirst().first else {
+            Issue.record("the exchange did not finish: \(notable)")
+            return
+        }
+        #expect(record.status == 401 && record.attempts == 1 && !record.cutShort)
+        #expect(notable.last == .closeAfterFlush && notable.count == 3)
+    }
+
+    /// The body outgrows the store while the origin's 401 is still arriving: the refusal was headed for a
+    /// refresh and a replay, but a replay would send a body with its middle missing. The client gets the 401.
+    @Test func aBodyThatOutgrowsTheStoreWhileARefusalArrivesIsNotSentAgain() {
+        var p = Self.tunnel()
+        p.client("POST /p HTTP/1.1\r\nHost: api.test\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")
+        p.event(.tokens(.success(TokenGrant(generation: 1))))
+        p.transferHead("HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer error=\"invalid_token\"\r\n\r\n")
+        _ = p.next()
+        p.client("800\r\n" + String(repeating: "x", count: 2048) + "\r\n")
+        #expect(Self.outputs(p.next()) == [.streamBody])
+        p.event(.transferFinished(nil, detail: ""))
+        let answer = p.clientGot()
+        #expect(answer.hasPrefix("HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer error=\"invalid_token\"\r\n"))
+        #expect(answer.contains("the request body was too large to keep, so the request was not sent again"))
+        let notable = p.next()
+        #expect(Self.outputs(notable) == [], "no refresh, no second send")
+        #expect(notable.count == 2 && notable.last == .closeAfterFlush, "\(notable)")
+    }
+
     @Test func aBodyTooLargeToKeepStreamsAndIsNotReplayed() {
         var p = Self.tunnel()
         p.client(

@@ -79,10 +79,11 @@ public struct ProtectedExchange: Sendable {
         /// The head went to the client; body bytes follow. -> `.done`
         case delivering
         /// The transfer's response is not for the client (a retry follows when it ends); `held` is that
-        /// response. -> `.refreshing`, `.sending`, `.awaitingBody`
+        /// response. -> `.refreshing`, `.sending`, `.awaitingBody`, or `.done` delivering the held response
+        /// (without its body) when the request body outgrew the store meanwhile
         case discarding(then: AuthExchange.Action, held: UpstreamResponse)
         /// The origin answered (401, a nonce challenge) before the client finished sending the body: the rest
-        /// is kept, then the request goes again. -> `.refreshing`, `.sending`, or `.delivering` the held
+        /// is kept, then the request goes again. -> `.refreshing`, `.sending`, or `.done` delivering the held
         /// response (without its body) when the body outgrows the store
         case awaitingBody(then: AuthExchange.Action, held: UpstreamResponse)
         case done
@@ -151,15 +152,7 @@ public struct ProtectedExchange: Sendable {
             streaming = true
             auth?.bodyNotKept()
             out.append(.streamBody)
-            if case .awaitingBody(_, let held) = phase {
-                // The request cannot go again: the client gets the origin's answer (its body was discarded).
-                deliver(
-                    held.withoutBody(
-                        proxyStatus: ProxyStatus(
-                            details:
-                                "the request body was too large to keep, so the request was not sent again; retry it",
-                            receivedStatus: held.head.status)), &out)
-            }
+            if case .awaitingBody(_, let held) = phase { deliverUnsent(held, &out) }
         }
     }
 
@@ -418,7 +411,10 @@ public struct ProtectedExchange: Sendable {
         switch phase {
         case .discarding(let action, let held):
             discarded = 0
-            if bodyComplete {
+            if streaming {
+                // The body outgrew the store while this response came: what was sent of it is gone.
+                deliverUnsent(held, &out)
+            } else if bodyComplete {
                 perform(action, &out)
             } else {
                 // The origin answered before the whole body came: keep the rest, then send again.
@@ -438,6 +434,18 @@ public struct ProtectedExchange: Sendable {
         case .starting, .gettingTokens, .refreshing, .awaitingBody, .done:
             break
         }
+    }
+
+    /// The request cannot go again (its body was not kept): the client gets the origin's answer that was held
+    /// for the retry, without its body (discarded). Its transfer is over, so the exchange ends with it.
+    private mutating func deliverUnsent(_ held: UpstreamResponse, _ out: inout [Output]) {
+        deliver(
+            held.withoutBody(
+                proxyStatus: ProxyStatus(
+                    details: "the request body was too large to keep, so the request was not sent again; retry it",
+                    receivedStatus: held.head.status)), &out)
+        out.append(.endBody(trailers: []))
+        finish(close: false, note: nil, &out)
     }
 
     /// Ends the exchange with an answer of ours, or (when a response was already delivered) by closing.
