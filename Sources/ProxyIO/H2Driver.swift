@@ -224,6 +224,9 @@ final class H2Driver: ServerConnection, TransferOwner {
         handling = true
         while !queued.isEmpty && !closed {
             let event = queued.removeFirst()
+            // A request whose stream nghttp2 closed in the same read (HEADERS then RST_STREAM) was withdrawn
+            // before the machine saw it: nothing will ever end it there, so it never begins.
+            if case .requestHeaders(let stream, _, _) = event, streams[stream] == nil { continue }
             actions.removeAll(keepingCapacity: true)
             machine.handle(event, now: EventLoop.monotonicMilliseconds(), &actions)
             run(actions)
