@@ -12,6 +12,9 @@ public struct H2Session: Sendable {
     public enum Event: Sendable, Equatable {
         /// A request header block (`endStream`: no body follows).
         case requestHeaders(Stream, [H2Field], endStream: Bool)
+        /// A request header block beyond max_header_bytes or max_headers (`reason` says which); `fields` are
+        /// the ones the driver kept before the limit.
+        case requestHeadTooLarge(Stream, [H2Field], reason: String)
         /// The driver kept `count` more body bytes of the stream (`endStream`: the last).
         case requestData(Stream, count: Int, endStream: Bool)
         /// Trailer fields after the request body (the body ends with them).
@@ -99,6 +102,11 @@ public struct H2Session: Sendable {
         switch event {
         case .requestHeaders(let stream, let fields, let endStream):
             requestHeaders(stream, fields, endStream: endStream, &out)
+        case .requestHeadTooLarge(let stream, let fields, let reason):
+            // 431 with Proxy-Status, as an HTTP/1.1 head over the limits gets (RFC 9113 §10.5.1).
+            requests += 1
+            let (method, path) = Self.target(fields)
+            refuse(stream, method: method, path: path, .badRequest(HTTPParseError(.headTooLarge, reason)), &out)
         case .requestData(let stream, let count, let endStream):
             exchange(stream, &out) { exchange, outputs in
                 if count > 0 { exchange.bodyReceived(count, &outputs) }
@@ -175,8 +183,7 @@ public struct H2Session: Sendable {
         requests += 1
         out.append(.disarm(.keepAlive))
         out.append(.arm(.idle, milliseconds: settings.idleTimeout))
-        let method = fields.first { $0.name == Array(":method".utf8) }.map(\.valueText) ?? "-"
-        let path = fields.first { $0.name == Array(":path".utf8) }.map(\.valueText) ?? "-"
+        let (method, path) = Self.target(fields)
         if let misdirected {
             return refuse(stream, method: method, path: path, .misdirected(reason: misdirected), &out)
         }
@@ -198,6 +205,13 @@ public struct H2Session: Sendable {
             streams[stream]?.exchange = exchange
             apply(stream, outputs, &out)
         }
+    }
+
+    /// The request's :method and :path, for the log ("-" when missing).
+    static func target(_ fields: [H2Field]) -> (method: String, path: String) {
+        let method = fields.first { $0.name == Array(":method".utf8) }.map(\.valueText) ?? "-"
+        let path = fields.first { $0.name == Array(":path".utf8) }.map(\.valueText) ?? "-"
+        return (method, path)
     }
 
     var exchangeSettings: ProtectedExchange.Settings {
