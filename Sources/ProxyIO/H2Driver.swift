@@ -64,6 +64,8 @@ final class H2Driver: ServerConnection, TransferOwner {
         var closed = false
         /// An exchange runs for the stream (from its first action to `exchangeFinished`).
         var inExchange = false
+        /// The machine wants no more of the request body (`dropRequestBody`).
+        var bodyUnwanted = false
 
         init(id: Int32) { self.id = id }
 
@@ -280,6 +282,14 @@ final class H2Driver: ServerConnection, TransferOwner {
             resumeData(io)
         case .resetStream(let stream, let code):
             nghttp2_submit_rst_stream(session, UInt8(NGHTTP2_FLAG_NONE.rawValue), stream, code.rawValue)
+        case .dropRequestBody(let stream):
+            guard let io = streams[stream] else { return }
+            io.bodyUnwanted = true
+            if io.unacknowledged > 0 {
+                // Streamed bytes the transfer never took: the connection's window gets them back.
+                nghttp2_session_consume(session, stream, io.unacknowledged)
+                io.unacknowledged = 0
+            }
         case .requestTrailers(let stream, let fields):
             streams[stream]?.requestTrailers = fields
         case .exchange(let stream, let output, let origin):
@@ -470,7 +480,7 @@ final class H2Driver: ServerConnection, TransferOwner {
 
     /// Request body bytes: kept in the stream's store now (they are only valid during the callback).
     fileprivate func dataChunk(_ stream: Int32, _ data: UnsafeRawBufferPointer) {
-        guard let io = streams[stream], let body = io.body else {
+        guard let io = streams[stream], let body = io.body, !io.bodyUnwanted else {
             nghttp2_session_consume(session, stream, data.count)
             return
         }

@@ -45,6 +45,11 @@ public struct H2Session: Sendable {
         case endStream(Stream, trailers: [H2Field])
         /// Reset the stream (a response cut short, a refused stream).
         case resetStream(Stream, H2ErrorCode)
+        /// The stream's request body is not wanted any more (the proxy answered the stream itself, or its
+        /// exchange ended): bytes still coming are dropped and their flow-control window given back, so the
+        /// client can finish its request (no RST_STREAM(NO_ERROR): clients such as httpx fail the response
+        /// they were given when their last DATA finds the stream reset).
+        case dropRequestBody(Stream)
         /// The client's trailer fields, for the transfer to send after the request body.
         case requestTrailers(Stream, [H2Field])
         /// An action of the stream's exchange with `origin`, carried out as on an HTTP/1.1 connection.
@@ -235,6 +240,7 @@ public struct H2Session: Sendable {
                 )))
         let (fields, body) = H2Semantics.answer(answer, headRequest: method == "HEAD")
         out.append(.respond(stream, fields, body: body))
+        out.append(.dropRequestBody(stream))
         out.append(
             .requestFinished(
                 RequestOutcome(
@@ -277,6 +283,7 @@ public struct H2Session: Sendable {
                 out.append(.respond(stream, fields, body: body))
                 streams[stream]?.responseEnded = true
             case .finished(let record):
+                out.append(.dropRequestBody(stream))
                 out.append(.exchangeFinished(stream, record))
                 if record.cutShort && !state.responseEnded {
                     // A response cut short: the client must not take it for complete.
