@@ -713,6 +713,9 @@ final class H2Driver: ServerConnection, TransferOwner {
 
     func close() {
         guard !closed else { return }
+        // Ended by the proxy (a protocol error, a flood, GOAWAY): the exchanges in flight end as aborted.
+        if !machine.isIdle { handle(.clientGone) }
+        guard !closed else { return }
         closed = true
         for io in streams.values {
             if let transfer = io.transfer { stopTransfer(io, transfer) }
