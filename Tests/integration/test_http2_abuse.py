@@ -368,9 +368,10 @@ def test_streams_beyond_the_limit_are_refused_before_the_settings_are_acknowledg
 
 def test_streams_beyond_the_acknowledged_limit_end_the_connection(deployment, rs):
     """The same once the client has acknowledged the SETTINGS: nghttp2 treats the 101st concurrent stream as a
-    connection error, GOAWAY(PROTOCOL_ERROR) naming the 100th stream as the last (RFC 9113 §5.1.2 asks for a
-    stream error; nghttp2 keeps the connection error, see the report). The streams in flight end with the
-    connection; at most those 100 reached the origin; others are served."""
+    connection error, GOAWAY(PROTOCOL_ERROR) naming the 100th stream as the last (RFC 9113 §5.1.2 names a
+    stream error, §5.4.1 lets an endpoint treat any stream error as a connection error: a client that ignores
+    the limit it acknowledged loses the connection). The streams in flight end with it; at most those 100
+    reached the origin; others are served."""
     seen = rs.mark()
     with RawH2(deployment, rs.authority()) as client:
         client.handshake()
