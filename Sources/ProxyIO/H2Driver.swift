@@ -40,6 +40,8 @@ final class H2Driver: ServerConnection, TransferOwner {
         let id: Int32
         var fields: [H2Field] = []
         var fieldBytes = 0
+        /// Why the header block being received is over the limits (its further fields are not kept).
+        var overLimit: String?
         var body: RequestBody?
         var transfer: InterceptTransfer?
         var tokens: TokenSet?
@@ -64,6 +66,8 @@ final class H2Driver: ServerConnection, TransferOwner {
         var inExchange = false
         /// A WebSocket stream: our end of the pair whose other end an HTTP/1.1 `ClientDriver` reads.
         var tunnel: TunnelEnd?
+        /// The machine wants no more of the request body (`dropRequestBody`).
+        var bodyUnwanted = false
 
         init(id: Int32) { self.id = id }
 
@@ -230,6 +234,14 @@ final class H2Driver: ServerConnection, TransferOwner {
         handling = true
         while !queued.isEmpty && !closed {
             let event = queued.removeFirst()
+            // A request whose stream nghttp2 closed in the same read (HEADERS then RST_STREAM) was withdrawn
+            // before the machine saw it: nothing will ever end it there, so it never begins.
+            switch event {
+            case .requestHeaders(let stream, _, _), .requestHeadTooLarge(let stream, _, _):
+                if streams[stream] == nil { continue }
+            default:
+                break
+            }
             actions.removeAll(keepingCapacity: true)
             machine.handle(event, now: EventLoop.monotonicMilliseconds(), &actions)
             run(actions)
@@ -276,6 +288,14 @@ final class H2Driver: ServerConnection, TransferOwner {
             resumeData(io)
         case .resetStream(let stream, let code):
             nghttp2_submit_rst_stream(session, UInt8(NGHTTP2_FLAG_NONE.rawValue), stream, code.rawValue)
+        case .dropRequestBody(let stream):
+            guard let io = streams[stream] else { return }
+            io.bodyUnwanted = true
+            if io.unacknowledged > 0 {
+                // Streamed bytes the transfer never took: the connection's window gets them back.
+                nghttp2_session_consume(session, stream, io.unacknowledged)
+                io.unacknowledged = 0
+            }
         case .requestTrailers(let stream, let fields):
             streams[stream]?.requestTrailers = fields
         case .exchange(let stream, let output, let origin):
@@ -495,21 +515,29 @@ final class H2Driver: ServerConnection, TransferOwner {
         let io = streamIO(stream)
         io.fields.removeAll()
         io.fieldBytes = 0
+        io.overLimit = nil
     }
 
-    /// One header field; false resets the stream (a header list beyond the limits: an HPACK bomb, say).
-    fileprivate func header(_ stream: Int32, name: UnsafeRawBufferPointer, value: UnsafeRawBufferPointer) -> Bool {
+    /// One header field. A request's fields beyond the limits (an HPACK bomb, say) are decoded on but not
+    /// kept, and the machine hears of the list as too large; trailers beyond them reset the stream (false).
+    fileprivate func header(
+        _ stream: Int32, name: UnsafeRawBufferPointer, value: UnsafeRawBufferPointer, trailers: Bool
+    ) -> Bool {
         let io = streamIO(stream)
+        guard io.overLimit == nil else { return true }
         io.fieldBytes += name.count + value.count + 32
         let limits = context.settings.headLimits
-        guard io.fieldBytes <= limits.maxHeadBytes, io.fields.count < limits.maxFields else {
-            context.logger.info(
-                "conn=\(id) client=\(peer) h2 stream \(stream) reset: header list over \(limits.maxHeadBytes) bytes or \(limits.maxFields) fields"
-            )
-            return false
+        if io.fieldBytes > limits.maxHeadBytes {
+            io.overLimit = "header list larger than \(limits.maxHeadBytes) bytes"
+        } else if io.fields.count >= limits.maxFields {
+            io.overLimit = "more than \(limits.maxFields) header fields"
+        } else {
+            io.fields.append(H2Field(Array(name), Array(value)))
+            return true
         }
-        io.fields.append(H2Field(Array(name), Array(value)))
-        return true
+        guard trailers else { return true }
+        context.logger.info("conn=\(id) client=\(peer) h2 stream \(stream) reset: trailers \(io.overLimit ?? "")")
+        return false
     }
 
     fileprivate func frameReceived(_ frame: UnsafePointer<nghttp2_frame>) {
@@ -523,7 +551,11 @@ final class H2Driver: ServerConnection, TransferOwner {
             if frame.pointee.headers.cat == NGHTTP2_HCAT_REQUEST {
                 io.body = RequestBody(
                     memoryLimit: context.settings.replayMemory, spoolDirectory: context.spoolDirectory)
-                queued.append(.requestHeaders(header.stream_id, fields, endStream: endStream))
+                if let reason = io.overLimit {
+                    queued.append(.requestHeadTooLarge(header.stream_id, fields, reason: reason))
+                } else {
+                    queued.append(.requestHeaders(header.stream_id, fields, endStream: endStream))
+                }
             } else {
                 queued.append(.requestTrailers(header.stream_id, fields))
             }
@@ -548,7 +580,7 @@ final class H2Driver: ServerConnection, TransferOwner {
             }
             return
         }
-        guard let io = streams[stream], let body = io.body else {
+        guard let io = streams[stream], let body = io.body, !io.bodyUnwanted else {
             nghttp2_session_consume(session, stream, data.count)
             return
         }
@@ -781,6 +813,9 @@ final class H2Driver: ServerConnection, TransferOwner {
 
     func close() {
         guard !closed else { return }
+        // Ended by the proxy (a protocol error, a flood, GOAWAY): the exchanges in flight end as aborted.
+        if !machine.isIdle { handle(.clientGone) }
+        guard !closed else { return }
         closed = true
         for io in streams.values {
             if let transfer = io.transfer { stopTransfer(io, transfer) }
@@ -840,7 +875,8 @@ private let h2Header:
         guard let frame else { return 0 }
         let accepted = driver(user).header(
             frame.pointee.hd.stream_id, name: UnsafeRawBufferPointer(start: name, count: nameLength),
-            value: UnsafeRawBufferPointer(start: value, count: valueLength))
+            value: UnsafeRawBufferPointer(start: value, count: valueLength),
+            trailers: frame.pointee.headers.cat != NGHTTP2_HCAT_REQUEST)
         return accepted ? 0 : NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE.rawValue
     }
 

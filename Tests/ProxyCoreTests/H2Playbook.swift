@@ -138,7 +138,7 @@ struct H2Playbook {
         case .transferFinished(let stream, _, _):
             streams[stream]?.transfer = nil
             lastActivity = now
-        case .bodyNotKept, .timerFired, .shutdown, .clientGone, .tunnelEnded:
+        case .bodyNotKept, .timerFired, .shutdown, .clientGone, .tunnelEnded, .requestHeadTooLarge:
             break
         }
         current = event
@@ -306,7 +306,7 @@ struct H2Playbook {
             if head.suffix(4) != Array("\r\n\r\n".utf8) { violation("\(action): a head without its end") }
             return
         case .consumeTunnel(let stream, _), .tunnelToStream(let stream, _), .endTunnelInput(let stream),
-            .closeTunnel(let stream):
+            .closeTunnel(let stream), .dropRequestBody(let stream):
             guard opened(stream, action) != nil else { break }
             return
         case .exchangeFinished(let stream, let record):

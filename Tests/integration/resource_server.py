@@ -9,7 +9,8 @@ the JWKS of the issuers it was told to trust (`trust(issuer, jwks_uri)`): `typ` 
 
     GET|POST|PUT|... /anything       200 JSON: method, path, host, body size and SHA-256, the token's sub, jti,
                                      iss, aud, scope
-    GET /download/SIZE               SIZE bytes of fixtures.content.generate() (Content-Length)
+    GET /download/SIZE               SIZE bytes of fixtures.content.generate() (Content-Length); a
+                                     connection closed mid-body leaves error "download cut short"
     GET /redirect?to=URL             302 to URL (never followed by anyone but the client)
     GET /public/...                  200 JSON about the request, no token needed
     GET /files/NAME                  the bytes of `files[NAME]` (a wheel for pip, say)
@@ -42,6 +43,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import ssl
 import subprocess
 import threading
 import urllib.parse
@@ -152,7 +154,7 @@ class _Handler(QuietHandler):
             seen.status = rs._git(self, url, bytes(received.data))
         elif parts[0] == "download" and len(parts) == 2:
             seen.status = 200
-            self._download(int(parts[1]))
+            self._download(int(parts[1]), seen)
         elif parts[0] == "files" and len(parts) == 2 and parts[1] in rs.files:
             seen.status = 200
             self._send(200, rs.files[parts[1]], "application/octet-stream", headers=seen.response_headers)
@@ -168,13 +170,18 @@ class _Handler(QuietHandler):
                       for value in seen.header_values(name)]
             self._json(200, info, headers=[*seen.response_headers, *echoed])
 
-    def _download(self, size: int):
+    def _download(self, size: int, seen: Seen):
         self.send_response(200)
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Content-Length", str(size))
         self.end_headers()
-        for block in generate(size):
-            self.wfile.write(block)
+        try:
+            for block in generate(size):
+                self.wfile.write(block)
+        except (ConnectionError, ssl.SSLError, OSError):
+            # The client (the proxy) closed the connection mid-body: recorded, for the tests of cancelling.
+            seen.error = "download cut short"
+            self.close_connection = True
 
 
 class ResourceServer:

@@ -12,6 +12,9 @@ public struct H2Session: Sendable {
     public enum Event: Sendable, Equatable {
         /// A request header block (`endStream`: no body follows).
         case requestHeaders(Stream, [H2Field], endStream: Bool)
+        /// A request header block beyond max_header_bytes or max_headers (`reason` says which); `fields` are
+        /// the ones the driver kept before the limit.
+        case requestHeadTooLarge(Stream, [H2Field], reason: String)
         /// The driver kept `count` more body bytes of the stream (`endStream`: the last).
         case requestData(Stream, count: Int, endStream: Bool)
         /// Trailer fields after the request body (the body ends with them).
@@ -44,6 +47,11 @@ public struct H2Session: Sendable {
         case endStream(Stream, trailers: [H2Field])
         /// Reset the stream (a response cut short, a refused stream).
         case resetStream(Stream, H2ErrorCode)
+        /// The stream's request body is not wanted any more (the proxy answered the stream itself, or its
+        /// exchange ended): bytes still coming are dropped and their flow-control window given back, so the
+        /// client can finish its request (no RST_STREAM(NO_ERROR): clients such as httpx fail the response
+        /// they were given when their last DATA finds the stream reset).
+        case dropRequestBody(Stream)
         /// The client's trailer fields, for the transfer to send after the request body.
         case requestTrailers(Stream, [H2Field])
         /// An action of the stream's exchange with `origin`, carried out as on an HTTP/1.1 connection.
@@ -128,6 +136,11 @@ public struct H2Session: Sendable {
         switch event {
         case .requestHeaders(let stream, let fields, let endStream):
             requestHeaders(stream, fields, endStream: endStream, &out)
+        case .requestHeadTooLarge(let stream, let fields, let reason):
+            // 431 with Proxy-Status, as an HTTP/1.1 head over the limits gets (RFC 9113 §10.5.1).
+            requests += 1
+            let (method, path) = Self.target(fields)
+            refuse(stream, method: method, path: path, .badRequest(HTTPParseError(.headTooLarge, reason)), &out)
         case .requestData(let stream, _, let endStream) where tunnels[stream] != nil:
             if endStream { out.append(.endTunnelInput(stream)) }
         case .requestData(let stream, let count, let endStream):
@@ -214,8 +227,7 @@ public struct H2Session: Sendable {
         requests += 1
         out.append(.disarm(.keepAlive))
         out.append(.arm(.idle, milliseconds: settings.idleTimeout))
-        let method = fields.first { $0.name == Array(":method".utf8) }.map(\.valueText) ?? "-"
-        let path = fields.first { $0.name == Array(":path".utf8) }.map(\.valueText) ?? "-"
+        let (method, path) = Self.target(fields)
         if let misdirected {
             return refuse(stream, method: method, path: path, .misdirected(reason: misdirected), &out)
         }
@@ -242,6 +254,13 @@ public struct H2Session: Sendable {
         }
     }
 
+    /// The request's :method and :path, for the log ("-" when missing).
+    static func target(_ fields: [H2Field]) -> (method: String, path: String) {
+        let method = fields.first { $0.name == Array(":method".utf8) }.map(\.valueText) ?? "-"
+        let path = fields.first { $0.name == Array(":path".utf8) }.map(\.valueText) ?? "-"
+        return (method, path)
+    }
+
     var exchangeSettings: ProtectedExchange.Settings {
         ProtectedExchange.Settings(
             replaySpool: max(settings.replaySpool, settings.replayMemory), connectTimeout: settings.connectTimeout,
@@ -263,6 +282,7 @@ public struct H2Session: Sendable {
                 )))
         let (fields, body) = H2Semantics.answer(answer, headRequest: method == "HEAD")
         out.append(.respond(stream, fields, body: body))
+        out.append(.dropRequestBody(stream))
         out.append(
             .requestFinished(
                 RequestOutcome(
@@ -422,6 +442,7 @@ public struct H2Session: Sendable {
                 out.append(.respond(stream, fields, body: body))
                 streams[stream]?.responseEnded = true
             case .finished(let record):
+                out.append(.dropRequestBody(stream))
                 out.append(.exchangeFinished(stream, record))
                 if record.cutShort && !state.responseEnded {
                     // A response cut short: the client must not take it for complete.

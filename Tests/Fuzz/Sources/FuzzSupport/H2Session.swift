@@ -409,7 +409,7 @@ struct H2Harness {
             lastActivity = now
         case .requestHeaders:
             lastActivity = now
-        case .bodyNotKept, .timerFired, .shutdown, .clientGone, .tunnelEnded:
+        case .bodyNotKept, .timerFired, .shutdown, .clientGone, .tunnelEnded, .requestHeadTooLarge:
             break
         }
         current = event
@@ -550,7 +550,7 @@ struct H2Harness {
             invariant(head.suffix(4) == Array("\r\n\r\n".utf8), "\(action): a head without its end")
             return
         case .consumeTunnel(let stream, _), .tunnelToStream(let stream, _), .endTunnelInput(let stream),
-            .closeTunnel(let stream):
+            .closeTunnel(let stream), .dropRequestBody(let stream):
             _ = opened(stream, action)
             return
         case .exchangeFinished(let stream, let record):
