@@ -242,7 +242,7 @@ import Testing
                         ("grpc-message", "token expired"),
                         (
                             "proxy-status",
-                            "proxyctl; received-status=401; details=\"the origin refused a freshly refreshed token; not retried again (check the token's scopes or audience)\""
+                            "proxyctl; received-status=200; details=\"the origin refused a freshly refreshed token; not retried again (check the token's scopes or audience)\""
                         )), endStream: true)
             ])
         // The Trailers-Only head ended the stream: nghttp2 closes it while the transfer still runs.
@@ -256,6 +256,63 @@ import Testing
                     1, Self.record("POST", "/pkg.Greeter/Hello", status: 200, attempts: 2, refreshed: true))
             ])
         #expect(p.session.isIdle && p.timers[.keepAlive] != nil)
+    }
+
+    @Test func grpcUnauthenticatedOnAnOpenRequestStreamIsDeliveredAtOnceAndTheTokenRefreshed() {
+        // A bidirectional call: the client keeps its request stream open until it has the answer, so a
+        // replay that waits for the stream's end would wait forever.
+        var p = H2Playbook()
+        let grpc: [(String, String)] = [("content-type", "application/grpc"), ("te", "trailers")]
+        p.request(1, H2Playbook.request("POST", "/pkg.Chat/Talk", grpc), endStream: false)
+        p.event(.requestData(1, count: 12, endStream: false))
+        p.tokens(1)
+        #expect(
+            p.next().last
+                == Self.exchange(
+                    1, .send(Self.upstream("POST", "/pkg.Chat/Talk", grpc, generation: 1, body: .streaming))))
+        p.transferHead(1, "HTTP/2 200 \r\ncontent-type: application/grpc\r\ngrpc-status: 16\r\n\r\n")
+        #expect(
+            p.next() == [
+                Self.exchange(1, .refreshTokens(key: Self.key, replacing: 1)),
+                .submitResponse(
+                    1,
+                    Self.fields(
+                        (":status", "200"), ("content-type", "application/grpc"), ("grpc-status", "16"),
+                        (
+                            "proxy-status",
+                            "proxyctl; received-status=200; details=\"the call was refused UNAUTHENTICATED while its request stream was still open, so it was not sent again; call again\""
+                        )), endStream: true),
+            ])
+        // The refreshed token is for the next call; this one is over.
+        p.refreshed(1)
+        #expect(p.next() == [])
+        p.event(.transferFinished(1, nil, detail: ""))
+        #expect(
+            p.next() == [
+                .exchangeFinished(1, Self.record("POST", "/pkg.Chat/Talk", status: 200, refreshed: true))
+            ])
+        #expect(p.session.isIdle)
+    }
+
+    @Test func aDPoPNonceChallengeOnAnOpenRequestStreamIsDeliveredAtOnceWithTheNonceKept() {
+        var p = H2Playbook()
+        let grpc: [(String, String)] = [("content-type", "application/grpc"), ("te", "trailers")]
+        p.request(1, H2Playbook.request("POST", "/pkg.Chat/Talk", grpc), endStream: false)
+        p.tokens(1, dpopNonce: "n-0")
+        _ = p.next()
+        p.transferHead(
+            1,
+            "HTTP/2 200 \r\ncontent-type: application/grpc\r\ngrpc-status: 16\r\nwww-authenticate: DPoP error=\"use_dpop_nonce\"\r\ndpop-nonce: n-1\r\n\r\n"
+        )
+        let out = p.next()
+        #expect(out.first == Self.exchange(1, .rememberNonce("n-1")), "the next call carries the new nonce")
+        #expect(!out.contains { if case .exchange(_, .send, _) = $0 { true } else { false } })
+        #expect(!out.contains { if case .exchange(_, .refreshTokens, _) = $0 { true } else { false } })
+        guard case .submitResponse(1, let fields, endStream: true) = out.last else {
+            Issue.record("no answer: \(out)")
+            return
+        }
+        #expect(fields.contains { $0.name == Array("proxy-status".utf8) && $0.valueText.contains("call again") })
     }
 
     @Test func aTrailersOnlyResponseOutlivesItsStreamUntilTheTransferEnds() {

@@ -358,10 +358,26 @@ public struct ProtectedExchange: Sendable {
             .response(status: unauthenticated ? 401 : head.status, challenges: challenges, dpopNonce: nonce))
         auth = exchange
         switch action {
-        case .deliver(let proxyStatus):
+        case .deliver(var proxyStatus):
             if let challenge = exchange.stepUp { out.append(.recordStepUp(challenge)) }
+            // RFC 9209: received-status is what came, the 200 of a gRPC refusal.
+            if unauthenticated, proxyStatus?.receivedStatus != nil { proxyStatus?.receivedStatus = head.status }
             var withStatus = response
             withStatus.proxyStatus = proxyStatus
+            deliver(withStatus, &out)
+        case .send where unauthenticated && !bodyComplete, .refresh where unauthenticated && !bodyComplete:
+            // A gRPC call refused while its request stream is still open (a bidirectional or a long
+            // client-streaming call) cannot wait for the stream's end to be sent again: the program gets the
+            // refusal now, with what to do.
+            var withStatus = response
+            withStatus.proxyStatus = ProxyStatus(
+                details:
+                    "the call was refused UNAUTHENTICATED while its request stream was still open, so it was not sent again; call again",
+                receivedStatus: head.status)
+            // The token is refreshed all the same (nobody waits for it), so that calling again works.
+            if case .refresh(let replacing) = action {
+                out.append(.refreshTokens(key: origin.tokenKey, replacing: replacing))
+            }
             deliver(withStatus, &out)
         case .send, .refresh:
             // Retried once this transfer has ended; its body is not the client's business.

@@ -95,6 +95,20 @@ private let requestTemplates: [(fields: [H2Field], endStream: Bool)] = [
     (get("/x", [("host", "evil.test")]), true),
 ]
 
+/// What the HTTP/1.1 side of a WebSocket stream may answer (in pieces, across reads).
+private let tunnelTemplates: [String] = [
+    "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: x\r\n\r\n\u{81}\u{02}hi",
+    "HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer\r\nContent-Length: 5\r\n\r\nnope!",
+    "HTTP/1.1 100 Continue\r\n\r\n",
+    "HTTP/1.1 200 OK\r\n\r\nuntil close",
+    "HTTP/1.1 204 No Content\r\n\r\n",
+    "HTTP/1.1 403 Forbidden\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+    "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n",
+    "HTTP/1.1 ",
+    "\u{0}garbage\r\n\r\n",
+    "frame bytes",
+]
+
 private let trailerTemplates: [[H2Field]] = [
     pairs([("x-checksum", "abc")]), pairs([("grpc-status", "0"), ("grpc-message", "ok")]),
     pairs([("host", "evil.test")]), pairs([("content-length", "9")]),
@@ -148,6 +162,8 @@ struct H2Harness {
         var responseEnded = false
         var reset = false
         var inExchange = false
+        /// A WebSocket stream (RFC 8441) whose HTTP/1.1 side is open.
+        var tunnel = false
         var finished = false
         var transferRunning = false
         var transferFresh = false
@@ -284,7 +300,17 @@ struct H2Harness {
             event(.shutdown)
         case 14:
             guard !gone else { return }
-            if low == 0xE { event(.clientGone) } else { wait(Int64(low) * 100) }
+            switch low {
+            case 0xE: event(.clientGone)
+            case 0xC, 0xD:
+                guard let stream = pick(reader.byte()), streams[stream]?.tunnel == true else { return }
+                if low == 0xD {
+                    event(.tunnelEnded(stream))
+                } else {
+                    tunnelAnswer(stream, Array(tunnelTemplates[Int(reader.byte() ?? 0) % tunnelTemplates.count].utf8))
+                }
+            default: wait(Int64(low) * 100)
+            }
         default:
             // A whole response in one opcode: head, body, end.
             guard let stream = pick(reader.byte()), streams[stream]?.transferRunning == true else { return }
@@ -332,8 +358,9 @@ struct H2Harness {
         let outcomesBefore = outcomes
         event(.requestHeaders(stream, fields, endStream: endStream))
         guard let log = streams[stream] else { return }
-        invariant(log.inExchange || log.answered || log.reset, "stream \(stream): neither accepted nor refused")
-        if log.inExchange { checkAccepted(stream, log) }
+        invariant(
+            log.inExchange || log.tunnel || log.answered || log.reset, "stream \(stream): neither accepted nor refused")
+        if log.inExchange || log.tunnel { checkAccepted(stream, log) }
         if !log.inExchange && log.answered {
             invariant(outcomes == outcomesBefore + 1, "stream \(stream): a refusal not counted")
             invariant([400, 421, 501].contains(log.status ?? 0), "stream \(stream): refused with \(log.status ?? 0)")
@@ -349,7 +376,9 @@ struct H2Harness {
         invariant(!misdirected && !log.afterGoaway, "stream \(stream): accepted on a misdirected or closing connection")
         func values(_ name: String) -> [String] { log.fields.filter { $0.name == bytes(name) }.map(\.valueText) }
         let method = values(":method").last
-        invariant(method != nil && method != "CONNECT", "stream \(stream): accepted \(method ?? "no method")")
+        let webSocket = method == "CONNECT" && values(":protocol").last == "websocket"
+        invariant(log.tunnel == webSocket, "stream \(stream): accepted \(method ?? "no method") tunnel=\(log.tunnel)")
+        invariant(method != nil && (method != "CONNECT" || webSocket), "stream \(stream): accepted \(method ?? "-")")
         invariant(values(":scheme").last == "https", "stream \(stream): accepted scheme \(values(":scheme"))")
         let path = values(":path").last ?? ""
         invariant(path.hasPrefix("/") || (path == "*" && method == "OPTIONS"), "stream \(stream): accepted \(path)")
@@ -426,6 +455,25 @@ struct H2Harness {
         afterEvent()
     }
 
+    /// Bytes from the HTTP/1.1 side of a WebSocket stream, as the driver hands them over: what the session
+    /// did not consume stays for the next read.
+    mutating func tunnelAnswer(_ stream: Stream, _ bytes: [UInt8]) {
+        lastActivity = now
+        var actions: [Action] = []
+        session.tunnelData(stream, bytes, now: now, &actions)
+        if debugging { FileHandle.standardError.write(Data("tunnel \(bytes)\n  -> \(actions)\n".utf8)) }
+        var taken = 0
+        for action in actions {
+            switch action {
+            case .consumeTunnel(_, let count), .tunnelToStream(_, let count): taken += count
+            default: break
+            }
+        }
+        invariant(taken <= bytes.count, "tunnel: \(taken) of \(bytes.count) bytes taken")
+        apply(actions)
+        afterEvent()
+    }
+
     mutating func transferLines(_ stream: Stream, _ bytes: [UInt8]) {
         streams[stream]?.transferFresh = false
         lastActivity = now
@@ -496,7 +544,7 @@ struct H2Harness {
         case .submitResponse(let stream, let fields, let endStream):
             var log = opened(stream, action)
             responseHead(&log, fields, action)
-            invariant(log.inExchange, "\(action): a response head from no exchange")
+            invariant(log.inExchange || log.tunnel, "\(action): a response head from no exchange or tunnel")
             log.submitted = true
             if endStream { log.responseEnded = true }
             streams[stream] = log
@@ -531,7 +579,9 @@ struct H2Harness {
             case .internalError:
                 // A response cut short, right after its exchange finished so. (Also on a stream the client
                 // already reset: RFC 9113 §5.4.2 forbids it, see H2SessionRFCGaps; tolerated here.)
-                invariant(log.finished && log.submitted && !log.responseEnded, "\(action) without a response cut short")
+                invariant(
+                    (log.finished || log.tunnel) && log.submitted && !log.responseEnded,
+                    "\(action) without a response cut short")
             default:
                 invariant(false, "\(action): unexpected code")
             }
@@ -545,12 +595,22 @@ struct H2Harness {
             exchangeOutput(stream, &log, output, origin: origin, action)
             streams[stream] = log
         case .openTunnel(let stream, let head):
-            // A WebSocket stream (RFC 8441): its answer comes from the HTTP/1.1 side, which this does not drive.
-            _ = opened(stream, action)
+            // A WebSocket stream (RFC 8441): its answer comes from the HTTP/1.1 side (`tunnelAnswer`).
+            var log = opened(stream, action)
+            invariant(!log.tunnel && !log.inExchange && !log.answered, "\(action): a second life for the stream")
             invariant(head.suffix(4) == Array("\r\n\r\n".utf8), "\(action): a head without its end")
+            invariant(head.starts(with: Array("GET ".utf8)), "\(action): not an upgrade request")
+            log.tunnel = true
+            streams[stream] = log
+        case .closeTunnel(let stream):
+            var log = opened(stream, action)
+            invariant(log.tunnel, "\(action) without a tunnel")
+            log.tunnel = false
+            streams[stream] = log
+        case .consumeTunnel(let stream, _), .tunnelToStream(let stream, _), .endTunnelInput(let stream):
+            invariant(opened(stream, action).tunnel, "\(action) without a tunnel")
             return
-        case .consumeTunnel(let stream, _), .tunnelToStream(let stream, _), .endTunnelInput(let stream),
-            .closeTunnel(let stream), .dropRequestBody(let stream):
+        case .dropRequestBody(let stream):
             _ = opened(stream, action)
             return
         case .exchangeFinished(let stream, let record):
@@ -646,7 +706,7 @@ struct H2Harness {
     }
 
     private mutating func afterEvent() {
-        let inFlight = streams.values.filter(\.inExchange).count
+        let inFlight = streams.values.filter { $0.inExchange || $0.tunnel }.count
         invariant(session.activeStreams == inFlight, "\(session.activeStreams) streams in flight, \(inFlight) seen")
         guard !gone else { return }
         if closing {
@@ -687,6 +747,9 @@ struct H2Harness {
                         event(.transferFinished(stream, nil, detail: ""))
                     }
                 }
+                if streams[stream]?.tunnel == true {
+                    event(.tunnelEnded(stream))
+                }
                 if let state = streams[stream], state.requestEnded, state.responseEnded, open(stream) {
                     event(.streamClosed(stream, errorCode: 0))
                 }
@@ -695,6 +758,7 @@ struct H2Harness {
         }
         for (stream, log) in streams {
             invariant(!log.inExchange, "stream \(stream): its exchange never finished")
+            invariant(!log.tunnel, "stream \(stream): its tunnel never closed")
             invariant(
                 log.responseEnded || log.closedByClient || closing,
                 "stream \(stream): no response, no reset, not closed")
