@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import threading
+import time
 import urllib.parse
 from pathlib import Path
 
@@ -311,6 +312,41 @@ def test_grpc_unauthenticated_twice_reaches_the_program_with_proxy_status(deploy
     assert metadata["proxy-status"].startswith("proxyctl"), metadata
     assert len(grpc_origin.since(calls)) == 2
     assert fake.count("token", grant_type="refresh_token") == before + 1
+
+
+def test_grpc_bidirectional_call_refused_while_open_gets_the_refusal_at_once(deployment, fake, grpc_origin,
+                                                                              channel):
+    """A bidirectional call refused UNAUTHENTICATED while the client keeps its request stream open (it waits
+    for an answer before sending more): the program gets the refusal at once with proxy-status saying to
+    call again, the token is refreshed meanwhile, and the next call goes through with the new token."""
+    before = fake.count("token", grant_type="refresh_token")
+    calls = grpc_origin.mark()
+    grpc_origin.reject_next(1)
+    answered = threading.Event()
+
+    def requests():
+        yield b"hello"
+        answered.wait(30)
+
+    started = time.monotonic()
+    replies = method(channel, "stream_stream", "Chat")(requests(), timeout=30)
+    with pytest.raises(grpc.RpcError) as refused:
+        list(replies)
+    answered.set()
+    assert time.monotonic() - started < 10, "the refusal waited for the request stream's end"
+    error = refused.value
+    assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+    metadata = dict(error.initial_metadata()) | dict(error.trailing_metadata())
+    assert "call again" in metadata["proxy-status"] and "received-status=200" in metadata["proxy-status"], metadata
+    deadline = time.monotonic() + 10
+    while fake.count("token", grant_type="refresh_token") == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert fake.count("token", grant_type="refresh_token") == before + 1
+    again = method(channel, "stream_stream", "Chat")(iter([b"abc", b"de"]), timeout=30)
+    assert list(again) == [b"cba", b"ed"] and again.code() == grpc.StatusCode.OK
+    seen = grpc_origin.since(calls)
+    assert [c["status"] for c in seen] == ["UNAUTHENTICATED", "OK"], seen
+    assert seen[0]["token"] != seen[1]["token"]
 
 
 # MARK: - Ending connections: shutdown and reload
