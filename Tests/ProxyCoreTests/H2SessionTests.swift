@@ -1161,6 +1161,30 @@ extension H2SessionRFCGaps {
         #expect(session.isIdle)
     }
 
+    @Test func interimAnswersBeforeThe101AreSkippedInTheSameRead() {
+        // Found by FuzzH2Session: the interim head was parsed again from the start of the read, for ever.
+        var session = Self.session
+        _ = Self.open(&session)
+        var out: [Action] = []
+        let interim = Array("HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 102 Processing\r\n\r\n".utf8)
+        let final = Array("HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n".utf8)
+        session.tunnelData(1, interim + final + [0x81, 0x00], now: 2, &out)
+        #expect(
+            out.filter { if case .log = $0 { false } else { true } } == [
+                .consumeTunnel(1, 25), .consumeTunnel(1, 27), .consumeTunnel(1, final.count),
+                .submitResponse(1, [H2Field(":status", "200")], endStream: false), .tunnelToStream(1, 2),
+            ])
+        out.removeAll()
+        // A lone interim answer waits for the final one in a later read.
+        var other = Self.session
+        _ = Self.open(&other)
+        other.tunnelData(1, Array("HTTP/1.1 100 Continue\r\n\r\n".utf8), now: 2, &out)
+        #expect(out == [.consumeTunnel(1, 25)])
+        out.removeAll()
+        other.tunnelData(1, final, now: 3, &out)
+        #expect(out.contains(.submitResponse(1, [H2Field(":status", "200")], endStream: false)))
+    }
+
     @Test func aRefusalComesOnTheStreamWithItsBody() {
         var session = Self.session
         _ = Self.open(&session)

@@ -327,10 +327,10 @@ public struct H2Session: Sendable {
         self.now = now
         guard var tunnel = tunnels[stream] else { return }
         var offset = 0
-        if tunnel.body == nil {
-            let (outcome, taken) = view.parseHead(&tunnel.parser, from: 0)
+        while tunnel.body == nil {
+            let (outcome, taken) = view.parseHead(&tunnel.parser, from: offset)
             if taken > 0 { out.append(.consumeTunnel(stream, taken)) }
-            offset = taken
+            offset += taken
             switch outcome {
             case .needMore:
                 tunnels[stream] = tunnel
@@ -345,9 +345,9 @@ public struct H2Session: Sendable {
                 return
             case .complete(let head, _):
                 if head.status < 200 && head.status != 101 {
+                    // An interim answer: the final one follows in these bytes or later ones.
                     tunnel.parser = HTTPHeadParser(kind: .response, limits: settings.headLimits)
-                    tunnels[stream] = tunnel
-                    return tunnelData(stream, view, now: now, &out)
+                    continue
                 }
                 let (fields, opened, framing) = H2Semantics.webSocketResponse(head)
                 tunnel.opened = opened
