@@ -52,6 +52,7 @@ extension ConnectionMachine {
             if client.count - clientOffset > settings.headLimits.maxHeadBytes { out.append(.readClient(false)) }
             return
         }
+        state = .closed  // moved out while it changes (see `changeIntercepting`); put back below
         var kept = 0
         var failure: HTTPParseError?
         while !intercepting.body.done && client.count > clientOffset {
@@ -108,11 +109,21 @@ extension ConnectionMachine {
     mutating func exchangeEvent(
         _ out: inout [Action], _ body: (inout ProtectedExchange, inout [ProtectedExchange.Output]) -> Void
     ) {
-        guard case .intercepting(var intercepting) = state else { return }
         var outputs: [ProtectedExchange.Output] = []
-        body(&intercepting.exchange, &outputs)
-        state = .intercepting(intercepting)
+        changeIntercepting { body(&$0.exchange, &outputs) }
         apply(outputs, &out)
+    }
+
+    /// Changes the data of the `.intercepting` state in place. The payload is moved out of `state` first
+    /// (the placeholder is never seen: nothing else runs meanwhile), so the arrays inside it (the response
+    /// head parser's buffer, the request's fields) stay uniquely referenced and a change does not copy them;
+    /// `guard case .intercepting(var x) = state` followed by `state = .intercepting(x)` copies them on every
+    /// event (copy on write), the hot path's largest cost after libcurl.
+    mutating func changeIntercepting(_ change: (inout Intercepting) -> Void) {
+        guard case .intercepting(var intercepting) = state else { return }
+        state = .closed
+        change(&intercepting)
+        state = .intercepting(intercepting)
     }
 
     /// Body bytes of the transfer's response (the hot path: one call per libcurl write callback).
@@ -130,14 +141,13 @@ extension ConnectionMachine {
     /// Carries the exchange's outputs over to this HTTP/1.1 connection.
     mutating func apply(_ outputs: [ProtectedExchange.Output], _ out: inout [Action]) {
         for output in outputs {
-            guard case .intercepting(var intercepting) = state else { return }
+            guard case .intercepting(let intercepting) = state else { return }
             switch output {
             case .deliverHead(let response):
                 let close = !intercepting.exchange.request.keepAlive || draining
                 let (head, framing) = MessageSemantics.interceptedResponseHead(
                     response, requestMethod: intercepting.exchange.request.method, close: close)
-                intercepting.framing = framing
-                state = .intercepting(intercepting)
+                changeIntercepting { $0.framing = framing }
                 out.append(.writeClient(head))
             case .deliverBody:
                 if let framing = intercepting.framing, framing != .none {

@@ -90,7 +90,7 @@ public struct ConnectionMachine: Sendable {
         case writeUpstream([UInt8])
         /// Write a request head to the upstream with the credential for it added (`Authorization`, and with
         /// DPoP a proof for `method` and `url`) before its last line; nil: as it is.
-        case writeUpstreamHead([UInt8], credential: UpstreamRequest.Credential?, method: String, url: String)
+        indirect case writeUpstreamHead([UInt8], credential: UpstreamRequest.Credential?, method: String, url: String)
         /// Start TLS to the origin on the upstream connection: SNI and certificate check for `serverName`,
         /// trusting `caFile` (nil: the system's roots); ALPN http/1.1.
         case startUpstreamTLS(serverName: String, caFile: String?)
@@ -103,10 +103,10 @@ public struct ConnectionMachine: Sendable {
         /// in the log line written when it ends.
         case startTunnel(label: String, status: Int)
         /// Answer `200 Connection established`, then terminate TLS for the protected origin on the socket.
-        case startInterception(OriginConfig)
+        indirect case startInterception(OriginConfig)
         /// The client chose HTTP/2 (ALPN h2): an `H2Session` runs the connection from here (`misdirected`:
         /// the SNI named another host).
-        case startHTTP2(OriginConfig, misdirected: String?)
+        indirect case startHTTP2(OriginConfig, misdirected: String?)
 
         // Timers
         case arm(ConnectionTimer, milliseconds: Int)
@@ -117,15 +117,15 @@ public struct ConnectionMachine: Sendable {
         case keepBody(Int)
         /// An action of the exchange with `origin` the I/O layer carries out as it is (tokens, the transfer,
         /// notices).
-        case exchange(ProtectedExchange.Output, OriginConfig)
+        indirect case exchange(ProtectedExchange.Output, OriginConfig)
         /// Write the body bytes of the current transfer callback to the client (chunked: in a chunk).
         case writeResponseBody(chunked: Bool)
         /// The exchange ended: log it and count it.
-        case exchangeFinished(ExchangeRecord)
+        indirect case exchangeFinished(ExchangeRecord)
 
         case log(LogLine)
         /// A request ended (an answer of the proxy's own, or a forwarded exchange): for the metrics.
-        case requestFinished(RequestOutcome)
+        indirect case requestFinished(RequestOutcome)
     }
 
     // MARK: - State
@@ -138,9 +138,9 @@ public struct ConnectionMachine: Sendable {
         case readingHead(ReadingHead)
         /// Resolving and connecting to the next hop. -> `.proxyHandshake`, `.forwarding`, `.handedOff`,
         /// `.closing` (an answer of ours)
-        case connecting(Connecting)
+        indirect case connecting(Connecting)
         /// CONNECT sent to the upstream proxy, reading its answer. -> `.handedOff`, `.closing`
-        case proxyHandshake(ProxyHandshake)
+        indirect case proxyHandshake(ProxyHandshake)
         /// A forwarded request and its response in flight. -> `.readingHead` (keep-alive), `.connecting`
         /// (a resend), `.handedOff` (101), `.closing`
         case forwarding(Forwarding)
@@ -148,9 +148,9 @@ public struct ConnectionMachine: Sendable {
         case intercepting(Intercepting)
         /// An upgrade to a protected origin waits for tokens or a refresh; no upstream connection.
         /// -> `.connecting`, `.closing`
-        case awaitingUpgradeTokens(ProtectedUpgrade)
+        indirect case awaitingUpgradeTokens(ProtectedUpgrade)
         /// TLS handshake with the origin of an upgrade. -> `.forwarding`, `.closing`
-        case upstreamTLS(ProtectedUpgrade)
+        indirect case upstreamTLS(ProtectedUpgrade)
         /// The last bytes go to the client, then the connection closes. -> `.closed`
         case closing
         /// A tunnel or a TLS session took the connection over. Terminal.
@@ -192,7 +192,7 @@ public struct ConnectionMachine: Sendable {
     }
 
     struct Forwarding: Sendable {
-        let forward: FrontDoorDecision.Forward
+        @Boxed var forward: FrontDoorDecision.Forward
         let hop: HostPort
         let started: Int64
         var request: BodyProgress
@@ -210,11 +210,11 @@ public struct ConnectionMachine: Sendable {
         /// A byte of a response reached the client: no answer of ours can follow.
         var clientSawResponse = false
         /// An upgrade to a protected origin (its token decisions, its log record).
-        var protected: ProtectedUpgrade? = nil
+        @Boxed var protected: ProtectedUpgrade? = nil
     }
 
     struct Intercepting: Sendable {
-        var exchange: ProtectedExchange
+        @Boxed var exchange: ProtectedExchange
         var body: BodyReader
         let started: Int64
         let headRequest: Bool
@@ -477,6 +477,7 @@ public struct ConnectionMachine: Sendable {
 
     private mutating func readHead(_ client: some ByteView, _ out: inout [Action]) {
         guard case .readingHead(var reading) = state, client.count > clientOffset else { return }
+        state = .closed  // moved out while the parser changes (no copy on write); every branch puts it back
         let (outcome, taken) = client.parseHead(&reading.parser, from: clientOffset)
         if taken > 0 {
             out.append(.consumeClient(taken))

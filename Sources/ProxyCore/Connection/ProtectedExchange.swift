@@ -44,17 +44,17 @@ public struct ProtectedExchange: Sendable {
         /// Refresh the token of `key` because the one of `replacing` was rejected (single-flight).
         case refreshTokens(key: TokenKey, replacing: Int64)
         /// Start the upstream transfer the description says.
-        case send(UpstreamRequest)
+        indirect case send(UpstreamRequest)
         /// Stop the upstream transfer (nothing of it is needed any more).
         case cancelTransfer
         /// Send the client the origin's response head.
-        case deliverHead(UpstreamResponse)
+        indirect case deliverHead(UpstreamResponse)
         /// Pass the body bytes of the current upstream callback to the client.
         case deliverBody
         /// The response body is complete; the origin's trailer fields follow it (gRPC's status, say).
         case endBody(trailers: [H2Field])
         /// Answer the client ourselves; nothing of a response has reached it.
-        case respond(ProxyAnswer)
+        indirect case respond(ProxyAnswer)
         /// Remember the origin's latest DPoP nonce for the next request (RFC 9449 §9).
         case rememberNonce(String)
         /// The origin demands a stronger sign-in (RFC 9470): record it for `proxyctl step-up`.
@@ -62,7 +62,7 @@ public struct ProtectedExchange: Sendable {
         /// No token can be had without the user: tell them.
         case signInNeeded(reason: String)
         /// The exchange is over (`close`: the client connection cannot carry another request).
-        case finished(ExchangeRecord)
+        indirect case finished(ExchangeRecord)
     }
 
     /// Where the exchange is. Each case says where it goes next.
