@@ -20,10 +20,10 @@ from pathlib import Path
 from benchlib.harness import (BENCH_HOST, BenchError, InterceptSetup, InterceptTargets, Processes, Proxies,
                               fake_access_token, log, make_certificates, prepare_www, start_origin)
 from benchlib.measurement import (Results, measure_dpop, measure_idle_row, measure_intercept_rows,
-                                  measure_throughput_rows, plan, watch_load)
+                                  measure_protocol_rows, measure_throughput_rows, plan, watch_load)
 from benchlib.report import binaries, machine_info, write_report
 
-SECTIONS = ("passthrough", "intercept", "dpop")
+SECTIONS = ("passthrough", "intercept", "protocols", "dpop")
 
 
 def main() -> int:
@@ -41,6 +41,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--mitmdump", required=True, help="mitmproxy's mitmdump (from the bench's own venv)")
     parser.add_argument("--dpop-bench", required=True, help="Tests/Bench's DPoPBench, release build")
+    parser.add_argument("--loadgen", required=True, help="scripts/benchlib/loadgen, built (HTTP/2 and WebSocket)")
     args = parser.parse_args()
 
     def on_signal(number, _frame):
@@ -82,6 +83,8 @@ def main() -> int:
         results.intercept_token = setup.token
         if "intercept" in sections:
             measure_intercept_rows(p, setup, targets, results)
+        if "protocols" in sections:
+            measure_protocol_rows(p, setup, targets, args.loadgen, results)
         if "dpop" in sections:
             key = targets.dpop.path if targets.dpop else None
             measure_dpop(p, args.dpop_bench, len(setup.token), key, results)

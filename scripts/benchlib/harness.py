@@ -530,6 +530,9 @@ class InterceptTargets:
         self.baseline = baseline
         self.setup = setup
         self.dpop: DPoPKey | None = None
+        # Protected origins besides https://bench.test for the proxyctl targets started from now on (the
+        # WebSocket echo server of the protocols rows).
+        self.extra_origins: list[str] = []
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -583,7 +586,8 @@ class InterceptTargets:
                                      resolve=f"{BENCH_HOST}={origin.bench_address}")
                         + config.provider(PROVIDER, ISSUER, client_id=CLIENT_ID, scopes="openid",
                                           token_binding=binding)
-                        + config.origin(self.origin_url, PROVIDER, ca_file=origin.ca))
+                        + config.origin(self.origin_url, PROVIDER, ca_file=origin.ca)
+                        + "".join(config.origin(url, PROVIDER, ca_file=origin.ca) for url in self.extra_origins))
         env = dict(os.environ, XDG_CONFIG_HOME=str(work), XDG_STATE_HOME=str(work), HOME=str(work))
         env.pop("PROXYCTL_CONFIG", None)
         run([binary, "ca", "init", "--config", str(conf)], env=env)
@@ -625,6 +629,10 @@ class InterceptTargets:
         return InterceptTarget(
             name, child, ["-x", exported["HTTPS_PROXY"]],
             self.origin_url, [], self.origin_url, curl_env, "DPoP" if binding == "dpop" else "Bearer", details)
+
+    def start_protocols_proxyctl(self) -> InterceptTarget:
+        """proxyctl (Bearer) for the protocols rows, with the extra origins, in a directory of its own."""
+        return self._start_proxyctl(self._dir("protocols"), "bearer", self.proxyctl, "proxyctl")
 
     def _start_nginx(self, work: Path) -> InterceptTarget:
         origin = self.setup.origin
@@ -743,3 +751,15 @@ def check_headers(target: InterceptTarget, targets: InterceptTargets, token: str
     if seen.get("dpop"):
         raise BenchError(f"via {target.name} a Bearer request carried a DPoP proof")
     return "Authorization: Bearer <token>"
+
+
+def start_ws_echo(processes: Processes, loadgen: str, setup: InterceptSetup) -> tuple[subprocess.Popen, int]:
+    """The WebSocket echo origin (loadgen wsecho) with the bench.test leaf, on the origin's loopback address;
+    the process and its port."""
+    address = setup.origin.bench_address
+    child = processes.start([loadgen, "wsecho", "-listen", f"{address}:0", "-cert", str(setup.bench.cert_pem),
+                             "-key", str(setup.bench.key_pem)], stdout=subprocess.PIPE)
+    line = child.stdout.readline().decode().strip()
+    if not line or ":" not in line:
+        raise BenchError(f"the WebSocket echo origin did not start: {line!r}")
+    return child, int(line.rsplit(":", 1)[1])

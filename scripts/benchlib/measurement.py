@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from benchlib.harness import (CLIENT_ENV, BenchError, InterceptSetup, InterceptTarget, InterceptTargets, Origin,
-                              Processes, Proxies, Proxy, check_headers, log, run)
+from benchlib.harness import (BENCH_HOST, CLIENT_ENV, BenchError, InterceptSetup, InterceptTarget, InterceptTargets,
+                              Origin, Processes, Proxies, Proxy, check_headers, log, run, start_ws_echo)
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 GIB = 1 << 30
@@ -53,13 +53,15 @@ class Plan:
     mitmproxy_divisor: int = 5  # mitmproxy gets this many times fewer requests
     dpop_proofs: int = 50000
     speed_seconds: int = 3  # openssl speed -seconds
+    ws_messages: int = 20000  # WebSocket echoes of 1 KiB, one after another, per sample
 
 
 def plan(quick: bool) -> Plan:
     """The full run's plan, or the quick one."""
     if quick:
         return Plan(True, 1, 64 << 20, 256, 2000, 500, 2000, 1000, 200, intercept_keepalive_requests=2000,
-                    intercept_new_requests=500, intercept_rate_requests=4000, dpop_proofs=5000, speed_seconds=1)
+                    intercept_new_requests=500, intercept_rate_requests=4000, dpop_proofs=5000, speed_seconds=1,
+                    ws_messages=2000)
     return Plan(False, 3, GIB, 256, 20000, 5000, 20000, 1000, 1000)
 
 
@@ -493,6 +495,81 @@ def measure_intercept_rows(p: Plan, setup: InterceptSetup, targets: InterceptTar
         for target in running.values():
             if target.child is not None:
                 targets.processes.stop(target.child, timeout=15)
+
+
+# MARK: - Protocols: HTTP/2 and WebSocket to a protected origin
+
+
+def loadgen_sample(argv: list[str], env: dict, pid: int | None, who: str, count_key: str, expected: int) -> Sample:
+    """One loadgen run (it prints JSON with `count_key` and `seconds`); the CPU of pid's tree meanwhile."""
+
+    def body():
+        before = cpu_seconds(pid) if pid else None
+        output = json.loads(run(argv, env=env, timeout=600))
+        after = cpu_seconds(pid) if pid else None
+        return output, None if pid is None else after - before
+
+    (output, cpu), foreign = measured(body)
+    if output.get(count_key) != expected or output.get("errors", 0):
+        raise BenchError(f"loadgen via {who}: {output}")
+    return Sample(expected / output["seconds"], cpu, expected, foreign)
+
+
+def measure_protocol_rows(p: Plan, setup: InterceptSetup, targets: InterceptTargets, loadgen: str,
+                          results: Results) -> None:
+    """Rows 11-13: HTTP/2 against HTTP/1.1 through proxyctl (small requests on one connection, a bulk
+    download), and WebSocket echoes direct and through proxyctl; all in the same rounds."""
+    echo, ws_port = start_ws_echo(targets.processes, loadgen, setup)
+    targets.extra_origins = [f"https://{BENCH_HOST}:{ws_port}"]
+    proxyctl = targets.start_protocols_proxyctl()
+    origin = setup.origin
+    try:
+        proxy = proxyctl.hey_args[1]
+        bundle = proxyctl.curl_env["CURL_CA_BUNDLE"]
+        small = f"https://{BENCH_HOST}/small.txt"
+        ws_url = f"wss://{BENCH_HOST}:{ws_port}/echo"
+        checked = json.loads(run([loadgen, "ws", "-url", ws_url, "-n", "10", "-proxy", proxy, "-cacert", bundle]))
+        results.intercept_checks["proxyctl (WebSocket)"] = f"upgrade with Authorization: {checked['authorization']}"
+        if checked["authorization"] != "bearer":
+            raise BenchError(f"the WebSocket origin saw no token through proxyctl: {checked}")
+
+        def h1(target, requests: int) -> Sample:
+            return hey_sample(hey_argv(requests, True) + ["-x", proxy, small], target.pid, "proxyctl", requests)
+
+        def h2(target, requests: int) -> Sample:
+            argv = [loadgen, "h2", "-url", small, "-n", str(requests), "-c", str(CONCURRENCY), "-proxy", proxy,
+                    "-cacert", bundle]
+            return loadgen_sample(argv, CLIENT_ENV, target.pid, "proxyctl", "requests", requests)
+
+        def bulk(target, version: str, limit: int | None = None) -> Sample:
+            argv = ["curl", "-sS", "--fail", version, "-o", "/dev/null", "-w", "%{size_download} %{time_total}"]
+            if limit is not None:
+                argv += ["-r", f"0-{limit - 1}"]
+            argv.append(f"https://{BENCH_HOST}/bulk.bin")
+            return curl_sample(argv, proxyctl.curl_env, target.pid, "proxyctl", limit or origin.bulk_bytes)
+
+        def ws(target, messages: int) -> Sample:
+            argv = [loadgen, "ws", "-url", ws_url, "-n", str(messages), "-size", "1024"]
+            if target is None:  # direct: to the echo server with its own CA
+                argv += ["-connect-to", f"{origin.bench_address}:{ws_port}", "-cacert", str(origin.ca)]
+            else:
+                argv += ["-proxy", proxy, "-cacert", bundle]
+            return loadgen_sample(argv, CLIENT_ENV, target.pid if target else None, "proxyctl", "messages", messages)
+
+        running = {"direct": None, "proxyctl": proxyctl}
+        bulk_warm = min(origin.bulk_bytes, 256 << 20)
+        rows = [
+            ("p-h1", lambda t: h1(t, p.intercept_keepalive_requests), lambda t: h1(t, p.warmup_requests)),
+            ("p-h2", lambda t: h2(t, p.intercept_keepalive_requests), lambda t: h2(t, p.warmup_requests)),
+            ("p-h1bulk", lambda t: bulk(t, "--http1.1"), lambda t: bulk(t, "--http1.1", bulk_warm)),
+            ("p-h2bulk", lambda t: bulk(t, "--http2"), lambda t: bulk(t, "--http2", bulk_warm)),
+        ]
+        run_rows(p, rows, ("proxyctl",), running, results)
+        ws_rows = [("p-ws", lambda t: ws(t, p.ws_messages), lambda t: ws(t, p.ws_messages // 10))]
+        run_rows(p, ws_rows, ("direct", "proxyctl"), running, results)
+    finally:
+        targets.processes.stop(proxyctl.child, timeout=15)
+        targets.processes.stop(echo, timeout=5)
 
 
 # MARK: - DPoP proofs on one core, against OpenSSL's own ES256 signing rate

@@ -224,6 +224,7 @@ class Report:
         self.passthrough = ("bulk", "direct") in results.samples and bool(results.idle)
         self.intercept = ("i-bulk", "direct") in results.samples
         self.dpop = bool(results.dpop)
+        self.protocols = ("p-ws", "direct") in results.samples
         self.rated = ("i-rate", "direct") in results.samples
         self.baseline = BASELINE in results.idle or any(target == BASELINE for _, target in results.samples)
         self.bulk_label = f"{p.bulk_bytes / GIB:g} GiB" if p.bulk_bytes >= GIB else f"{p.bulk_bytes >> 20} MiB"
@@ -420,6 +421,50 @@ class Report:
         add("")
         for name in with_baseline(INTERCEPT_TARGETS, self.baseline):
             add(f"- {INTERCEPT_LABELS[name]}: {results.intercept_checks.get(name, '?')}")
+        add("")
+
+    def protocols_table(self) -> None:
+        """Rows 11-13: HTTP/2 and WebSocket to a protected origin through proxyctl."""
+        add, samples = self.add, self.results.samples
+
+        def rate(row: str, target: str = "proxyctl") -> float:
+            return median([s.value for s in samples[(row, target)]])
+
+        def per(row: str, scale: float) -> float:
+            return self.cpu_per(row, "proxyctl", scale)
+
+        def mark(ok: bool) -> str:
+            return " ✅" if ok else " ❌"
+
+        h1, h2 = rate("p-h1"), rate("p-h2")
+        h1c, h2c = per("p-h1", 1e6), per("p-h2", 1e6)
+        b1, b2 = rate("p-h1bulk"), rate("p-h2bulk")
+        b1c, b2c = per("p-h1bulk", 1.0), per("p-h2bulk", 1.0)
+        wd, wp = rate("p-ws", "direct"), rate("p-ws")
+        wc = per("p-ws", 1e6)
+        add("## Protocols: HTTP/2 and WebSocket to a protected origin")
+        add("")
+        add("The same proxyctl (Bearer) and origin as rows 6-8, in rounds of their own. HTTP/2 is what the client "
+            "speaks to proxyctl (ALPN h2); proxyctl speaks HTTP/1.1 to the origin (the bench's nginx offers no h2), "
+            "so the rows compare the client side. The WebSocket origin is a Go echo server on the origin's address "
+            "(`loadgen wsecho`), protected like bench.test; the client sends 1 KiB binary messages one after another, "
+            "each waiting for its echo.")
+        add("")
+        add("| # | Scenario | Metric | Expected (ours) | HTTP/1.1 | HTTP/2 |")
+        add("|---|---|---|---|---|---|")
+        add(f"| 11 | Small HTTPS requests, c={CONCURRENCY}: keep-alive connections (hey) vs {CONCURRENCY} streams on "
+            f"one connection (loadgen h2) | req/s | h2 ≥ h1 | {h1:,.0f} | {h2:,.0f} ({h2 / h1:.2f}×){mark(h2 >= h1)} |")
+        add(f"| 11 | | proxy CPU µs/req | h2 ≤ h1 | {h1c:.0f} | {h2c:.0f}{mark(h2c <= h1c)} |")
+        add(f"| 12 | Bulk {self.bulk_label} download (curl --http1.1 / --http2) | MB/s | h2 within 10% of h1 | "
+            f"{b1 / 1e6:,.0f} | {b2 / 1e6:,.0f} ({b2 / b1:.2f}×){mark(b2 >= 0.9 * b1)} |")
+        add(f"| 12 | | proxy CPU-s per GiB | — | {b1c:.2f} | {b2c:.2f} |")
+        add("")
+        add("| # | Scenario | Metric | direct | proxyctl |")
+        add("|---|---|---|---|---|")
+        add(f"| 13 | WebSocket echo of 1 KiB messages, one at a time (loadgen ws) | messages/s | {wd:,.0f} | "
+            f"{wp:,.0f} ({wp / wd:.2f}×) |")
+        add(f"| 13 | | µs per message (round trip) | {1e6 / wd:.0f} | {1e6 / wp:.0f} (+{1e6 / wp - 1e6 / wd:.0f}) |")
+        add(f"| 13 | | proxy CPU µs/message | — | {wc:.1f} |")
         add("")
 
     def dpop_table(self) -> None:
@@ -641,6 +686,17 @@ class Report:
             if self.intercept:
                 add("- **Row 10**: per run, the DPoP column's CPU µs/request less the Bearer column's, in rows 6, 6b "
                     "and 8; the target is one raw signature from row 9.")
+        if self.protocols:
+            add(f"- **Rows 11–13**: a proxyctl (Bearer) of their own, protecting bench.test and the WebSocket echo "
+                f"origin (`https://bench.test:PORT`, `loadgen wsecho` with the bench.test leaf). Row 11: `hey -c "
+                f"{CONCURRENCY} -n {p.intercept_keepalive_requests} -x $HTTPS_PROXY` (HTTP/1.1, {CONCURRENCY} "
+                f"keep-alive connections) against `loadgen h2 -c {CONCURRENCY} -n {p.intercept_keepalive_requests}` "
+                "(Go's net/http through the proxy's CONNECT, ALPN h2, one connection carrying "
+                f"{CONCURRENCY} streams at a time; the connection is opened before the clock starts). Row 12: "
+                "`curl --http1.1` and `curl --http2` with `proxyctl env`'s variables. Row 13: `loadgen ws -n "
+                f"{p.ws_messages} -size 1024`, a WebSocket through the proxy (or straight to the echo origin), "
+                "100 unmeasured echoes first; the origin's 101 says whether the upgrade carried a Bearer token, "
+                "checked once. `scripts/benchlib/loadgen` is Go's standard library only, built by scripts/bench.")
         if self.baseline:
             add(f"- **{BASELINE}** (`BENCH_BASELINE`): the baseline binary, started by the same code as proxyctl "
                 "with the same configuration: a forward proxy in rows 1–4 (running throughout) and row 5 (afresh "
@@ -666,16 +722,24 @@ class Report:
                       (("i-keepalive", "req/s"), ("i-bulk", "MB/s"), ("i-newconn", "req/s"))]
             if self.rated:
                 table.append(("i-rate", "req/s", with_baseline(RATE_TARGETS, self.baseline)))
+        if self.protocols:
+            table += [("p-h1", "req/s", ("proxyctl",)), ("p-h2", "req/s", ("proxyctl",)),
+                      ("p-h1bulk", "MB/s", ("proxyctl",)), ("p-h2bulk", "MB/s", ("proxyctl",)),
+                      ("p-ws", "msg/s", ("direct", "proxyctl"))]
         for row, unit, targets in table:
             for target in targets:
                 cells = []
                 for index, sample in enumerate(results.samples[(row, target)]):
-                    value = f"{sample.value / 1e6:,.0f} MB/s" if unit == "MB/s" else f"{sample.value:,.0f} req/s"
+                    value = (f"{sample.value / 1e6:,.0f} MB/s" if unit == "MB/s"
+                             else f"{sample.value:,.0f} {unit}")
                     if sample.cpu is not None:
-                        direct = results.samples[(row, "direct")][index].value
                         per = (f"{sample.cpu / sample.units:.2f} CPU-s/GiB" if unit == "MB/s"
-                               else f"{sample.cpu / sample.units * 1e6:.0f} µs/req")
-                        value += f" ({sample.value / direct:.2f}×, {per})"
+                               else f"{sample.cpu / sample.units * 1e6:.1f} µs/{unit.split('/')[0]}")
+                        if (row, "direct") in results.samples:
+                            direct = results.samples[(row, "direct")][index].value
+                            value += f" ({sample.value / direct:.2f}×, {per})"
+                        else:
+                            value += f" ({per})"
                     value += f"; other load {sample.foreign:.2f}"
                     cells.append(value)
                 add(f"| {row} | {INTERCEPT_LABELS.get(target, target) if row.startswith('i-') else target} | "
@@ -717,6 +781,8 @@ def write_report(out: Path, p: Plan, results: Results, info: list[tuple[str, str
         report.passthrough_table()
     if report.intercept:
         report.intercept_table()
+    if report.protocols:
+        report.protocols_table()
     if report.dpop:
         report.dpop_table()
     report.method()
