@@ -12,6 +12,7 @@ the JWKS of the issuers it was told to trust (`trust(issuer, jwks_uri)`): `typ` 
     GET /download/SIZE               SIZE bytes of fixtures.content.generate() (Content-Length); a
                                      connection closed mid-body leaves error "download cut short"
     GET /redirect?to=URL             302 to URL (never followed by anyone but the client)
+    GET /events                      text/event-stream, chunked: each text put in `events`, as it is put; None ends
     GET /public/...                  200 JSON about the request, no token needed
     GET /files/NAME                  the bytes of `files[NAME]` (a wheel for pip, say)
     /repo.git/...                    `git http-backend` (CGI) for the bare repository made by `make_git_repo`
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import ssl
 import subprocess
@@ -158,6 +160,9 @@ class _Handler(QuietHandler):
         elif parts[0] == "files" and len(parts) == 2 and parts[1] in rs.files:
             seen.status = 200
             self._send(200, rs.files[parts[1]], "application/octet-stream", headers=seen.response_headers)
+        elif parts[0] == "events" and self.command == "GET":
+            seen.status = 200
+            self._events(rs, seen)
         elif parts[0] == "redirect":
             target = urllib.parse.parse_qs(url.query).get("to", ["https://elsewhere.test/"])[0]
             seen.status = 302
@@ -169,6 +174,24 @@ class _Handler(QuietHandler):
             echoed = [(f"{name}-Echo", value) for name in urllib.parse.parse_qs(url.query).get("echo", [])
                       for value in seen.header_values(name)]
             self._json(200, info, headers=[*seen.response_headers, *echoed])
+
+    def _events(self, rs: "ResourceServer", seen: Seen):
+        """Server-sent events: one chunk per event the test hands over (`rs.events.put(text)`), written the
+        moment it comes; None ends the stream."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        try:
+            while (event := rs.events.get(timeout=30)) is not None:
+                data = f"data: {event}\n\n".encode()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+        except (queue.Empty, ConnectionError, ssl.SSLError, OSError):
+            seen.error = "event stream cut short"
+            self.close_connection = True
 
     def _download(self, size: int, seen: Seen):
         self.send_response(200)
@@ -203,6 +226,8 @@ class ResourceServer:
         self.revoked: set[str] = set()
         self.git_root: Path | None = None
         self.files: dict[str, bytes] = {}
+        # What /events sends next (see _Handler._events).
+        self.events: queue.Queue[str | None] = queue.Queue()
         self.server = TLSHTTPServer(_Handler, self.identity.server_context(), io_timeout=120, owner=self).start()
         self.port = self.server.port
 

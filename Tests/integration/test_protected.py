@@ -26,6 +26,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import requests
 from cryptography import x509
@@ -275,6 +276,34 @@ def test_a_trickled_upload_reaches_the_origin_as_it_is_sent(main, rs):
         final = Reader(tls, timeout=10).read_response("PUT")
     assert final.status == 200
     assert json.loads(final.body)["body_sha256"] == hashlib.sha256(b"abcdef").hexdigest()
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["http1", "http2"])
+def test_server_sent_events_arrive_as_the_origin_sends_them(main, rs, http2, record_property):
+    """SSE through the intercept path, HTTP/1.1 and HTTP/2 to the proxy: the origin sends each event only
+    after the client has the one before, so a proxy that held the response back would never finish. The
+    time from the request to the first event and from each send to its arrival are recorded."""
+    names = ["one", "two", "three"]
+    mark = main.proxy.mark()
+    rs.events.put(names[0])
+    sent = time.monotonic()
+    waits = []
+    with httpx.Client(http2=http2, proxy=main.exports["HTTPS_PROXY"], verify=main.exports["SSL_CERT_FILE"],
+                      timeout=20) as client:
+        with client.stream("GET", rs.url("/events")) as response:
+            assert response.status_code == 200
+            assert response.http_version == ("HTTP/2" if http2 else "HTTP/1.1")
+            assert response.headers["content-type"] == "text/event-stream"
+            lines = response.iter_lines()
+            for index, name in enumerate(names):
+                assert next(line for line in lines if line) == f"data: {name}"
+                waits.append((time.monotonic() - sent) * 1000)
+                sent = time.monotonic()
+                rs.events.put(names[index + 1] if index + 1 < len(names) else None)
+            assert [line for line in lines if line] == [], "the stream did not end with the origin's end"
+    record_property("first_event_ms", round(waits[0], 2))
+    record_property("later_events_ms", [round(wait, 2) for wait in waits[1:]])
+    assert_one_intercepted(main, mark, "status=200")
 
 
 def test_a_second_401_reaches_the_client_with_proxy_status(main, rs):

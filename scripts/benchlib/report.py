@@ -450,7 +450,7 @@ class Report:
             "(`loadgen wsecho`), protected like bench.test; the client sends 1 KiB binary messages one after another, "
             "each waiting for its echo.")
         add("")
-        add("| # | Scenario | Metric | Expected (ours) | HTTP/1.1 | HTTP/2 |")
+        add("| # | Scenario | Metric | Target (issue) | HTTP/1.1 | HTTP/2 |")
         add("|---|---|---|---|---|---|")
         add(f"| 11 | Small HTTPS requests, c={CONCURRENCY}: keep-alive connections (hey) vs {CONCURRENCY} streams on "
             f"one connection (loadgen h2) | req/s | h2 ≥ h1 | {h1:,.0f} | {h2:,.0f} ({h2 / h1:.2f}×){mark(h2 >= h1)} |")
