@@ -82,7 +82,8 @@ public struct H2Session: Sendable {
     }
 
     struct StreamState: Sendable {
-        var exchange: ProtectedExchange
+        /// Boxed: a stream's state is read out of `streams` for every output of its exchange (see `Boxed`).
+        @Boxed var exchange: ProtectedExchange
         let headRequest: Bool
         /// The client has the whole response (its stream ended on our side).
         var responseEnded = false
@@ -415,10 +416,10 @@ public struct H2Session: Sendable {
         _ stream: Stream, _ out: inout [Action],
         _ body: (inout ProtectedExchange, inout [ProtectedExchange.Output]) -> Void
     ) {
-        guard var state = streams[stream] else { return }
+        guard streams[stream] != nil else { return }
         var outputs: [ProtectedExchange.Output] = []
-        body(&state.exchange, &outputs)
-        streams[stream] = state
+        // In place (the dictionary's storage and the box stay uniquely referenced): no copy of the exchange.
+        body(&streams[stream]!.exchange, &outputs)
         apply(stream, outputs, &out)
     }
 
