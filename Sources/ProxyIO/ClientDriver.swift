@@ -41,6 +41,10 @@ final class ClientDriver: ServerConnection, TransferOwner {
     private let started: Int64
     private var closed = false
     private var closingAfterFlush = false
+    /// The last bytes went out and the sending side is shut: input is read and dropped until the client closes
+    /// (or `lingerTimer` fires). See `LingeringClose`.
+    private var lingering = false
+    private var lingerTimer: LoopTimer?
 
     // Flow control.
     private var machineWantsClient = false
@@ -228,7 +232,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
         case .closeAfterFlush:
             closingAfterFlush = true
             if let client { bufferevent_disable(client, Int16(EV_READ)) }
-            if Buffers.length(clientOutput) == 0 { close() }
+            if Buffers.length(clientOutput) == 0 { finishAfterFlush() }
         case .closeNow:
             close()
         case .resetClient:
@@ -326,7 +330,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
     // MARK: - Flow control (mechanics: the machine says what it wants to read, buffers say when)
 
     private func updateClientReading() {
-        guard let client else { return }
+        guard let client, !lingering else { return }
         if machineWantsClient && !clientThrottled && !closingAfterFlush {
             bufferevent_enable(client, Int16(EV_READ))
         } else {
@@ -373,6 +377,11 @@ final class ClientDriver: ServerConnection, TransferOwner {
     // MARK: - Client callbacks
 
     fileprivate func clientReadable() {
+        if lingering, let client {
+            let input = bufferevent_get_input(client)
+            evbuffer_drain(input, Buffers.length(input))
+            return
+        }
         lastActivity = EventLoop.monotonicMilliseconds()
         handle(.clientData)
     }
@@ -380,13 +389,34 @@ final class ClientDriver: ServerConnection, TransferOwner {
     fileprivate func clientWritable() {
         lastActivity = EventLoop.monotonicMilliseconds()
         if closingAfterFlush {
-            if Buffers.length(clientOutput) == 0 { close() }
+            if Buffers.length(clientOutput) == 0 { finishAfterFlush() }
             return
         }
         upstreamMayReadAgain()
     }
 
+    /// The last bytes went out: shut the sending side and linger, or close when there is no socket to shut.
+    private func finishAfterFlush() {
+        guard !closed, !lingering else { return }
+        guard let client, LingeringClose.shutWrite(client) else { return close() }
+        lingering = true
+        stopTransfer()
+        if let upstream {
+            bufferevent_free(upstream)
+            self.upstream = nil
+        }
+        for timer in timers.values { timer.cancel() }
+        bufferevent_enable(client, Int16(EV_READ))
+        let timer = LoopTimer(loop: context.loop) { [unowned self] in close() }
+        timer.schedule(milliseconds: LingeringClose.milliseconds)
+        lingerTimer = timer
+    }
+
     fileprivate func clientEvent(_ events: Int16) {
+        if lingering {
+            // The client's end (or a reset) is what was waited for.
+            return close()
+        }
         let what = Int32(events)
         if what & Int32(BEV_EVENT_CONNECTED) != 0 {
             lastActivity = EventLoop.monotonicMilliseconds()
@@ -939,6 +969,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
         closed = true
         stopTransfer()
         timers.removeAll()
+        lingerTimer = nil
         if let upstream {
             bufferevent_free(upstream)
             self.upstream = nil

@@ -28,6 +28,12 @@ final class H2Driver: ServerConnection, TransferOwner {
     private let started: Int64
     private var closed = false
     private var closingAfterFlush = false
+    /// The last frame went out and the sending side is shut: input is read and dropped until the client closes
+    /// (or `lingerTimer` fires). See `LingeringClose`.
+    private var lingering = false
+    private var lingerTimer: LoopTimer?
+    /// Bounds the wait for a client that stops reading while the last responses are still going out.
+    private var flushDeadline: LoopTimer?
     /// Events raised inside nghttp2's callbacks (or while actions run) wait until the current call returned.
     private var queued: [H2Session.Event] = []
     private var handling = false
@@ -159,6 +165,10 @@ final class H2Driver: ServerConnection, TransferOwner {
         guard !closed, let client else { return }
         lastActivity = EventLoop.monotonicMilliseconds()
         let input = bufferevent_get_input(client)
+        if lingering {
+            evbuffer_drain(input, Buffers.length(input))
+            return
+        }
         while Buffers.length(input) > 0 && !closed {
             var consumed = 0
             var failed: Int = 0
@@ -189,19 +199,41 @@ final class H2Driver: ServerConnection, TransferOwner {
         guard !closed else { return }
         lastActivity = EventLoop.monotonicMilliseconds()
         flush()
-        if !closed && closingAfterFlush && Buffers.length(clientOutput) == 0 { close() }
+        if !closed && closingAfterFlush && Buffers.length(clientOutput) == 0 && everythingSent { finishAfterFlush() }
+    }
+
+    /// nghttp2 has nothing more to write and every stream is closed there (its last frame was handed over):
+    /// the machine's exchanges can end before the client has their responses (flow control holds them back,
+    /// and only the client's WINDOW_UPDATEs let them go), so "after flush" waits for these too.
+    private var everythingSent: Bool {
+        guard let session else { return true }
+        return nghttp2_session_want_write(session) == 0 && streams.values.allSatisfy(\.closed)
     }
 
     fileprivate func event(_ events: Int16) {
-        handle(.clientGone)
+        // While lingering, the client's end (or a reset) is what was waited for.
+        if !lingering { handle(.clientGone) }
         close()
+    }
+
+    /// Everything went out: shut the sending side and linger, or close when there is no socket to shut.
+    private func finishAfterFlush() {
+        guard !closed, !lingering else { return }
+        guard let client, LingeringClose.shutWrite(client) else { return close() }
+        lingering = true
+        flushDeadline = nil
+        for timer in timers.values { timer.cancel() }
+        bufferevent_enable(client, Int16(EV_READ))
+        let timer = LoopTimer(loop: context.loop) { [unowned self] in close() }
+        timer.schedule(milliseconds: LingeringClose.milliseconds)
+        lingerTimer = timer
     }
 
     private var clientOutput: OpaquePointer? { client.map { bufferevent_get_output($0) } }
 
     /// Writes what nghttp2 has to send, while the socket's buffer has room.
     private func flush() {
-        guard !closed, let session, let output = clientOutput else { return }
+        guard !closed, !lingering, let session, let output = clientOutput else { return }
         while Buffers.length(output) < context.highWater {
             var data: UnsafePointer<UInt8>?
             let length = nghttp2_session_mem_send(session, &data)
@@ -215,8 +247,9 @@ final class H2Driver: ServerConnection, TransferOwner {
         }
         if nghttp2_session_want_read(session) == 0 && nghttp2_session_want_write(session) == 0 {
             closingAfterFlush = true
-            if Buffers.length(output) == 0 { return close() }
+            if Buffers.length(output) == 0 { return finishAfterFlush() }
         }
+        if closingAfterFlush && Buffers.length(output) == 0 && everythingSent { return finishAfterFlush() }
         // The data source may have made room for a paused transfer: resume it now that nghttp2 returned.
         if !handling && !afterHandling.isEmpty { processQueued() }
     }
@@ -306,8 +339,13 @@ final class H2Driver: ServerConnection, TransferOwner {
             let last = nghttp2_session_get_last_proc_stream_id(session)
             nghttp2_submit_goaway(session, UInt8(NGHTTP2_FLAG_NONE.rawValue), last, code.rawValue, nil, 0)
         case .closeAfterFlush:
+            // The client is still read: its WINDOW_UPDATEs let the last responses out (nghttp2 refuses new
+            // streams after the GOAWAY that came first).
+            guard !closingAfterFlush else { return }
             closingAfterFlush = true
-            if let client { bufferevent_disable(client, Int16(EV_READ)) }
+            let deadline = LoopTimer(loop: context.loop) { [unowned self] in close() }
+            deadline.schedule(milliseconds: context.settings.idleTimeout)
+            flushDeadline = deadline
         case .arm(let timer, let milliseconds):
             self.timer(timer).schedule(milliseconds: milliseconds)
         case .disarm(let timer):
@@ -824,6 +862,8 @@ final class H2Driver: ServerConnection, TransferOwner {
         }
         streams.removeAll()
         timers.removeAll()
+        lingerTimer = nil
+        flushDeadline = nil
         if let client {
             bufferevent_free(client)
             self.client = nil
