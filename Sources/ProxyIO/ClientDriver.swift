@@ -307,13 +307,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
         }
     }
 
-    private func log(_ line: LogLine) {
-        switch line.level {
-        case .debug: context.logger.debug("conn=\(id) client=\(peer) \(line.text)")
-        case .info: context.logger.info("conn=\(id) client=\(peer) \(line.text)")
-        case .warn: context.logger.warn("conn=\(id) client=\(peer) \(line.text)")
-        }
-    }
+    private func log(_ line: LogLine) { context.logger.connection(id, peer: peer, line) }
 
     private func timer(_ kind: ConnectionTimer) -> LoopTimer {
         if let existing = timers[kind] { return existing }

@@ -44,6 +44,17 @@ public final class Logger: @unchecked Sendable {
         emit(.info, message())
     }
 
+    /// A connection machine's log line, for connection `id` from `peer` (the drivers' one format).
+    func connection(_ id: UInt64, peer: String, _ line: LogLine) {
+        let level: LogLevel
+        switch line.level {
+        case .debug: level = .debug
+        case .info: level = .info
+        case .warn: level = .warn
+        }
+        log(level, "conn=\(id) client=\(peer) \(line.text)")
+    }
+
     public func log(_ level: LogLevel, _ message: @autoclosure () -> String) {
         guard enabled(level) else { return }
         emit(level, message())

@@ -31,26 +31,14 @@ public enum H2Semantics {
     public static func interceptedRequest(
         _ fields: [H2Field], endStream: Bool, origin: HostPort, attachToken: (_ clientHasAuthorization: Bool) -> Bool
     ) -> Result<InterceptedRequest, InterceptRefusal> {
-        var method: String?
-        var path: String?
-        var scheme: String?
-        var authority: String?
-        var protocolName: String?
-        var regular: [H2Field] = []
-        for field in fields {
-            switch field.name {
-            case Array(":method".utf8): method = field.valueText
-            case Array(":path".utf8): path = field.valueText
-            case Array(":scheme".utf8): scheme = field.valueText
-            case Array(":authority".utf8): authority = field.valueText
-            case Array(":protocol".utf8): protocolName = field.valueText
-            default:
-                if field.name.first == UInt8(ascii: ":") {
-                    return .failure(.badRequest(HTTPParseError(.malformed, "unknown pseudo-header field")))
-                }
-                regular.append(field)
-            }
+        let split: RequestPseudoFields
+        switch RequestPseudoFields.split(fields) {
+        case .failure(let refusal): return .failure(refusal)
+        case .success(let fields): split = fields
         }
+        let (method, path, scheme, authority, protocolName, regular) = (
+            split.method, split.path, split.scheme, split.authority, split.protocolName, split.regular
+        )
         guard let method else {
             return .failure(.badRequest(HTTPParseError(.malformed, "request without :method")))
         }
@@ -145,23 +133,12 @@ public enum H2Semantics {
     ) -> Result<
         [UInt8], InterceptRefusal
     > {
-        var path: String?
-        var scheme: String?
-        var authority: String?
-        var regular: [H2Field] = []
-        for field in fields {
-            switch field.name {
-            case Array(":path".utf8): path = field.valueText
-            case Array(":scheme".utf8): scheme = field.valueText
-            case Array(":authority".utf8): authority = field.valueText
-            case Array(":method".utf8), Array(":protocol".utf8): break
-            default:
-                if field.name.first == UInt8(ascii: ":") {
-                    return .failure(.badRequest(HTTPParseError(.malformed, "unknown pseudo-header field")))
-                }
-                regular.append(field)
-            }
+        let split: RequestPseudoFields
+        switch RequestPseudoFields.split(fields) {
+        case .failure(let refusal): return .failure(refusal)
+        case .success(let fields): split = fields
         }
+        let (path, scheme, authority, regular) = (split.path, split.scheme, split.authority, split.regular)
         guard scheme == "https" else {
             return .failure(.misdirected("the request names the scheme \(scheme ?? "-"), not https"))
         }
@@ -273,4 +250,42 @@ public enum H2Semantics {
 extension H2Field {
     /// The value as text (pseudo-field values are ASCII).
     public var valueText: String { String(decoding: value, as: UTF8.self) }
+}
+
+/// A request header block split into its pseudo-fields (RFC 9113 §8.3.1; the last of a repeated one counts:
+/// nghttp2 refuses repeats before they get here) and its regular fields; an unknown pseudo-field is refused.
+/// The names are compared with constants made once, not arrays made per field.
+struct RequestPseudoFields {
+    var method: String?
+    var path: String?
+    var scheme: String?
+    var authority: String?
+    var protocolName: String?
+    var regular: [H2Field] = []
+
+    private static let methodName = Array(":method".utf8)
+    private static let pathName = Array(":path".utf8)
+    private static let schemeName = Array(":scheme".utf8)
+    private static let authorityName = Array(":authority".utf8)
+    private static let protocolFieldName = Array(":protocol".utf8)
+
+    static func split(_ fields: [H2Field]) -> Result<RequestPseudoFields, InterceptRefusal> {
+        var split = RequestPseudoFields()
+        split.regular.reserveCapacity(fields.count)
+        for field in fields {
+            guard field.name.first == UInt8(ascii: ":") else {
+                split.regular.append(field)
+                continue
+            }
+            switch field.name {
+            case methodName: split.method = field.valueText
+            case pathName: split.path = field.valueText
+            case schemeName: split.scheme = field.valueText
+            case authorityName: split.authority = field.valueText
+            case protocolFieldName: split.protocolName = field.valueText
+            default: return .failure(.badRequest(HTTPParseError(.malformed, "unknown pseudo-header field")))
+            }
+        }
+        return .success(split)
+    }
 }
