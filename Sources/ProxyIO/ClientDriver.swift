@@ -759,7 +759,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
         credentialFields(request.credential, method: request.method, url: request.url, origin: origin) {
             [unowned self] authorization in
             let made = InterceptTransfer(
-                owner: self, request: request, authorization: authorization, body: requestBody())
+                owner: self, request: request, authorization: authorization, body: requestBody(), pool: context.curl)
             transfer = made
             uploadPaused = false
             context.curl.add(made)
@@ -775,7 +775,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
     ) {
         var authorization: [(name: String, value: [UInt8])] = []
         if credential != nil, let tokens {
-            authorization.append(("Authorization", Array("\(tokens.tokenType) \(tokens.accessToken)".utf8)))
+            authorization.append(("Authorization", context.tokens.authorizationValue(tokens)))
             if tokens.tokenType == "DPoP" {
                 guard let key = context.keys.cached(provider: origin.provider, thumbprint: tokens.dpopThumbprint) else {
                     // The key was replaced (`proxyctl login --new-key`): read it off the loop, then send.
@@ -864,12 +864,12 @@ final class ClientDriver: ServerConnection, TransferOwner {
     // TransferOwner: libcurl's callbacks, at the top of the loop (never inside `handle`). A transfer that is
     // no longer the current one (stopped from inside a callback) is not listened to.
 
-    func transferHeader(_ from: InterceptTransfer, _ line: UnsafeRawBufferPointer) {
+    func transferHeader(_ from: InterceptTransfer, _ lines: UnsafeRawBufferPointer) {
         guard !closed, from === transfer else { return }
         precondition(!handling, "a libcurl callback inside an event of the same connection")
         lastActivity = EventLoop.monotonicMilliseconds()
         var out: [ConnectionMachine.Action] = []
-        machine.transferHeaderLine(line, now: lastActivity, &out)
+        machine.transferHeaderLines(lines, now: lastActivity, &out)
         handling = true
         run(out)
         handling = false

@@ -25,6 +25,11 @@ final class CurlMulti {
     private var removals: [CurlTransfer] = []
     private var resumes: [CurlTransfer] = []
     private var additions: [CurlTransfer] = []
+    /// Easy handles of finished transfers, reset and ready for the next one: making one per request (and
+    /// freeing it) was a measurable part of an intercepted request's cost (docs/performance.md).
+    private var idleEasies: [UnsafeMutableRawPointer] = []
+    /// How many idle easy handles are kept (each holds a few KiB).
+    static let idleEasyLimit = 64
 
     /// Must be called once per process before any thread starts (with `EventLoop.initializeLibraries`).
     static func initializeLibrary() {
@@ -62,8 +67,27 @@ final class CurlMulti {
             curl_multi_remove_handle(multi, easy)
             transfer.finish(CURLE_ABORTED_BY_CALLBACK)
         }
+        for easy in idleEasies { curl_easy_cleanup(easy) }
         curl_multi_cleanup(multi)
         if let share { curl_share_cleanup(share) }
+    }
+
+    /// An easy handle in its initial state (as `curl_easy_init` makes it), reused when one is idle.
+    func takeEasy() -> UnsafeMutableRawPointer {
+        if let easy = idleEasies.popLast() { return easy }
+        guard let easy = curl_easy_init() else { fatalError("curl_easy_init failed") }
+        return easy
+    }
+
+    /// Takes back the easy handle of a transfer that is no longer in the multi handle: its options go back to
+    /// their defaults (`curl_easy_reset`; connections and TLS sessions stay in the multi and share handles).
+    fileprivate func giveBack(_ easy: UnsafeMutableRawPointer) {
+        guard idleEasies.count < Self.idleEasyLimit else {
+            curl_easy_cleanup(easy)
+            return
+        }
+        curl_easy_reset(easy)
+        idleEasies.append(easy)
     }
 
     func add(_ transfer: CurlTransfer) {
@@ -239,9 +263,18 @@ class CurlTransfer {
     private var resolveList: UnsafeMutablePointer<curl_slist>? = nil
     let errorBuffer = UnsafeMutablePointer<CChar>.allocate(capacity: Int(CURL_ERROR_SIZE))
 
-    init() {
-        guard let easy = curl_easy_init() else { fatalError("curl_easy_init failed") }
-        self.easy = easy
+    /// Where the easy handle came from and goes back to (none: made for this transfer alone).
+    private weak var pool: CurlMulti?
+
+    /// - Parameter pool: the multi handle the transfer will run on, to reuse one of its idle easy handles.
+    init(pool: CurlMulti? = nil) {
+        self.pool = pool
+        if let pool {
+            easy = pool.takeEasy()
+        } else {
+            guard let easy = curl_easy_init() else { fatalError("curl_easy_init failed") }
+            self.easy = easy
+        }
         errorBuffer.initialize(repeating: 0, count: Int(CURL_ERROR_SIZE))
         let context = Unmanaged.passUnretained(self).toOpaque()
         _ = proxyctl_easy_setopt_ptr(easy, CURLOPT_ERRORBUFFER, errorBuffer)
@@ -255,7 +288,8 @@ class CurlTransfer {
     }
 
     deinit {
-        curl_easy_cleanup(easy)
+        // Never in the multi handle by now: `CurlMulti` holds every transfer it has added until it removed it.
+        if let pool { pool.giveBack(easy) } else { curl_easy_cleanup(easy) }
         if let headerList { curl_slist_free_all(headerList) }
         if let resolveList { curl_slist_free_all(resolveList) }
         errorBuffer.deallocate()
@@ -265,10 +299,18 @@ class CurlTransfer {
 
     /// Field lines to send; a value is bytes (obs-text need not be UTF-8). An empty value makes curl leave out
     /// a field it would add itself.
-    func setHeaders(_ headers: [(name: String, value: [UInt8])]) {
+    func setHeaders(_ groups: [(name: String, value: [UInt8])]...) {
         if let headerList { curl_slist_free_all(headerList) }
         headerList = nil
         var line: [UInt8] = []
+        line.reserveCapacity(256)
+        for headers in groups {
+            appendHeaders(headers, &line)
+        }
+        _ = proxyctl_easy_setopt_ptr(easy, CURLOPT_HTTPHEADER, headerList)
+    }
+
+    private func appendHeaders(_ headers: [(name: String, value: [UInt8])], _ line: inout [UInt8]) {
         for (name, value) in headers {
             line.removeAll(keepingCapacity: true)
             line += name.utf8
@@ -279,7 +321,6 @@ class CurlTransfer {
                 buffer.withMemoryRebound(to: CChar.self) { curl_slist_append(headerList, $0.baseAddress) }
             }
         }
-        _ = proxyctl_easy_setopt_ptr(easy, CURLOPT_HTTPHEADER, headerList)
     }
 
     /// CURLOPT_RESOLVE: "host:port:address" entries that bypass DNS.

@@ -703,7 +703,7 @@ final class H2Driver: ServerConnection, TransferOwner {
         let stream = io.id
         var authorization: [(name: String, value: [UInt8])] = []
         if request.credential != nil, let tokens = io.tokens {
-            authorization.append(("Authorization", Array("\(tokens.tokenType) \(tokens.accessToken)".utf8)))
+            authorization.append(("Authorization", context.tokens.authorizationValue(tokens)))
             if tokens.tokenType == "DPoP" {
                 guard let key = context.keys.cached(provider: origin.provider, thumbprint: tokens.dpopThumbprint) else {
                     context.keys.load(provider: origin.provider, thumbprint: tokens.dpopThumbprint) { [weak self] key in
@@ -730,7 +730,8 @@ final class H2Driver: ServerConnection, TransferOwner {
         let body =
             io.body ?? RequestBody(memoryLimit: context.settings.replayMemory, spoolDirectory: context.spoolDirectory)
         io.body = body
-        let made = InterceptTransfer(owner: self, request: request, authorization: authorization, body: body)
+        let made = InterceptTransfer(
+            owner: self, request: request, authorization: authorization, body: body, pool: context.curl)
         made.tag = stream
         if request.body == .streaming { made.sendTrailers { [weak io] in io?.requestTrailers ?? [] } }
         io.transfer = made
@@ -773,11 +774,11 @@ final class H2Driver: ServerConnection, TransferOwner {
         return io
     }
 
-    func transferHeader(_ from: InterceptTransfer, _ line: UnsafeRawBufferPointer) {
+    func transferHeader(_ from: InterceptTransfer, _ lines: UnsafeRawBufferPointer) {
         guard let io = current(from) else { return }
         lastActivity = EventLoop.monotonicMilliseconds()
         actions.removeAll(keepingCapacity: true)
-        machine.transferHeaderLine(io.id, line, now: lastActivity, &actions)
+        machine.transferHeaderLines(io.id, lines, now: lastActivity, &actions)
         handling = true
         run(actions)
         handling = false

@@ -4,8 +4,9 @@ import ProxyCore
 
 /// Who receives an intercept transfer's callbacks (the client connection's driver).
 protocol TransferOwner: AnyObject {
-    /// CURLOPT_HEADERFUNCTION: one line of a response head (or a trailer), terminator included.
-    func transferHeader(_ transfer: InterceptTransfer, _ line: UnsafeRawBufferPointer)
+    /// CURLOPT_HEADERFUNCTION's lines: a response head (or trailers) up to its blank line, terminators
+    /// included, in one call (at most `InterceptTransfer.headBatchLimit` bytes at a time).
+    func transferHeader(_ transfer: InterceptTransfer, _ lines: UnsafeRawBufferPointer)
     /// CURLOPT_WRITEFUNCTION: body bytes; returns the count taken, or CURL_WRITEFUNC_PAUSE.
     func transferBody(_ transfer: InterceptTransfer, _ data: UnsafeRawBufferPointer) -> Int
     /// CURLOPT_READFUNCTION: request body bytes; 0 at the end, or CURL_READFUNC_PAUSE.
@@ -27,24 +28,30 @@ final class InterceptTransfer: CurlTransfer {
     var tag: Int32 = 0
     /// Trailer fields to send after a streamed request body (the client's own trailers).
     private var trailerSource: (() -> [H2Field])?
+    /// The lines of the head being received: libcurl gives one line per call, the owner gets them at the
+    /// head's blank line in one (an event per line was a measurable part of a small request's cost).
+    private var headLines: [UInt8] = []
+    /// Lines are handed over before they take more than this (the owner's head limits apply as they come).
+    static let headBatchLimit = 16 * 1024
 
     /// - Parameter authorization: the `Authorization` (and `DPoP`) fields for the request's credential.
     init(
         owner: any TransferOwner, request: UpstreamRequest, authorization: [(name: String, value: [UInt8])],
-        body: RequestBody
+        body: RequestBody, pool: CurlMulti
     ) {
         self.owner = owner
-        super.init()
+        super.init(pool: pool)
         setURL(request.url)
-        var headers = request.fields + authorization
         // libcurl adds fields of its own unless told not to: keep the request as the client made it.
-        headers.append(("Expect", []))
-        if !headers.contains(where: { $0.name.lowercased() == "accept" }) { headers.append(("Accept", [])) }
-        let hasBody = request.body != .none
-        if hasBody && !headers.contains(where: { $0.name.lowercased() == "content-type" }) {
-            headers.append(("Content-Type", []))
+        var suppressed: [(name: String, value: [UInt8])] = [("Expect", [])]
+        if !request.fields.contains(where: { ASCII.equalsIgnoringCase($0.name, "accept") }) {
+            suppressed.append(("Accept", []))
         }
-        setHeaders(headers)
+        let hasBody = request.body != .none
+        if hasBody && !request.fields.contains(where: { ASCII.equalsIgnoringCase($0.name, "content-type") }) {
+            suppressed.append(("Content-Type", []))
+        }
+        setHeaders(request.fields, authorization, suppressed)
         // The target reaches the origin byte for byte: no dot-segment removal.
         _ = proxyctl_easy_setopt_long(easy, CURLOPT_PATH_AS_IS, 1)
         if let target = request.requestTarget {
@@ -119,15 +126,29 @@ final class InterceptTransfer: CurlTransfer {
     }
 
     override func header(_ line: UnsafeRawBufferPointer) -> Bool {
-        owner.transferHeader(self, line)
+        headLines.append(contentsOf: line)
+        let blank = line.count <= 2 && (line.first == UInt8(ascii: "\r") || line.first == UInt8(ascii: "\n"))
+        if blank || headLines.count >= Self.headBatchLimit { flushHead() }
         return true
     }
 
+    /// Hands the lines collected so far to the owner (which may cancel the transfer meanwhile).
+    private func flushHead() {
+        guard !headLines.isEmpty else { return }
+        headLines.withUnsafeBytes { owner.transferHeader(self, $0) }
+        headLines.removeAll(keepingCapacity: true)
+    }
+
     override func body(_ data: UnsafeRawBufferPointer) -> Int {
-        owner.transferBody(self, data)
+        if !headLines.isEmpty {
+            flushHead()
+            if cancelled { return 0 }
+        }
+        return owner.transferBody(self, data)
     }
 
     override func finish(_ code: CURLcode) {
+        flushHead()
         if code == CURLE_OK {
             owner.transferFinished(self, nil, detail: "")
         } else {

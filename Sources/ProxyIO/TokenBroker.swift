@@ -26,6 +26,24 @@ final class TokenBroker {
 
     var providers: [String] { Array(managers.keys) }
 
+    /// The last `Authorization` field value made, and of which token.
+    private var lastAuthorization: (type: String, token: String, value: [UInt8])?
+
+    /// The `Authorization` field value of `tokens` ("Bearer <token>", "DPoP <token>"), made once per token
+    /// rather than once per request (a provider's token is often a kilobyte).
+    func authorizationValue(_ tokens: TokenSet) -> [UInt8] {
+        if let last = lastAuthorization, last.token == tokens.accessToken, last.type == tokens.tokenType {
+            return last.value
+        }
+        var value: [UInt8] = []
+        value.reserveCapacity(tokens.tokenType.utf8.count + 1 + tokens.accessToken.utf8.count)
+        value += tokens.tokenType.utf8
+        value.append(UInt8(ascii: " "))
+        value += tokens.accessToken.utf8
+        lastAuthorization = (tokens.tokenType, tokens.accessToken, value)
+        return value
+    }
+
     /// Whether a refresh token is out at a provider with its answer not stored yet (shutdown waits for it).
     var refreshInFlight: Bool { managers.values.contains { !$0.gate.isIdle } }
 

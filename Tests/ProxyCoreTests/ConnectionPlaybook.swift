@@ -136,7 +136,7 @@ struct Playbook {
             let line = Array(bytes[start...index])
             start = index + 1
             var actions: [Action] = []
-            line.withUnsafeBytes { machine.transferHeaderLine($0, now: now, &actions) }
+            line.withUnsafeBytes { machine.transferHeaderLines($0, now: now, &actions) }
             apply(actions)
         }
     }

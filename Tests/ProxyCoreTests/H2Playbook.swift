@@ -182,7 +182,7 @@ struct H2Playbook {
             let line = Array(bytes[start...index])
             start = index + 1
             var actions: [Action] = []
-            line.withUnsafeBytes { session.transferHeaderLine(stream, $0, now: now, &actions) }
+            line.withUnsafeBytes { session.transferHeaderLines(stream, $0, now: now, &actions) }
             apply(actions)
             afterEvent()
         }

@@ -134,7 +134,7 @@ public enum ChallengeParser {
 
         mutating func token() -> String? {
             let start = index
-            while let byte = peek, ASCII.tchar[Int(byte)] { index += 1 }
+            while let byte = peek, ASCII.isTchar(byte) { index += 1 }
             guard index > start else { return nil }
             return String(decoding: bytes[start..<index], as: UTF8.self)
         }

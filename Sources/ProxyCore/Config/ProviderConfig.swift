@@ -165,7 +165,7 @@ extension ConfigParser {
             func got() -> String { "got \"\(INIDocument.clip(entry.value))\"" }
             if entry.key.hasPrefix("param.") {
                 let name = String(entry.key.dropFirst("param.".count))
-                guard !name.isEmpty, name.utf8.allSatisfy({ ASCII.tchar[Int($0)] }) else {
+                guard !name.isEmpty, name.utf8.allSatisfy({ ASCII.isTchar($0) }) else {
                     fail("expected param.NAME with a parameter name, such as param.audience")
                     continue
                 }

@@ -95,7 +95,7 @@ public struct BypassList: Sendable, Equatable {
                     domain = domain.hasPrefix("*.") ? domain.dropFirst(2) : domain.dropFirst()
                 }
                 if domain.hasSuffix(".") { domain = domain.dropLast() }
-                guard !domain.isEmpty, domain.utf8.allSatisfy({ ASCII.regName[Int($0)] && $0 != UInt8(ascii: "%") })
+                guard !domain.isEmpty, domain.utf8.allSatisfy({ ASCII.isRegName($0) && $0 != UInt8(ascii: "%") })
                 else {
                     return .failure(
                         "\"\(INIDocument.clip(String(raw)))\" is not a host name, domain, IP address or CIDR range")

@@ -373,10 +373,13 @@ public struct ConnectionMachine: Sendable {
         pump(client: client, upstream: upstream, &out)
     }
 
-    /// One line of the upstream transfer's response head (libcurl's header callback), terminator included.
-    public mutating func transferHeaderLine(_ line: UnsafeRawBufferPointer, now: Int64, _ out: inout [Action]) {
+    /// Lines of the upstream transfer's response head or trailers (libcurl's header callback), terminators
+    /// included: one line or several (a whole head in one event costs one state change instead of one a line).
+    public mutating func transferHeaderLines(_ lines: UnsafeRawBufferPointer, now: Int64, _ out: inout [Action]) {
         self.now = now
-        exchangeEvent(&out) { exchange, outputs in exchange.upstreamHeaderLine(line, &outputs) }
+        exchangeEvent(&out) { exchange, outputs in
+            ASCII.forEachLine(lines) { exchange.upstreamHeaderLine($0, &outputs) }
+        }
     }
 
     private mutating func start(_ out: inout [Action]) {

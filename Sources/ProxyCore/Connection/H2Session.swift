@@ -207,12 +207,15 @@ public struct H2Session: Sendable {
         }
     }
 
-    /// One line of a stream's transfer response head (libcurl's header callback), terminator included.
-    public mutating func transferHeaderLine(
-        _ stream: Stream, _ line: UnsafeRawBufferPointer, now: Int64, _ out: inout [Action]
+    /// Lines of a stream's transfer response head or trailers (libcurl's header callback), terminators
+    /// included: one line or several.
+    public mutating func transferHeaderLines(
+        _ stream: Stream, _ lines: UnsafeRawBufferPointer, now: Int64, _ out: inout [Action]
     ) {
         self.now = now
-        exchange(stream, &out) { exchange, outputs in exchange.upstreamHeaderLine(line, &outputs) }
+        exchange(stream, &out) { exchange, outputs in
+            ASCII.forEachLine(lines) { exchange.upstreamHeaderLine($0, &outputs) }
+        }
     }
 
     // MARK: - Requests

@@ -307,11 +307,11 @@ public struct ProtectedExchange: Sendable {
             trailers.count < settings.responseHeadLimits.maxFields
         else { return }
         let name = Array(line[..<colon])
-        guard name.allSatisfy({ ASCII.tchar[Int($0)] }) else { return }
+        guard name.allSatisfy({ ASCII.isTchar($0) }) else { return }
         var value = line[(colon + 1)..<end]
         while let first = value.first, first == ASCII.space || first == ASCII.tab { value = value.dropFirst() }
         while let last = value.last, last == ASCII.space || last == ASCII.tab { value = value.dropLast() }
-        guard value.allSatisfy({ ASCII.fieldValue[Int($0)] }) else { return }
+        guard value.allSatisfy({ ASCII.isFieldValue($0) }) else { return }
         trailers.append(H2Field(name, Array(value)))
     }
 

@@ -1,5 +1,5 @@
-/// Byte classes from RFC 9110 §5.6 and RFC 3986, as lookup tables so that parsing a head costs one load
-/// per byte.
+/// Byte classes from RFC 9110 §5.6 and RFC 3986, as predicates on constants so that parsing a head costs a
+/// few instructions per byte.
 public enum ASCII {
     static let cr: UInt8 = 0x0D
     static let lf: UInt8 = 0x0A
@@ -8,43 +8,44 @@ public enum ASCII {
     static let colon: UInt8 = 0x3A
 
     /// tchar = "!" / "#" / "$" / "%" / "&" / "'" / "*" / "+" / "-" / "." / "^" / "_" / "`" / "|" / "~"
-    ///       / DIGIT / ALPHA   (RFC 9110 §5.6.2)
-    static let tchar: [Bool] = {
-        var table = [Bool](repeating: false, count: 256)
-        for byte in UInt8(ascii: "0")...UInt8(ascii: "9") { table[Int(byte)] = true }
-        for byte in UInt8(ascii: "a")...UInt8(ascii: "z") { table[Int(byte)] = true }
-        for byte in UInt8(ascii: "A")...UInt8(ascii: "Z") { table[Int(byte)] = true }
-        for char in "!#$%&'*+-.^_`|~".utf8 { table[Int(char)] = true }
-        return table
-    }()
+    ///       / DIGIT / ALPHA   (RFC 9110 §5.6.2), as a bit set: bytes 0-63 and 64-127.
+    private static let tcharBits: (UInt64, UInt64) = (0x03FF_6CFA_0000_0000, 0x57FF_FFFF_C7FF_FFFE)
+    /// reg-name = *( unreserved / pct-encoded / sub-delims )   (RFC 3986 §3.2.2), as a bit set.
+    private static let regNameBits: (UInt64, UInt64) = (0x2BFF_7FF2_0000_0000, 0x47FF_FFFE_87FF_FFFE)
+
+    @inline(__always)
+    private static func member(_ byte: UInt8, _ bits: (UInt64, UInt64)) -> Bool {
+        let word = byte < 64 ? bits.0 : byte < 128 ? bits.1 : 0
+        return (word >> UInt64(byte & 63)) & 1 == 1
+    }
+
+    /// A token character (RFC 9110 §5.6.2). Constant bit sets, not tables: a table behind a lazily
+    /// initialised global costs an initialisation check per byte on the hot path.
+    @inline(__always)
+    static func isTchar(_ byte: UInt8) -> Bool { member(byte, tcharBits) }
 
     /// field-vchar = VCHAR / obs-text, plus SP and HTAB inside a value (RFC 9110 §5.5).
-    static let fieldValue: [Bool] = {
-        var table = [Bool](repeating: false, count: 256)
-        for byte in 0x21...0x7E { table[byte] = true }
-        for byte in 0x80...0xFF { table[byte] = true }
-        table[0x20] = true
-        table[0x09] = true
-        return table
-    }()
+    @inline(__always)
+    static func isFieldValue(_ byte: UInt8) -> Bool { (byte >= 0x20 && byte != 0x7F) || byte == 0x09 }
 
     /// Bytes allowed in a request-target: visible ASCII and obs-text; never whitespace or controls.
-    static let targetByte: [Bool] = {
-        var table = [Bool](repeating: false, count: 256)
-        for byte in 0x21...0x7E { table[byte] = true }
-        for byte in 0x80...0xFF { table[byte] = true }
-        return table
-    }()
+    @inline(__always)
+    static func isTargetByte(_ byte: UInt8) -> Bool { byte > 0x20 && byte != 0x7F }
 
     /// reg-name = *( unreserved / pct-encoded / sub-delims )   (RFC 3986 §3.2.2)
-    static let regName: [Bool] = {
-        var table = [Bool](repeating: false, count: 256)
-        for byte in UInt8(ascii: "0")...UInt8(ascii: "9") { table[Int(byte)] = true }
-        for byte in UInt8(ascii: "a")...UInt8(ascii: "z") { table[Int(byte)] = true }
-        for byte in UInt8(ascii: "A")...UInt8(ascii: "Z") { table[Int(byte)] = true }
-        for char in "-._~%!$&'()*+,;=".utf8 { table[Int(char)] = true }
-        return table
-    }()
+    @inline(__always)
+    static func isRegName(_ byte: UInt8) -> Bool { member(byte, regNameBits) }
+
+    /// Whether `text` is `lowercased` in any case (ASCII case folding, as field names compare), without
+    /// making a lowercased copy.
+    public static func equalsIgnoringCase(_ text: String, _ lowercased: StaticString) -> Bool {
+        var text = text
+        return text.withUTF8 { bytes in
+            bytes.count == lowercased.utf8CodeUnitCount
+                && zip(bytes, UnsafeBufferPointer(start: lowercased.utf8Start, count: lowercased.utf8CodeUnitCount))
+                    .allSatisfy { lower($0) == $1 }
+        }
+    }
 
     @inline(__always)
     static func lower(_ byte: UInt8) -> UInt8 {
@@ -80,6 +81,19 @@ public enum ASCII {
 
     /// Text from outside (the wire, a provider, a file) for a message or a log line: printable ASCII kept,
     /// anything else shown as "?", at most `limit` characters and "..." when cut. The one clipping rule.
+    /// Calls `body` with each line of `buffer`, its LF (and any CR) included; a last line without LF too.
+    /// libcurl's header callback gives one line per call; the drivers hand a head's lines over in one block.
+    public static func forEachLine(_ buffer: UnsafeRawBufferPointer, _ body: (UnsafeRawBufferPointer) -> Void) {
+        var start = 0
+        while start < buffer.count {
+            var end = start
+            while end < buffer.count && buffer[end] != lf { end += 1 }
+            if end < buffer.count { end += 1 }
+            body(UnsafeRawBufferPointer(rebasing: buffer[start..<end]))
+            start = end
+        }
+    }
+
     public static func clip(_ text: some StringProtocol, limit: Int = 80) -> String {
         var out = ""
         var count = 0

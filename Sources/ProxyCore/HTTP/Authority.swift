@@ -46,7 +46,7 @@ public struct HostPort: Sendable, Hashable, CustomStringConvertible {
             hostBytes = bytes[..<(colon ?? bytes.endIndex)]
             rest = bytes[(colon ?? bytes.endIndex)...]
             kind = IPAddress.parseIPv4(hostBytes) != nil ? .ipv4 : .name
-            for byte in hostBytes where !ASCII.regName[Int(byte)] {
+            for byte in hostBytes where !ASCII.isRegName(byte) {
                 return .failure(HTTPParseError(.malformed, "invalid character in host name"))
             }
         }

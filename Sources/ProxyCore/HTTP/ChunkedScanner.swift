@@ -155,7 +155,7 @@ public struct ChunkedScanner: Sendable {
             guard lineLength <= Self.maxLine else { return fail("chunk extensions too long") }
             if byte == ASCII.cr {
                 state = .sizeLF(value: value)
-            } else if !ASCII.fieldValue[Int(byte)] {
+            } else if !ASCII.isFieldValue(byte) {
                 return fail("control character in chunk extension")
             }
         case .sizeLF(let value):
@@ -180,7 +180,7 @@ public struct ChunkedScanner: Sendable {
             trailerBytes += 1
             if byte == ASCII.cr {
                 state = .trailerLF(final: true)
-            } else if byte == ASCII.space || byte == ASCII.tab || !ASCII.tchar[Int(byte)] {
+            } else if byte == ASCII.space || byte == ASCII.tab || !ASCII.isTchar(byte) {
                 return fail("malformed trailer field")
             } else {
                 trailerName = [ASCII.lower(byte)]
@@ -192,7 +192,7 @@ public struct ChunkedScanner: Sendable {
             guard trailerBytes <= Self.maxTrailers else { return fail("trailer section too large") }
             if byte == ASCII.colon {
                 state = .trailerLine
-            } else if !ASCII.tchar[Int(byte)] {
+            } else if !ASCII.isTchar(byte) {
                 return fail("malformed trailer field name")
             } else if trailerName.count < 32 {
                 trailerName.append(ASCII.lower(byte))
@@ -202,7 +202,7 @@ public struct ChunkedScanner: Sendable {
             guard trailerBytes <= Self.maxTrailers else { return fail("trailer section too large") }
             if byte == ASCII.cr {
                 state = .trailerLF(final: false)
-            } else if !ASCII.fieldValue[Int(byte)] {
+            } else if !ASCII.isFieldValue(byte) {
                 return fail("control character in trailer field")
             }
         case .trailerLF(let final):

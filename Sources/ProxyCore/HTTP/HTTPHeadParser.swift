@@ -231,7 +231,7 @@ public struct HTTPHeadParser: Sendable {
         guard let firstSpace = line.firstIndex(of: ASCII.space), firstSpace > range.lowerBound else {
             return .failure(HTTPParseError(.malformed, "malformed request line"))
         }
-        for byte in buffer[range.lowerBound..<firstSpace] where !ASCII.tchar[Int(byte)] {
+        for byte in buffer[range.lowerBound..<firstSpace] where !ASCII.isTchar(byte) {
             return .failure(HTTPParseError(.malformed, "malformed request line: invalid character in method"))
         }
         let targetStart = firstSpace + 1
@@ -242,7 +242,7 @@ public struct HTTPHeadParser: Sendable {
         }
         var nonASCII = false
         for byte in buffer[targetStart..<secondSpace] {
-            guard ASCII.targetByte[Int(byte)] else {
+            guard ASCII.isTargetByte(byte) else {
                 return .failure(
                     HTTPParseError(.malformed, "malformed request line: invalid character in request target"))
             }
@@ -286,7 +286,7 @@ public struct HTTPHeadParser: Sendable {
             guard buffer[rest.lowerBound] == ASCII.space else {
                 return .failure(HTTPParseError(.malformed, "malformed status line"))
             }
-            for byte in buffer[rest] where !ASCII.fieldValue[Int(byte)] {
+            for byte in buffer[rest] where !ASCII.isFieldValue(byte) {
                 return .failure(HTTPParseError(.malformed, "control character in reason phrase"))
             }
         }
@@ -318,7 +318,7 @@ public struct HTTPHeadParser: Sendable {
             return .failure(HTTPParseError(.malformed, "obsolete line folding in header section"))
         }
         var index = range.lowerBound
-        while index < range.upperBound && ASCII.tchar[Int(buffer[index])] { index += 1 }
+        while index < range.upperBound && ASCII.isTchar(buffer[index]) { index += 1 }
         let nameEnd = index
         guard nameEnd > range.lowerBound else {
             return .failure(HTTPParseError(.malformed, "malformed header field name"))
@@ -343,7 +343,7 @@ public struct HTTPHeadParser: Sendable {
         while valueEnd > valueStart && (buffer[valueEnd - 1] == ASCII.space || buffer[valueEnd - 1] == ASCII.tab) {
             valueEnd -= 1
         }
-        for byte in buffer[valueStart..<valueEnd] where !ASCII.fieldValue[Int(byte)] {
+        for byte in buffer[valueStart..<valueEnd] where !ASCII.isFieldValue(byte) {
             return .failure(
                 HTTPParseError(
                     .malformed,

@@ -162,7 +162,7 @@ public enum MessageSemantics {
             guard codings.last == "chunked", codings.filter({ $0 == "chunked" }).count == 1 else {
                 return .failure(HTTPParseError(.badFraming, "Transfer-Encoding must end with a single chunked"))
             }
-            for coding in codings where !coding.utf8.allSatisfy({ ASCII.tchar[Int($0)] }) {
+            for coding in codings where !coding.utf8.allSatisfy({ ASCII.isTchar($0) }) {
                 return .failure(HTTPParseError(.badFraming, "malformed Transfer-Encoding"))
             }
             return .success(.chunked)

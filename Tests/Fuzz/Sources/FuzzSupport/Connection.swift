@@ -206,7 +206,7 @@ struct ConnectionHarness {
             let line = Array(bytes[start...index])
             start = index + 1
             var actions: [Action] = []
-            line.withUnsafeBytes { machine.transferHeaderLine($0, now: now, &actions) }
+            line.withUnsafeBytes { machine.transferHeaderLines($0, now: now, &actions) }
             apply(actions)
         }
     }

@@ -482,7 +482,7 @@ struct H2Harness {
             let line = Array(bytes[start...index])
             start = index + 1
             var actions: [Action] = []
-            line.withUnsafeBytes { session.transferHeaderLine(stream, $0, now: now, &actions) }
+            line.withUnsafeBytes { session.transferHeaderLines(stream, $0, now: now, &actions) }
             if debugging { FileHandle.standardError.write(Data("line \(line)\n  -> \(actions)\n".utf8)) }
             apply(actions)
             afterEvent()
