@@ -747,7 +747,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
             grant = .success(
                 TokenGrant(
                     generation: fresh.generation,
-                    dpopNonce: exchangeOrigin.flatMap { context.nonces.nonce(for: $0.url) }))
+                    dpopNonce: context.dpopNonce(for: fresh, origin: exchangeOrigin)))
         case .failure(let error):
             grant = .failure(error.tokenFailure)
         }

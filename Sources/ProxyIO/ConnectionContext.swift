@@ -57,6 +57,13 @@ final class ConnectionContext {
     }
 
     var settings: ProxySettings { frontDoor.settings }
+
+    /// The DPoP nonce to put in the next proof to `origin` with `tokens`: none for Bearer tokens, which carry
+    /// no proof (and so need no URL parsed and no lock taken per request).
+    func dpopNonce(for tokens: TokenSet, origin: OriginConfig?) -> String? {
+        guard tokens.tokenType == "DPoP", let origin else { return nil }
+        return nonces.nonce(for: origin.url)
+    }
 }
 
 /// The server as its connections see it: a narrow interface instead of the whole server.

@@ -313,9 +313,11 @@ class CurlTransfer {
     private func appendHeaders(_ headers: [(name: String, value: [UInt8])], _ line: inout [UInt8]) {
         for (name, value) in headers {
             line.removeAll(keepingCapacity: true)
-            line += name.utf8
-            line += ": ".utf8
-            line += value
+            var name = name
+            name.withUTF8 { line.append(contentsOf: $0) }
+            line.append(UInt8(ascii: ":"))
+            line.append(UInt8(ascii: " "))
+            line.append(contentsOf: value)
             line.append(0)
             headerList = line.withUnsafeBufferPointer { buffer in
                 buffer.withMemoryRebound(to: CChar.self) { curl_slist_append(headerList, $0.baseAddress) }

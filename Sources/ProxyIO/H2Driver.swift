@@ -692,7 +692,7 @@ final class H2Driver: ServerConnection, TransferOwner {
             io.tokens = fresh
             grant = .success(
                 TokenGrant(
-                    generation: fresh.generation, dpopNonce: io.origin.flatMap { context.nonces.nonce(for: $0.url) }))
+                    generation: fresh.generation, dpopNonce: context.dpopNonce(for: fresh, origin: io.origin)))
         case .failure(let error):
             grant = .failure(error.tokenFailure)
         }

@@ -24,9 +24,17 @@ public struct OriginConfig: Sendable, Equatable {
     public var tokenType: OriginTokenKind = .accessToken
     public var line: Int = 0
 
+    /// `https://api.example.com` or `http://127.0.0.1:8000`: the default port is left out. Made once: every
+    /// request to the origin uses it (a DPoP proof's `htu`, the nonce cache's key).
+    public let url: String
+
     public init(scheme: String, authority: HostPort) {
         self.scheme = scheme
         self.authority = authority
+        let defaultPort = scheme == "https" ? 443 : 80
+        url =
+            authority.port == defaultPort
+            ? "\(scheme)://\(authority.hostForURL)" : "\(scheme)://\(authority.hostForURL):\(authority.port)"
     }
 
     /// Whether the proxy attaches its token to a request whose client did (or did not) send its own
@@ -38,13 +46,6 @@ public struct OriginConfig: Sendable, Equatable {
     /// The token this origin gets: it never receives one obtained for another audience.
     public var tokenKey: TokenKey {
         TokenKey(provider: provider, resource: resource, scopes: scopes, kind: tokenType)
-    }
-
-    /// `https://api.example.com` or `http://127.0.0.1:8000`: the default port is left out.
-    public var url: String {
-        let defaultPort = scheme == "https" ? 443 : 80
-        return authority.port == defaultPort
-            ? "\(scheme)://\(authority.hostForURL)" : "\(scheme)://\(authority.hostForURL):\(authority.port)"
     }
 
     public static let keys = ["provider", "client_authorization", "ca_file", "resource", "scopes", "token_type"]

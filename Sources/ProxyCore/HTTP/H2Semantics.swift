@@ -92,23 +92,23 @@ public enum H2Semantics {
             // DATA frames until END_STREAM: a length nobody knows in advance, streamed like a chunked body.
             framing = .chunked
         }
-        let clientAuthorization = regular.contains { $0.name == Array("authorization".utf8) }
+        let clientAuthorization = regular.contains { $0.name == Names.authorization }
         let attach = attachToken(clientAuthorization)
         var upstream: [(name: String, value: [UInt8])] = []
         var acceptsTrailers = false
         for field in regular {
-            if field.name == Array("te".utf8) {
+            if field.name == Names.te {
                 // RFC 9113 §8.2.2: only "trailers"; gRPC servers require it, so it travels.
                 acceptsTrailers = true
                 upstream.append(("te", Array("trailers".utf8)))
                 continue
             }
-            if field.name == Array("host".utf8) || field.name == Array("content-length".utf8)
-                || connectionSpecific.contains(field.name) || field.name == Array("expect".utf8)
+            if field.name == Names.host || field.name == Names.contentLength || connectionSpecific.contains(field.name)
+                || field.name == Names.expect
             {
                 continue
             }
-            if attach && field.name == Array("authorization".utf8) { continue }
+            if attach && field.name == Names.authorization { continue }
             upstream.append((field.nameText, field.value))
         }
         return .success(
@@ -195,6 +195,16 @@ public enum H2Semantics {
     /// The origin's response as an HTTP/2 header block: `:status`, every end-to-end field (names in lower
     /// case; hop-by-hop and connection-specific ones removed), the proxy's `proxy-status` when set, and
     /// whether a body follows.
+    /// Field names compared per response field, made once (not an array per comparison).
+    private enum Names {
+        static let te = Array("te".utf8)
+        static let trailer = Array("trailer".utf8)
+        static let contentLength = Array("content-length".utf8)
+        static let host = Array("host".utf8)
+        static let expect = Array("expect".utf8)
+        static let authorization = Array("authorization".utf8)
+    }
+
     public static func responseHead(
         _ response: UpstreamResponse, requestMethod: String
     ) -> (
@@ -207,13 +217,12 @@ public enum H2Semantics {
         let trailersOnly = head.values(named: "grpc-status").isEmpty == false
         let hasBody = !(status < 200 || status == 204 || status == 304 || requestMethod == "HEAD" || trailersOnly)
         var fields: [H2Field] = [H2Field(":status", String(status))]
+        fields.reserveCapacity(head.fields.count + 3)
         for index in head.fields.indices where !response.semantics.dropped.contains(index) {
             let name = head.bytes[head.fields[index].name].map(ASCII.lower)
-            if connectionSpecific.contains(name) || name == Array("te".utf8) || name == Array("trailer".utf8) {
-                continue
-            }
+            if connectionSpecific.contains(name) || name == Names.te || name == Names.trailer { continue }
             // A length that is not the body's (discarded) does not travel.
-            if name == Array("content-length".utf8) && response.semantics.framing == .none && hasBody { continue }
+            if name == Names.contentLength && response.semantics.framing == .none && hasBody { continue }
             fields.append(H2Field(name, Array(head.valueBytes(at: index))))
         }
         if let proxyStatus = response.proxyStatus {

@@ -121,12 +121,12 @@ public struct HTTPHeadParser: Sendable {
             let remaining = input.count - offset
             let found = memchr(input.baseAddress! + offset, Int32(ASCII.lf), remaining)
             guard let found else {
-                buffer.append(contentsOf: input[offset...])
+                buffer.append(contentsOf: UnsafeRawBufferPointer(rebasing: input[offset...]))
                 if let error = checkLimits(lineComplete: false) { return fail(error) }
                 return .needMore
             }
             let lfIndex = input.baseAddress!.distance(to: UnsafeRawPointer(found))
-            buffer.append(contentsOf: input[offset...lfIndex])
+            buffer.append(contentsOf: UnsafeRawBufferPointer(rebasing: input[offset...lfIndex]))
             offset = lfIndex + 1
             if let error = checkLimits(lineComplete: true) { return fail(error) }
             switch endLine() {
