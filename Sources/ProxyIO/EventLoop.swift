@@ -49,6 +49,14 @@ public final class EventLoop: @unchecked Sendable {
         event_base_free(base)
     }
 
+    /// The time libevent took when this pass of the loop began (the same for every callback of the pass):
+    /// a stamp for work done once per pass. Loop thread only.
+    public func passStamp() -> Int64 {
+        var now = timeval()
+        event_base_gettimeofday_cached(base, &now)
+        return Int64(now.tv_sec) * 1_000_000 + Int64(now.tv_usec)
+    }
+
     /// Runs the loop on the calling thread until `stop` or until nothing is left to do.
     public func run() {
         thread.store(UInt(pthread_self()), ordering: .releasing)

@@ -48,14 +48,27 @@ final class TokenBroker {
     var refreshInFlight: Bool { managers.values.contains { !$0.gate.isIdle } }
 
     /// Tokens usable right now without leaving the loop, if the cache has them. One stat(2) makes sure no
-    /// other process (`proxyctl login`, `step-up`, `logout`) replaced the file since.
+    /// other process (`proxyctl login`, `step-up`, `logout`) replaced the file since; requests handled in
+    /// the same pass of the loop (sockets that were ready together) share it.
     func cachedTokens(_ key: TokenKey) -> TokenSet? {
         guard let snapshot = snapshots[key] else { return nil }
         let now = EventLoop.monotonicMilliseconds()
         guard now - snapshot.checkedAt < snapshotLifetime, snapshot.tokens.isFresh(at: Int64(time(nil))),
-            let file = tokenFiles[key.provider], TokenStore.version(atPath: file) == snapshot.version
+            let file = tokenFiles[key.provider], fileVersion(file) == snapshot.version
         else { return nil }
         return snapshot.tokens
+    }
+
+    /// The token files' versions as stat(2) saw them in this pass of the loop.
+    fileprivate var versionsSeen: (pass: Int64, versions: [String: TokenStore.FileVersion?]) = (-1, [:])
+
+    private func fileVersion(_ file: String) -> TokenStore.FileVersion? {
+        let pass = loop.passStamp()
+        if versionsSeen.pass == pass, let seen = versionsSeen.versions[file] { return seen }
+        if versionsSeen.pass != pass { versionsSeen = (pass, [:]) }
+        let version = TokenStore.version(atPath: file)
+        versionsSeen.versions[file] = version
+        return version
     }
 
     /// A usable token of `key` (as `TokenSet.view(for:)` shows it); `completion` runs on the loop.
@@ -110,6 +123,8 @@ final class TokenBroker {
                     broker.value.snapshots[key] = (
                         tokens, EventLoop.monotonicMilliseconds(), manager.store.version(provider)
                     )
+                    // The file was just looked at again: what this pass saw before is older.
+                    broker.value.versionsSeen = (-1, [:])
                 }
                 callback.value(result)
             }
