@@ -101,19 +101,36 @@ public final class DPoPKey: Sendable {
 /// The latest DPoP nonce of each server (authorization server or resource origin), from the `DPoP-Nonce`
 /// field of every response, 200s included (RFC 9449 §8, §9).
 public final class DPoPNonces: Sendable {
-    private let nonces = Mutex<[String: String]>([:])
+    private struct State {
+        var nonces: [String: String] = [:]
+        /// The origin of each URL asked about: the callers ask with the few URLs of their origins and token
+        /// endpoints, once per request, and parsing one costs more than the rest of the lookup.
+        var origins: [String: String] = [:]
+
+        mutating func origin(_ url: String) -> String? {
+            if let known = origins[url] { return known }
+            guard let origin = DPoPNonces.origin(url) else { return nil }
+            if origins.count >= 64 { origins.removeAll(keepingCapacity: true) }
+            origins[url] = origin
+            return origin
+        }
+    }
+
+    private let state = Mutex(State())
 
     public init() {}
 
     /// The nonce for the server of `url` (by origin).
     public func nonce(for url: String) -> String? {
-        guard let key = Self.origin(url) else { return nil }
-        return nonces.withLock { $0[key] }
+        state.withLock { state in state.origin(url).flatMap { state.nonces[$0] } }
     }
 
     public func remember(_ nonce: String?, for url: String) {
-        guard let nonce, !nonce.isEmpty, let key = Self.origin(url) else { return }
-        nonces.withLock { $0[key] = nonce }
+        guard let nonce, !nonce.isEmpty else { return }
+        state.withLock { state in
+            guard let key = state.origin(url) else { return }
+            state.nonces[key] = nonce
+        }
     }
 
     static func origin(_ url: String) -> String? {

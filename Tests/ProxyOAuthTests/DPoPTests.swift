@@ -81,6 +81,16 @@ import Testing
         #expect(nonces.nonce(for: "https://rs.test/y") == nil)
     }
 
+    @Test func nonceCacheStaysRightPastItsMemoOfURLs() {
+        // The URL -> origin memo is bounded (64): answers must not change when it is emptied and refilled.
+        let nonces = DPoPNonces()
+        for index in 0..<200 { nonces.remember("n\(index)", for: "https://rs\(index).test/path/\(index)") }
+        for index in 0..<200 {
+            #expect(nonces.nonce(for: "https://rs\(index).test/other") == "n\(index)")
+            #expect(nonces.nonce(for: "https://rs\(index).test:444/other") == nil)
+        }
+    }
+
     @Test func keyFileIsPrivateAndReloads() throws {
         let directory = NSTemporaryDirectory() + "dpop-\(UUID().uuidString)"
         let key = try DPoPKey.create(stateDirectory: directory, provider: "corp")
