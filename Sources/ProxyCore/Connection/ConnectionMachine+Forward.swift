@@ -212,8 +212,12 @@ extension ConnectionMachine {
             if client.count - clientOffset > settings.headLimits.maxHeadBytes { out.append(.readClient(false)) }
             return
         }
+        // The payload is moved out (see `changeIntercepting`): its boxes are changed in place, not copied, and
+        // it is put back on every way out.
+        state = .closed
         spans.removeAll(keepingCapacity: true)
         if let error = forwarding.request.take(from: client, at: clientOffset, into: &spans) {
+            state = .forwarding(forwarding)
             out.append(.log(LogLine(.info, "bad request body reason=\"\(error.reason)\"")))
             if forwarding.clientSawResponse {
                 abort(reason: "malformed request body", &out)
@@ -240,6 +244,9 @@ extension ConnectionMachine {
     /// Reads the response head, then passes the body on.
     mutating func pumpResponse(_ upstream: some ByteView, _ out: inout [Action]) {
         guard case .forwarding(var forwarding) = state else { return }
+        // Moved out so that its boxes (the head parser, the body's progress) change in place; every way out
+        // puts it back (or leaves the state).
+        state = .closed
         while forwarding.response == nil {
             guard upstream.count > upstreamOffset else {
                 state = .forwarding(forwarding)
