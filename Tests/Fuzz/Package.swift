@@ -11,7 +11,7 @@ let rootIdentity = URL(fileURLWithPath: Context.packageDirectory)
 let fuzzTargets = [
     "FuzzHTTPRequestHead", "FuzzHTTPResponseHead", "FuzzChunked", "FuzzConfig", "FuzzAuthority", "FuzzJSON",
     "FuzzChallenge",
-    "FuzzInterceptSemantics", "FuzzConnection", "FuzzH2Session",
+    "FuzzInterceptSemantics", "FuzzConnection", "FuzzH2Session", "FuzzResponseReader",
 ]
 
 let package = Package(

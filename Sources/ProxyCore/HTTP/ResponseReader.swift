@@ -1,0 +1,188 @@
+/// Reads one HTTP/1.1 response from a connection to an origin (RFC 9112 §6.3): its head (interim 1xx heads
+/// too), then its body by the framing the head gives, de-chunked, then whether the connection can carry the
+/// next request. Bytes in, outputs out; no I/O.
+///
+/// The first half of the proxy's own HTTP/1.1 upstream client (issue 14: libcurl formats every request field
+/// byte by byte, docs/performance.md): the head is checked by the one `HTTPHeadParser` and
+/// `MessageSemantics.response`, chunked framing by `ChunkedScanner`, so the client decides nothing of its own.
+public struct ResponseReader: Sendable {
+    public enum Output: Sendable, Equatable {
+        /// A complete response head as received, status line to blank line: an interim (1xx) one, or the final.
+        case head([UInt8])
+        /// Body bytes at this range of the input just read (chunk framing left out).
+        case body(Range<Int>)
+        /// The trailer field lines of a chunked body as received (each with its CRLF), before its end.
+        case trailers([UInt8])
+        /// The response is complete; `reusable`: the connection may carry another request.
+        case end(reusable: Bool)
+        /// The response cannot be read on: the connection must be closed.
+        case failed(HTTPParseError)
+    }
+
+    private enum Phase: Sendable, Equatable {
+        case head
+        case length(remaining: UInt64)
+        case chunked
+        case untilClose
+        case done
+        case failed
+    }
+
+    public let requestMethod: String
+    private var parser: HTTPHeadParser
+    private var phase = Phase.head
+    private var chunks = ChunkedScanner()
+    private var trailerSection: [UInt8] = []
+    private var serverCloses = false
+
+    public init(requestMethod: String, limits: HTTPHeadLimits = HTTPHeadLimits()) {
+        self.requestMethod = requestMethod
+        parser = HTTPHeadParser(kind: .response, limits: limits)
+    }
+
+    /// Whether the response ended (completely, or failed).
+    public var isFinished: Bool { phase == .done || phase == .failed }
+
+    /// Reads from `input` and returns the bytes taken. Bytes after the end of the response are not taken (a
+    /// connection that sent them is out of step: the caller does not reuse it), nor any after a failure.
+    public mutating func read(_ input: UnsafeRawBufferPointer, _ out: inout [Output]) -> Int {
+        var offset = 0
+        while offset < input.count {
+            switch phase {
+            case .head:
+                switch parser.parse(UnsafeRawBufferPointer(rebasing: input[offset...])) {
+                case .needMore:
+                    return input.count
+                case .failed(let error):
+                    return fail(error, at: offset, &out)
+                case .complete(let head, let consumed):
+                    offset += consumed
+                    out.append(.head(head.bytes))
+                    if let error = begin(head, &out) { return fail(error, at: offset, &out) }
+                }
+            case .length(let remaining):
+                let take = Int(min(remaining, UInt64(input.count - offset)))
+                out.append(.body(offset..<offset + take))
+                offset += take
+                if remaining == UInt64(take) {
+                    finish(&out)
+                } else {
+                    phase = .length(remaining: remaining - UInt64(take))
+                }
+            case .chunked:
+                let pending = chunks.pendingData
+                if pending > 0 {
+                    let take = Int(min(pending, UInt64(input.count - offset)))
+                    chunks.skipData(take)
+                    out.append(.body(offset..<offset + take))
+                    offset += take
+                    continue
+                }
+                let before = chunks.position
+                let (consumed, outcome) = chunks.scanFraming(UnsafeRawBufferPointer(rebasing: input[offset...]))
+                if let start = chunks.trailerStart, start < before + UInt64(consumed) {
+                    // Bytes of the trailer section (its lines, then the blank line that ends the body).
+                    let from = offset + Int(start > before ? start - before : 0)
+                    trailerSection.append(contentsOf: UnsafeRawBufferPointer(rebasing: input[from..<offset + consumed]))
+                }
+                offset += consumed
+                switch outcome {
+                case .needMore:
+                    continue
+                case .failed(let error):
+                    return fail(error, at: offset, &out)
+                case .done:
+                    // The section ends with the blank line that ends the body: the lines are what comes before it.
+                    if trailerSection.count > 2 { out.append(.trailers(Array(trailerSection.dropLast(2)))) }
+                    trailerSection = []
+                    finish(&out)
+                }
+            case .untilClose:
+                out.append(.body(offset..<input.count))
+                return input.count
+            case .done, .failed:
+                return offset
+            }
+        }
+        return offset
+    }
+
+    /// The origin closed its sending side: the end of a body read until close, else a response cut short.
+    public mutating func closed(_ out: inout [Output]) {
+        switch phase {
+        case .untilClose:
+            phase = .done
+            out.append(.end(reusable: false))
+        case .done, .failed:
+            break
+        case .head where !parser.hasPartialHead:
+            _ = fail(HTTPParseError(.malformed, "the origin closed the connection without a response"), at: 0, &out)
+        default:
+            _ = fail(
+                HTTPParseError(.malformed, "the origin closed the connection before the response was complete"), at: 0,
+                &out)
+        }
+    }
+
+    /// The body's framing from a complete head; nil, or why the response is unusable.
+    private mutating func begin(_ head: HTTPHead, _ out: inout [Output]) -> HTTPParseError? {
+        let semantics: ResponseSemantics
+        switch MessageSemantics.response(head, requestMethod: requestMethod, upgradeRequested: false) {
+        case .failure(let error): return error
+        case .success(let checked): semantics = checked
+        }
+        if semantics.isInterim { return nil }  // the final response follows: read on (the parser starts over)
+        serverCloses = semantics.serverCloses
+        switch semantics.framing {
+        case .none: finish(&out)
+        case .contentLength(let length): phase = .length(remaining: length)
+        case .chunked: phase = .chunked
+        case .untilClose: phase = .untilClose
+        }
+        return nil
+    }
+
+    private mutating func finish(_ out: inout [Output]) {
+        phase = .done
+        out.append(.end(reusable: !serverCloses))
+    }
+
+    private mutating func fail(_ error: HTTPParseError, at offset: Int, _ out: inout [Output]) -> Int {
+        phase = .failed
+        out.append(.failed(error))
+        return offset
+    }
+}
+
+extension UpstreamRequest {
+    /// The HTTP/1.1 request head of a request without a body to `url`, for the proxy's own upstream client:
+    /// the request line with the URL's path and query byte for byte, `Host` (the URL's authority, the port
+    /// left out when it is the scheme's default), the client's fields in their order, then the credential's
+    /// (`Authorization`, `DPoP`). Nothing is added that the client did not send. nil when `url` does not parse.
+    public static func http1Head(
+        method: String, url: String, fields: [(name: String, value: [UInt8])],
+        credential: [(name: String, value: [UInt8])]
+    ) -> [UInt8]? {
+        guard case .success(let parsed) = AbsoluteURL.parse(url) else { return nil }
+        var head: [UInt8] = []
+        head.reserveCapacity(64 + url.utf8.count + fields.reduce(0) { $0 + $1.name.utf8.count + $1.value.count + 4 })
+        func line(_ name: String, _ value: some Collection<UInt8>) {
+            head.append(contentsOf: name.utf8)
+            head.append(ASCII.colon)
+            head.append(ASCII.space)
+            head.append(contentsOf: value)
+            head.append(ASCII.cr)
+            head.append(ASCII.lf)
+        }
+        head.append(contentsOf: method.utf8)
+        head.append(ASCII.space)
+        head.append(contentsOf: parsed.pathAndQuery.utf8)
+        head.append(contentsOf: " HTTP/1.1\r\n".utf8)
+        line("Host", parsed.hostFieldValue.utf8)
+        for field in fields { line(field.name, field.value) }
+        for field in credential { line(field.name, field.value) }
+        head.append(ASCII.cr)
+        head.append(ASCII.lf)
+        return head
+    }
+}
