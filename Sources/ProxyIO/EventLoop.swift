@@ -129,7 +129,7 @@ public final class LoopTimer {
         event = event_new(
             loop.base, -1, 0,
             { _, _, context in
-                Unmanaged<LoopTimer>.fromOpaque(context!).takeUnretainedValue().fire()
+                Unmanaged<LoopTimer>.fromOpaque(context!).takeUnretainedValue().action()
             }, Unmanaged.passUnretained(self).toOpaque())
     }
 
@@ -145,23 +145,6 @@ public final class LoopTimer {
 
     public func cancel() {
         event_del(event)
-        due = false
-    }
-
-    /// Whether `runLater` asked for a run that has not happened yet.
-    private var due = false
-
-    /// Runs the action once later in this pass of the loop, after the callbacks already due in it (libevent's
-    /// active queue), however often it is asked for meanwhile.
-    public func runLater() {
-        guard !due else { return }
-        due = true
-        event_active(event, EV_TIMEOUT, 0)
-    }
-
-    fileprivate func fire() {
-        due = false
-        action()
     }
 }
 

@@ -115,16 +115,6 @@ final class H2Driver: ServerConnection, TransferOwner {
 
     private var contextPointer: UnsafeMutableRawPointer { Unmanaged.passUnretained(self).toOpaque() }
 
-    /// The frames of every stream answered in one pass of the loop go out in one flush at its end (one TLS
-    /// record and one write for all of them), not one flush per event: with a flush per event each response
-    /// went out alone, the client answered each with one request, and every pass carried one request.
-    private lazy var flushAtEndOfPass = LoopTimer(loop: context.loop) { [unowned self] in self.flush() }
-
-    private func flushLater() {
-        guard !closed else { return }
-        flushAtEndOfPass.runLater()
-    }
-
     /// The server side of nghttp2, with the limits of the known HTTP/2 denial-of-service shapes set.
     private func setUpSession() {
         var callbacks: OpaquePointer?
@@ -202,7 +192,7 @@ final class H2Driver: ServerConnection, TransferOwner {
             if consumed == 0 { break }
         }
         processQueued()
-        flushLater()
+        flush()
     }
 
     fileprivate func writable() {
@@ -293,7 +283,7 @@ final class H2Driver: ServerConnection, TransferOwner {
         let work = afterHandling
         afterHandling.removeAll()
         for job in work where !closed { job() }
-        flushLater()
+        flush()
     }
 
     // MARK: - Actions
@@ -435,7 +425,7 @@ final class H2Driver: ServerConnection, TransferOwner {
         guard !closed, let io = streams[end.stream], io.tunnel === end, io.unacknowledged > 0 else { return }
         nghttp2_session_consume(session, io.id, io.unacknowledged)
         io.unacknowledged = 0
-        flushLater()
+        flush()
     }
 
     fileprivate func tunnelEvent(_ end: TunnelEnd, _ events: Int16) {
@@ -821,7 +811,7 @@ final class H2Driver: ServerConnection, TransferOwner {
                 let acknowledged = min(io.unacknowledged, count)
                 io.unacknowledged -= acknowledged
                 nghttp2_session_consume(session, io.id, acknowledged)
-                flushLater()
+                flush()
             }
             return count
         }
