@@ -44,11 +44,11 @@ final class InterceptTransfer: CurlTransfer {
         setURL(request.url)
         // libcurl adds fields of its own unless told not to: keep the request as the client made it.
         var suppressed: [(name: String, value: [UInt8])] = [("Expect", [])]
-        if !request.fields.contains(where: { ASCII.equalsIgnoringCase($0.name, "accept") }) {
+        if !request.fields.contains(where: { ASCII.equalsLowercase($0.name.utf8, "accept") }) {
             suppressed.append(("Accept", []))
         }
         let hasBody = request.body != .none
-        if hasBody && !request.fields.contains(where: { ASCII.equalsIgnoringCase($0.name, "content-type") }) {
+        if hasBody && !request.fields.contains(where: { ASCII.equalsLowercase($0.name.utf8, "content-type") }) {
             suppressed.append(("Content-Type", []))
         }
         setHeaders(request.fields, authorization, suppressed)

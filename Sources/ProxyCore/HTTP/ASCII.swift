@@ -36,17 +36,6 @@ public enum ASCII {
     @inline(__always)
     static func isRegName(_ byte: UInt8) -> Bool { member(byte, regNameBits) }
 
-    /// Whether `text` is `lowercased` in any case (ASCII case folding, as field names compare), without
-    /// making a lowercased copy.
-    public static func equalsIgnoringCase(_ text: String, _ lowercased: StaticString) -> Bool {
-        var text = text
-        return text.withUTF8 { bytes in
-            bytes.count == lowercased.utf8CodeUnitCount
-                && zip(bytes, UnsafeBufferPointer(start: lowercased.utf8Start, count: lowercased.utf8CodeUnitCount))
-                    .allSatisfy { lower($0) == $1 }
-        }
-    }
-
     @inline(__always)
     static func lower(_ byte: UInt8) -> UInt8 {
         byte >= 0x41 && byte <= 0x5A ? byte | 0x20 : byte
@@ -65,22 +54,21 @@ public enum ASCII {
         }
     }
 
-    /// Case-insensitive comparison of a byte slice with a lower-case ASCII literal.
+    /// Case-insensitive comparison of bytes (a field name in a head, or a `String`'s `utf8`) with a lower-case
+    /// ASCII literal, without a lowercased copy.
     @inline(__always)
-    static func equalsLowercase(_ bytes: ArraySlice<UInt8>, _ lowercase: StaticString) -> Bool {
+    public static func equalsLowercase(_ bytes: some Collection<UInt8>, _ lowercase: StaticString) -> Bool {
         guard bytes.count == lowercase.utf8CodeUnitCount else { return false }
         return lowercase.withUTF8Buffer { literal in
             var index = bytes.startIndex
             for expected in literal {
                 if lower(bytes[index]) != expected { return false }
-                index += 1
+                bytes.formIndex(after: &index)
             }
             return true
         }
     }
 
-    /// Text from outside (the wire, a provider, a file) for a message or a log line: printable ASCII kept,
-    /// anything else shown as "?", at most `limit` characters and "..." when cut. The one clipping rule.
     /// Calls `body` with each line of `buffer`, its LF (and any CR) included; a last line without LF too.
     /// libcurl's header callback gives one line per call; the drivers hand a head's lines over in one block.
     public static func forEachLine(_ buffer: UnsafeRawBufferPointer, _ body: (UnsafeRawBufferPointer) -> Void) {
@@ -94,6 +82,8 @@ public enum ASCII {
         }
     }
 
+    /// Text from outside (the wire, a provider, a file) for a message or a log line: printable ASCII kept,
+    /// anything else shown as "?", at most `limit` characters and "..." when cut. The one clipping rule.
     public static func clip(_ text: some StringProtocol, limit: Int = 80) -> String {
         var out = ""
         var count = 0

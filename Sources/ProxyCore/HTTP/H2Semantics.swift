@@ -58,7 +58,7 @@ public enum H2Semantics {
         guard let path, path.utf8.first == UInt8(ascii: "/") || (path == "*" && method == "OPTIONS") else {
             return .failure(.badRequest(HTTPParseError(.malformed, "request without an origin-form :path")))
         }
-        let hosts = regular.filter { $0.name == Array("host".utf8) }.map(\.valueText)
+        let hosts = regular.filter { $0.name == Names.host }.map(\.valueText)
         let named = authority ?? hosts.first
         guard let named else {
             return .failure(.badRequest(HTTPParseError(.malformed, "request without :authority")))
@@ -74,7 +74,7 @@ public enum H2Semantics {
             }
         }
         var length: UInt64?
-        for field in regular where field.name == Array("content-length".utf8) {
+        for field in regular where field.name == Names.contentLength {
             guard field.value.count <= 19, !field.value.isEmpty, field.value.allSatisfy(ASCII.isDigit),
                 let parsed = UInt64(String(decoding: field.value, as: UTF8.self)), parsed <= UInt64(Int64.max),
                 length == nil || length == parsed
@@ -120,8 +120,8 @@ public enum H2Semantics {
 
     /// Whether a request header block is an RFC 8441 extended CONNECT for a WebSocket.
     public static func isWebSocketConnect(_ fields: [H2Field]) -> Bool {
-        fields.contains { $0.name == Array(":method".utf8) && $0.value == Array("CONNECT".utf8) }
-            && fields.contains { $0.name == Array(":protocol".utf8) && $0.value == Array("websocket".utf8) }
+        fields.contains { $0.name == Names.method && $0.value == Names.connectMethod }
+            && fields.contains { $0.name == Names.protocolName && $0.value == Names.websocketProtocol }
     }
 
     /// An RFC 8441 WebSocket (extended CONNECT, `:protocol websocket`) as the HTTP/1.1 upgrade request the
@@ -195,16 +195,6 @@ public enum H2Semantics {
     /// The origin's response as an HTTP/2 header block: `:status`, every end-to-end field (names in lower
     /// case; hop-by-hop and connection-specific ones removed), the proxy's `proxy-status` when set, and
     /// whether a body follows.
-    /// Field names compared per response field, made once (not an array per comparison).
-    private enum Names {
-        static let te = Array("te".utf8)
-        static let trailer = Array("trailer".utf8)
-        static let contentLength = Array("content-length".utf8)
-        static let host = Array("host".utf8)
-        static let expect = Array("expect".utf8)
-        static let authorization = Array("authorization".utf8)
-    }
-
     public static func responseHead(
         _ response: UpstreamResponse, requestMethod: String
     ) -> (
@@ -263,7 +253,7 @@ extension H2Field {
 
 /// A request header block split into its pseudo-fields (RFC 9113 §8.3.1; the last of a repeated one counts:
 /// nghttp2 refuses repeats before they get here) and its regular fields; an unknown pseudo-field is refused.
-/// The names are compared with constants made once, not arrays made per field.
+/// The names are compared with `Names`' constants, not arrays made per field.
 struct RequestPseudoFields {
     var method: String?
     var path: String?
@@ -271,12 +261,6 @@ struct RequestPseudoFields {
     var authority: String?
     var protocolName: String?
     var regular: [H2Field] = []
-
-    private static let methodName = Array(":method".utf8)
-    private static let pathName = Array(":path".utf8)
-    private static let schemeName = Array(":scheme".utf8)
-    private static let authorityName = Array(":authority".utf8)
-    private static let protocolFieldName = Array(":protocol".utf8)
 
     static func split(_ fields: [H2Field]) -> Result<RequestPseudoFields, InterceptRefusal> {
         var split = RequestPseudoFields()
@@ -287,14 +271,33 @@ struct RequestPseudoFields {
                 continue
             }
             switch field.name {
-            case methodName: split.method = field.valueText
-            case pathName: split.path = field.valueText
-            case schemeName: split.scheme = field.valueText
-            case authorityName: split.authority = field.valueText
-            case protocolFieldName: split.protocolName = field.valueText
+            case Names.method: split.method = field.valueText
+            case Names.path: split.path = field.valueText
+            case Names.scheme: split.scheme = field.valueText
+            case Names.authority: split.authority = field.valueText
+            case Names.protocolName: split.protocolName = field.valueText
             default: return .failure(.badRequest(HTTPParseError(.malformed, "unknown pseudo-header field")))
             }
         }
         return .success(split)
     }
+}
+
+/// The field names (and the two values) this file compares with, made once (an array literal in a comparison is made anew for every
+/// field of every stream).
+private enum Names {
+    static let method = Array(":method".utf8)
+    static let path = Array(":path".utf8)
+    static let scheme = Array(":scheme".utf8)
+    static let authority = Array(":authority".utf8)
+    static let protocolName = Array(":protocol".utf8)
+    static let te = Array("te".utf8)
+    static let trailer = Array("trailer".utf8)
+    static let contentLength = Array("content-length".utf8)
+    static let host = Array("host".utf8)
+    static let expect = Array("expect".utf8)
+    static let authorization = Array("authorization".utf8)
+    // Values.
+    static let connectMethod = Array("CONNECT".utf8)
+    static let websocketProtocol = Array("websocket".utf8)
 }
