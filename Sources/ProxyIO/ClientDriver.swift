@@ -55,7 +55,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
     private var upstreamThrottled = false
 
     // The exchange with a protected origin in flight.
-    private var transfer: InterceptTransfer?
+    private var transfer: (any UpstreamTransfer)?
     private var body: RequestBody?
     private var tokens: TokenSet?
     private var transferData: UnsafeRawBufferPointer?
@@ -364,7 +364,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
         if let upstream { bufferevent_enable(upstream, Int16(EV_READ)) }
         if let transfer, transfer.paused, !transfer.cancelled {
             transfer.paused = false
-            context.curl.resume(transfer)
+            transfer.resume()
         }
     }
 
@@ -700,7 +700,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
         afterHandling.append { [unowned self] in
             guard uploadPaused, let transfer else { return }
             uploadPaused = false
-            context.curl.resume(transfer)
+            transfer.resume()
         }
     }
 
@@ -754,15 +754,25 @@ final class ClientDriver: ServerConnection, TransferOwner {
         handle(refreshed ? .refreshed(grant) : .tokens(grant))
     }
 
-    /// Starts the libcurl transfer for `request`, with the token of its generation attached.
+    /// Starts the transfer for `request` (on the client the machine chose for it), with the token of its
+    /// generation attached.
     private func send(_ request: UpstreamRequest, origin: OriginConfig) {
         credentialFields(request.credential, method: request.method, url: request.url, origin: origin) {
             [unowned self] authorization in
-            let made = InterceptTransfer(
-                owner: self, request: request, authorization: authorization, body: requestBody(), pool: context.curl)
+            let made: any UpstreamTransfer
+            if request.client == .builtin,
+                let own = OriginTransfer(
+                    owner: self, request: request, authorization: authorization, context: context, connectionID: id)
+            {
+                made = own
+            } else {
+                made = InterceptTransfer(
+                    owner: self, request: request, authorization: authorization, body: requestBody(),
+                    pool: context.curl)
+            }
             transfer = made
             uploadPaused = false
-            context.curl.add(made)
+            made.start()
         }
     }
 
@@ -864,7 +874,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
     // TransferOwner: libcurl's callbacks, at the top of the loop (never inside `handle`). A transfer that is
     // no longer the current one (stopped from inside a callback) is not listened to.
 
-    func transferHeader(_ from: InterceptTransfer, _ lines: UnsafeRawBufferPointer) {
+    func transferHeader(_ from: any UpstreamTransfer, _ lines: UnsafeRawBufferPointer) {
         guard !closed, from === transfer else { return }
         precondition(!handling, "a libcurl callback inside an event of the same connection")
         lastActivity = EventLoop.monotonicMilliseconds()
@@ -879,7 +889,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
         }
     }
 
-    func transferBody(_ from: InterceptTransfer, _ data: UnsafeRawBufferPointer) -> Int {
+    func transferBody(_ from: any UpstreamTransfer, _ data: UnsafeRawBufferPointer) -> Int {
         guard !closed, from === transfer else { return data.count }
         precondition(!handling, "a libcurl callback inside an event of the same connection")
         lastActivity = EventLoop.monotonicMilliseconds()
@@ -896,7 +906,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
         return data.count
     }
 
-    func transferRead(_ from: InterceptTransfer, _ buffer: UnsafeMutableRawBufferPointer) -> Int {
+    func transferRead(_ from: any UpstreamTransfer, _ buffer: UnsafeMutableRawBufferPointer) -> Int {
         guard from === transfer, let body else { return 0 }
         let count = body.read(at: from.uploadOffset, into: buffer)
         if count > 0 {
@@ -912,13 +922,13 @@ final class ClientDriver: ServerConnection, TransferOwner {
         return proxyctl_readfunc_pause()
     }
 
-    func transferSeek(_ from: InterceptTransfer, _ offset: Int) -> Bool {
+    func transferSeek(_ from: any UpstreamTransfer, _ offset: Int) -> Bool {
         guard from === transfer, let body, body.replayable, offset <= body.stored else { return false }
         from.uploadOffset = offset
         return true
     }
 
-    func transferFinished(_ from: InterceptTransfer, _ failure: UpstreamFailure?, detail: String) {
+    func transferFinished(_ from: any UpstreamTransfer, _ failure: UpstreamFailure?, detail: String) {
         guard from === transfer else { return }
         transfer = nil
         guard !closed else { return }
@@ -929,7 +939,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
     /// removed when libcurl returned).
     private func stopTransfer() {
         guard let transfer else { return }
-        context.curl.cancel(transfer)
+        transfer.cancel()
         self.transfer = nil
     }
 

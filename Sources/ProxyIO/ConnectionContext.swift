@@ -18,6 +18,8 @@ final class ConnectionContext {
     var curl: CurlMulti { curlProvider() }
     private let curlProvider: () -> CurlMulti
     let tokens: TokenBroker
+    /// The proxy's own kept connections to protected origins (`OriginTransfer`), made on first use.
+    private(set) lazy var origins = OriginPool(loop: loop)
     /// TLS contexts with leaves from the local CA; nil without protected https origins or a CA.
     let tlsContexts: TLSServerContexts?
     /// TLS client contexts for the connections the proxy makes to origins itself (upgrades).

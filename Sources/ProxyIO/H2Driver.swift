@@ -49,7 +49,7 @@ final class H2Driver: ServerConnection, TransferOwner {
         /// Why the header block being received is over the limits (its further fields are not kept).
         var overLimit: String?
         var body: RequestBody?
-        var transfer: InterceptTransfer?
+        var transfer: (any UpstreamTransfer)?
         var tokens: TokenSet?
         var uploadPaused = false
         /// Bytes of the request body received but not yet acknowledged to the client (flow control).
@@ -497,7 +497,7 @@ final class H2Driver: ServerConnection, TransferOwner {
             if io.pendingCount < context.highWater / 2, let transfer = io.transfer, transfer.paused, !transfer.cancelled
             {
                 transfer.paused = false
-                afterHandling.append { [unowned self] in context.curl.resume(transfer) }
+                afterHandling.append { transfer.resume() }
             }
         }
         if io.pendingCount == 0 {
@@ -630,7 +630,7 @@ final class H2Driver: ServerConnection, TransferOwner {
         queued.append(.requestData(stream, count: data.count, endStream: false))
         if io.uploadPaused, let transfer = io.transfer {
             io.uploadPaused = false
-            afterHandling.append { [unowned self] in context.curl.resume(transfer) }
+            afterHandling.append { transfer.resume() }
         }
     }
 
@@ -659,7 +659,7 @@ final class H2Driver: ServerConnection, TransferOwner {
             io.body?.finish()
             if io.uploadPaused, let transfer = io.transfer {
                 io.uploadPaused = false
-                afterHandling.append { [unowned self] in context.curl.resume(transfer) }
+                afterHandling.append { transfer.resume() }
             }
         case .getTokens(let key):
             context.tokens.tokens(key) { [weak self] result in
@@ -727,16 +727,26 @@ final class H2Driver: ServerConnection, TransferOwner {
                 }
             }
         }
-        let body =
-            io.body ?? RequestBody(memoryLimit: context.settings.replayMemory, spoolDirectory: context.spoolDirectory)
-        io.body = body
-        let made = InterceptTransfer(
-            owner: self, request: request, authorization: authorization, body: body, pool: context.curl)
+        let made: any UpstreamTransfer
+        if request.client == .builtin,
+            let own = OriginTransfer(
+                owner: self, request: request, authorization: authorization, context: context, connectionID: id)
+        {
+            made = own
+        } else {
+            let body =
+                io.body
+                ?? RequestBody(memoryLimit: context.settings.replayMemory, spoolDirectory: context.spoolDirectory)
+            io.body = body
+            let transfer = InterceptTransfer(
+                owner: self, request: request, authorization: authorization, body: body, pool: context.curl)
+            if request.body == .streaming { transfer.sendTrailers { [weak io] in io?.requestTrailers ?? [] } }
+            made = transfer
+        }
         made.tag = stream
-        if request.body == .streaming { made.sendTrailers { [weak io] in io?.requestTrailers ?? [] } }
         io.transfer = made
         io.uploadPaused = false
-        context.curl.add(made)
+        made.start()
     }
 
     private func exchangeFinished(_ stream: Int32, _ record: ExchangeRecord) {
@@ -760,8 +770,8 @@ final class H2Driver: ServerConnection, TransferOwner {
 
     /// Stops a stream's transfer (safe inside libcurl's callbacks: `CurlMulti` removes it once libcurl
     /// returned).
-    private func stopTransfer(_ io: StreamIO, _ transfer: InterceptTransfer) {
-        context.curl.cancel(transfer)
+    private func stopTransfer(_ io: StreamIO, _ transfer: any UpstreamTransfer) {
+        transfer.cancel()
         if io.transfer === transfer { io.transfer = nil }
     }
 
@@ -769,12 +779,12 @@ final class H2Driver: ServerConnection, TransferOwner {
 
     private var transferData: UnsafeRawBufferPointer?
 
-    private func current(_ transfer: InterceptTransfer) -> StreamIO? {
+    private func current(_ transfer: any UpstreamTransfer) -> StreamIO? {
         guard !closed, let io = streams[transfer.tag], io.transfer === transfer else { return nil }
         return io
     }
 
-    func transferHeader(_ from: InterceptTransfer, _ lines: UnsafeRawBufferPointer) {
+    func transferHeader(_ from: any UpstreamTransfer, _ lines: UnsafeRawBufferPointer) {
         guard let io = current(from) else { return }
         lastActivity = EventLoop.monotonicMilliseconds()
         actions.removeAll(keepingCapacity: true)
@@ -785,7 +795,7 @@ final class H2Driver: ServerConnection, TransferOwner {
         processQueued()
     }
 
-    func transferBody(_ from: InterceptTransfer, _ data: UnsafeRawBufferPointer) -> Int {
+    func transferBody(_ from: any UpstreamTransfer, _ data: UnsafeRawBufferPointer) -> Int {
         guard let io = current(from) else { return data.count }
         lastActivity = EventLoop.monotonicMilliseconds()
         if io.pendingCount >= context.highWater {
@@ -799,7 +809,7 @@ final class H2Driver: ServerConnection, TransferOwner {
         return data.count
     }
 
-    func transferRead(_ from: InterceptTransfer, _ buffer: UnsafeMutableRawBufferPointer) -> Int {
+    func transferRead(_ from: any UpstreamTransfer, _ buffer: UnsafeMutableRawBufferPointer) -> Int {
         guard let io = current(from), let body = io.body else { return 0 }
         let count = body.read(at: from.uploadOffset, into: buffer)
         if count > 0 {
@@ -820,13 +830,13 @@ final class H2Driver: ServerConnection, TransferOwner {
         return proxyctl_readfunc_pause()
     }
 
-    func transferSeek(_ from: InterceptTransfer, _ offset: Int) -> Bool {
+    func transferSeek(_ from: any UpstreamTransfer, _ offset: Int) -> Bool {
         guard let io = current(from), let body = io.body, body.replayable, offset <= body.stored else { return false }
         from.uploadOffset = offset
         return true
     }
 
-    func transferFinished(_ from: InterceptTransfer, _ failure: UpstreamFailure?, detail: String) {
+    func transferFinished(_ from: any UpstreamTransfer, _ failure: UpstreamFailure?, detail: String) {
         guard let io = current(from) else { return }
         io.transfer = nil
         handle(.transferFinished(io.id, failure, detail: detail))

@@ -6,20 +6,21 @@ import ProxyCore
 protocol TransferOwner: AnyObject {
     /// CURLOPT_HEADERFUNCTION's lines: a response head (or trailers) up to its blank line, terminators
     /// included, in one call (at most `InterceptTransfer.headBatchLimit` bytes at a time).
-    func transferHeader(_ transfer: InterceptTransfer, _ lines: UnsafeRawBufferPointer)
+    func transferHeader(_ transfer: any UpstreamTransfer, _ lines: UnsafeRawBufferPointer)
     /// CURLOPT_WRITEFUNCTION: body bytes; returns the count taken, or CURL_WRITEFUNC_PAUSE.
-    func transferBody(_ transfer: InterceptTransfer, _ data: UnsafeRawBufferPointer) -> Int
+    func transferBody(_ transfer: any UpstreamTransfer, _ data: UnsafeRawBufferPointer) -> Int
     /// CURLOPT_READFUNCTION: request body bytes; 0 at the end, or CURL_READFUNC_PAUSE.
-    func transferRead(_ transfer: InterceptTransfer, _ buffer: UnsafeMutableRawBufferPointer) -> Int
+    func transferRead(_ transfer: any UpstreamTransfer, _ buffer: UnsafeMutableRawBufferPointer) -> Int
     /// CURLOPT_SEEKFUNCTION: rewind the request body (libcurl resends it on a new HTTP/2 stream, say).
-    func transferSeek(_ transfer: InterceptTransfer, _ offset: Int) -> Bool
-    func transferFinished(_ transfer: InterceptTransfer, _ failure: UpstreamFailure?, detail: String)
+    func transferSeek(_ transfer: any UpstreamTransfer, _ offset: Int) -> Bool
+    func transferFinished(_ transfer: any UpstreamTransfer, _ failure: UpstreamFailure?, detail: String)
 }
 
 /// The libcurl transfer of one request to a protected origin: an `UpstreamRequest` (decided by
 /// `ProtectedExchange`) mapped onto easy-handle options, its callbacks passed to the owner.
-final class InterceptTransfer: CurlTransfer {
+final class InterceptTransfer: CurlTransfer, UpstreamTransfer {
     unowned let owner: any TransferOwner
+    private unowned let multi: CurlMulti
     /// Bytes of the request body handed to libcurl so far (the read callback's position).
     var uploadOffset = 0
     /// The response is paused because the client is slow.
@@ -40,6 +41,7 @@ final class InterceptTransfer: CurlTransfer {
         body: RequestBody, pool: CurlMulti
     ) {
         self.owner = owner
+        self.multi = pool
         super.init(pool: pool)
         setURL(request.url)
         // libcurl adds fields of its own unless told not to: keep the request as the client made it.
@@ -100,6 +102,10 @@ final class InterceptTransfer: CurlTransfer {
             _ = proxyctl_easy_setopt_string(easy, CURLOPT_PROXY, "")
         }
     }
+
+    func start() { multi.add(self) }
+    func resume() { multi.resume(self) }
+    func cancel() { multi.cancel(self) }
 
     /// Whether libcurl's HTTP/2 client can be used for origins: curl 7.x's loses a response head when a small
     /// response arrives whole on a reused connection while the request is still being sent (curl 8 rewrote

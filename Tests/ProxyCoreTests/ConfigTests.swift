@@ -71,6 +71,7 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
             replay_memory = 2MiB
             replay_spool = 16MiB
             http2 = off
+            upstream_client = LibCurl
             resolve = api.test=127.0.0.1, Git.Test.=::1
             notify_command = notify-send  proxyctl
             log_level = debug
@@ -86,6 +87,8 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(proxy.replayMemory == 2 << 20)
         #expect(proxy.replaySpool == 16 << 20)
         #expect(proxy.http2 == false)
+        #expect(proxy.builtinClient == false)
+        #expect(ProxySettings().builtinClient)
         #expect(proxy.resolve == ["api.test": "127.0.0.1", "git.test": "::1"])
         #expect(proxy.notifyCommand == ["notify-send", "proxyctl"])
         #expect(proxy.listen == ListenAddress(host: "127.0.0.1", port: 3128, isIPv6: false))
@@ -107,7 +110,7 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(proxy.protectedUsers == .any && proxy.passthroughUsers == .owner)
         #expect(proxy.logLevel == .debug)
         #expect(proxy.stateDir == "/home/ada/state")
-        #expect(ConfigParser.proxyKeys.count == 26)
+        #expect(ConfigParser.proxyKeys.count == 27)
         for key in ConfigParser.proxyKeys {
             #expect(text.contains("\n\(key) = "), "\(key) is not covered")
         }
@@ -215,6 +218,9 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(
             found.first?.description
                 == "proxy.conf:2: [proxy] connect_timeout: expected a duration such as 10s, 500ms or 5m, got \"5x\"")
+        #expect(
+            errors("[proxy]\nupstream_client = fast\n").first?.description
+                == "proxy.conf:2: [proxy] upstream_client: expected builtin or libcurl, got \"fast\"")
     }
 
     @Test func unknownKey() throws {

@@ -23,12 +23,15 @@ import Testing
         _ method: String, _ target: String, _ fields: [(String, String)], generation: Int64?,
         nonce: String? = nil, body: UpstreamRequest.Body = .none, attempt: Int = 1
     ) -> UpstreamRequest {
-        UpstreamRequest(
+        var request = UpstreamRequest(
             method: method, url: "https://api.test" + (target == "*" ? "/" : target),
             requestTarget: target == "*" ? "*" : nil, fields: fields.map { ($0.0, Array($0.1.utf8)) },
             credential: generation.map { UpstreamRequest.Credential(generation: $0, dpopNonce: nonce) }, body: body,
             http2: true, connectTimeout: 5_000, idleTimeout: 30_000, caFile: nil, resolve: nil, upstreamProxy: nil,
             attempt: attempt)
+        // The default `upstream_client = builtin`: bodiless GETs and HEADs on the proxy's own client.
+        if ["GET", "HEAD"].contains(method), body == .none, target != "*" { request.client = .builtin }
+        return request
     }
 
     static func record(

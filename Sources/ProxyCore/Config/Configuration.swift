@@ -91,6 +91,10 @@ public struct ProxySettings: Sendable, Equatable {
     public var replaySpool = 64 << 20
     /// Offer HTTP/2 (ALPN h2) to clients of protected origins; off keeps them on HTTP/1.1.
     public var http2 = true
+    /// GET and HEAD requests without a body to protected origins go through the proxy's own HTTP/1.1 client
+    /// (`builtin`, the default: a quarter of libcurl's cost per request, docs/performance.md) or through
+    /// libcurl like every other request (`libcurl`: HTTP/2 to origins that offer it for those too).
+    public var builtinClient = true
     /// Host names answered without DNS (`resolve = api.test=127.0.0.1`), like curl's --resolve: for
     /// development setups and sidecars.
     public var resolve: [String: String] = [:]
@@ -359,6 +363,12 @@ public struct ConfigParser: Sendable {
             case "http2":
                 guard let flag = ConfigValue.bool(entry.value) else { return fail("expected on or off, \(got())") }
                 settings.http2 = flag
+            case "upstream_client":
+                switch entry.value.lowercased() {
+                case "builtin": settings.builtinClient = true
+                case "libcurl": settings.builtinClient = false
+                default: return fail("expected builtin or libcurl, \(got())")
+                }
             case "resolve":
                 var map: [String: String] = [:]
                 for pair in entry.value.split(whereSeparator: { $0 == "," || $0 == " " }) {
@@ -418,7 +428,7 @@ public struct ConfigParser: Sendable {
         "connect_timeout", "idle_timeout",
         "keepalive_timeout", "header_timeout", "shutdown_grace", "max_request_line", "max_header_bytes",
         "max_headers", "max_connections", "max_connections_per_client", "replay_memory", "replay_spool", "http2",
-        "resolve", "notify_command", "log_level", "log_format", "admin_listen",
+        "upstream_client", "resolve", "notify_command", "log_level", "log_format", "admin_listen",
         "state_dir", "token_store",
     ]
 }

@@ -12,7 +12,7 @@ extension ConnectionMachine {
             resolve: settings.resolve[origin.authority.host].map {
                 "\(origin.authority.host):\(origin.authority.port):\($0)"
             },
-            upstreamProxy: frontDoor.upstream(for: origin.authority))
+            upstreamProxy: frontDoor.upstream(for: origin.authority), builtinClient: settings.builtinClient)
     }
 
     mutating func beginProtected(

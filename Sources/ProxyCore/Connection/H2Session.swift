@@ -272,7 +272,7 @@ public struct H2Session: Sendable {
             resolve: settings.resolve[origin.authority.host].map {
                 "\(origin.authority.host):\(origin.authority.port):\($0)"
             },
-            upstreamProxy: frontDoor.upstream(for: origin.authority))
+            upstreamProxy: frontDoor.upstream(for: origin.authority), builtinClient: settings.builtinClient)
     }
 
     private mutating func refuse(

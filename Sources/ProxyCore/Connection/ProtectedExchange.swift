@@ -20,11 +20,14 @@ public struct ProtectedExchange: Sendable {
         public var resolve: String?
         /// The upstream proxy for the origin's authority, if one applies.
         public var upstreamProxy: UpstreamProxy?
+        /// The proxy's own HTTP/1.1 client may carry the requests that fit it (`upstream_client = builtin`).
+        public var builtinClient: Bool
 
         public init(
             replaySpool: Int, connectTimeout: Int, idleTimeout: Int, responseHeadLimits: HTTPHeadLimits,
-            resolve: String? = nil, upstreamProxy: UpstreamProxy? = nil
+            resolve: String? = nil, upstreamProxy: UpstreamProxy? = nil, builtinClient: Bool = false
         ) {
+            self.builtinClient = builtinClient
             self.replaySpool = replaySpool
             self.connectTimeout = connectTimeout
             self.idleTimeout = idleTimeout
@@ -267,17 +270,17 @@ public struct ProtectedExchange: Sendable {
         case .contentLength(let length): body = .length(Int(clamping: length))
         case .chunked: body = .streaming
         }
-        out.append(
-            .send(
-                UpstreamRequest(
-                    method: request.method,
-                    // `OPTIONS *` (asterisk-form): the URL names the origin, the target is sent as it came.
-                    url: request.target == "*" ? origin.url + "/" : origin.url + request.target,
-                    requestTarget: request.target == "*" ? "*" : nil, fields: request.upstreamFields,
-                    credential: credential, body: body, http2: origin.scheme == "https",
-                    connectTimeout: settings.connectTimeout, idleTimeout: settings.idleTimeout,
-                    caFile: origin.caFile, resolve: settings.resolve, upstreamProxy: settings.upstreamProxy,
-                    attempt: attempts)))
+        var upstream = UpstreamRequest(
+            method: request.method,
+            // `OPTIONS *` (asterisk-form): the URL names the origin, the target is sent as it came.
+            url: request.target == "*" ? origin.url + "/" : origin.url + request.target,
+            requestTarget: request.target == "*" ? "*" : nil, fields: request.upstreamFields,
+            credential: credential, body: body, http2: origin.scheme == "https",
+            connectTimeout: settings.connectTimeout, idleTimeout: settings.idleTimeout,
+            caFile: origin.caFile, resolve: settings.resolve, upstreamProxy: settings.upstreamProxy,
+            attempt: attempts)
+        if upstream.fitsOwnClient(builtinClient: settings.builtinClient) { upstream.client = .builtin }
+        out.append(.send(upstream))
     }
 
     /// One line of the response head as libcurl hands it over (status line, field line or the empty line),
@@ -556,6 +559,14 @@ public struct UpstreamRequest: Sendable, Equatable {
     public let upstreamProxy: UpstreamProxy?
     /// 1 for the first send, 2 for a replay or retry.
     public let attempt: Int
+    /// Which client carries the request (`fitsOwnClient`).
+    public var client = Client.libcurl
+
+    public enum Client: Sendable, Equatable {
+        /// The proxy's own HTTP/1.1 client (`OriginExchange`).
+        case builtin
+        case libcurl
+    }
 
     public static func == (lhs: Self, rhs: Self) -> Bool {
         lhs.method == rhs.method && lhs.url == rhs.url && lhs.requestTarget == rhs.requestTarget
@@ -563,7 +574,7 @@ public struct UpstreamRequest: Sendable, Equatable {
             && lhs.fields.map(\.value) == rhs.fields.map(\.value) && lhs.credential == rhs.credential
             && lhs.body == rhs.body && lhs.http2 == rhs.http2 && lhs.connectTimeout == rhs.connectTimeout
             && lhs.idleTimeout == rhs.idleTimeout && lhs.caFile == rhs.caFile && lhs.resolve == rhs.resolve
-            && lhs.upstreamProxy == rhs.upstreamProxy && lhs.attempt == rhs.attempt
+            && lhs.upstreamProxy == rhs.upstreamProxy && lhs.attempt == rhs.attempt && lhs.client == rhs.client
     }
 }
 

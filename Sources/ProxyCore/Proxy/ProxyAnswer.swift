@@ -316,8 +316,10 @@ public enum UpstreamFailure: Sendable, Equatable {
     case incomplete
     /// The upstream proxy failed or could not be resolved.
     case proxy
-    /// The response head was larger than libcurl accepts.
+    /// The response head was larger than the proxy accepts.
     case headTooLarge
+    /// The response could not be read as HTTP (a malformed head, ambiguous framing, a broken chunk).
+    case protocolError
     case other
 
     /// Status, `Proxy-Status` error type and the sentence for a person.
@@ -332,6 +334,7 @@ public enum UpstreamFailure: Sendable, Equatable {
         case .proxy: (502, .proxyConfigurationError, "the upstream proxy failed")
         case .headTooLarge:
             (502, .httpResponseHeaderSectionSize, "\(hop) sent a response head larger than the proxy accepts")
+        case .protocolError: (502, .httpProtocolError, "\(hop) sent a response that is not valid HTTP/1.1")
         case .other: (502, .proxyInternalError, "the request to \(hop) failed")
         }
     }
