@@ -177,6 +177,7 @@ extension UpstreamFailure {
             CURLE_HTTP2_STREAM:
             self = .incomplete
         case CURLE_COULDNT_RESOLVE_PROXY, CURLE_PROXY: self = .proxy
+        case CURLE_WEIRD_SERVER_REPLY: self = .protocolError
         // libcurl refuses a response head above its limit (CURL_MAX_HTTP_HEADER) as out of memory.
         case CURLE_OUT_OF_MEMORY: self = .headTooLarge
         default: self = .other

@@ -15,6 +15,9 @@ the JWKS of the issuers it was told to trust (`trust(issuer, jwks_uri)`): `typ` 
     GET /events                      text/event-stream, chunked: each text put in `events`, as it is put; None ends
     GET /public/...                  200 JSON about the request, no token needed
     GET /files/NAME                  the bytes of `files[NAME]` (a wheel for pip, say)
+    GET /hangup/TAG                  the first time for TAG: the connection is closed without a byte of answer
+                                     (a kept connection the origin closed as the request came); then 200 JSON
+    GET /raw/NAME                    the bytes of `raw[NAME]` as the whole answer, then the connection is closed
     /repo.git/...                    `git http-backend` (CGI) for the bare repository made by `make_git_repo`
     anything, no or a bad token      401 with WWW-Authenticate: Bearer (error="invalid_token" for a bad one)
 
@@ -163,6 +166,14 @@ class _Handler(QuietHandler):
         elif parts[0] == "events" and self.command == "GET":
             seen.status = 200
             self._events(rs, seen)
+        elif parts[0] == "hangup" and len(parts) == 2 and rs._hang_up_once(parts[1]):
+            seen.status = 0
+            seen.error = "hung up"
+            self.close_connection = True
+        elif parts[0] == "raw" and len(parts) == 2 and parts[1] in rs.raw:
+            seen.status = 0
+            self.wfile.write(rs.raw[parts[1]])
+            self.close_connection = True
         elif parts[0] == "redirect":
             target = urllib.parse.parse_qs(url.query).get("to", ["https://elsewhere.test/"])[0]
             seen.status = 302
@@ -226,6 +237,9 @@ class ResourceServer:
         self.revoked: set[str] = set()
         self.git_root: Path | None = None
         self.files: dict[str, bytes] = {}
+        # What /raw/NAME answers, byte for byte; the tags /hangup/TAG was asked for.
+        self.raw: dict[str, bytes] = {}
+        self._hung_up: set[str] = set()
         # What /events sends next (see _Handler._events).
         self.events: queue.Queue[str | None] = queue.Queue()
         self.server = TLSHTTPServer(_Handler, self.identity.server_context(), io_timeout=120, owner=self).start()
@@ -256,6 +270,12 @@ class ResourceServer:
     def revoke(self, jti: str) -> None:
         with self.lock:
             self.revoked.add(jti)
+
+    def _hang_up_once(self, tag: str) -> bool:
+        with self.lock:
+            first = tag not in self._hung_up
+            self._hung_up.add(tag)
+            return first
 
     def mark(self) -> int:
         with self.lock:

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -996,3 +997,107 @@ def test_env_for_sh_and_fish(tmp_path, rs):
         assert shell.stdout == str(ws.state / "ca" / "bundle.pem")
     wrong = ws.cli("env", "--shell", "tcsh")
     assert wrong.returncode == 64, wrong.stderr
+
+
+# MARK: - 12. The proxy's own HTTP/1.1 client (upstream_client = builtin, the default) and libcurl
+
+
+BARE_CLIENT = textwrap.dedent("""
+    import http.client, json, os, ssl, sys, urllib.parse
+    # Two GETs on one connection with no field of the client's own beyond Host (http.client adds none when
+    # told so): what else reaches the origin is what the proxy added. HTTPS_PROXY and SSL_CERT_FILE from the
+    # environment, as `proxyctl env` sets them.
+    proxy = urllib.parse.urlsplit(os.environ["HTTPS_PROXY"])
+    url = urllib.parse.urlsplit(sys.argv[1])
+    connection = http.client.HTTPSConnection(
+        proxy.hostname, proxy.port, context=ssl.create_default_context(cafile=os.environ["SSL_CERT_FILE"]))
+    connection.set_tunnel(url.hostname, url.port)
+    statuses = []
+    for _ in range(2):
+        connection.putrequest("GET", url.path, skip_accept_encoding=True)
+        connection.endheaders()
+        answer = connection.getresponse()
+        answer.read()
+        statuses.append(answer.status)
+    print(json.dumps(statuses))
+""")
+
+
+@pytest.mark.parametrize("client", ["builtin", "libcurl"])
+def test_each_upstream_client_attaches_the_token_and_keeps_the_origin_connection(main, rs, client):
+    """GETs go through the proxy's own client by default, or through libcurl with `upstream_client = libcurl`:
+    either way the token is attached, the two requests share one kept connection to the origin, and the
+    request reaches the origin as the client made it. The own client adds nothing; libcurl adds its
+    `User-Agent: proxyctl` when the client sent none."""
+    deployment, ws = main, None
+    if client == "libcurl":
+        ws = Workspace(main.ws.root.parent / "libcurl-client", main.ws.sections, MAIN_RESOLVE,
+                       state=main.ws.state, upstream_client="libcurl")
+        deployment = Deployment(ws, ws.start_proxy())
+    try:
+        seen_mark = rs.mark()
+        done = subprocess.run([sys.executable, "-c", BARE_CLIENT, rs.url(f"/bare/{client}")], capture_output=True,
+                              text=True, timeout=60, env=deployment.client_env())
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert json.loads(done.stdout) == [200, 200]
+        seen = rs.since(seen_mark)
+        assert [s.path for s in seen] == [f"/bare/{client}"] * 2
+        assert all(s.token == deployment.ws.tokens("glew")["access_token"] for s in seen)
+        assert seen[0].connection == seen[1].connection, "the second request went on a new connection"
+        names = [name.lower() for name, _ in seen[0].headers]
+        if client == "builtin":
+            assert names == ["host", "authorization"], seen[0].headers
+        else:
+            assert ("user-agent", "proxyctl") in [(n.lower(), v) for n, v in seen[0].headers], seen[0].headers
+    finally:
+        if ws is not None:
+            failure = deployment.stop()
+            assert failure is None, failure
+
+
+def test_a_kept_connection_the_origin_closed_unanswered_is_replaced_once(main, rs):
+    """The origin takes a GET on a kept connection and closes it without a byte of answer (the keep-alive race:
+    it had timed the connection out as the request came). The own client sends the GET once more on a new
+    connection, says so in the log, and the client gets the answer."""
+    tag = uuid.uuid4().hex[:10]
+    mark, seen_mark = main.proxy.mark(), rs.mark()
+    assert main.curl(rs.url(f"/warm/{tag}")).status == 200
+    answer = main.curl(rs.url(f"/hangup/{tag}"))
+    assert answer.status == 200, answer
+    warm, first, second = rs.since(seen_mark)
+    assert [first.path, second.path] == [f"/hangup/{tag}"] * 2 and first.error == "hung up"
+    assert first.connection == warm.connection, "the first try went on the kept connection"
+    assert second.connection != first.connection, "the resend went on the connection that had closed"
+    main.proxy.wait_log(r"the kept connection to the origin closed before answering; GET sent again on a new "
+                        r"connection", since=mark)
+
+
+@pytest.mark.parametrize("name, raw, error", [
+    ("two-lengths", b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab", "http_protocol_error"),
+    ("not-http", b"SSH-2.0-OpenSSH_9.2\r\n\r\n", "http_protocol_error"),
+    ("cut-short", b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly this", None),
+    ("no-answer", b"", "http_response_incomplete"),
+])
+def test_an_origin_answer_that_cannot_be_read_is_a_502_naming_why(main, rs, name, raw, error):
+    """Answers the own client cannot use: ambiguous framing (a smuggling shape), not HTTP at all, nothing. Each
+    is a 502 whose Proxy-Status names the error; a body cut short after its head was passed on cannot become
+    a 502 (the head went out): the client's connection is closed before the promised length."""
+    rs.raw[name] = raw
+    answer = main.curl(rs.url(f"/raw/{name}"), "--http1.1")
+    if error is None:
+        assert answer.status == 200 and answer.returncode == 18, answer  # CURLE_PARTIAL_FILE
+        return
+    assert answer.status == 502, answer
+    assert answer.header("proxy-status").startswith(f"proxyctl; error={error}"), answer
+
+
+def test_head_gets_the_head_and_the_kept_connection_goes_on(main, rs):
+    """A HEAD's answer announces a body that never comes: the own client reads the head alone, and the same
+    connection carries the next request."""
+    seen_mark = rs.mark()
+    head = main.curl(rs.url("/head-probe"), "-I")
+    assert head.status == 200 and head.header("content-length") is not None, head
+    after = main.curl(rs.url("/after-head"))
+    assert after.status == 200, after
+    first, second = rs.since(seen_mark)
+    assert first.method == "HEAD" and second.connection == first.connection

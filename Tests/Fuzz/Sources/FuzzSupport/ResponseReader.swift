@@ -96,4 +96,77 @@ public func fuzzResponseReader(_ data: UnsafeBufferPointer<UInt8>) {
     if method == "HEAD" {
         invariant(!whole.reported.contains { if case .body = $0 { true } else { false } }, "a body to HEAD")
     }
+    driveOriginExchange(input, method: method, reader: whole.reported, random: &random)
+}
+
+/// The own client's exchange on the same bytes with connection events between the pieces: at most one finish
+/// and nothing but the connection's release after it; a write only on a connection; at most one resend, and
+/// only of a request RetryPolicy allows; and, when nothing but bytes came, exactly the reader's reports.
+private func driveOriginExchange(
+    _ input: [UInt8], method: String, reader: [Reported], random: inout InputRandom
+) {
+    let head = Array("\(method) / HTTP/1.1\r\nHost: api.test\r\n\r\n".utf8)
+    var exchange = OriginExchange(
+        method: method, url: "https://api.test/", head: head, connectTimeout: 100, idleTimeout: 1000)
+    var actions: [OriginExchange.Action] = []
+    exchange.start(&actions)
+    var reported: [Reported] = []
+    var connected = false
+    var asked = 1
+    var finished = false
+    var onlyBytes = true
+    var writes = 0
+    func apply(_ step: [OriginExchange.Action], _ bytes: [UInt8]) {
+        for action in step {
+            invariant(!finished || { if case .release = action { true } else { false } }(), "\(action) after the end")
+            switch action {
+            case .connect: asked += 1
+            case .write(let bytes):
+                invariant(connected && bytes == head, "a write without a connection, or not the head")
+                writes += 1
+            case .deliverHead(let bytes): record(.head(bytes), bytes, &reported)
+            case .deliverBody(let range): record(.body(range), bytes, &reported)
+            case .deliverTrailers(let lines): record(.trailers(Array(lines.dropLast(2))), lines, &reported)
+            case .release: connected = false
+            case .finish: finished = true
+            case .arm, .log: break
+            }
+        }
+    }
+    func event(_ event: OriginExchange.Event) {
+        var step: [OriginExchange.Action] = []
+        exchange.handle(event, &step)
+        apply(step, [])
+    }
+    connected = true
+    event(.connected(reused: random.nextBool()))
+    for piece in Split.mixed(salt: 3).pieces(of: input) where !exchange.isFinished {
+        if random.next(in: 0...15) == 0 {
+            onlyBytes = false
+            let events: [OriginExchange.Event] = [
+                .closed, .broken(detail: "reset"), .timerFired(idle: 2000), .timerFired(idle: 1), .cancel,
+            ]
+            event(events[random.next(in: 0...(events.count - 1))])
+            if !connected, !exchange.isFinished, asked > 1 {
+                connected = true
+                event(.connected(reused: false))
+            }
+            continue
+        }
+        var step: [OriginExchange.Action] = []
+        let bytes = Array(input[piece])
+        let taken = bytes.withUnsafeBytes { exchange.received($0, &step) }
+        invariant(taken >= 0 && taken <= bytes.count, "took \(taken) of \(bytes.count)")
+        apply(step, bytes)
+    }
+    invariant(asked <= (RetryPolicy.mayResend(method: method, framing: .none) ? 2 : 1), "more than one resend")
+    invariant(writes <= 2, "the head written more than twice")
+    if onlyBytes {
+        // The reader's reports up to its end (a close the exchange did not see is left out).
+        let expected = reader.filter { if case .failed = $0 { false } else { true } }
+        let got = reported
+        let prefix = expected.prefix { if case .end = $0 { false } else { true } }
+        invariant(
+            got.starts(with: prefix) || got == expected, "the exchange handed over other than the reader reported")
+    }
 }
