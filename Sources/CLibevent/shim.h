@@ -45,6 +45,12 @@ static inline int proxyctl_set_nodelay(int fd) {
     return setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 }
 
+// A non-blocking, close-on-exec TCP socket of `family` (SOCK_STREAM named in Swift in a second file of a module
+// made the compiler lose it in the first).
+static inline int proxyctl_tcp_socket(int family) {
+    return socket(family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+}
+
 // errno is a macro over a thread-local; Swift's Glibc import covers it, but a function keeps the I/O
 // layer free of Glibc-specific spelling.
 static inline int proxyctl_errno(void) { return errno; }
