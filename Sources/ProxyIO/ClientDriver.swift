@@ -879,6 +879,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
         precondition(!handling, "a libcurl callback inside an event of the same connection")
         lastActivity = EventLoop.monotonicMilliseconds()
         var out: [ConnectionMachine.Action] = []
+        out.reserveCapacity(8)
         machine.transferHeaderLines(lines, now: lastActivity, &out)
         handling = true
         run(out)

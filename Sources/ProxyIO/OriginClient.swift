@@ -474,6 +474,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
     func start() {
         lastActivity = EventLoop.monotonicMilliseconds()
         var out: [OriginExchange.Action] = []
+        out.reserveCapacity(2)
         machine.start(&out)
         run(out)
     }
@@ -500,9 +501,12 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
 
     /// Runs `actions`; `input` is what `.deliverBody` ranges point into. Stops handing over to the owner when it
     /// pauses (the rest is stashed) or cancels (only the connection's release still happens).
-    private func run(_ actions: [OriginExchange.Action], input: UnsafeRawBufferPointer? = nil) {
-        var index = 0
-        while index < actions.count {
+    private func run(
+        _ actions: [OriginExchange.Action], _ range: Range<Int>? = nil, input: UnsafeRawBufferPointer? = nil
+    ) {
+        var index = range?.lowerBound ?? 0
+        let end = range?.upperBound ?? actions.count
+        while index < end {
             let action = actions[index]
             index += 1
             if cancelled {
@@ -558,6 +562,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
 
     private func handle(_ event: OriginExchange.Event) {
         var out: [OriginExchange.Action] = []
+        out.reserveCapacity(6)
         machine.handle(event, &out)
         run(out)
     }
@@ -727,14 +732,15 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
             }
             let bytes = UnsafeRawBufferPointer(start: start, count: length)
             var out: [OriginExchange.Action] = []
+            out.reserveCapacity(8)
             _ = machine.received(bytes, &out)
             // The bytes are handed over first (the ranges point into them), then drained, then the connection is
             // released: back to the pool with nothing of this response left in it.
             let split = out.firstIndex { if case .release = $0 { true } else { false } } ?? out.count
-            run(Array(out[..<split]), input: bytes)
+            run(out, 0..<split, input: bytes)
             // The owner may have cancelled meanwhile: the connection is then gone.
             if connection === used { evbuffer_drain(input, length) }
-            if split < out.count { run(Array(out[split...]), input: bytes) }
+            if split < out.count { run(out, split..<out.count, input: bytes) }
         }
         if paused { connection?.stopReading() }
         if peerClosed, !paused, !cancelled, !machine.isFinished, let used = connection,

@@ -110,6 +110,7 @@ extension ConnectionMachine {
         _ out: inout [Action], _ body: (inout ProtectedExchange, inout [ProtectedExchange.Output]) -> Void
     ) {
         var outputs: [ProtectedExchange.Output] = []
+        outputs.reserveCapacity(4)
         changeIntercepting { body(&$0.exchange, &outputs) }
         apply(outputs, &out)
     }

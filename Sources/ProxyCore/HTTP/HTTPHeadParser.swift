@@ -116,6 +116,11 @@ public struct HTTPHeadParser: Sendable {
     /// Parses `input`. Call again with more bytes after `.needMore`.
     public mutating func parse(_ input: UnsafeRawBufferPointer) -> Outcome {
         if let failure { return .failed(failure) }
+        if buffer.capacity == 0 {
+            // A head arrives line by line: room for a typical one at once instead of growing five times.
+            buffer.reserveCapacity(min(limits.maxHeadBytes, 2048))
+            fields.reserveCapacity(16)
+        }
         var offset = 0
         while offset < input.count {
             let remaining = input.count - offset
