@@ -597,7 +597,8 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
             case .action(let action):
                 run([action])
             case .body(let bytes):
-                if owner.transferBody(self, bytes.withUnsafeBytes { $0 }) == proxyctl_writefunc_pause() {
+                let taken = bytes.withUnsafeBytes { owner.transferBody(self, $0) }
+                if taken == proxyctl_writefunc_pause() {
                     paused = true
                     stash.append(contentsOf: steps[position...])
                     return
