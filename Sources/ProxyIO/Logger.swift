@@ -52,7 +52,32 @@ public final class Logger: @unchecked Sendable {
         case .info: level = .info
         case .warn: level = .warn
         }
-        log(level, "conn=\(id) client=\(peer) \(line.text)")
+        guard enabled(level) else { return }
+        if jsonStorage.load(ordering: .relaxed) {
+            emit(level, "conn=\(id) client=\(peer) \(line.text)")
+            return
+        }
+        // The access log's line per request, written as bytes at once: built as a String in four steps it
+        // was a tenth of a forwarded request's instructions.
+        var bytes: [UInt8] = []
+        bytes.reserveCapacity(line.text.utf8.count + peer.utf8.count + 72)
+        appendPrefix(level, to: &bytes)
+        bytes.append(contentsOf: "conn=".utf8)
+        bytes.append(contentsOf: String(id).utf8)  // a small string: no allocation
+        bytes.append(contentsOf: " client=".utf8)
+        bytes.append(contentsOf: peer.utf8)
+        bytes.append(UInt8(ascii: " "))
+        bytes.append(contentsOf: line.text.utf8)
+        bytes.append(UInt8(ascii: "\n"))
+        writeLine(bytes)
+    }
+
+    /// The timestamp and the level, each followed by a space.
+    private func appendPrefix(_ level: LogLevel, to bytes: inout [UInt8]) {
+        bytes.append(contentsOf: timestamp().utf8)
+        bytes.append(UInt8(ascii: " "))
+        bytes.append(contentsOf: level.description.utf8)
+        bytes.append(UInt8(ascii: " "))
     }
 
     public func log(_ level: LogLevel, _ message: @autoclosure () -> String) {
@@ -61,19 +86,20 @@ public final class Logger: @unchecked Sendable {
     }
 
     private func emit(_ level: LogLevel, _ message: String) {
-        var line: String
+        var bytes: [UInt8] = []
         if jsonStorage.load(ordering: .relaxed) {
-            line = Self.jsonLine(time: timestamp(), level: level, message: message)
+            bytes.append(contentsOf: Self.jsonLine(time: timestamp(), level: level, message: message).utf8)
         } else {
-            line = timestamp()
-            line += " "
-            line += level.description
-            line += " "
-            line += message
+            bytes.reserveCapacity(message.utf8.count + 40)
+            appendPrefix(level, to: &bytes)
+            bytes.append(contentsOf: message.utf8)
         }
-        line += "\n"
-        var bytes = Array(line.utf8)
-        bytes.withUnsafeMutableBytes { buffer in
+        bytes.append(UInt8(ascii: "\n"))
+        writeLine(bytes)
+    }
+
+    private func writeLine(_ line: [UInt8]) {
+        line.withUnsafeBytes { buffer in
             var offset = 0
             while offset < buffer.count {
                 let written = write(fd, buffer.baseAddress! + offset, buffer.count - offset)

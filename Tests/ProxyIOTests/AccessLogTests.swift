@@ -1,0 +1,56 @@
+import Foundation
+import ProxyCore
+import Testing
+
+@testable import ProxyIO
+
+/// The log's line format, read back from a pipe: the access-log lines written as bytes at once must read
+/// exactly as the general ones (timestamp, level, `conn=`, `client=`, the machine's text), and the JSON format
+/// splits them into members.
+@Suite struct AccessLogTests {
+    /// What `write` logs through a logger of `format`, as text.
+    static func logged(_ format: LogFormat, _ write: (Logger) -> Void) throws -> String {
+        var fds: [Int32] = [0, 0]
+        try #require(pipe(&fds) == 0)
+        defer { close(fds[0]) }
+        write(Logger(level: .info, format: format, fd: fds[1]))
+        close(fds[1])
+        var bytes: [UInt8] = []
+        var buffer = [UInt8](repeating: 0, count: 4096)
+        while true {
+            let count = read(fds[0], &buffer, buffer.count)
+            if count <= 0 { break }
+            bytes += buffer[..<count]
+        }
+        return String(decoding: bytes, as: UTF8.self)
+    }
+
+    @Test func anAccessLogLineReadsAsAnyOtherLine() throws {
+        let text = try Self.logged(.text) { logger in
+            logger.connection(
+                42, peer: "127.0.0.1:5000", LogLine(.info, "GET http://a.test/x status=200 up=0 down=5 ms=1"))
+            logger.info("conn=43 client=127.0.0.1:5001 GET http://a.test/y status=204")
+            logger.connection(44, peer: "127.0.0.1:5002", LogLine(.debug, "not shown at info"))
+        }
+        let lines = text.split(separator: "\n", omittingEmptySubsequences: false)
+        #expect(lines.count == 3 && lines[2].isEmpty, "\(text)")
+        let pattern = #/^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{3}Z info conn=(\d+) client=(\S+) (.*)$/#
+        let first = try #require(try pattern.wholeMatch(in: String(lines[0])))
+        #expect(first.1 == "42" && first.2 == "127.0.0.1:5000")
+        #expect(first.3 == "GET http://a.test/x status=200 up=0 down=5 ms=1")
+        let second = try #require(try pattern.wholeMatch(in: String(lines[1])))
+        #expect(second.1 == "43" && second.3 == "GET http://a.test/y status=204")
+    }
+
+    @Test func jsonSplitsTheConnectionAndTheClient() throws {
+        let text = try Self.logged(.json) { logger in
+            logger.connection(7, peer: "[::1]:9", LogLine(.warn, "say \"hi\""))
+        }
+        let object = try #require(
+            try JSONSerialization.jsonObject(with: Data(text.utf8)) as? [String: Any], "\(text)")
+        #expect(object["conn"] as? Int == 7)
+        #expect(object["client"] as? String == "[::1]:9")
+        #expect(object["msg"] as? String == "say \"hi\"")
+        #expect(object["level"] as? String == "warn")
+    }
+}
