@@ -54,9 +54,9 @@ final class H2Driver: ServerConnection, TransferOwner {
         var uploadPaused = false
         /// Bytes of the request body received but not yet acknowledged to the client (flow control).
         var unacknowledged = 0
-        /// Response bytes waiting for the client's window.
-        var pending: [UInt8] = []
-        var pendingStart = 0
+        /// Response bytes waiting for the client's window: a chain of blocks, so what the client took is freed
+        /// as it goes (an array with a start offset grew by every byte taken while bytes were left in it).
+        let pending = evbuffer_new()!
         var responseEnded = false
         var trailers: [H2Field] = []
         /// The data provider returned NGHTTP2_ERR_DEFERRED: resume it when bytes come.
@@ -77,7 +77,9 @@ final class H2Driver: ServerConnection, TransferOwner {
 
         init(id: Int32) { self.id = id }
 
-        var pendingCount: Int { pending.count - pendingStart }
+        deinit { evbuffer_free(pending) }
+
+        var pendingCount: Int { evbuffer_get_length(pending) }
     }
 
     init(
@@ -305,13 +307,13 @@ final class H2Driver: ServerConnection, TransferOwner {
             submit(stream, fields, provider: !endStream)
         case .respond(let stream, let fields, let body):
             let io = streamIO(stream)
-            io.pending = body
-            io.pendingStart = 0
+            evbuffer_drain(io.pending, io.pendingCount)
+            body.withUnsafeBytes { _ = evbuffer_add(io.pending, $0.baseAddress, $0.count) }
             io.responseEnded = true
             submit(stream, fields, provider: !body.isEmpty)
         case .writeBody(let stream):
             guard let data = transferData, let io = streams[stream] else { return }
-            io.pending.append(contentsOf: data)
+            evbuffer_add(io.pending, data.baseAddress, data.count)
             io.down += data.count
             resumeData(io)
         case .endStream(let stream, let trailers):
@@ -361,11 +363,7 @@ final class H2Driver: ServerConnection, TransferOwner {
             evbuffer_drain(bufferevent_get_input(end.bev), count)
         case .tunnelToStream(let stream, let count):
             guard let io = streams[stream], let end = io.tunnel else { return }
-            var bytes = [UInt8](repeating: 0, count: count)
-            let taken = bytes.withUnsafeMutableBytes {
-                evbuffer_remove(bufferevent_get_input(end.bev), $0.baseAddress, count)
-            }
-            io.pending.append(contentsOf: bytes.prefix(max(0, Int(taken))))
+            let taken = evbuffer_remove_buffer(bufferevent_get_input(end.bev), io.pending, count)
             io.down += max(0, Int(taken))
             if io.pendingCount >= context.highWater {
                 // The client's stream window is full: stop reading the tunnel until it drained.
@@ -481,14 +479,7 @@ final class H2Driver: ServerConnection, TransferOwner {
         guard let io = streams[stream] else { return Int(NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE.rawValue) }
         let count = min(length, io.pendingCount)
         if count > 0 {
-            io.pending.withUnsafeBufferPointer { source in
-                buffer.update(from: source.baseAddress! + io.pendingStart, count: count)
-            }
-            io.pendingStart += count
-            if io.pendingStart == io.pending.count {
-                io.pending.removeAll(keepingCapacity: true)
-                io.pendingStart = 0
-            }
+            evbuffer_remove(io.pending, buffer, count)
             lastActivity = EventLoop.monotonicMilliseconds()
             if io.pendingCount < context.highWater / 2, let end = io.tunnel {
                 bufferevent_enable(end.bev, Int16(EV_READ))

@@ -136,8 +136,9 @@ final class OriginConnection {
     private let tls: TLSClientContexts?
     private let caFile: String?
 
-    /// Bytes read ahead of the transfer at most.
-    static let inputLimit = 1 << 20
+    /// Bytes read ahead of the transfer at most: what a paused owner leaves here is bounded like what it holds
+    /// itself (`ConnectionContext.highWater`).
+    static let inputLimit = 256 * 1024
     static let readSize = 64 * 1024
 
     /// Starts a TCP connect to `address` (then TLS for `serverName` when `tls` is given); nil with the errno

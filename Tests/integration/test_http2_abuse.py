@@ -444,6 +444,22 @@ def test_a_stalled_download_keeps_memory_bounded(deployment, rs, stall, record_p
     rss.assert_flat()
 
 
+def test_a_download_paced_by_the_stream_window_keeps_memory_bounded(deployment, rs, record_property):
+    """32 MiB to a client that keeps the default 64 KiB stream window and gives back each DATA frame as it reads
+    it, so the proxy always has bytes waiting for the window: its pending bytes for the stream stay under the
+    high-water mark the whole way (they once grew with every byte the client took, 32 MiB here, because the
+    stream's buffer was compacted only when it ran empty). Every byte arrives intact."""
+    size = 32 * MiB
+    with RawH2(deployment, rs.authority()) as client, Rss(deployment, record_property) as rss:
+        client.handshake()
+        stream = client.open(f"/download/{size}")
+        client.answers[stream].keep = False
+        answer = client.response(stream, timeout=120)
+    assert answer.reset is None and answer.received == size, answer
+    assert answer.digest.hexdigest() == expected_sha256(size)
+    rss.assert_flat()
+
+
 def test_a_stream_reset_mid_download_stops_the_upstream_transfer(short_keepalive, rs):
     """The client resets a 1 GiB download after 2 MiB: the proxy stops its transfer (the origin sees its
     connection closed mid-body), logs the exchange as aborted with the bytes it delivered, serves the next
