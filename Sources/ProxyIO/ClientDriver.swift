@@ -759,17 +759,9 @@ final class ClientDriver: ServerConnection, TransferOwner {
     private func send(_ request: UpstreamRequest, origin: OriginConfig) {
         credentialFields(request.credential, method: request.method, url: request.url, origin: origin) {
             [unowned self] authorization in
-            let made: any UpstreamTransfer
-            if request.client == .builtin,
-                let own = OriginTransfer(
-                    owner: self, request: request, authorization: authorization, context: context, connectionID: id)
-            {
-                made = own
-            } else {
-                made = InterceptTransfer(
-                    owner: self, request: request, authorization: authorization, body: requestBody(),
-                    pool: context.curl)
-            }
+            let made = makeUpstreamTransfer(
+                owner: self, request: request, authorization: authorization, context: context, connectionID: id,
+                body: requestBody)
             transfer = made
             uploadPaused = false
             made.start()

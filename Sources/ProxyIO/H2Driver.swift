@@ -718,21 +718,17 @@ final class H2Driver: ServerConnection, TransferOwner {
                 }
             }
         }
-        let made: any UpstreamTransfer
-        if request.client == .builtin,
-            let own = OriginTransfer(
-                owner: self, request: request, authorization: authorization, context: context, connectionID: id)
-        {
-            made = own
-        } else {
+        let made = makeUpstreamTransfer(
+            owner: self, request: request, authorization: authorization, context: context, connectionID: id
+        ) {
             let body =
                 io.body
                 ?? RequestBody(memoryLimit: context.settings.replayMemory, spoolDirectory: context.spoolDirectory)
             io.body = body
-            let transfer = InterceptTransfer(
-                owner: self, request: request, authorization: authorization, body: body, pool: context.curl)
-            if request.body == .streaming { transfer.sendTrailers { [weak io] in io?.requestTrailers ?? [] } }
-            made = transfer
+            return body
+        }
+        if request.body == .streaming, let curl = made as? InterceptTransfer {
+            curl.sendTrailers { [weak io] in io?.requestTrailers ?? [] }
         }
         made.tag = stream
         io.transfer = made

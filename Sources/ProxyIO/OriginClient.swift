@@ -78,13 +78,9 @@ final class OriginPool {
         idle[connection.key] = list.isEmpty ? nil : list
     }
 
-    /// Closes every kept connection (shutdown).
-    func closeAll() {
+    deinit {
         for list in idle.values { for connection in list { connection.close() } }
-        idle = [:]
     }
-
-    deinit { closeAll() }
 }
 
 /// What an `OriginConnection` tells the transfer using it.
@@ -120,7 +116,7 @@ final class OriginConnection {
     let input: OpaquePointer
     private let loop: EventLoop
     private var fd: Int32
-    private(set) var ssl: OpaquePointer?
+    private var ssl: OpaquePointer?
     private var readEvent: OpaquePointer?
     private var writeEvent: OpaquePointer?
     private var pendingWrite: [UInt8] = []
@@ -399,6 +395,23 @@ private let originEventCallback: event_callback_fn = { _, what, context in
     withExtendedLifetime(connection) { connection.event(what) }
 }
 
+/// The transfer for `request` on the client its `client` names: the own one (when its URL parses), else
+/// libcurl with the request body `body()` gives (made only then).
+func makeUpstreamTransfer(
+    owner: any TransferOwner, request: UpstreamRequest, authorization: [(name: String, value: [UInt8])],
+    context: ConnectionContext, connectionID: UInt64, body: () -> RequestBody
+) -> any UpstreamTransfer {
+    if request.client == .builtin,
+        let own = OriginTransfer(
+            owner: owner, request: request, authorization: authorization, context: context,
+            connectionID: connectionID)
+    {
+        return own
+    }
+    return InterceptTransfer(
+        owner: owner, request: request, authorization: authorization, body: body(), pool: context.curl)
+}
+
 /// One GET or HEAD to a protected origin on the proxy's own HTTP/1.1 client: carries out what its
 /// `OriginExchange` decides (which connection, the head written, the response read and handed to the owner as
 /// libcurl's callbacks would, the timer, the connection kept or closed) on an `OriginConnection`. Decides
@@ -449,10 +462,9 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
         owner: any TransferOwner, request: UpstreamRequest, authorization: [(name: String, value: [UInt8])],
         context: ConnectionContext, connectionID: UInt64
     ) {
-        guard case .success(let url) = AbsoluteURL.parse(request.url),
-            let head = UpstreamRequest.http1Head(
-                method: request.method, url: request.url, fields: request.fields, credential: authorization)
-        else { return nil }
+        guard case .success(let url) = AbsoluteURL.parse(request.url) else { return nil }
+        let head = UpstreamRequest.http1Head(
+            method: request.method, url: url, fields: request.fields, credential: authorization)
         self.owner = owner
         self.context = context
         self.connectionID = connectionID

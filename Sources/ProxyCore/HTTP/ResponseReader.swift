@@ -164,8 +164,17 @@ extension UpstreamRequest {
         credential: [(name: String, value: [UInt8])]
     ) -> [UInt8]? {
         guard case .success(let parsed) = AbsoluteURL.parse(url) else { return nil }
+        return http1Head(method: method, url: parsed, fields: fields, credential: credential)
+    }
+
+    /// The same for a URL already parsed.
+    public static func http1Head(
+        method: String, url parsed: AbsoluteURL, fields: [(name: String, value: [UInt8])],
+        credential: [(name: String, value: [UInt8])]
+    ) -> [UInt8] {
         var head: [UInt8] = []
-        head.reserveCapacity(64 + url.utf8.count + fields.reduce(0) { $0 + $1.name.utf8.count + $1.value.count + 4 })
+        head.reserveCapacity(
+            64 + parsed.pathAndQuery.utf8.count + fields.reduce(0) { $0 + $1.name.utf8.count + $1.value.count + 4 })
         func line(_ name: String, _ value: some Collection<UInt8>) {
             head.append(contentsOf: name.utf8)
             head.append(ASCII.colon)
