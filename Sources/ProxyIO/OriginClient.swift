@@ -367,14 +367,7 @@ final class OriginConnection {
     }
 
     private static func tlsErrors() -> String {
-        var messages: [String] = []
-        while true {
-            let code = ERR_get_error()
-            if code == 0 { break }
-            var buffer = [CChar](repeating: 0, count: 200)
-            ERR_error_string_n(code, &buffer, buffer.count)
-            messages.append(String(decoding: buffer.prefix { $0 != 0 }.map { UInt8(bitPattern: $0) }, as: UTF8.self))
-        }
+        let messages = CryptoError.drainQueue()
         let errno = proxyctl_errno()
         if messages.isEmpty && errno != 0 { return String(cString: strerror(errno)) }
         return messages.isEmpty ? "connection closed" : messages.joined(separator: "; ")

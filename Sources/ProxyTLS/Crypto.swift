@@ -15,7 +15,8 @@ public struct CryptoError: Error, Sendable, CustomStringConvertible {
         details.isEmpty ? operation : "\(operation): \(details.joined(separator: "; "))"
     }
 
-    static func drainQueue() -> [String] {
+    /// OpenSSL's error queue of this thread as messages, oldest first; the queue is empty afterwards.
+    public static func drainQueue() -> [String] {
         var messages: [String] = []
         var buffer = [CChar](repeating: 0, count: 256)
         while proxyctl_ERR_get_error_string(&buffer, buffer.count) != 0 {
