@@ -308,6 +308,16 @@ private func droppedNames(_ semantics: RequestSemantics, _ head: HTTPHead) -> [S
         #expect(droppedNames(semantics, head) == ["Connection", "Connection", "X-Hop", "X-Other"])
     }
 
+    @Test func connectionOptionsAreTrimmedListElements() throws {
+        // RFC 9110 §5.6.1: empty elements and whitespace around them do not count; names match in any case,
+        // a name that merely starts or ends like an option does not.
+        let (semantics, head) = try acceptedRequest(
+            "GET http://a/ HTTP/1.1", "Host: a", "Connection: ,  X-A ,\t, x-B\t,,", "x-a: 1", "X-b: 2", "X-AB: 3",
+            "X: 4", "Y-X-A: 5")
+        #expect(droppedNames(semantics, head) == ["Connection", "x-a", "X-b"])
+        #expect(head.listElements(named: "connection") == ["x-a", "x-b"])
+    }
+
     @Test func connectionCannotRemoveFramingOrHost() throws {
         // "Connection: Content-Length" is an old smuggling trick: the framing the proxy checked must travel on.
         let (semantics, head) = try acceptedRequest(

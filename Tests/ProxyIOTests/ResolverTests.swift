@@ -65,31 +65,6 @@ import Testing
     }
 }
 
-@Suite struct LogTextTests {
-    @Test func queriesNeverReachTheLog() throws {
-        let url = try AbsoluteURL.parse("http://api.test/cb?code=SECRET&state=x").get()
-        let text = LogText.url(url)
-        #expect(!text.contains("SECRET"))
-        #expect(text == "http://api.test/cb?...")
-        #expect(LogText.target("/cb?access_token=SECRET") == "/cb?...")
-    }
-
-    /// "?" followed by a combining mark is one Character: the query must be cut all the same.
-    @Test func queriesBehindACombiningMarkNeverReachTheLog() throws {
-        let url = try AbsoluteURL.parse("http://api.test/cb?\u{301}code=SECRET").get()
-        #expect(!LogText.url(url).contains("SECRET"))
-        #expect(LogText.url(url) == "http://api.test/cb?...")
-        #expect(!LogText.target("/cb?\u{301}access_token=SECRET").contains("SECRET"))
-        #expect(LogText.target("/cb?\u{301}access_token=SECRET") == "/cb?...")
-    }
-
-    @Test func durations() {
-        #expect(LogText.duration(12) == "12ms")
-        #expect(LogText.duration(1234) == "1.23s")
-        #expect(LogText.duration(60_050) == "60.05s")
-    }
-}
-
 @Suite struct LoggerTests {
     @Test func writesOneLinePerMessageAtOrAboveTheLevel() throws {
         var fds: [Int32] = [0, 0]

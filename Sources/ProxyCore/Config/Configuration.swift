@@ -141,7 +141,7 @@ public struct ConfigParser: Sendable {
         config.source = file
         var seenProxy: Int? = nil
         var seenProviders: [String: Int] = [:]
-        var seenOrigins: [String: Int] = [:]
+        var seenOrigins: [OriginTable.Key: Int] = [:]
         var origins: [OriginConfig] = []
         for section in document.sections {
             switch section.name {

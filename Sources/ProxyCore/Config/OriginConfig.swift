@@ -81,7 +81,7 @@ public struct OriginConfig: Sendable, Equatable {
 /// The protected origins, looked up by scheme and authority after normalisation (lower case, no trailing
 /// dot, explicit port). Lookups are exact: no subdomains, no other ports, no prefixes or suffixes.
 public struct OriginTable: Sendable, Equatable {
-    private var byKey: [String: OriginConfig] = [:]
+    private var byKey: [Key: OriginConfig] = [:]
     public private(set) var origins: [OriginConfig] = []
 
     public init(_ origins: [OriginConfig] = []) {
@@ -91,8 +91,14 @@ public struct OriginTable: Sendable, Equatable {
         }
     }
 
-    static func key(_ scheme: String, _ authority: HostPort) -> String {
-        "\(scheme)://\(authority.host):\(authority.port)"
+    /// Scheme and normalised authority: what makes two origins the same one.
+    struct Key: Hashable {
+        let scheme: String
+        let authority: HostPort
+    }
+
+    static func key(_ scheme: String, _ authority: HostPort) -> Key {
+        Key(scheme: scheme, authority: authority)
     }
 
     public var isEmpty: Bool { origins.isEmpty }

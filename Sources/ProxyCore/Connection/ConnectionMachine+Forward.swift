@@ -409,10 +409,24 @@ extension ConnectionMachine {
             out.append(.exchangeFinished(upgradeRecord(upgrade, status: forwarding.status, note: note)))
             return
         }
-        var line =
-            "\(forwarding.forward.method) \(LogText.url(forwarding.forward.url)) status=\(forwarding.status) up=\(forwarding.bytesUp) down=\(forwarding.bytesDown) duration=\(LogText.duration(now - forwarding.started))"
-        if let note { line += " note=\"\(note)\"" }
-        out.append(.log(LogLine(.info, line)))
+        var line = LogLineBuilder()
+        line.append(forwarding.forward.method)
+        line.append(" ")
+        line.append(url: forwarding.forward.url)
+        line.append(" status=")
+        line.append(forwarding.status)
+        line.append(" up=")
+        line.append(forwarding.bytesUp)
+        line.append(" down=")
+        line.append(forwarding.bytesDown)
+        line.append(" duration=")
+        line.append(duration: now - forwarding.started)
+        if let note {
+            line.append(" note=\"")
+            line.append(note)
+            line.append("\"")
+        }
+        out.append(.log(LogLine(.info, line.text)))
         out.append(
             .requestFinished(
                 RequestOutcome(

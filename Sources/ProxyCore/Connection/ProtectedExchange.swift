@@ -628,13 +628,33 @@ public struct ExchangeRecord: Sendable, Equatable {
 
     /// The access log line (after the `conn= client=` prefix): no token, no query.
     public func logLine(up: Int, down: Int, milliseconds: Int64) -> String {
-        var line =
-            "\(method) \(origin)\(LogText.target(target)) status=\(status) up=\(up) down=\(down) duration=\(LogText.duration(milliseconds)) intercepted=\(provider)"
-        if keptClientAuthorization { line += " token=client" }
-        if attempts > 1 { line += " attempts=\(attempts)" }
-        if refreshed { line += " refreshed=1" }
-        if nonceRetried { line += " nonce_retry=1" }
-        if let note { line += " note=\"\(note)\"" }
-        return line
+        var line = LogLineBuilder()
+        line.append(method)
+        line.append(" ")
+        line.append(origin)
+        line.append(target: target)
+        line.append(" status=")
+        line.append(status)
+        line.append(" up=")
+        line.append(up)
+        line.append(" down=")
+        line.append(down)
+        line.append(" duration=")
+        line.append(duration: milliseconds)
+        line.append(" intercepted=")
+        line.append(provider)
+        if keptClientAuthorization { line.append(" token=client") }
+        if attempts > 1 {
+            line.append(" attempts=")
+            line.append(attempts)
+        }
+        if refreshed { line.append(" refreshed=1") }
+        if nonceRetried { line.append(" nonce_retry=1") }
+        if let note {
+            line.append(" note=\"")
+            line.append(note)
+            line.append("\"")
+        }
+        return line.text
     }
 }

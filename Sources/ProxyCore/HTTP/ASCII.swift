@@ -69,6 +69,13 @@ public enum ASCII {
         }
     }
 
+    /// Whether `bytes` equal `lowercase` (lower-case bytes), ASCII letters compared case-insensitively.
+    public static func equalsLowercase(_ bytes: some Collection<UInt8>, bytes lowercase: some Collection<UInt8>) -> Bool
+    {
+        guard bytes.count == lowercase.count else { return false }
+        return zip(bytes, lowercase).allSatisfy { lower($0) == $1 }
+    }
+
     /// Calls `body` with each line of `buffer`, its LF (and any CR) included; a last line without LF too.
     /// libcurl's header callback gives one line per call; the drivers hand a head's lines over in one block.
     public static func forEachLine(_ buffer: UnsafeRawBufferPointer, _ body: (UnsafeRawBufferPointer) -> Void) {

@@ -50,6 +50,11 @@ public struct HTTPHead: Sendable {
         String(decoding: bytes[fields[index].name], as: UTF8.self)
     }
 
+    /// Raw bytes of the name at `index`.
+    public func nameBytes(at index: Int) -> ArraySlice<UInt8> {
+        bytes[fields[index].name]
+    }
+
     /// The field value at `index`, without surrounding whitespace.
     public func value(at index: Int) -> String {
         String(decoding: bytes[fields[index].value], as: UTF8.self)
@@ -81,14 +86,26 @@ public struct HTTPHead: Sendable {
     /// elements are skipped (RFC 9110 §5.6.1).
     public func listElements(named lowercaseName: StaticString) -> [String] {
         var elements: [String] = []
-        for index in indices(named: lowercaseName) {
+        for index in fields.indices where field(index, isNamed: lowercaseName) {
             // Bytes, not Characters, and ASCII case folding only, as the next hop reads them: "," followed by a
             // combining mark is one Character, and Unicode lower-cases "chun\u{212A}ed" (KELVIN SIGN) to "chunked".
-            for element in valueBytes(at: index).split(separator: UInt8(ascii: ","), omittingEmptySubsequences: true) {
-                var trimmed = element[...]
-                while let first = trimmed.first, first == ASCII.space || first == ASCII.tab { trimmed.removeFirst() }
-                while let last = trimmed.last, last == ASCII.space || last == ASCII.tab { trimmed.removeLast() }
-                if !trimmed.isEmpty { elements.append(String(decoding: trimmed.map(ASCII.lower), as: UTF8.self)) }
+            let value = fields[index].value
+            var start = value.lowerBound
+            while start < value.upperBound {
+                var end = start
+                while end < value.upperBound && bytes[end] != UInt8(ascii: ",") { end += 1 }
+                var low = start
+                var high = end
+                while low < high && (bytes[low] == ASCII.space || bytes[low] == ASCII.tab) { low += 1 }
+                while high > low && (bytes[high - 1] == ASCII.space || bytes[high - 1] == ASCII.tab) { high -= 1 }
+                if low < high {
+                    elements.append(
+                        String(unsafeUninitializedCapacity: high - low) { buffer in
+                            for offset in 0..<(high - low) { buffer[offset] = ASCII.lower(bytes[low + offset]) }
+                            return high - low
+                        })
+                }
+                start = end + 1
             }
         }
         return elements

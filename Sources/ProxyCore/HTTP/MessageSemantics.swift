@@ -61,7 +61,7 @@ extension MessageSemantics {
 
 /// Connection options that must never remove a field: dropping these would change the framing or the
 /// target that this proxy checked ("Connection: Content-Length" is an old smuggling trick).
-private let protectedFields: Set<String> = ["content-length", "transfer-encoding", "host"]
+private let protectedFields: [StaticString] = ["content-length", "transfer-encoding", "host"]
 
 public enum MessageSemantics {
     /// Checks a request head received by a forward proxy (RFC 9112 §3.2, §6.1, §6.3, §9.6; RFC 9110 §7.6.1).
@@ -205,8 +205,9 @@ public enum MessageSemantics {
             return true
         }
         if options.isEmpty { return false }
-        let name = head.name(at: index).lowercased()
-        return options.contains(name) && !protectedFields.contains(name)
+        let name = head.nameBytes(at: index)
+        guard options.contains(where: { ASCII.equalsLowercase(name, bytes: $0.utf8) }) else { return false }
+        return !protectedFields.contains { head.field(index, isNamed: $0) }
     }
 
     /// Checks a response head received by the proxy for a request with `requestMethod`

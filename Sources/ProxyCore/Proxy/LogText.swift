@@ -3,23 +3,118 @@
 public enum LogText {
     /// The URL without its query.
     public static func url(_ url: AbsoluteURL) -> String {
-        let (path, query) = TargetText.split(url.pathAndQuery, at: "?")
-        return "\(url.scheme)://\(url.hostFieldValue)\(path)\(query == nil ? "" : "?...")"
+        var line = LogLineBuilder(capacity: url.pathAndQuery.utf8.count + 32)
+        line.append(url: url)
+        return line.text
     }
 
     /// A raw request target, cut at the query for the same reason, at most 200 characters.
     public static func target(_ target: String) -> String {
-        let (path, query) = TargetText.split(target, at: "?")
-        return ASCII.clip(path, limit: 200) + (query == nil ? "" : "?...")
+        var line = LogLineBuilder(capacity: min(target.utf8.count, 200) + 8)
+        line.append(target: target)
+        return line.text
     }
 
     /// "830ms", "2.05s".
     public static func duration(_ milliseconds: Int64) -> String {
-        milliseconds < 1000
-            ? "\(milliseconds)ms"
-            : "\(milliseconds / 1000).\(String(milliseconds % 1000 / 10).leftPadding(to: 2))s"
+        var line = LogLineBuilder(capacity: 16)
+        line.append(duration: milliseconds)
+        return line.text
+    }
+}
+
+/// A log line's text built as bytes, once: interpolating it into a String grew and copied the string at every
+/// piece (a tenth of a forwarded request's instructions went to the access-log line).
+public struct LogLineBuilder {
+    public private(set) var bytes: [UInt8] = []
+
+    public init(capacity: Int = 160) {
+        bytes.reserveCapacity(capacity)
     }
 
+    public var text: String { String(decoding: bytes, as: UTF8.self) }
+
+    public mutating func append(_ text: String) {
+        bytes.append(contentsOf: text.utf8)
+    }
+
+    public mutating func append(_ literal: StaticString) {
+        literal.withUTF8Buffer { bytes.append(contentsOf: $0) }
+    }
+
+    /// The decimal digits of `value` (and a minus sign).
+    public mutating func append(_ value: some BinaryInteger) {
+        if value < 0 { bytes.append(UInt8(ascii: "-")) }
+        var magnitude = UInt64(value.magnitude)
+        let start = bytes.count
+        repeat {
+            bytes.append(UInt8(ascii: "0") + UInt8(magnitude % 10))
+            magnitude /= 10
+        } while magnitude > 0
+        bytes[start...].reverse()
+    }
+
+    /// `scheme://host[:port]/path`, the query replaced by `?...` (`LogText.url`).
+    public mutating func append(url: AbsoluteURL) {
+        append(url.scheme)
+        append("://")
+        if url.authority.kind == .ipv6 {
+            bytes.append(UInt8(ascii: "["))
+            append(url.authority.host)
+            bytes.append(UInt8(ascii: "]"))
+        } else {
+            append(url.authority.host)
+        }
+        if !url.hasDefaultPort {
+            bytes.append(ASCII.colon)
+            append(url.authority.port)
+        }
+        let path = url.pathAndQuery.utf8
+        if let query = path.firstIndex(of: UInt8(ascii: "?")) {
+            bytes.append(contentsOf: path[..<query])
+            append("?...")
+        } else {
+            bytes.append(contentsOf: path)
+        }
+    }
+
+    /// A raw request target as `LogText.target` shows it: cut at the query (`?...`), at most 200 characters
+    /// (then `...`), each one not printable ASCII as `?`.
+    public mutating func append(target: String) {
+        var count = 0
+        var clipped = false
+        var query = false
+        for scalar in target.unicodeScalars {
+            if scalar == "?" {
+                query = true
+                break
+            }
+            if clipped { continue }
+            if count == 200 {
+                clipped = true
+                continue
+            }
+            bytes.append(scalar.value >= 0x20 && scalar.value < 0x7F ? UInt8(scalar.value) : UInt8(ascii: "?"))
+            count += 1
+        }
+        if clipped { append("...") }
+        if query { append("?...") }
+    }
+
+    /// "830ms", "2.05s" (`LogText.duration`).
+    public mutating func append(duration milliseconds: Int64) {
+        if milliseconds < 1000 {
+            append(milliseconds)
+            append("ms")
+            return
+        }
+        append(milliseconds / 1000)
+        bytes.append(UInt8(ascii: "."))
+        let hundredths = milliseconds % 1000 / 10
+        if hundredths < 10 { bytes.append(UInt8(ascii: "0")) }
+        append(hundredths)
+        bytes.append(UInt8(ascii: "s"))
+    }
 }
 
 extension String {
