@@ -74,7 +74,7 @@ public final class Logger: @unchecked Sendable {
 
     /// The timestamp and the level, each followed by a space.
     private func appendPrefix(_ level: LogLevel, to bytes: inout [UInt8]) {
-        bytes.append(contentsOf: timestamp().utf8)
+        appendTimestamp(to: &bytes)
         bytes.append(UInt8(ascii: " "))
         bytes.append(contentsOf: level.description.utf8)
         bytes.append(UInt8(ascii: " "))
@@ -136,6 +136,14 @@ public final class Logger: @unchecked Sendable {
 
     /// UTC, millisecond precision, without Foundation's formatter cost.
     func timestamp() -> String {
+        var bytes: [UInt8] = []
+        bytes.reserveCapacity(24)
+        appendTimestamp(to: &bytes)
+        return String(decoding: bytes, as: UTF8.self)
+    }
+
+    /// `timestamp()` appended to a line's bytes.
+    private func appendTimestamp(to bytes: inout [UInt8]) {
         var now = timespec()
         clock_gettime(CLOCK_REALTIME, &now)
         let millis = Int(now.tv_nsec / 1_000_000)
@@ -151,6 +159,10 @@ public final class Logger: @unchecked Sendable {
             cached = (now.tv_sec, text)
             return text
         }
-        return prefix + (millis < 10 ? "00" : millis < 100 ? "0" : "") + String(millis) + "Z"
+        bytes.append(contentsOf: prefix.utf8)
+        bytes.append(UInt8(ascii: "0") + UInt8(millis / 100))
+        bytes.append(UInt8(ascii: "0") + UInt8(millis / 10 % 10))
+        bytes.append(UInt8(ascii: "0") + UInt8(millis % 10))
+        bytes.append(UInt8(ascii: "Z"))
     }
 }

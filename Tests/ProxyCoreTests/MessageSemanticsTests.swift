@@ -554,3 +554,32 @@ private func acceptedResponse(
         #expect(out == expected)
     }
 }
+
+/// The set of field indices not to forward: bits below 64, a list above, always ascending.
+struct FieldIndexSetTests {
+    @Test func insertsContainsAndIteratesInOrder() {
+        var set = FieldIndexSet()
+        #expect(set.isEmpty && Array(set).isEmpty)
+        for index in [70, 3, 63, 0, 64, 3, 200, 70] { set.insert(index) }
+        #expect(Array(set) == [0, 3, 63, 64, 70, 200])
+        #expect(set.contains(63) && set.contains(64) && set.contains(200) && !set.contains(1) && !set.contains(-1))
+        #expect(!set.contains(65) && !set.contains(199))
+        #expect(set == [200, 70, 64, 63, 3, 0])
+        #expect(set.filter { $0 % 2 == 0 } == [0, 64, 70, 200])
+        #expect(set.union([1, 65, 3]) == [0, 1, 3, 63, 64, 65, 70, 200])
+        #expect(!set.isEmpty && ([] as FieldIndexSet).isEmpty && FieldIndexSet() == [])
+    }
+
+    @Test func aHeadWithManyFieldsDropsTheRightOnesAboveSixtyFour() throws {
+        var lines = ["GET http://a/ HTTP/1.1", "Host: a"]
+        for number in 0..<80 { lines.append("X-\(number): \(number)") }
+        lines.append("Connection: x-70, keep-alive")
+        lines.append("Keep-Alive: 5")
+        let head = try parseHead(crlfHead(lines))
+        guard case .success(let semantics) = MessageSemantics.request(head) else {
+            Issue.record("refused")
+            return
+        }
+        #expect(droppedNames(semantics, head) == ["X-70", "Connection", "Keep-Alive"])
+    }
+}

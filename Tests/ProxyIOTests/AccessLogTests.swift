@@ -40,6 +40,11 @@ import Testing
         #expect(first.3 == "GET http://a.test/x status=200 up=0 down=5 ms=1")
         let second = try #require(try pattern.wholeMatch(in: String(lines[1])))
         #expect(second.1 == "43" && second.3 == "GET http://a.test/y status=204")
+        // The time is now, in UTC, to the millisecond.
+        let parser = ISO8601DateFormatter()
+        parser.formatOptions = [.withInternetDateTime, .withFractionalSeconds]
+        let stamp = try #require(parser.date(from: String(lines[0].prefix(24))), "\(lines[0])")
+        #expect(abs(stamp.timeIntervalSinceNow) < 5)
     }
 
     @Test func jsonSplitsTheConnectionAndTheClient() throws {

@@ -24,7 +24,11 @@ public struct HostPort: Sendable, Hashable, CustomStringConvertible {
     /// Userinfo (`user@`), whitespace, control characters, an empty host or a port outside 1...65535 are
     /// errors. `defaultPort` is used when the port is absent; without one, the port is required.
     public static func parse(_ text: Substring, defaultPort: Int?) -> Result<HostPort, HTTPParseError> {
-        let bytes = Array(text.utf8)
+        parse(bytes: Array(text.utf8)[...], defaultPort: defaultPort)
+    }
+
+    /// `parse` over bytes already at hand (a URL's authority): no copies but the host's.
+    static func parse(bytes: ArraySlice<UInt8>, defaultPort: Int?) -> Result<HostPort, HTTPParseError> {
         if bytes.contains(UInt8(ascii: "@")) {
             return .failure(HTTPParseError(.malformed, "userinfo is not allowed in an authority"))
         }
@@ -35,7 +39,7 @@ public struct HostPort: Sendable, Hashable, CustomStringConvertible {
             guard let close = bytes.firstIndex(of: UInt8(ascii: "]")) else {
                 return .failure(HTTPParseError(.malformed, "unterminated IPv6 address in authority"))
             }
-            hostBytes = bytes[1..<close]
+            hostBytes = bytes[(bytes.startIndex + 1)..<close]
             rest = bytes[(close + 1)...]
             kind = .ipv6
             guard IPAddress.parseIPv6(hostBytes) != nil else {
@@ -79,7 +83,10 @@ public struct HostPort: Sendable, Hashable, CustomStringConvertible {
                 port = parsed
             }
         }
-        let host = String(decoding: hostBytes.map(ASCII.lower), as: UTF8.self)
+        let host = String(unsafeUninitializedCapacity: hostBytes.count) { buffer in
+            for (offset, byte) in hostBytes.enumerated() { buffer[offset] = ASCII.lower(byte) }
+            return hostBytes.count
+        }
         return .success(HostPort(host: host, port: port, kind: kind))
     }
 
@@ -133,12 +140,12 @@ public struct AbsoluteURL: Sendable, Equatable {
         guard schemeEnd >= 0 else {
             return .failure(HTTPParseError(.malformed, "request target is not an absolute URL"))
         }
-        let schemeBytes = bytes[0..<schemeEnd].map(ASCII.lower)
+        let schemeBytes = bytes[0..<schemeEnd]
         let scheme: String
         let defaultPort: Int
-        if schemeBytes.elementsEqual("http".utf8) {
+        if ASCII.equalsLowercase(schemeBytes, "http") {
             (scheme, defaultPort) = ("http", 80)
-        } else if schemeBytes.elementsEqual("https".utf8) {
+        } else if ASCII.equalsLowercase(schemeBytes, "https") {
             (scheme, defaultPort) = ("https", 443)
         } else {
             return .failure(HTTPParseError(.malformed, "unsupported URL scheme \"\(ASCII.printable(schemeBytes))\""))
@@ -148,8 +155,7 @@ public struct AbsoluteURL: Sendable, Equatable {
             return .failure(HTTPParseError(.malformed, "a request target must not contain a fragment"))
         }
         let authorityEnd = rest.firstIndex { $0 == UInt8(ascii: "/") || $0 == UInt8(ascii: "?") } ?? rest.endIndex
-        let authorityText = Substring(decoding: rest[..<authorityEnd], as: UTF8.self)
-        switch HostPort.parse(authorityText, defaultPort: defaultPort) {
+        switch HostPort.parse(bytes: rest[..<authorityEnd], defaultPort: defaultPort) {
         case .failure(let error):
             return .failure(error)
         case .success(let authority):

@@ -12,6 +12,15 @@ public struct HTTPVersion: Sendable, Equatable, CustomStringConvertible {
     }
 
     public var description: String { "HTTP/\(major).\(minor)" }
+
+    /// `description`'s bytes.
+    func append(to out: inout [UInt8]) {
+        guard (0...9).contains(major), (0...9).contains(minor) else { return out.append(contentsOf: description.utf8) }
+        out.append(contentsOf: "HTTP/".utf8)
+        out.append(UInt8(ascii: "0") + UInt8(major))
+        out.append(UInt8(ascii: "."))
+        out.append(UInt8(ascii: "0") + UInt8(minor))
+    }
 }
 
 /// Where one field line sits inside `HTTPHead.bytes`.
@@ -115,14 +124,22 @@ public struct HTTPHead: Sendable {
     /// for which `drop` answers true are left out, `extra` lines are appended, everything else is copied
     /// byte for byte, except line ends: every line ends in CRLF (a response may use bare LF, RFC 9112 §2.2,
     /// and the next recipient must not see two conventions in one head).
+    /// `requestLine`, when given, is the start line from its three parts (no String made of them first).
     public func serialized(
         startLine newStartLine: String? = nil,
+        requestLine: (method: String, target: String, version: HTTPVersion)? = nil,
         drop: (Int) -> Bool = { _ in false },
         extra: [(name: String, value: String)] = []
     ) -> [UInt8] {
         var out: [UInt8] = []
         out.reserveCapacity(bytes.count + 64)
-        if let newStartLine {
+        if let requestLine {
+            out.append(contentsOf: requestLine.method.utf8)
+            out.append(ASCII.space)
+            out.append(contentsOf: requestLine.target.utf8)
+            out.append(ASCII.space)
+            requestLine.version.append(to: &out)
+        } else if let newStartLine {
             out.append(contentsOf: newStartLine.utf8)
         } else {
             out.append(contentsOf: bytes[startLine])

@@ -27,7 +27,7 @@ public struct RequestSemantics: Sendable {
     public let upgrade: Bool
     /// Indices of field lines that must not be forwarded (hop-by-hop fields, proxy credentials, a Host
     /// that disagrees with the target).
-    public let dropped: Set<Int>
+    public let dropped: FieldIndexSet
     /// The Host value to add when the received one was missing or had to be replaced.
     public let replacementHost: String?
     /// Index of the Proxy-Authorization field, if any.
@@ -43,7 +43,7 @@ public struct ResponseSemantics: Sendable {
     public let switchesProtocols: Bool
     /// The server will close, or its framing allows no reuse.
     public let serverCloses: Bool
-    public let dropped: Set<Int>
+    public let dropped: FieldIndexSet
 }
 
 /// Field names that are hop-by-hop whatever the Connection field says (RFC 9110 §7.6.1), plus the proxy's
@@ -91,7 +91,7 @@ public enum MessageSemantics {
         if hostIndices.count > 1 {
             return .failure(HTTPParseError(.badFraming, "more than one Host header field"))
         }
-        var dropped = Set<Int>()
+        var dropped = FieldIndexSet()
         var replacementHost: String? = nil
         if case .absolute(let url) = target {
             if let hostIndex = hostIndices.first {
@@ -220,7 +220,7 @@ public enum MessageSemantics {
         if switches && !upgradeRequested {
             return .failure(HTTPParseError(.malformed, "101 Switching Protocols without an upgrade request"))
         }
-        var dropped = Set<Int>()
+        var dropped = FieldIndexSet()
         for index in head.fields.indices
         where isHopByHop(head, index, options: options, keepUpgrade: switches)
             && !head.field(index, isNamed: "proxy-authorization")

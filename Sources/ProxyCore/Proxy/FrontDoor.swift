@@ -128,7 +128,7 @@ public struct FrontDoor: Sendable {
             // Direct: origin-form (RFC 9112 §3.2.1). Through another proxy: absolute-form, as received.
             let target = upstream == nil ? url.pathAndQuery : head.target
             let outgoing = head.serialized(
-                startLine: "\(head.method) \(target) \(head.version)",
+                requestLine: (head.method, target, head.version),
                 drop: { semantics.dropped.contains($0) },
                 extra: extra
             )
