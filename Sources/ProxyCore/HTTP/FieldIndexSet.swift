@@ -13,6 +13,8 @@ public struct FieldIndexSet: Sendable, Equatable, Sequence, ExpressibleByArrayLi
 
     public var isEmpty: Bool { low == 0 && high.isEmpty }
 
+    public var count: Int { low.nonzeroBitCount + high.count }
+
     public func contains(_ index: Int) -> Bool {
         if index < 0 { return false }
         if index < 64 { return low & (1 << UInt64(index)) != 0 }
