@@ -867,12 +867,23 @@ final class ClientDriver: ServerConnection, TransferOwner {
     // no longer the current one (stopped from inside a callback) is not listened to.
 
     func transferHeader(_ from: any UpstreamTransfer, _ lines: UnsafeRawBufferPointer) {
+        transferEvent(from) { machine, now, out in machine.transferHeaderLines(lines, now: now, &out) }
+    }
+
+    func transferResponseHead(_ from: any UpstreamTransfer, _ received: ReceivedHead) {
+        transferEvent(from) { machine, now, out in machine.transferResponseHead(received, now: now, &out) }
+    }
+
+    private func transferEvent(
+        _ from: any UpstreamTransfer,
+        _ event: (inout ConnectionMachine, Int64, inout [ConnectionMachine.Action]) -> Void
+    ) {
         guard !closed, from === transfer else { return }
         precondition(!handling, "a libcurl callback inside an event of the same connection")
         lastActivity = EventLoop.monotonicMilliseconds()
         var out: [ConnectionMachine.Action] = []
         out.reserveCapacity(8)
-        machine.transferHeaderLines(lines, now: lastActivity, &out)
+        event(&machine, lastActivity, &out)
         handling = true
         run(out)
         handling = false

@@ -776,6 +776,18 @@ final class H2Driver: ServerConnection, TransferOwner {
         lastActivity = EventLoop.monotonicMilliseconds()
         actions.removeAll(keepingCapacity: true)
         machine.transferHeaderLines(io.id, lines, now: lastActivity, &actions)
+        afterTransferEvent()
+    }
+
+    func transferResponseHead(_ from: any UpstreamTransfer, _ received: ReceivedHead) {
+        guard let io = current(from) else { return }
+        lastActivity = EventLoop.monotonicMilliseconds()
+        actions.removeAll(keepingCapacity: true)
+        machine.transferResponseHead(io.id, received, now: lastActivity, &actions)
+        afterTransferEvent()
+    }
+
+    private func afterTransferEvent() {
         handling = true
         run(actions)
         handling = false

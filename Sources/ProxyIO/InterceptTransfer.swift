@@ -7,6 +7,8 @@ protocol TransferOwner: AnyObject {
     /// CURLOPT_HEADERFUNCTION's lines: a response head (or trailers) up to its blank line, terminators
     /// included, in one call (at most `InterceptTransfer.headBatchLimit` bytes at a time).
     func transferHeader(_ transfer: any UpstreamTransfer, _ lines: UnsafeRawBufferPointer)
+    /// The proxy's own client's response head, parsed once (`OriginExchange`): in place of its lines.
+    func transferResponseHead(_ transfer: any UpstreamTransfer, _ received: ReceivedHead)
     /// CURLOPT_WRITEFUNCTION: body bytes; returns the count taken, or CURL_WRITEFUNC_PAUSE.
     func transferBody(_ transfer: any UpstreamTransfer, _ data: UnsafeRawBufferPointer) -> Int
     /// CURLOPT_READFUNCTION: request body bytes; 0 at the end, or CURL_READFUNC_PAUSE.

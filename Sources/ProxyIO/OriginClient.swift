@@ -467,7 +467,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
         key = "\(url.scheme)://\(url.authority) \(request.caFile ?? "")"
         machine = OriginExchange(
             method: request.method, url: request.url, head: head, connectTimeout: request.connectTimeout,
-            idleTimeout: request.idleTimeout)
+            idleTimeout: request.idleTimeout, limits: request.responseHeadLimits)
     }
 
     deinit {
@@ -531,7 +531,9 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
                 armTimer(milliseconds)
             case .write(let bytes):
                 connection?.send(bytes)
-            case .deliverHead(let bytes), .deliverTrailers(let bytes):
+            case .deliverHead(let received):
+                owner.transferResponseHead(self, received)
+            case .deliverTrailers(let bytes):
                 bytes.withUnsafeBytes { owner.transferHeader(self, $0) }
             case .deliverBody(let range):
                 guard let input else { continue }

@@ -20,7 +20,7 @@ import Testing
             case .connect(let reuse): "connect(reuse: \(reuse))"
             case .arm(let milliseconds): "arm(\(milliseconds))"
             case .write(let bytes): "write(\(String(decoding: bytes, as: UTF8.self)))"
-            case .deliverHead(let bytes): "head(\(String(decoding: bytes, as: UTF8.self)))"
+            case .deliverHead(let bytes): "head(\(String(decoding: bytes.bytes, as: UTF8.self)))"
             case .deliverBody(let range): "body(\(String(decoding: input[range], as: UTF8.self)))"
             case .deliverTrailers(let bytes): "trailers(\(String(decoding: bytes, as: UTF8.self)))"
             case .release(let reusable): "release(reusable: \(reusable))"

@@ -47,7 +47,7 @@ import Testing
             untaken = bytes.count - taken
             for output in outputs {
                 switch output {
-                case .head(let head): add(.head(String(decoding: head, as: UTF8.self)))
+                case .head(let head): add(.head(String(decoding: head.bytes, as: UTF8.self)))
                 case .body(let range): add(.body(String(decoding: bytes[range], as: UTF8.self)))
                 case .trailers(let lines): add(.trailers(String(decoding: lines, as: UTF8.self)))
                 case .end(let reusable): add(.end(reusable: reusable))
@@ -157,6 +157,27 @@ import Testing
             Self.play([chunked + "5\r\nhel"], close: true).events == [
                 .head(chunked), .body("hel"), .failed(.malformed),
             ])
+    }
+
+    /// The head is parsed once: its owner gets it with its semantics (nil when they do not hold, the failure
+    /// following), so it need not parse it again.
+    @Test func aHeadComesParsedWithItsSemantics() {
+        var reader = ResponseReader(requestMethod: "GET")
+        var out: [ResponseReader.Output] = []
+        _ = Array((Self.okHead + "hello").utf8).withUnsafeBytes { reader.read($0, &out) }
+        guard case .head(let received) = out.first else { return #expect(Bool(false), "\(out)") }
+        #expect(received.head.status == 200 && received.bytes == Array(Self.okHead.utf8))
+        #expect(received.semantics?.framing == .contentLength(5) && received.semantics?.serverCloses == false)
+
+        var twoLengths = ResponseReader(requestMethod: "GET")
+        out = []
+        _ = Array("HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n".utf8).withUnsafeBytes {
+            twoLengths.read($0, &out)
+        }
+        guard case .head(let unusable) = out.first, case .failed = out.last else {
+            return #expect(Bool(false), "\(out)")
+        }
+        #expect(unusable.semantics == nil)
     }
 
     @Test func unusableResponsesFailAndTakeNothingMore() {

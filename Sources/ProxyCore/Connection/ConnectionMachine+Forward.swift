@@ -410,7 +410,7 @@ extension ConnectionMachine {
             return
         }
         var line = LogLineBuilder()
-        line.append(forwarding.forward.method)
+        line.append(string: forwarding.forward.method)
         line.append(" ")
         line.append(url: forwarding.forward.url)
         line.append(" status=")
@@ -423,7 +423,7 @@ extension ConnectionMachine {
         line.append(duration: now - forwarding.started)
         if let note {
             line.append(" note=\"")
-            line.append(note)
+            line.append(string: note)
             line.append("\"")
         }
         out.append(.log(LogLine(.info, line.text)))

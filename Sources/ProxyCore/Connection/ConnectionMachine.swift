@@ -384,6 +384,12 @@ public struct ConnectionMachine: Sendable {
         }
     }
 
+    /// A response head the proxy's own client read and parsed (`OriginExchange`): not parsed again.
+    public mutating func transferResponseHead(_ received: ReceivedHead, now: Int64, _ out: inout [Action]) {
+        self.now = now
+        exchangeEvent(&out) { exchange, outputs in exchange.upstreamResponseHead(received, &outputs) }
+    }
+
     private mutating func start(_ out: inout [Action]) {
         // RFC 9112 §9.5's spirit: a client that connects and says nothing is not kept forever. The deadline
         // runs from the accept for the first request (and for the TLS handshake).

@@ -218,6 +218,14 @@ public struct H2Session: Sendable {
         }
     }
 
+    /// A stream's response head as the proxy's own client read and parsed it (`OriginExchange`).
+    public mutating func transferResponseHead(
+        _ stream: Stream, _ received: ReceivedHead, now: Int64, _ out: inout [Action]
+    ) {
+        self.now = now
+        exchange(stream, &out) { exchange, outputs in exchange.upstreamResponseHead(received, &outputs) }
+    }
+
     // MARK: - Requests
 
     private mutating func requestHeaders(_ stream: Stream, _ fields: [H2Field], endStream: Bool, _ out: inout [Action])

@@ -32,8 +32,8 @@ public struct OriginExchange: Sendable {
         case arm(milliseconds: Int)
         /// Write these bytes to the connection.
         case write([UInt8])
-        /// A response head (an interim one or the final), status line to blank line, for the owner.
-        case deliverHead([UInt8])
+        /// A response head (an interim one or the final), parsed, for the owner.
+        case deliverHead(ReceivedHead)
         /// Body bytes at this range of the input just received, for the owner.
         case deliverBody(Range<Int>)
         /// The trailer section of a chunked body (its field lines and the blank line), for the owner.
@@ -59,18 +59,24 @@ public struct OriginExchange: Sendable {
     private let head: [UInt8]
     private let connectTimeout: Int
     private let idleTimeout: Int
+    private let limits: HTTPHeadLimits
     private var reader: ResponseReader
     private var phase = Phase.connecting(resent: false)
     private var outputs: [ResponseReader.Output] = []
 
     /// `head`: the request's bytes (`UpstreamRequest.http1Head`); the request has no body.
-    public init(method: String, url: String, head: [UInt8], connectTimeout: Int, idleTimeout: Int) {
+    /// `limits`: those of the response head (the owner reads the head as parsed here, not again).
+    public init(
+        method: String, url: String, head: [UInt8], connectTimeout: Int, idleTimeout: Int,
+        limits: HTTPHeadLimits = HTTPHeadLimits()
+    ) {
         self.method = method
         self.url = url
         self.head = head
         self.connectTimeout = connectTimeout
         self.idleTimeout = idleTimeout
-        reader = ResponseReader(requestMethod: method)
+        self.limits = limits
+        reader = ResponseReader(requestMethod: method, limits: limits)
     }
 
     public var isFinished: Bool { phase == .done }
@@ -135,8 +141,8 @@ public struct OriginExchange: Sendable {
     private mutating func translate(consumed: Int, of count: Int, closing: Bool, _ out: inout [Action]) {
         for output in outputs {
             switch output {
-            case .head(let bytes):
-                out.append(.deliverHead(bytes))
+            case .head(let received):
+                out.append(.deliverHead(received))
             case .body(let range):
                 out.append(.deliverBody(range))
             case .trailers(let lines):

@@ -279,7 +279,10 @@ public struct ProtectedExchange: Sendable {
             connectTimeout: settings.connectTimeout, idleTimeout: settings.idleTimeout,
             caFile: origin.caFile, resolve: settings.resolve, upstreamProxy: settings.upstreamProxy,
             attempt: attempts)
-        if upstream.fitsOwnClient(builtinClient: settings.builtinClient) { upstream.client = .builtin }
+        if upstream.fitsOwnClient(builtinClient: settings.builtinClient) {
+            upstream.client = .builtin
+            upstream.responseHeadLimits = settings.responseHeadLimits
+        }
         out.append(.send(upstream))
     }
 
@@ -295,6 +298,13 @@ public struct ProtectedExchange: Sendable {
         } else {
             responseHeadLine(line, &out)
         }
+    }
+
+    /// A response head the proxy's own client read (`OriginExchange`): parsed once, with this exchange's limits,
+    /// so not again line by line. Interim (1xx) heads are skipped, as `upstreamHeaderLine` skips them.
+    public mutating func upstreamResponseHead(_ received: ReceivedHead, _ out: inout [Output]) {
+        guard phase == .sending, received.head.status >= 200 else { return }
+        responseComplete(received.head, checked: received.semantics, &out)
     }
 
     /// Trailer fields of the response being delivered, up to the limits of a head.
@@ -334,17 +344,22 @@ public struct ProtectedExchange: Sendable {
                 responseHead = HTTPHeadParser(kind: .response, limits: settings.responseHeadLimits)
                 return
             }
-            responseComplete(head, &out)
+            responseComplete(head, checked: nil, &out)
         }
     }
 
-    private mutating func responseComplete(_ head: HTTPHead, _ out: inout [Output]) {
+    /// `checked`: the head's semantics when the reader that parsed it found them sound.
+    private mutating func responseComplete(_ head: HTTPHead, checked: ResponseSemantics?, _ out: inout [Output]) {
         let semantics: ResponseSemantics
-        switch MessageSemantics.response(head, requestMethod: request.method, upgradeRequested: false) {
-        case .failure(let error):
-            fail(.invalidResponse(origin.authority, reason: error.reason), &out)
-            return
-        case .success(let checked): semantics = checked
+        if let checked {
+            semantics = checked
+        } else {
+            switch MessageSemantics.response(head, requestMethod: request.method, upgradeRequested: false) {
+            case .failure(let error):
+                fail(.invalidResponse(origin.authority, reason: error.reason), &out)
+                return
+            case .success(let checked): semantics = checked
+            }
         }
         let response = UpstreamResponse(head: head, semantics: semantics, proxyStatus: nil)
         guard var exchange = auth else {
@@ -561,6 +576,8 @@ public struct UpstreamRequest: Sendable, Equatable {
     public let attempt: Int
     /// Which client carries the request (`fitsOwnClient`).
     public var client = Client.libcurl
+    /// The limits of the response head (the own client reads it once, with these).
+    public var responseHeadLimits = HTTPHeadLimits()
 
     public enum Client: Sendable, Equatable {
         /// The proxy's own HTTP/1.1 client (`OriginExchange`).
@@ -575,6 +592,7 @@ public struct UpstreamRequest: Sendable, Equatable {
             && lhs.body == rhs.body && lhs.http2 == rhs.http2 && lhs.connectTimeout == rhs.connectTimeout
             && lhs.idleTimeout == rhs.idleTimeout && lhs.caFile == rhs.caFile && lhs.resolve == rhs.resolve
             && lhs.upstreamProxy == rhs.upstreamProxy && lhs.attempt == rhs.attempt && lhs.client == rhs.client
+            && lhs.responseHeadLimits == rhs.responseHeadLimits
     }
 }
 
@@ -629,9 +647,9 @@ public struct ExchangeRecord: Sendable, Equatable {
     /// The access log line (after the `conn= client=` prefix): no token, no query.
     public func logLine(up: Int, down: Int, milliseconds: Int64) -> String {
         var line = LogLineBuilder()
-        line.append(method)
+        line.append(string: method)
         line.append(" ")
-        line.append(origin)
+        line.append(string: origin)
         line.append(target: target)
         line.append(" status=")
         line.append(status)
@@ -642,7 +660,7 @@ public struct ExchangeRecord: Sendable, Equatable {
         line.append(" duration=")
         line.append(duration: milliseconds)
         line.append(" intercepted=")
-        line.append(provider)
+        line.append(string: provider)
         if keptClientAuthorization { line.append(" token=client") }
         if attempts > 1 {
             line.append(" attempts=")
@@ -652,7 +670,7 @@ public struct ExchangeRecord: Sendable, Equatable {
         if nonceRetried { line.append(" nonce_retry=1") }
         if let note {
             line.append(" note=\"")
-            line.append(note)
+            line.append(string: note)
             line.append("\"")
         }
         return line.text

@@ -158,7 +158,11 @@ extension MessageSemantics {
         }
         var out: [UInt8] = []
         out.reserveCapacity(head.bytes.count + 64)
-        out += "HTTP/1.1 \(head.status) ".utf8
+        out += "HTTP/1.1 ".utf8
+        out.append(UInt8(ascii: "0") + UInt8(clamping: status / 100 % 10))
+        out.append(UInt8(ascii: "0") + UInt8(clamping: status / 10 % 10))
+        out.append(UInt8(ascii: "0") + UInt8(clamping: status % 10))
+        out.append(ASCII.space)
         // The reason phrase: the status line after "HTTP/1.1 200 ".
         let reasonStart = head.startLine.lowerBound + 13
         if reasonStart < head.startLine.upperBound {
@@ -169,9 +173,11 @@ extension MessageSemantics {
         out += "\r\n".utf8
         func append(_ name: some Sequence<UInt8>, _ value: some Sequence<UInt8>) {
             out += name
-            out += ": ".utf8
+            out.append(ASCII.colon)
+            out.append(ASCII.space)
             out += value
-            out += "\r\n".utf8
+            out.append(ASCII.cr)
+            out.append(ASCII.lf)
         }
         for index in head.fields.indices where !response.semantics.dropped.contains(index) {
             // Re-framed here: the origin's framing fields do not travel. A HEAD or 304 response keeps its

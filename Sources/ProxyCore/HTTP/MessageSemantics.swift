@@ -35,7 +35,7 @@ public struct RequestSemantics: Sendable {
 }
 
 /// The result of checking a response head.
-public struct ResponseSemantics: Sendable {
+public struct ResponseSemantics: Sendable, Equatable {
     public let framing: BodyFraming
     /// A 1xx other than 101: forward it, then read the final response.
     public let isInterim: Bool

@@ -7,8 +7,8 @@
 /// `MessageSemantics.response`, chunked framing by `ChunkedScanner`, so the client decides nothing of its own.
 public struct ResponseReader: Sendable {
     public enum Output: Sendable, Equatable {
-        /// A complete response head as received, status line to blank line: an interim (1xx) one, or the final.
-        case head([UInt8])
+        /// A complete response head, parsed: an interim (1xx) one, or the final.
+        case head(ReceivedHead)
         /// Body bytes at this range of the input just read (chunk framing left out).
         case body(Range<Int>)
         /// The trailer field lines of a chunked body as received (each with its CRLF), before its end.
@@ -57,8 +57,9 @@ public struct ResponseReader: Sendable {
                     return fail(error, at: offset, &out)
                 case .complete(let head, let consumed):
                     offset += consumed
-                    out.append(.head(head.bytes))
-                    if let error = begin(head, &out) { return fail(error, at: offset, &out) }
+                    let checked = MessageSemantics.response(head, requestMethod: requestMethod, upgradeRequested: false)
+                    out.append(.head(ReceivedHead(head: head, semantics: try? checked.get())))
+                    if let error = begin(checked, &out) { return fail(error, at: offset, &out) }
                 }
             case .length(let remaining):
                 let take = Int(min(remaining, UInt64(input.count - offset)))
@@ -125,9 +126,11 @@ public struct ResponseReader: Sendable {
     }
 
     /// The body's framing from a complete head; nil, or why the response is unusable.
-    private mutating func begin(_ head: HTTPHead, _ out: inout [Output]) -> HTTPParseError? {
+    private mutating func begin(
+        _ checked: Result<ResponseSemantics, HTTPParseError>, _ out: inout [Output]
+    ) -> HTTPParseError? {
         let semantics: ResponseSemantics
-        switch MessageSemantics.response(head, requestMethod: requestMethod, upgradeRequested: false) {
+        switch checked {
         case .failure(let error): return error
         case .success(let checked): semantics = checked
         }
@@ -151,6 +154,24 @@ public struct ResponseReader: Sendable {
         phase = .failed
         out.append(.failed(error))
         return offset
+    }
+}
+
+/// A response head as `ResponseReader` read it: its bytes parsed once, and its semantics
+/// (`MessageSemantics.response`) when they hold; nil when the reader fails the response for them.
+public struct ReceivedHead: Sendable, Equatable {
+    public let head: HTTPHead
+    public let semantics: ResponseSemantics?
+
+    public init(head: HTTPHead, semantics: ResponseSemantics?) {
+        self.head = head
+        self.semantics = semantics
+    }
+
+    public var bytes: [UInt8] { head.bytes }
+
+    public static func == (lhs: Self, rhs: Self) -> Bool {
+        lhs.head.bytes == rhs.head.bytes && lhs.semantics == rhs.semantics
     }
 }
 

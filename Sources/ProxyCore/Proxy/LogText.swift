@@ -34,10 +34,11 @@ public struct LogLineBuilder {
 
     public var text: String { String(decoding: bytes, as: UTF8.self) }
 
-    public mutating func append(_ text: String) {
+    public mutating func append(string text: String) {
         bytes.append(contentsOf: text.utf8)
     }
 
+    /// A literal's bytes (a copy of a buffer: cheaper than a String's UTF-8 view).
     public mutating func append(_ literal: StaticString) {
         literal.withUTF8Buffer { bytes.append(contentsOf: $0) }
     }
@@ -59,14 +60,14 @@ public struct LogLineBuilder {
 
     /// `scheme://host[:port]/path`, the query replaced by `?...` (`LogText.url`).
     public mutating func append(url: AbsoluteURL) {
-        append(url.scheme)
+        append(string: url.scheme)
         append("://")
         if url.authority.kind == .ipv6 {
             bytes.append(UInt8(ascii: "["))
-            append(url.authority.host)
+            append(string: url.authority.host)
             bytes.append(UInt8(ascii: "]"))
         } else {
-            append(url.authority.host)
+            append(string: url.authority.host)
         }
         if !url.hasDefaultPort {
             bytes.append(ASCII.colon)

@@ -228,20 +228,43 @@ private func fuzzInterceptedResponse(_ input: [UInt8]) {
         case .success(let request) = MessageSemantics.interceptedRequest(
             requestHead, scheme: "https", origin: responseOrigin.authority, attachToken: { !$0 })
     else { return invariant(false, "the harness request does not parse") }
-    var exchange = ProtectedExchange(
-        request: request, origin: responseOrigin,
-        settings: ProtectedExchange.Settings(
-            replaySpool: 1 << 20, connectTimeout: 1_000, idleTimeout: 1_000, responseHeadLimits: HTTPHeadLimits()),
-        knownNonce: nil)
+    func sending() -> ProtectedExchange {
+        var exchange = ProtectedExchange(
+            request: request, origin: responseOrigin,
+            settings: ProtectedExchange.Settings(
+                replaySpool: 1 << 20, connectTimeout: 1_000, idleTimeout: 1_000,
+                responseHeadLimits: HTTPHeadLimits()),
+            knownNonce: nil)
+        var outputs: [ProtectedExchange.Output] = []
+        exchange.start(&outputs)
+        if attach { exchange.tokens(.success(TokenGrant(generation: 1)), &outputs) }
+        invariant(outputs.contains { if case .send = $0 { true } else { false } }, "the exchange did not send")
+        return exchange
+    }
+    var exchange = sending()
     var outputs: [ProtectedExchange.Output] = []
-    exchange.start(&outputs)
-    if attach { exchange.tokens(.success(TokenGrant(generation: 1)), &outputs) }
-    invariant(outputs.contains { if case .send = $0 { true } else { false } }, "the exchange did not send")
-    outputs = []
+    // What the exchange decided when the head was complete: its first outputs.
+    var atHead: [ProtectedExchange.Output]?
     for line in headerLines(input) {
         line.withUnsafeBytes { exchange.upstreamHeaderLine($0, &outputs) }
+        if atHead == nil && !outputs.isEmpty { atHead = outputs }
     }
     exchange.transferFinished(nil, &outputs)
+
+    // The proxy's own client reads the head once (`ResponseReader`) and hands it over whole: the exchange must
+    // decide exactly as it does from the lines.
+    var reader = ResponseReader(requestMethod: method)
+    var read: [ResponseReader.Output] = []
+    _ = input.withUnsafeBytes { reader.read($0, &read) }
+    for case .head(let received) in read where received.head.status >= 200 {
+        var twin = sending()
+        var twinOutputs: [ProtectedExchange.Output] = []
+        twin.upstreamResponseHead(received, &twinOutputs)
+        invariant(
+            twinOutputs == atHead ?? [],
+            "the head handed over whole decided \(twinOutputs), its lines \(atHead ?? [])")
+        break
+    }
 
     var delivered: UpstreamResponse?
     var answered: ProxyAnswer?

@@ -51,7 +51,7 @@ private func readResponse(
 private func record(_ output: ResponseReader.Output, _ bytes: [UInt8], _ reported: inout [Reported]) {
     let event: Reported
     switch output {
-    case .head(let head): event = .head(head)
+    case .head(let head): event = .head(head.bytes)
     case .body(let range): event = .body(Array(bytes[range]))
     case .trailers(let lines): event = .trailers(lines)
     case .end(let reusable): event = .end(reusable: reusable)
@@ -124,7 +124,7 @@ private func driveOriginExchange(
             case .write(let bytes):
                 invariant(connected && bytes == head, "a write without a connection, or not the head")
                 writes += 1
-            case .deliverHead(let bytes): record(.head(bytes), bytes, &reported)
+            case .deliverHead(let received): record(.head(received), bytes, &reported)
             case .deliverBody(let range): record(.body(range), bytes, &reported)
             case .deliverTrailers(let lines): record(.trailers(Array(lines.dropLast(2))), lines, &reported)
             case .release: connected = false
