@@ -951,9 +951,9 @@ final class ClientDriver: ServerConnection, TransferOwner {
         let duration = EventLoop.monotonicMilliseconds() - (exchangeStarted == 0 ? started : exchangeStarted)
         context.owner.record(record, up: exchangeUp, down: exchangeDown, milliseconds: duration)
         if context.logger.enabled(.info) {
-            context.logger.info(
-                "conn=\(id) client=\(peer) \(record.logLine(up: exchangeUp, down: exchangeDown, milliseconds: duration))"
-            )
+            context.logger.connection(
+                id, peer: peer,
+                LogLine(.info, record.logLine(up: exchangeUp, down: exchangeDown, milliseconds: duration)))
         }
         stopTransfer()
         body = nil

@@ -744,8 +744,9 @@ final class H2Driver: ServerConnection, TransferOwner {
         let duration = EventLoop.monotonicMilliseconds() - io.started
         context.owner.record(record, up: io.up, down: io.down, milliseconds: duration)
         if context.logger.enabled(.info) {
-            context.logger.info(
-                "conn=\(id) client=\(peer) \(record.logLine(up: io.up, down: io.down, milliseconds: duration)) h2=\(stream)"
+            context.logger.connection(
+                id, peer: peer,
+                LogLine(.info, record.logLine(up: io.up, down: io.down, milliseconds: duration) + " h2=\(stream)")
             )
         }
         if let transfer = io.transfer { stopTransfer(io, transfer) }

@@ -23,12 +23,20 @@ protocol UpstreamTransfer: AnyObject {
     func cancel()
 }
 
+/// What makes two origin connections interchangeable: the origin, and the CA file its certificate is checked
+/// against.
+struct OriginKey: Hashable {
+    let scheme: String
+    let authority: HostPort
+    let caFile: String?
+}
+
 /// The proxy's own kept connections to protected origins (for `OriginTransfer`), by origin: the most
 /// recently used first, each closed after `keepMilliseconds` unused or when the origin closes it meanwhile.
 /// One per `ConnectionContext`, so a reload (new `resolve`, new origins) starts with new connections.
 final class OriginPool {
     private let loop: EventLoop
-    private var idle: [String: [OriginConnection]] = [:]
+    private var idle: [OriginKey: [OriginConnection]] = [:]
     /// Kept connections per origin beyond which a released one is closed.
     static let perOriginLimit = 64
     /// A kept connection unused this long is closed (origins close theirs after 60-75 s; libcurl keeps
@@ -38,9 +46,10 @@ final class OriginPool {
     init(loop: EventLoop) { self.loop = loop }
 
     /// A kept connection to `key`'s origin, taken out of the pool; nil when there is none.
-    func take(_ key: String) -> OriginConnection? {
-        while var list = idle[key], let connection = list.popLast() {
-            idle[key] = list.isEmpty ? nil : list
+    func take(_ key: OriginKey) -> OriginConnection? {
+        // In place (an origin's list stays, empty, when its last connection is taken): a copy of the list
+        // out of the dictionary and back was an allocation per request.
+        while let connection = idle[key]?.popLast() {
             connection.idleTimer?.cancel()
             connection.pool = nil
             // Bytes the origin sent while the connection was unused (a 408 before closing, say) are not a
@@ -53,15 +62,13 @@ final class OriginPool {
 
     /// Keeps `connection` for the next request to its origin.
     func keep(_ connection: OriginConnection) {
-        var list = idle[connection.key] ?? []
-        guard list.count < Self.perOriginLimit, connection.isOpen else {
+        guard idle[connection.key]?.count ?? 0 < Self.perOriginLimit, connection.isOpen else {
             connection.close()
             return
         }
         connection.pool = self
         connection.startReading()  // an idle connection still hears the origin close it
-        list.append(connection)
-        idle[connection.key] = list
+        idle[connection.key, default: []].append(connection)
         if connection.idleTimer == nil {
             connection.idleTimer = LoopTimer(loop: loop) { [unowned self, unowned connection] in drop(connection) }
         }
@@ -71,11 +78,8 @@ final class OriginPool {
     /// Closes a kept connection (its time ran out, or the origin closed it or sent bytes unasked).
     func drop(_ connection: OriginConnection) {
         connection.close()
-        guard var list = idle[connection.key], let index = list.firstIndex(where: { $0 === connection }) else {
-            return
-        }
-        list.remove(at: index)
-        idle[connection.key] = list.isEmpty ? nil : list
+        guard let index = idle[connection.key]?.firstIndex(where: { $0 === connection }) else { return }
+        idle[connection.key]?.remove(at: index)
     }
 
     deinit {
@@ -112,7 +116,7 @@ final class OriginConnection {
         case failed(String)
     }
 
-    let key: String
+    let key: OriginKey
     let input: OpaquePointer
     private let loop: EventLoop
     private var fd: Int32
@@ -140,7 +144,7 @@ final class OriginConnection {
     /// Starts a TCP connect to `address` (then TLS for `serverName` when `tls` is given); nil with the errno
     /// when the socket cannot even be made or the connect fails at once.
     init(
-        key: String, loop: EventLoop, address: SocketAddress, serverName: String, tls: TLSClientContexts?,
+        key: OriginKey, loop: EventLoop, address: SocketAddress, serverName: String, tls: TLSClientContexts?,
         caFile: String?, user: any OriginConnectionUser
     ) throws(ConnectError) {
         self.key = key
@@ -420,7 +424,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
     var uploadOffset = 0
 
     private var machine: OriginExchange
-    private let key: String
+    private let key: OriginKey
     private let hop: HostPort
     private let https: Bool
     private let caFile: String?
@@ -464,7 +468,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
         hop = url.authority
         https = url.scheme == "https"
         caFile = request.caFile
-        key = "\(url.scheme)://\(url.authority) \(request.caFile ?? "")"
+        key = OriginKey(scheme: url.scheme, authority: url.authority, caFile: request.caFile)
         machine = OriginExchange(
             method: request.method, url: request.url, head: head, connectTimeout: request.connectTimeout,
             idleTimeout: request.idleTimeout, limits: request.responseHeadLimits)
