@@ -534,7 +534,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
     /// Hands both sockets to a `SpliceTunnel`, with whatever the bufferevents still hold (our "200
     /// Connection established", bytes the client sent early, bytes after an upstream proxy's answer) as
     /// the first bytes of each direction.
-    private func startTunnel(label: String, status: Int) {
+    private func startTunnel(label: TunnelLabel, status: Int) {
         guard let clientBev = client, let upstreamBev = upstream else {
             return close()
         }

@@ -17,7 +17,7 @@ final class RelayTunnel: ServerConnection {
     let id: UInt64
     let peer: String
     let clientAddress: String
-    let label: String
+    let label: TunnelLabel
     let status: Int
     private let started: Int64
     private var lastActivity: Int64
@@ -44,7 +44,8 @@ final class RelayTunnel: ServerConnection {
     }
 
     init(
-        context: ConnectionContext, id: UInt64, peer: String, client clientAddress: String, label: String, status: Int,
+        context: ConnectionContext, id: UInt64, peer: String, client clientAddress: String, label: TunnelLabel,
+        status: Int,
         started: Int64, clientBev: OpaquePointer, clientSSL: OpaquePointer?, upstreamBev: OpaquePointer,
         upstreamSSL: OpaquePointer?
     ) {

@@ -16,7 +16,7 @@ final class SpliceTunnel: ServerConnection {
     let peer: String
     let clientAddress: String
     /// How the tunnel is named in its log line: "CONNECT host:port", or the request that was upgraded.
-    let label: String
+    let label: TunnelLabel
     let status: Int
     private let started: Int64
     private var lastActivity: Int64
@@ -54,7 +54,7 @@ final class SpliceTunnel: ServerConnection {
     }
 
     init(
-        context: ConnectionContext, id: UInt64, peer: String, client: String, label: String, status: Int,
+        context: ConnectionContext, id: UInt64, peer: String, client: String, label: TunnelLabel, status: Int,
         started: Int64, clientFD: Int32, upstreamFD: Int32, toUpstream: [UInt8], toClient: [UInt8]
     ) {
         self.context = context

@@ -116,7 +116,7 @@ extension ConnectionMachine {
             out.append(.arm(.connect, milliseconds: settings.connectTimeout))
         case .tunnel(let target, nil):
             out.append(.writeClient(Self.connectEstablished))
-            startTunnel(label: "CONNECT \(target)", status: 200, &out)
+            startTunnel(label: .connect(target), status: 200, &out)
         case .forward(let forward, let retried):
             beginForwarding(forward, hop: connecting.hop, reused: false, retried: retried, &out)
         case .protectedUpgrade(let upgrade):
@@ -141,7 +141,7 @@ extension ConnectionMachine {
     static let connectEstablished = Array("HTTP/1.1 200 Connection established\r\n\r\n".utf8)
 
     /// Both sides are ready: hand them to a tunnel, with what their buffers still hold.
-    mutating func startTunnel(label: String, status: Int, _ out: inout [Action]) {
+    mutating func startTunnel(label: TunnelLabel, status: Int, _ out: inout [Action]) {
         state = .handedOff
         for timer in ConnectionTimer.allCases { out.append(.disarm(timer)) }
         out.append(.startTunnel(label: label, status: status))
@@ -168,7 +168,7 @@ extension ConnectionMachine {
                 upgradeConnected(upgrade, &out)
             } else if (200..<300).contains(head.status) {
                 out.append(.writeClient(Self.connectEstablished))
-                startTunnel(label: target, status: 200, &out)
+                startTunnel(label: .connect(handshake.target), status: 200, &out)
             } else if head.status == 407 {
                 answerConnectFailure(
                     .upstreamProxyCredentials(hop, credentialsConfigured: handshake.proxy.username != nil), log: target,
@@ -327,7 +327,9 @@ extension ConnectionMachine {
                     state = .forwarding(forwarding)
                     logForwarded(forwarding, note: "switched protocols", &out)
                     return startTunnel(
-                        label: "\(forwarding.forward.method) \(LogText.url(forwarding.forward.url))", status: 101, &out)
+                        label: .request("\(forwarding.forward.method) \(LogText.url(forwarding.forward.url))"),
+                        status: 101,
+                        &out)
                 }
                 forwarding.response = BodyProgress(semantics.framing)
             }

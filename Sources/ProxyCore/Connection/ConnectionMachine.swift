@@ -101,7 +101,7 @@ public struct ConnectionMachine: Sendable {
         case moveUpstreamToClient(Int)
         /// Hand both connections to a blind tunnel, with what their buffers hold; `label` and `status` name it
         /// in the log line written when it ends.
-        case startTunnel(label: String, status: Int)
+        case startTunnel(label: TunnelLabel, status: Int)
         /// Answer `200 Connection established`, then terminate TLS for the protected origin on the socket.
         indirect case startInterception(OriginConfig)
         /// The client chose HTTP/2 (ALPN h2): an `H2Session` runs the connection from here (`misdirected`:
