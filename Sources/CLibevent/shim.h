@@ -17,6 +17,7 @@
 #include <fcntl.h>
 #include <errno.h>
 #include <sys/syscall.h>
+#include <malloc.h>
 
 #include <event2/event.h>
 #include <event2/buffer.h>
@@ -40,6 +41,15 @@ static inline struct event *proxyctl_evsignal_new(struct event_base *base, int s
 }
 
 // setsockopt takes a void pointer; a typed wrapper keeps the call sites short.
+// glibc's allocator for a process that streams: blocks up to 4 MiB come from the heap (the default threshold
+// starts at 128 KiB, so the 128 KiB chains a 64 KiB read reserves were mmap'ed, or, once it adapted, the heap's
+// top was trimmed and grown again on every pass), and up to 8 MiB free at the top of the heap stays there.
+// Measured: a bulk download through the own upstream client spent half its CPU time in the kernel on it.
+static inline void proxyctl_tune_allocator(void) {
+    mallopt(M_MMAP_THRESHOLD, 4 << 20);
+    mallopt(M_TRIM_THRESHOLD, 8 << 20);
+}
+
 static inline int proxyctl_set_nodelay(int fd) {
     int one = 1;
     return setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));

@@ -121,6 +121,8 @@ public final class ProxyServer: ConnectionOwner {
         reload: (() -> Result<Reloaded, any Error>)? = nil, fileLimit: Int? = nil,
         stateDirectory: String? = nil
     ) throws {
+        // Streaming buffers are allocated and freed all the time: keep glibc from mapping and trimming them.
+        proxyctl_tune_allocator()
         self.fileLimit = fileLimit ?? Self.openFileLimit()
         self.admission = Admission(settings: settings, fileLimit: self.fileLimit)
         self.loop = loop
