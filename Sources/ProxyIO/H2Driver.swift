@@ -773,22 +773,24 @@ final class H2Driver: ServerConnection, TransferOwner {
     }
 
     func transferHeader(_ from: any UpstreamTransfer, _ lines: UnsafeRawBufferPointer) {
-        guard let io = current(from) else { return }
-        lastActivity = EventLoop.monotonicMilliseconds()
-        actions.removeAll(keepingCapacity: true)
-        machine.transferHeaderLines(io.id, lines, now: lastActivity, &actions)
-        afterTransferEvent()
+        transferEvent(from) { machine, stream, now, out in machine.transferHeaderLines(stream, lines, now: now, &out) }
     }
 
     func transferResponseHead(_ from: any UpstreamTransfer, _ received: ReceivedHead) {
+        transferEvent(from) { machine, stream, now, out in
+            machine.transferResponseHead(stream, received, now: now, &out)
+        }
+    }
+
+    /// One event of the stream's transfer into the session, then its actions.
+    private func transferEvent(
+        _ from: any UpstreamTransfer,
+        _ event: (inout H2Session, Int32, Int64, inout [H2Session.Action]) -> Void
+    ) {
         guard let io = current(from) else { return }
         lastActivity = EventLoop.monotonicMilliseconds()
         actions.removeAll(keepingCapacity: true)
-        machine.transferResponseHead(io.id, received, now: lastActivity, &actions)
-        afterTransferEvent()
-    }
-
-    private func afterTransferEvent() {
+        event(&machine, io.id, lastActivity, &actions)
         handling = true
         run(actions)
         handling = false
