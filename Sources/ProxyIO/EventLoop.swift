@@ -146,6 +146,12 @@ public final class LoopTimer {
     public func cancel() {
         event_del(event)
     }
+
+    /// Fires in this pass of the loop, after the callbacks already due (at most once however often it is
+    /// called before it fired): work that a pass's events add up to, done once for all of them.
+    public func fireInThisPass() {
+        event_active(event, 0, 0)
+    }
 }
 
 extension timeval {

@@ -150,6 +150,26 @@ import Testing
         #expect(p.next() == [.submitResponse(1, Self.fields((":status", "200"), ("x-end", "2")), endStream: false)])
     }
 
+    @Test func everyConnectionSpecificFieldIsDroppedInAnyCaseAndNamesThatOnlyResembleThemTravel() {
+        var p = Self.sending()
+        p.transferHead(
+            1,
+            "HTTP/1.1 200 OK\r\nPROXY-CONNECTION: x\r\nTe: trailers\r\nuPgrade: h2c\r\nProxy-Authorization: Basic x\r\nTransfer-encoding: chunked\r\nKEEP-alive: 1\r\nTE-X: 1\r\nUpgrades: 2\r\nConnections: 3\r\nX-Transfer-Encoding: 4\r\n\r\n"
+        )
+        #expect(
+            p.next() == [
+                .submitResponse(
+                    1,
+                    Self.fields(
+                        (":status", "200"), ("te-x", "1"), ("upgrades", "2"), ("connections", "3"),
+                        ("x-transfer-encoding", "4")), endStream: false)
+            ])
+        for name in H2Semantics.connectionSpecific {
+            #expect(
+                H2Semantics.isConnectionSpecific(ArraySlice(name.map { $0 >= 0x61 && $0 <= 0x7A ? $0 - 0x20 : $0 })))
+        }
+    }
+
     @Test func aClientWithItsOwnAuthorizationKeepsIt() {
         var p = H2Playbook()
         p.request(1, H2Playbook.request("GET", "/x", [("authorization", "Basic dTpw")]))

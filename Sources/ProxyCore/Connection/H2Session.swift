@@ -258,18 +258,17 @@ public struct H2Session: Sendable {
         case .success(let request):
             var exchange = ProtectedExchange(
                 request: request, origin: origin, settings: exchangeSettings, knownNonce: nil)
-            streams[stream] = StreamState(exchange: exchange, headRequest: request.method == "HEAD")
             var outputs: [ProtectedExchange.Output] = []
             exchange.start(&outputs)
-            streams[stream]?.exchange = exchange
+            streams[stream] = StreamState(exchange: exchange, headRequest: request.method == "HEAD")
             apply(stream, outputs, &out)
         }
     }
 
     /// The request's :method and :path, for the log ("-" when missing).
     static func target(_ fields: [H2Field]) -> (method: String, path: String) {
-        let method = fields.first { $0.name == Array(":method".utf8) }.map(\.valueText) ?? "-"
-        let path = fields.first { $0.name == Array(":path".utf8) }.map(\.valueText) ?? "-"
+        let method = fields.first { $0.name == H2Names.method }.map(\.valueText) ?? "-"
+        let path = fields.first { $0.name == H2Names.path }.map(\.valueText) ?? "-"
         return (method, path)
     }
 
@@ -434,34 +433,39 @@ public struct H2Session: Sendable {
         apply(stream, outputs, &out)
     }
 
-    /// Carries a stream's exchange outputs over to HTTP/2.
+    /// Carries a stream's exchange outputs over to HTTP/2. The stream's state is looked up once (its exchange
+    /// is only read here) and its `responseEnded` written back at the end.
     private mutating func apply(_ stream: Stream, _ outputs: [ProtectedExchange.Output], _ out: inout [Action]) {
+        guard let state = streams[stream] else { return }
+        var responseEnded = state.responseEnded
+        defer { if responseEnded != state.responseEnded { streams[stream]?.responseEnded = responseEnded } }
         for output in outputs {
-            guard let state = streams[stream] else { return }
             switch output {
             case .deliverHead(let response):
                 let (fields, hasBody) = H2Semantics.responseHead(response, requestMethod: state.exchange.request.method)
                 out.append(.submitResponse(stream, fields, endStream: !hasBody))
-                if !hasBody { streams[stream]?.responseEnded = true }
+                if !hasBody { responseEnded = true }
             case .deliverBody:
-                if !state.responseEnded { out.append(.writeBody(stream)) }
+                if !responseEnded { out.append(.writeBody(stream)) }
             case .endBody(let trailers):
-                guard !state.responseEnded else { break }
-                streams[stream]?.responseEnded = true
+                guard !responseEnded else { break }
+                responseEnded = true
                 out.append(.endStream(stream, trailers: H2Semantics.trailers(trailers.map { ($0.nameText, $0.value) })))
             case .respond(let answer):
                 let (fields, body) = H2Semantics.answer(answer, headRequest: state.headRequest)
                 out.append(.respond(stream, fields, body: body))
-                streams[stream]?.responseEnded = true
+                responseEnded = true
             case .finished(let record):
                 out.append(.dropRequestBody(stream))
                 out.append(.exchangeFinished(stream, record))
-                if record.cutShort && !state.responseEnded {
+                if record.cutShort && !responseEnded {
                     // A response cut short: the client must not take it for complete.
                     out.append(.resetStream(stream, .internalError))
                 }
                 streams.removeValue(forKey: stream)
+                responseEnded = state.responseEnded  // nothing to write back: the stream is gone
                 streamsChanged(&out)
+                return
             default:
                 out.append(.exchange(stream, output, origin))
             }

@@ -23,8 +23,15 @@ public struct H2Field: Sendable, Equatable, Hashable {
 public enum H2Semantics {
     /// Fields that must not appear in HTTP/2 (RFC 9113 §8.2.2), nor travel from an HTTP/1.1 origin to an
     /// HTTP/2 client: the hop-by-hop ones (`te` is let through only as `te: trailers`) and the framing.
-    static let connectionSpecific: Set<[UInt8]> = MessageSemantics.hopByHopNames.union([Array("transfer-encoding".utf8)]
-    )
+    static let connectionSpecific: Set<[UInt8]> = Set(
+        connectionSpecificNames.map { name in name.withUTF8Buffer { Array($0) } })
+    static let connectionSpecificNames: [StaticString] = MessageSemantics.alwaysHopByHop + ["transfer-encoding"]
+
+    /// Whether `name` (any case) is connection-specific: compared in place, without a lower-cased copy and a
+    /// hash per field of every response (the lengths differ, so most names take one comparison per entry).
+    static func isConnectionSpecific(_ name: ArraySlice<UInt8>) -> Bool {
+        connectionSpecificNames.contains { ASCII.equalsLowercase(name, $0) }
+    }
 
     /// Checks a request for `origin` (RFC 9113 §8.3.1): its `:scheme` https, its `:authority` (and a `host`
     /// field, if any) naming the origin exactly, else it is misdirected and gets no token.
@@ -58,7 +65,7 @@ public enum H2Semantics {
         guard let path, path.utf8.first == UInt8(ascii: "/") || (path == "*" && method == "OPTIONS") else {
             return .failure(.badRequest(HTTPParseError(.malformed, "request without an origin-form :path")))
         }
-        let hosts = regular.filter { $0.name == Names.host }.map(\.valueText)
+        let hosts = regular.filter { $0.name == H2Names.host }.map(\.valueText)
         let named = authority ?? hosts.first
         guard let named else {
             return .failure(.badRequest(HTTPParseError(.malformed, "request without :authority")))
@@ -74,7 +81,7 @@ public enum H2Semantics {
             }
         }
         var length: UInt64?
-        for field in regular where field.name == Names.contentLength {
+        for field in regular where field.name == H2Names.contentLength {
             guard field.value.count <= 19, !field.value.isEmpty, field.value.allSatisfy(ASCII.isDigit),
                 let parsed = UInt64(String(decoding: field.value, as: UTF8.self)), parsed <= UInt64(Int64.max),
                 length == nil || length == parsed
@@ -92,23 +99,24 @@ public enum H2Semantics {
             // DATA frames until END_STREAM: a length nobody knows in advance, streamed like a chunked body.
             framing = .chunked
         }
-        let clientAuthorization = regular.contains { $0.name == Names.authorization }
+        let clientAuthorization = regular.contains { $0.name == H2Names.authorization }
         let attach = attachToken(clientAuthorization)
         var upstream: [(name: String, value: [UInt8])] = []
         var acceptsTrailers = false
         for field in regular {
-            if field.name == Names.te {
+            if field.name == H2Names.te {
                 // RFC 9113 §8.2.2: only "trailers"; gRPC servers require it, so it travels.
                 acceptsTrailers = true
                 upstream.append(("te", Array("trailers".utf8)))
                 continue
             }
-            if field.name == Names.host || field.name == Names.contentLength || connectionSpecific.contains(field.name)
-                || field.name == Names.expect
+            if field.name == H2Names.host || field.name == H2Names.contentLength
+                || connectionSpecific.contains(field.name)
+                || field.name == H2Names.expect
             {
                 continue
             }
-            if attach && field.name == Names.authorization { continue }
+            if attach && field.name == H2Names.authorization { continue }
             upstream.append((field.nameText, field.value))
         }
         return .success(
@@ -120,8 +128,8 @@ public enum H2Semantics {
 
     /// Whether a request header block is an RFC 8441 extended CONNECT for a WebSocket.
     public static func isWebSocketConnect(_ fields: [H2Field]) -> Bool {
-        fields.contains { $0.name == Names.method && $0.value == Names.connectMethod }
-            && fields.contains { $0.name == Names.protocolName && $0.value == Names.websocketProtocol }
+        fields.contains { $0.name == H2Names.method && $0.value == H2Names.connectMethod }
+            && fields.contains { $0.name == H2Names.protocolName && $0.value == H2Names.websocketProtocol }
     }
 
     /// An RFC 8441 WebSocket (extended CONNECT, `:protocol websocket`) as the HTTP/1.1 upgrade request the
@@ -204,16 +212,18 @@ public enum H2Semantics {
         let status = head.status
         // A gRPC status in the head makes it a Trailers-Only response (the gRPC HTTP/2 protocol): one HEADERS
         // frame that ends the stream, which is how a gRPC client must see it.
-        let trailersOnly = head.values(named: "grpc-status").isEmpty == false
+        let trailersOnly = head.fields.indices.contains { head.field($0, isNamed: "grpc-status") }
         let hasBody = !(status < 200 || status == 204 || status == 304 || requestMethod == "HEAD" || trailersOnly)
         var fields: [H2Field] = [H2Field(":status", String(status))]
         fields.reserveCapacity(head.fields.count + 3)
         for index in head.fields.indices where !response.semantics.dropped.contains(index) {
-            let name = head.bytes[head.fields[index].name].map(ASCII.lower)
-            if connectionSpecific.contains(name) || name == Names.te || name == Names.trailer { continue }
+            let name = head.nameBytes(at: index)
+            if isConnectionSpecific(name) || ASCII.equalsLowercase(name, "trailer") { continue }
             // A length that is not the body's (discarded) does not travel.
-            if name == Names.contentLength && response.semantics.framing == .none && hasBody { continue }
-            fields.append(H2Field(name, Array(head.valueBytes(at: index))))
+            if response.semantics.framing == .none && hasBody && ASCII.equalsLowercase(name, "content-length") {
+                continue
+            }
+            fields.append(H2Field(name.map(ASCII.lower), Array(head.valueBytes(at: index))))
         }
         if let proxyStatus = response.proxyStatus {
             fields.append(H2Field("proxy-status", proxyStatus.fieldValue))
@@ -271,11 +281,11 @@ struct RequestPseudoFields {
                 continue
             }
             switch field.name {
-            case Names.method: split.method = field.valueText
-            case Names.path: split.path = field.valueText
-            case Names.scheme: split.scheme = field.valueText
-            case Names.authority: split.authority = field.valueText
-            case Names.protocolName: split.protocolName = field.valueText
+            case H2Names.method: split.method = field.valueText
+            case H2Names.path: split.path = field.valueText
+            case H2Names.scheme: split.scheme = field.valueText
+            case H2Names.authority: split.authority = field.valueText
+            case H2Names.protocolName: split.protocolName = field.valueText
             default: return .failure(.badRequest(HTTPParseError(.malformed, "unknown pseudo-header field")))
             }
         }
@@ -283,9 +293,9 @@ struct RequestPseudoFields {
     }
 }
 
-/// The field names (and the two values) this file compares with, made once (an array literal in a comparison is made anew for every
-/// field of every stream).
-private enum Names {
+/// The field names (and the two values) the HTTP/2 files compare with, made once (an array literal in a comparison
+/// is made anew for every field of every stream).
+enum H2Names {
     static let method = Array(":method".utf8)
     static let path = Array(":path".utf8)
     static let scheme = Array(":scheme".utf8)

@@ -46,13 +46,13 @@ public struct ResponseSemantics: Sendable, Equatable {
     public let dropped: FieldIndexSet
 }
 
-/// Field names that are hop-by-hop whatever the Connection field says (RFC 9110 §7.6.1), plus the proxy's
-/// own credentials.
-private let alwaysHopByHop: [StaticString] = [
-    "connection", "proxy-connection", "keep-alive", "te", "upgrade", "proxy-authorization",
-]
-
 extension MessageSemantics {
+    /// Field names that are hop-by-hop whatever the Connection field says (RFC 9110 §7.6.1), plus the proxy's
+    /// own credentials.
+    static let alwaysHopByHop: [StaticString] = [
+        "connection", "proxy-connection", "keep-alive", "te", "upgrade", "proxy-authorization",
+    ]
+
     /// The always-hop-by-hop field names as bytes: the one table trailers and HTTP/2 header blocks are
     /// checked against too.
     public static let hopByHopNames: Set<[UInt8]> = Set(
