@@ -4,17 +4,6 @@ extension ConnectionMachine {
     static let continueResponse = Array("HTTP/1.1 100 Continue\r\n\r\n".utf8)
     static let lastChunk = Array("0\r\n\r\n".utf8)
 
-    /// The settings of an exchange with `origin`, from this connection's snapshot.
-    func exchangeSettings(_ origin: OriginConfig) -> ProtectedExchange.Settings {
-        ProtectedExchange.Settings(
-            replaySpool: max(settings.replaySpool, settings.replayMemory), connectTimeout: settings.connectTimeout,
-            idleTimeout: settings.idleTimeout, responseHeadLimits: settings.headLimits,
-            resolve: settings.resolve[origin.authority.host].map {
-                "\(origin.authority.host):\(origin.authority.port):\($0)"
-            },
-            upstreamProxy: frontDoor.upstream(for: origin.authority), builtinClient: settings.builtinClient)
-    }
-
     mutating func beginProtected(
         _ request: InterceptedRequest, origin: OriginConfig, kept: HostPort?, head: HTTPHead, _ out: inout [Action]
     ) {
@@ -24,7 +13,7 @@ extension ConnectionMachine {
             return beginProtectedUpgrade(request, origin: origin, kept: kept, head: head, &out)
         }
         var exchange = ProtectedExchange(
-            request: request, origin: origin, settings: exchangeSettings(origin), knownNonce: nil)
+            request: request, origin: origin, settings: frontDoor.exchangeSettings(for: origin), knownNonce: nil)
         state = .intercepting(
             Intercepting(
                 exchange: exchange, body: BodyReader(request.framing), started: now,

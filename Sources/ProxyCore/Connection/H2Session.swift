@@ -101,6 +101,8 @@ public struct H2Session: Sendable {
 
     public let origin: OriginConfig
     public let frontDoor: FrontDoor
+    /// Every stream's exchange is with `origin`: its settings are made once.
+    let exchangeSettings: ProtectedExchange.Settings
     /// Set when the SNI named another host: every request gets 421 and no token.
     let misdirected: String?
     var streams: [Stream: StreamState] = [:]
@@ -118,6 +120,7 @@ public struct H2Session: Sendable {
         self.frontDoor = frontDoor
         self.misdirected = misdirected
         self.keyState = keySeed
+        exchangeSettings = frontDoor.exchangeSettings(for: origin)
     }
 
     var settings: ProxySettings { frontDoor.settings }
@@ -270,16 +273,6 @@ public struct H2Session: Sendable {
         let method = fields.first { $0.name == H2Names.method }.map(\.valueText) ?? "-"
         let path = fields.first { $0.name == H2Names.path }.map(\.valueText) ?? "-"
         return (method, path)
-    }
-
-    var exchangeSettings: ProtectedExchange.Settings {
-        ProtectedExchange.Settings(
-            replaySpool: max(settings.replaySpool, settings.replayMemory), connectTimeout: settings.connectTimeout,
-            idleTimeout: settings.idleTimeout, responseHeadLimits: settings.headLimits,
-            resolve: settings.resolve[origin.authority.host].map {
-                "\(origin.authority.host):\(origin.authority.port):\($0)"
-            },
-            upstreamProxy: frontDoor.upstream(for: origin.authority), builtinClient: settings.builtinClient)
     }
 
     private mutating func refuse(

@@ -145,6 +145,17 @@ public struct FrontDoor: Sendable {
         }
     }
 
+    /// The settings of an exchange with `origin`, from this snapshot.
+    public func exchangeSettings(for origin: OriginConfig) -> ProtectedExchange.Settings {
+        ProtectedExchange.Settings(
+            replaySpool: max(settings.replaySpool, settings.replayMemory), connectTimeout: settings.connectTimeout,
+            idleTimeout: settings.idleTimeout, responseHeadLimits: settings.headLimits,
+            resolve: settings.resolve[origin.authority.host].map {
+                "\(origin.authority.host):\(origin.authority.port):\($0)"
+            },
+            upstreamProxy: upstream(for: origin.authority), builtinClient: settings.builtinClient)
+    }
+
     public func upstream(for target: HostPort) -> UpstreamProxy? {
         guard let proxy = settings.upstreamProxy, !settings.noUpstreamProxy.matches(target) else { return nil }
         return proxy
