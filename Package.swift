@@ -4,6 +4,15 @@ import PackageDescription
 /// Cross-module optimisation for release builds (docs/benchmarks.md has the before/after).
 let crossModule: [SwiftSetting] = [.unsafeFlags(["-cross-module-optimization"], .when(configuration: .release))]
 
+/// Exclusive access to class properties and globals is proven by the compiler where it can be and, for the
+/// rest, checked at run time in debug builds (every unit test, the fuzz targets) but not in release builds of
+/// the hot path: the run-time check (`swift_beginAccess`, an access set per thread) was 4,000 instructions of
+/// every intercepted HTTP/1.1 request and 13,000 of every HTTP/2 stream (`scripts/instructions`,
+/// docs/performance.md).
+let uncheckedExclusivity: [SwiftSetting] = [
+    .unsafeFlags(["-enforce-exclusivity=unchecked"], .when(configuration: .release))
+]
+
 let package = Package(
     name: "proxyctl",
     products: [
@@ -40,7 +49,7 @@ let package = Package(
         // Pure logic: Foundation only; no sockets, no C.
         // Release builds inline and specialise ProxyCore's generic machines (`some ByteView`) into ProxyIO's
         // callers: without it every event of the hot path ran unspecialised through witness tables.
-        .target(name: "ProxyCore", swiftSettings: crossModule),
+        .target(name: "ProxyCore", swiftSettings: crossModule + uncheckedExclusivity),
         // OpenSSL: CA, leaf certificates, ES256, hashing, randomness.
         .target(name: "ProxyTLS", dependencies: ["ProxyCore", "COpenSSL"]),
         // Sign-in and tokens: discovery, PKCE, login flows, ID tokens, the token store, refresh. Decides; the
@@ -49,7 +58,8 @@ let package = Package(
         // The only module that touches sockets.
         .target(
             name: "ProxyIO",
-            dependencies: ["ProxyCore", "ProxyTLS", "ProxyOAuth", "CLibevent", "CCurl", "CNghttp2", "COpenSSL"]),
+            dependencies: ["ProxyCore", "ProxyTLS", "ProxyOAuth", "CLibevent", "CCurl", "CNghttp2", "COpenSSL"],
+            swiftSettings: uncheckedExclusivity),
         // argv -> command, help text, exit codes.
         .target(name: "ProxyCLI", dependencies: ["ProxyCore", "ProxyTLS", "ProxyOAuth", "ProxyIO"]),
         .executableTarget(name: "proxyctl", dependencies: ["ProxyCLI"]),
