@@ -116,4 +116,35 @@ done:
     return result;
 }
 
+// ECDSA with its nonce made ahead (PrivateKey's presigned pool): ECDSA_sign_setup makes k^-1 and r = (k*G).x,
+// the scalar multiplication that is most of a P-256 signature; ECDSA_do_sign_ex finishes a signature from one
+// such pair and a digest. OpenSSL 3.0 deprecated these (EVP has no equivalent) but keeps them; the
+// deprecation warnings stay in this header.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+// A legacy EC_KEY of its own (a copy: the pool is filled on another thread than the one that signs).
+static inline EC_KEY *proxyctl_ec_key_copy(EVP_PKEY *pkey) {
+    EC_KEY *shared = EVP_PKEY_get1_EC_KEY(pkey);
+    if (shared == NULL) return NULL;
+    EC_KEY *copy = EC_KEY_dup(shared);
+    EC_KEY_free(shared);
+    return copy;
+}
+static inline void proxyctl_ec_key_free(EC_KEY *key) { EC_KEY_free(key); }
+static inline int proxyctl_ecdsa_presign(EC_KEY *key, BIGNUM **kinv, BIGNUM **r) {
+    return ECDSA_sign_setup(key, NULL, kinv, r);
+}
+// The signature of a 32-byte digest as raw r||s (64 bytes, JWS form) from a pair made by proxyctl_ecdsa_presign.
+static inline int proxyctl_ecdsa_sign_presigned(EC_KEY *key, const unsigned char *digest, const BIGNUM *kinv,
+                                                const BIGNUM *r, unsigned char *out) {
+    ECDSA_SIG *sig = ECDSA_do_sign_ex(digest, 32, kinv, r, key);
+    if (sig == NULL) return 0;
+    const BIGNUM *sr = NULL, *ss = NULL;
+    ECDSA_SIG_get0(sig, &sr, &ss);
+    int ok = BN_bn2binpad(sr, out, 32) == 32 && BN_bn2binpad(ss, out + 32, 32) == 32;
+    ECDSA_SIG_free(sig);
+    return ok;
+}
+#pragma GCC diagnostic pop
+
 #endif

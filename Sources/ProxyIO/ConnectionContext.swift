@@ -122,6 +122,8 @@ final class DPoPKeyring {
         self.loop = loop
         self.keys = keys
         self.stateDirectory = stateDirectory
+        // A proof per request: their signatures finish nonces made ahead (`PrivateKey.signAhead`).
+        for key in keys.values { key.key.signAhead() }
     }
 
     /// The key for tokens with `thumbprint` (nil: any), if it is at hand.
@@ -139,6 +141,7 @@ final class DPoPKeyring {
         let loop = self.loop
         DispatchQueue.global().async {
             let key = try? DPoPKey.load(stateDirectory: stateDirectory, provider: provider)
+            key?.key.signAhead()
             loop.post {
                 if let key { ring.value.keys[provider] = key }
                 callback.value(key.flatMap { thumbprint == nil || $0.thumbprint == thumbprint ? $0 : nil })

@@ -64,6 +64,33 @@ import Testing
         #expect(verifier.verify(.es256, signature: jwt.signature, signingInput: jwt.signingInput))
     }
 
+    /// `signAhead`: signatures finish ECDSA nonces made ahead on a background queue. Each must verify, and no
+    /// nonce may serve twice (the same r twice with one key gives the key away); past the pool, signing goes on
+    /// (the usual way while a refill runs).
+    @Test func signaturesFromNoncesMadeAheadVerifyAndNeverRepeatANonce() async throws {
+        let key = try PrivateKey.generateP256()
+        key.signAhead()
+        for _ in 0..<200 where key.presignedCounts.ready < PrivateKey.presignBatch {
+            try await Task.sleep(for: .milliseconds(10))
+        }
+        #expect(key.presignedCounts.ready == PrivateKey.presignBatch)
+        let verifier = try CryptoKey.publicKey(jwk: try key.publicJWK())
+        var nonces = Set<[UInt8]>()
+        let count = PrivateKey.presignBatch * 3
+        for index in 0..<count {
+            let message = Array("message \(index)".utf8)
+            let signature = try key.signES256(message)
+            #expect(verifier.verify(.es256, signature: signature, signingInput: message))
+            nonces.insert(Array(signature[0..<32]))
+        }
+        #expect(nonces.count == count)
+        #expect(key.presignedCounts.used >= PrivateKey.presignBatch)
+        // A key that was not asked to sign ahead signs the usual way.
+        let plain = try PrivateKey.generateP256()
+        _ = try plain.signES256([1, 2, 3])
+        #expect(plain.presignedCounts.used == 0)
+    }
+
     @Test func proofsAreUnique() throws {
         let key = try DPoPKey(try PrivateKey.generateP256())
         let proofs = try (0..<200).map { _ in try key.proof(method: "GET", url: "https://a.test/", now: 1) }
