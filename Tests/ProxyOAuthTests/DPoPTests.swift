@@ -70,7 +70,9 @@ import Testing
     @Test func signaturesFromNoncesMadeAheadVerifyAndNeverRepeatANonce() async throws {
         let key = try PrivateKey.generateP256()
         key.signAhead()
-        for _ in 0..<200 where key.presignedCounts.ready < PrivateKey.presignBatch {
+        // The refill runs on a background queue; the deadline is generous for a busy 2-core machine.
+        let deadline = ContinuousClock.now + .seconds(60)
+        while key.presignedCounts.ready < PrivateKey.presignBatch && ContinuousClock.now < deadline {
             try await Task.sleep(for: .milliseconds(10))
         }
         #expect(key.presignedCounts.ready == PrivateKey.presignBatch)

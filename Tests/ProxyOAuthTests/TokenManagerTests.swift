@@ -571,12 +571,14 @@ private final class Latch: Sendable {
     }
 }
 
-/// Polls `condition` every 10 ms for up to 10 s.
+/// Polls `condition` every 10 ms for up to 60 s. A liveness wait, not a timing check: on a 2-core machine the
+/// exhaustive walks of the debug build (`H2SessionWalk`, about 9 s of CPU) hold the cooperative threads, and a
+/// task started by a test can wait that long before it first runs (10 s was exceeded once, 2026-12-02).
 private func pollUntil(_ condition: () throws -> Bool) async throws {
-    let deadline = ContinuousClock.now + .seconds(10)
+    let deadline = ContinuousClock.now + .seconds(60)
     while try !condition() {
         guard ContinuousClock.now < deadline else {
-            Issue.record("condition not met within 10 s")
+            Issue.record("condition not met within 60 s")
             return
         }
         try await Task.sleep(for: .milliseconds(10))
