@@ -685,7 +685,7 @@ class Report:
                 f"signing input of the proof's length. Alternating, {p.runs} times each.")
             if self.intercept:
                 add("- **Row 10**: per run, the DPoP column's CPU µs/request less the Bearer column's, in rows 6, 6b "
-                    "and 8; the target is one raw signature from row 9.")
+                    "and 8; the target is the issue's (40 µs at equal load, row 6b).")
         if self.protocols:
             add(f"- **Rows 11–13**: a proxyctl (Bearer) of their own, protecting bench.test and the WebSocket echo "
                 f"origin (`https://bench.test:PORT`, `loadgen wsecho` with the bench.test leaf). Row 11: `hey -c "
