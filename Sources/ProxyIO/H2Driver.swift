@@ -40,7 +40,7 @@ final class H2Driver: ServerConnection, TransferOwner {
     private var actions: [H2Session.Action] = []
     private var afterHandling: [() -> Void] = []
     /// Runs `flush` at the end of the loop's pass (`flushSoon`).
-    private var flushTask: LoopTimer?
+    private lazy var flushTask = LoopTimer(loop: context.loop) { [unowned self] in flush() }
 
     /// The per-stream state the I/O needs: the body store, the transfer, the response bytes waiting for the
     /// client's flow-control window.
@@ -293,8 +293,7 @@ final class H2Driver: ServerConnection, TransferOwner {
     /// transfer) and the other streams' responses of the same pass are written by one run of `flush`, not one
     /// each (`scripts/instructions --h2`: four runs of nghttp2's sender per request before).
     private func flushSoon() {
-        if flushTask == nil { flushTask = LoopTimer(loop: context.loop) { [unowned self] in flush() } }
-        flushTask?.fireInThisPass()
+        flushTask.fireInThisPass()
     }
 
     // MARK: - Actions

@@ -456,7 +456,6 @@ public struct H2Session: Sendable {
                     out.append(.resetStream(stream, .internalError))
                 }
                 streams.removeValue(forKey: stream)
-                responseEnded = state.responseEnded  // nothing to write back: the stream is gone
                 streamsChanged(&out)
                 return
             default:
