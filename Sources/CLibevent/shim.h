@@ -96,7 +96,11 @@ static inline int proxyctl_set_linger_reset(int fd) {
 // loopback client, or one connecting to one of this machine's addresses): a NETLINK_SOCK_DIAG query for
 // the client socket's exact 4-tuple, as ss(8) makes. -1 when it is not known (a remote peer, no netlink).
 // No privilege is needed. IPv4-mapped IPv6 peers are looked up as the IPv4 sockets they are.
-static inline long proxyctl_tcp_peer_uid(int fd) {
+// `link` is a NETLINK_SOCK_DIAG socket kept by the caller (-1: this call opens one and stores it there), so a
+// connection costs a send and a receive, not a socket's creation; `sequence` numbers the queries. An answer is
+// taken only when it carries this query's number and the ports of the socket asked about; anything else
+// (a late answer to an earlier query) is read past, and a socket in doubt is closed and set to -1.
+static inline long proxyctl_tcp_peer_uid(int fd, int *link, unsigned *sequence) {
     struct sockaddr_storage local, peer;
     socklen_t local_length = sizeof local, peer_length = sizeof peer;
     if (getsockname(fd, (struct sockaddr *)&local, &local_length) != 0) return -1;
@@ -106,6 +110,7 @@ static inline long proxyctl_tcp_peer_uid(int fd) {
     message.header.nlmsg_len = sizeof message;
     message.header.nlmsg_type = SOCK_DIAG_BY_FAMILY;
     message.header.nlmsg_flags = NLM_F_REQUEST;
+    message.header.nlmsg_seq = ++*sequence;
     message.request.sdiag_protocol = IPPROTO_TCP;
     message.request.idiag_states = ~0U;
     message.request.id.idiag_cookie[0] = INET_DIAG_NOCOOKIE;
@@ -134,20 +139,35 @@ static inline long proxyctl_tcp_peer_uid(int fd) {
     } else {
         return -1;
     }
-    int link = socket(AF_NETLINK, SOCK_DGRAM | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
-    if (link < 0) return -1;
-    long uid = -1;
-    if (send(link, &message, sizeof message, 0) == (ssize_t)sizeof message) {
-        char answer[1024];
-        ssize_t length = recv(link, answer, sizeof answer, 0);
-        struct nlmsghdr *reply = (struct nlmsghdr *)answer;
-        if (length > 0 && NLMSG_OK(reply, (unsigned)length) && reply->nlmsg_type == SOCK_DIAG_BY_FAMILY) {
-            struct inet_diag_msg *found = (struct inet_diag_msg *)NLMSG_DATA(reply);
-            uid = found->idiag_uid;
-        }
+    if (*link < 0) {
+        *link = socket(AF_NETLINK, SOCK_DGRAM | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
+        if (*link < 0) return -1;
     }
-    close(link);
-    return uid;
+    if (send(*link, &message, sizeof message, 0) != (ssize_t)sizeof message) {
+        close(*link);
+        *link = -1;
+        return -1;
+    }
+    // The kernel answers a sock_diag query before send returns: an answer is waiting, and one for an earlier
+    // query that was never read (an interrupted receive) would come first.
+    for (int attempt = 0; attempt < 4; attempt++) {
+        char answer[1024];
+        ssize_t length = recv(*link, answer, sizeof answer, MSG_DONTWAIT);
+        if (length <= 0) break;
+        struct nlmsghdr *reply = (struct nlmsghdr *)answer;
+        if (!NLMSG_OK(reply, (unsigned)length) || reply->nlmsg_seq != message.header.nlmsg_seq) continue;
+        if (reply->nlmsg_type != SOCK_DIAG_BY_FAMILY) return -1;  // NLMSG_ERROR: no such socket
+        if (reply->nlmsg_len < NLMSG_LENGTH(sizeof(struct inet_diag_msg))) return -1;
+        struct inet_diag_msg *found = (struct inet_diag_msg *)NLMSG_DATA(reply);
+        // The ports (the addresses of a dual-stack socket come back in their IPv6 form).
+        if (found->id.idiag_sport != message.request.id.idiag_sport ||
+            found->id.idiag_dport != message.request.id.idiag_dport)
+            return -1;
+        return found->idiag_uid;
+    }
+    close(*link);
+    *link = -1;
+    return -1;
 }
 
 // glibc defines EAI_NODATA (a name with no addresses) only under _GNU_SOURCE, which must not be set

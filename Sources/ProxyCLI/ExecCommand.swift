@@ -131,8 +131,10 @@ enum ExecCommand {
 
         let finished = DispatchSemaphore(value: 0)
         let serverRef = LoopBound(server, loop: loop)
+        logger.holdAccessLines(on: loop)
         let thread = Thread {
             loop.run()
+            logger.flush()
             finished.signal()
         }
         thread.name = "proxyctl-exec-loop"

@@ -152,7 +152,9 @@ enum ServeCommand {
             logger.always(line)
         }
         logger.always("use it: eval \"$(proxyctl env)\", or proxyctl exec -- COMMAND")
+        logger.holdAccessLines(on: loop)
         loop.run()
+        logger.flush()
         server.removeServeState()
         admin?.stop()
         return ExitCode.success

@@ -81,7 +81,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
         self.lastActivity = started
         machine = ConnectionMachine(
             role: .frontDoor, frontDoor: context.frontDoor, hasLocalCA: context.tlsContexts != nil,
-            peer: Self.identify(fd, settings: context.frontDoor))
+            peer: context.peers.identify(fd, settings: context.frontDoor))
         self.client = bufferevent_socket_new(context.loop.base, fd, Int32(BEV_OPT_CLOSE_ON_FREE.rawValue))
         _ = proxyctl_set_nodelay(fd)
         setUpClient()
@@ -140,18 +140,6 @@ final class ClientDriver: ServerConnection, TransferOwner {
     }
 
     private var contextPointer: UnsafeMutableRawPointer { Unmanaged.passUnretained(self).toOpaque() }
-
-    /// Which user's process is on the other end of `fd`, looked up only when a rule needs it (one netlink
-    /// query to the kernel, as ss(8) makes).
-    private static func identify(_ fd: Int32, settings frontDoor: FrontDoor) -> PeerIdentity {
-        let protectedRule = !frontDoor.origins.isEmpty && frontDoor.settings.protectedUsers == .owner
-        guard
-            protectedRule || frontDoor.settings.passthroughUsers == .owner || frontDoor.settings.ownerNeedsNoCredentials
-        else { return .owner }
-        let uid = proxyctl_tcp_peer_uid(fd)
-        if uid < 0 { return .unknown }
-        return uid == Int(geteuid()) ? .owner : .otherUser(uid: uid)
-    }
 
     private func setUpClient() {
         guard let client else {

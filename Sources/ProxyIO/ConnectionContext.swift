@@ -31,6 +31,8 @@ final class ConnectionContext {
     /// Pipes and a copy buffer for tunnels.
     let pipes: PipePool
     let tunnelBuffer: TunnelBuffer
+    /// Who is on the other end of an accepted connection (a netlink socket kept across connections).
+    let peers: PeerLookup
     /// What connections tell the server: they closed, one hands over to another, exchanges and notices.
     unowned let owner: any ConnectionOwner
     /// Output buffered toward a slow receiver before its sender is paused.
@@ -40,7 +42,7 @@ final class ConnectionContext {
         loop: EventLoop, logger: Logger, frontDoor: FrontDoor, resolver: Resolver, curl: @escaping () -> CurlMulti,
         tokens: TokenBroker, tlsContexts: TLSServerContexts?, tlsClients: TLSClientContexts, spoolDirectory: String,
         nonces: DPoPNonces,
-        keys: DPoPKeyring, pipes: PipePool, tunnelBuffer: TunnelBuffer, owner: any ConnectionOwner
+        keys: DPoPKeyring, pipes: PipePool, tunnelBuffer: TunnelBuffer, peers: PeerLookup, owner: any ConnectionOwner
     ) {
         self.loop = loop
         self.logger = logger
@@ -55,6 +57,7 @@ final class ConnectionContext {
         self.keys = keys
         self.pipes = pipes
         self.tunnelBuffer = tunnelBuffer
+        self.peers = peers
         self.owner = owner
     }
 

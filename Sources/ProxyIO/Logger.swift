@@ -5,14 +5,23 @@ import Synchronization
 
 /// Lines to standard error: `2026-11-30T08:40:40.123Z info message key=value ...`.
 ///
-/// Callers pass only what may be seen: no credentials, tokens or field values. One `write` per line, so
-/// lines from several threads do not interleave.
+/// Callers pass only what may be seen: no credentials, tokens or field values. Each `write` carries whole
+/// lines, so lines from several threads do not interleave. With `holdAccessLines(on:)`, the access log's lines
+/// (one per request) made on the loop thread are held for the rest of that pass of the loop and written in one
+/// `write`; any other line writes those first, then itself, so the order is kept.
 public final class Logger: @unchecked Sendable {
-    // @unchecked Sendable: `level` is an atomic; writes are single write(2) calls.
+    // @unchecked Sendable: `level` and `format` are atomics, held lines are behind a mutex, and `flushTask` is
+    // set before the loop runs and used on its thread only.
 
     private let levelStorage: Atomic<Int>
     private let jsonStorage: Atomic<Bool>
     private let fd: Int32
+    /// Access-log lines of this pass of the loop, not yet written.
+    private let held = Mutex<[UInt8]>([])
+    private var flushTask: LoopTimer?
+    private var holdingLoop: EventLoop?
+    /// Held lines are written at once beyond this size.
+    private static let heldLimit = 64 * 1024
 
     public init(level: LogLevel, format: LogFormat = .text, fd: Int32 = 2) {
         self.levelStorage = Atomic(level.rawValue)
@@ -29,6 +38,22 @@ public final class Logger: @unchecked Sendable {
     public var level: LogLevel {
         get { LogLevel(rawValue: levelStorage.load(ordering: .relaxed)) ?? .info }
         set { levelStorage.store(newValue.rawValue, ordering: .relaxed) }
+    }
+
+    /// Holds the access log's lines made on `loop`'s thread until the end of each pass of it (one `write` for
+    /// a pass's requests instead of one each). Call before the loop runs; `flush()` when it has stopped.
+    public func holdAccessLines(on loop: EventLoop) {
+        holdingLoop = loop
+        flushTask = LoopTimer(loop: loop) { [unowned self] in flush() }
+    }
+
+    /// Writes the held lines now.
+    public func flush() {
+        held.withLock { pending in
+            guard !pending.isEmpty else { return }
+            writeAll(pending)
+            pending.removeAll(keepingCapacity: pending.capacity <= Self.heldLimit * 2)
+        }
     }
 
     @inline(__always)
@@ -69,7 +94,20 @@ public final class Logger: @unchecked Sendable {
         bytes.append(UInt8(ascii: " "))
         bytes.append(contentsOf: line.text.utf8)
         bytes.append(UInt8(ascii: "\n"))
-        writeLine(bytes)
+        guard let flushTask, level != .warn, holdingLoop?.inLoopThread == true else {
+            writeLine(bytes)
+            return
+        }
+        let first = held.withLock { pending -> Bool in
+            let first = pending.isEmpty
+            pending.append(contentsOf: bytes)
+            if pending.count >= Self.heldLimit {
+                writeAll(pending)
+                pending.removeAll(keepingCapacity: true)
+            }
+            return first
+        }
+        if first { flushTask.fireInThisPass() }
     }
 
     /// The timestamp and the level, each followed by a space.
@@ -98,7 +136,20 @@ public final class Logger: @unchecked Sendable {
         writeLine(bytes)
     }
 
+    /// Writes `line` after the held lines, if any.
     private func writeLine(_ line: [UInt8]) {
+        held.withLock { pending in
+            if pending.isEmpty {
+                writeAll(line)
+            } else {
+                pending.append(contentsOf: line)
+                writeAll(pending)
+                pending.removeAll(keepingCapacity: pending.capacity <= Self.heldLimit * 2)
+            }
+        }
+    }
+
+    private func writeAll(_ line: [UInt8]) {
         line.withUnsafeBytes { buffer in
             var offset = 0
             while offset < buffer.count {

@@ -90,6 +90,8 @@ public final class ProxyServer: ConnectionOwner {
     private let pipes = PipePool()
     /// A buffer for tunnels that copy (where splice is not available).
     private let tunnelBuffer = TunnelBuffer()
+    /// Peer lookups for the "owner" rules.
+    private let peers = PeerLookup()
     /// The latest DPoP nonce of each protected origin, from every response (RFC 9449 §9).
     let resourceNonces = DPoPNonces()
     /// What new connections get; replaced on SIGHUP (connections in flight keep theirs).
@@ -148,7 +150,7 @@ public final class ProxyServer: ConnectionOwner {
             loop: loop, logger: logger, frontDoor: frontDoor, resolver: resolver, curl: { [unowned self] in curl },
             tokens: tokens,
             tlsContexts: tlsContexts, tlsClients: tlsClients, spoolDirectory: spoolDirectory, nonces: resourceNonces,
-            keys: keys, pipes: pipes, tunnelBuffer: tunnelBuffer, owner: self)
+            keys: keys, pipes: pipes, tunnelBuffer: tunnelBuffer, peers: peers, owner: self)
         context = made
         return made
     }

@@ -74,6 +74,10 @@ public final class TLSServerContexts {
         // Stateful resumption (the session cache) is enough for a local proxy; tickets cost a signature-free
         // but real encryption per handshake that clients rarely use.
         SSL_CTX_set_options(context, proxyctl_SSL_OP_NO_TICKET())
+        // TLS 1.3 sends its resumption tickets after the handshake; OpenSSL's default of two costs a key
+        // derivation, a cached session and a write each per connection. Clients that resume (Node's agents,
+        // Java) use one per new connection, and a resumed handshake is given a fresh one.
+        _ = SSL_CTX_set_num_tickets(context, 1)
         // A peer that closes without close_notify (most clients do) ends the stream like a close, as it did
         // before OpenSSL 3; HTTP framing and WebSocket's close handshake say whether a message was whole.
         SSL_CTX_set_options(context, proxyctl_SSL_OP_IGNORE_UNEXPECTED_EOF())

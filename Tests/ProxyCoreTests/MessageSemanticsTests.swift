@@ -116,6 +116,15 @@ private func droppedNames(_ semantics: RequestSemantics, _ head: HTTPHead) -> [S
         #expect(try refusal([line, "Host: example.com:443"]) == .malformed)
     }
 
+    @Test func schemeSeparatorIsFoundAnywhere() {
+        for target in ["http://example.com:443", "a://", "x:a://b", "::://", "ex:/a://"] {
+            #expect(MessageSemantics.hasSchemeSeparator(target), "\(target)")
+        }
+        for target in ["example.com:443", ":/", "a:/b/", "//a", ":/:/", "[::1]:443", ""] {
+            #expect(!MessageSemantics.hasSchemeSeparator(target), "\(target)")
+        }
+    }
+
     @Test(arguments: [
         ["CONNECT example.com:443 HTTP/1.1", "Content-Length: 5"],
         ["CONNECT example.com:443 HTTP/1.1", "Transfer-Encoding: chunked"],

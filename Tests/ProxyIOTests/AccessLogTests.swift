@@ -1,5 +1,6 @@
 import Foundation
 import ProxyCore
+import Synchronization
 import Testing
 
 @testable import ProxyIO
@@ -45,6 +46,52 @@ import Testing
         parser.formatOptions = [.withInternetDateTime, .withFractionalSeconds]
         let stamp = try #require(parser.date(from: String(lines[0].prefix(24))), "\(lines[0])")
         #expect(abs(stamp.timeIntervalSinceNow) < 5)
+    }
+
+    /// Bytes waiting in a pipe.
+    static func waiting(_ fd: Int32) -> Int32 {
+        var count: Int32 = 0
+        _ = ioctl(fd, UInt(FIONREAD), &count)
+        return count
+    }
+
+    /// Held access-log lines are written at the end of the pass that made them, together; any other line
+    /// writes them first.
+    @Test func heldLinesAreWrittenAtTheEndOfThePassInOrder() throws {
+        var fds: [Int32] = [0, 0]
+        try #require(pipe(&fds) == 0)
+        defer { close(fds[0]) }
+        let loop = EventLoop()
+        let logger = Logger(level: .info, fd: fds[1])
+        logger.holdAccessLines(on: loop)
+        let during = Mutex<[Int32]>([])
+        let reader = fds[0]
+        loop.post {
+            logger.connection(1, peer: "p:1", LogLine(.info, "first"))
+            logger.connection(2, peer: "p:2", LogLine(.info, "second"))
+            during.withLock { $0.append(Self.waiting(reader)) }
+            logger.info("conn=9 client=q:9 general")  // writes the two held lines, then itself
+            during.withLock { $0.append(Self.waiting(reader)) }
+            logger.connection(3, peer: "p:3", LogLine(.info, "third"))
+            logger.connection(4, peer: "p:4", LogLine(.warn, "a warning is not held"))
+            during.withLock { $0.append(Self.waiting(reader)) }
+            logger.connection(5, peer: "p:5", LogLine(.info, "fifth"))
+        }
+        loop.run()  // the posted job, then the flush at the end of its pass
+        let counts = during.withLock { $0 }
+        #expect(counts.count == 3 && counts[0] == 0 && counts[1] > 0 && counts[2] > counts[1], "\(counts)")
+        close(fds[1])
+        var bytes: [UInt8] = []
+        var buffer = [UInt8](repeating: 0, count: 4096)
+        while true {
+            let count = read(fds[0], &buffer, buffer.count)
+            if count <= 0 { break }
+            bytes += buffer[..<count]
+        }
+        let messages = String(decoding: bytes, as: UTF8.self).split(separator: "\n").map {
+            $0.split(separator: " ", maxSplits: 4).last.map(String.init) ?? ""
+        }
+        #expect(messages == ["first", "second", "general", "third", "a warning is not held", "fifth"], "\(messages)")
     }
 
     @Test func jsonSplitsTheConnectionAndTheClient() throws {
