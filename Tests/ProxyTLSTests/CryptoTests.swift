@@ -46,6 +46,10 @@ private struct SignedParts {
             hex(Crypto.sha256("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq"))
                 == "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1")
         #expect(Crypto.sha256([UInt8](repeating: 0x61, count: 3)) == Crypto.sha256("aaa"))
+        // FIPS 180-2's long message: a million "a"s (many blocks).
+        #expect(
+            hex(Crypto.sha256([UInt8](repeating: 0x61, count: 1_000_000)))
+                == "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0")
     }
 
     @Test func randomBytesAndTokens() {
