@@ -1,6 +1,7 @@
 import CCurl
 import CLibevent
 import CNghttp2
+import COpenSSL
 import Foundation
 import ProxyCore
 import ProxyOAuth
@@ -195,8 +196,48 @@ final class H2Driver: ServerConnection, TransferOwner {
             }
             if consumed == 0 { break }
         }
+        if Buffers.length(input) == 0 { readRecordsLeft() }
         processQueued()
     }
+
+    /// Reads the TLS records still waiting in the socket and gives them to nghttp2 now. libevent's OpenSSL
+    /// bufferevent reads one record per pass of the loop; a client's HTTP/2 frames come in many small records
+    /// (a request's HEADERS is one), so one record per pass was one `epoll_wait` and one pass per stream. Read
+    /// here, after what the bufferevent read, until OpenSSL wants more from the socket or `recordsPerPass` were
+    /// read (the rest is the next pass's, so that one client cannot hold the loop): without read-ahead OpenSSL
+    /// holds nothing beyond the record it is reading, so no bytes wait where only a readiness event would
+    /// bring them back, and the socket, not yet empty, is still readable.
+    private func readRecordsLeft() {
+        guard let client, let ssl = bufferevent_openssl_get_ssl(client) else { return }
+        withUnsafeTemporaryAllocation(of: UInt8.self, capacity: Self.recordSize) { buffer in
+            for _ in 0..<Self.recordsPerPass where !closed {
+                ERR_clear_error()
+                let count = SSL_read(ssl, buffer.baseAddress, Int32(buffer.count))
+                if count <= 0 {
+                    let error = SSL_get_error(ssl, count)
+                    ERR_clear_error()
+                    // WANT_READ: the socket is empty (a partial record stays with OpenSSL, and the bufferevent
+                    // reads the rest when it comes). Anything else (the client's close_notify, a reset, a bad
+                    // record) ends the connection as the bufferevent's own read would have.
+                    if error != SSL_ERROR_WANT_READ && error != SSL_ERROR_WANT_WRITE {
+                        event(Int16(BEV_EVENT_READING | BEV_EVENT_EOF))
+                    }
+                    return
+                }
+                let result = nghttp2_session_mem_recv(session, buffer.baseAddress, Int(count))
+                if result < 0 {
+                    let reason = String(cString: nghttp2_strerror(Int32(result)))
+                    context.logger.info("conn=\(id) client=\(peer) h2 connection error: \(reason)")
+                    flush()
+                    return close()
+                }
+            }
+        }
+    }
+
+    /// The largest TLS record's plaintext.
+    private static let recordSize = 16 * 1024
+    private static let recordsPerPass = 64
 
     fileprivate func writable() {
         guard !closed else { return }
