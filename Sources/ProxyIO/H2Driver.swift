@@ -176,28 +176,31 @@ final class H2Driver: ServerConnection, TransferOwner {
         }
         while Buffers.length(input) > 0 && !closed {
             var consumed = 0
-            var failed: Int = 0
             Buffers.forEachSegment(input) { segment in
-                let result = nghttp2_session_mem_recv(
-                    session, segment.baseAddress?.assumingMemoryBound(to: UInt8.self), segment.count)
-                if result < 0 {
-                    failed = result
-                    return false
-                }
-                consumed += result
+                guard !closed, let taken = receive(segment) else { return false }
+                consumed += taken
                 return true
             }
+            // Closed (a connection error, or an event of the frames): the bufferevent went with `input`.
+            if closed { return }
             evbuffer_drain(input, consumed)
-            if failed != 0 {
-                let reason = String(cString: nghttp2_strerror(Int32(failed)))
-                context.logger.info("conn=\(id) client=\(peer) h2 connection error: \(reason)")
-                flush()
-                return close()
-            }
             if consumed == 0 { break }
         }
         if Buffers.length(input) == 0 { readRecordsLeft() }
         processQueued()
+    }
+
+    /// Gives the client's bytes to nghttp2: how many it took, or nil when they broke the connection (logged,
+    /// what is due flushed, closed).
+    private func receive(_ bytes: UnsafeRawBufferPointer) -> Int? {
+        let result = nghttp2_session_mem_recv(
+            session, bytes.baseAddress?.assumingMemoryBound(to: UInt8.self), bytes.count)
+        guard result < 0 else { return result }
+        let reason = String(cString: nghttp2_strerror(Int32(result)))
+        context.logger.info("conn=\(id) client=\(peer) h2 connection error: \(reason)")
+        flush()
+        close()
+        return nil
     }
 
     /// Reads the TLS records still waiting in the socket and gives them to nghttp2 now. libevent's OpenSSL
@@ -210,7 +213,8 @@ final class H2Driver: ServerConnection, TransferOwner {
     private func readRecordsLeft() {
         guard let client, let ssl = bufferevent_openssl_get_ssl(client) else { return }
         withUnsafeTemporaryAllocation(of: UInt8.self, capacity: Self.recordSize) { buffer in
-            for _ in 0..<Self.recordsPerPass where !closed {
+            for _ in 0..<Self.recordsPerPass {
+                guard !closed else { return }
                 ERR_clear_error()
                 let count = SSL_read(ssl, buffer.baseAddress, Int32(buffer.count))
                 if count <= 0 {
@@ -224,12 +228,8 @@ final class H2Driver: ServerConnection, TransferOwner {
                     }
                     return
                 }
-                let result = nghttp2_session_mem_recv(session, buffer.baseAddress, Int(count))
-                if result < 0 {
-                    let reason = String(cString: nghttp2_strerror(Int32(result)))
-                    context.logger.info("conn=\(id) client=\(peer) h2 connection error: \(reason)")
-                    flush()
-                    return close()
+                guard receive(UnsafeRawBufferPointer(start: buffer.baseAddress, count: Int(count))) != nil else {
+                    return
                 }
             }
         }

@@ -50,10 +50,14 @@ public final class Logger: @unchecked Sendable {
     /// Writes the held lines now.
     public func flush() {
         held.withLock { pending in
-            guard !pending.isEmpty else { return }
-            writeAll(pending)
-            pending.removeAll(keepingCapacity: pending.capacity <= Self.heldLimit * 2)
+            if !pending.isEmpty { writeHeld(&pending) }
         }
+    }
+
+    /// Writes the held lines and empties the buffer (keeping its storage unless a burst made it large).
+    private func writeHeld(_ pending: inout [UInt8]) {
+        writeAll(pending)
+        pending.removeAll(keepingCapacity: pending.capacity <= Self.heldLimit * 2)
     }
 
     @inline(__always)
@@ -101,10 +105,7 @@ public final class Logger: @unchecked Sendable {
         let first = held.withLock { pending -> Bool in
             let first = pending.isEmpty
             pending.append(contentsOf: bytes)
-            if pending.count >= Self.heldLimit {
-                writeAll(pending)
-                pending.removeAll(keepingCapacity: true)
-            }
+            if pending.count >= Self.heldLimit { writeHeld(&pending) }
             return first
         }
         if first { flushTask.fireInThisPass() }
@@ -143,8 +144,7 @@ public final class Logger: @unchecked Sendable {
                 writeAll(line)
             } else {
                 pending.append(contentsOf: line)
-                writeAll(pending)
-                pending.removeAll(keepingCapacity: pending.capacity <= Self.heldLimit * 2)
+                writeHeld(&pending)
             }
         }
     }

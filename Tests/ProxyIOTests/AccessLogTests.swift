@@ -16,10 +16,15 @@ import Testing
         defer { close(fds[0]) }
         write(Logger(level: .info, format: format, fd: fds[1]))
         close(fds[1])
+        return readAll(fds[0])
+    }
+
+    /// Everything `fd` gives until its end, as text.
+    static func readAll(_ fd: Int32) -> String {
         var bytes: [UInt8] = []
         var buffer = [UInt8](repeating: 0, count: 4096)
         while true {
-            let count = read(fds[0], &buffer, buffer.count)
+            let count = read(fd, &buffer, buffer.count)
             if count <= 0 { break }
             bytes += buffer[..<count]
         }
@@ -81,14 +86,7 @@ import Testing
         let counts = during.withLock { $0 }
         #expect(counts.count == 3 && counts[0] == 0 && counts[1] > 0 && counts[2] > counts[1], "\(counts)")
         close(fds[1])
-        var bytes: [UInt8] = []
-        var buffer = [UInt8](repeating: 0, count: 4096)
-        while true {
-            let count = read(fds[0], &buffer, buffer.count)
-            if count <= 0 { break }
-            bytes += buffer[..<count]
-        }
-        let messages = String(decoding: bytes, as: UTF8.self).split(separator: "\n").map {
+        let messages = Self.readAll(fds[0]).split(separator: "\n").map {
             $0.split(separator: " ", maxSplits: 4).last.map(String.init) ?? ""
         }
         #expect(messages == ["first", "second", "general", "third", "a warning is not held", "fifth"], "\(messages)")
