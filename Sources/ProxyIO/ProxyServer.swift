@@ -293,7 +293,11 @@ public final class ProxyServer: ConnectionOwner {
     func record(_ record: ExchangeRecord, up: Int, down: Int, milliseconds: Int64) {
         metrics.update { $0.recordExchange(record, up: up, down: down, milliseconds: milliseconds) }
         guard serveState != nil else { return }
-        var counts = serveState!.origins[record.origin, default: ServeState.OriginCounts()]
+        Self.count(record, in: &serveState!.origins[record.origin, default: ServeState.OriginCounts()])
+        serveStateDirty = true
+    }
+
+    private static func count(_ record: ExchangeRecord, in counts: inout ServeState.OriginCounts) {
         counts.requests += 1
         if record.keptClientAuthorization { counts.clientAuthorizationKept += 1 }
         if record.attached { counts.tokenAttached += 1 }
@@ -301,8 +305,6 @@ public final class ProxyServer: ConnectionOwner {
         if record.nonceRetried { counts.nonceRetried += 1 }
         if record.stepUp { counts.stepUps += 1 }
         if record.answeredByProxy { counts.answeredByProxy += 1 }
-        serveState!.origins[record.origin] = counts
-        serveStateDirty = true
     }
 
     /// A request ended (not an exchange with a protected origin: those come through `record`).

@@ -8,33 +8,102 @@ public enum ClientAuthorizationPolicy: String, Sendable, Equatable {
 
 /// An `[origin URL]` section: a protected origin, the only kind of traffic proxyctl intercepts.
 public struct OriginConfig: Sendable, Equatable {
+    /// The fields, behind one reference. An origin travels with every request (into the exchange, each of its
+    /// actions, the driver's calls); as a struct of nine fields each copy cost a retain per string, about 40
+    /// per request (scripts/instructions, bench row 6). Changed only while uniquely referenced (copy on write).
+    private final class Storage: @unchecked Sendable {
+        let scheme: String
+        let authority: HostPort
+        let url: String
+        var provider = ""
+        var clientAuthorization = ClientAuthorizationPolicy.keep
+        var caFile: String? = nil
+        var resource: String? = nil
+        var scopes: [String]? = nil
+        var tokenType = OriginTokenKind.accessToken
+        var line = 0
+
+        init(scheme: String, authority: HostPort, url: String) {
+            self.scheme = scheme
+            self.authority = authority
+            self.url = url
+        }
+
+        func copy() -> Storage {
+            let copy = Storage(scheme: scheme, authority: authority, url: url)
+            copy.provider = provider
+            copy.clientAuthorization = clientAuthorization
+            copy.caFile = caFile
+            copy.resource = resource
+            copy.scopes = scopes
+            copy.tokenType = tokenType
+            copy.line = line
+            return copy
+        }
+    }
+
+    private var storage: Storage
+
+    private mutating func unique() -> Storage {
+        if !isKnownUniquelyReferenced(&storage) { storage = storage.copy() }
+        return storage
+    }
+
     /// The normalised origin: lower-case scheme and host, no trailing dot, the port always explicit.
-    public let scheme: String
-    public let authority: HostPort
+    public var scheme: String { storage.scheme }
+    public var authority: HostPort { storage.authority }
     /// The provider whose tokens are attached.
-    public var provider: String = ""
-    public var clientAuthorization: ClientAuthorizationPolicy = .keep
+    public var provider: String {
+        get { storage.provider }
+        set { unique().provider = newValue }
+    }
+    public var clientAuthorization: ClientAuthorizationPolicy {
+        get { storage.clientAuthorization }
+        set { unique().clientAuthorization = newValue }
+    }
     /// PEM bundle to trust for the origin's TLS instead of the system roots.
-    public var caFile: String? = nil
+    public var caFile: String? {
+        get { storage.caFile }
+        set { unique().caFile = newValue }
+    }
     /// The audience of this origin's own token (RFC 8707 resource indicator); nil uses the provider's token.
-    public var resource: String? = nil
+    public var resource: String? {
+        get { storage.resource }
+        set { unique().resource = newValue }
+    }
     /// Narrowed scopes for this origin's own token (RFC 9700 §4.10); nil uses the provider's.
-    public var scopes: [String]? = nil
+    public var scopes: [String]? {
+        get { storage.scopes }
+        set { unique().scopes = newValue }
+    }
     /// Which token the origin gets: an access token, or the ID token (`token_type = id_token`).
-    public var tokenType: OriginTokenKind = .accessToken
-    public var line: Int = 0
+    public var tokenType: OriginTokenKind {
+        get { storage.tokenType }
+        set { unique().tokenType = newValue }
+    }
+    public var line: Int {
+        get { storage.line }
+        set { unique().line = newValue }
+    }
 
     /// `https://api.example.com` or `http://127.0.0.1:8000`: the default port is left out. Made once: every
     /// request to the origin uses it (a DPoP proof's `htu`, the nonce cache's key).
-    public let url: String
+    public var url: String { storage.url }
 
     public init(scheme: String, authority: HostPort) {
-        self.scheme = scheme
-        self.authority = authority
         let defaultPort = scheme == "https" ? 443 : 80
-        url =
+        let url =
             authority.port == defaultPort
             ? "\(scheme)://\(authority.hostForURL)" : "\(scheme)://\(authority.hostForURL):\(authority.port)"
+        storage = Storage(scheme: scheme, authority: authority, url: url)
+    }
+
+    public static func == (lhs: Self, rhs: Self) -> Bool {
+        if lhs.storage === rhs.storage { return true }
+        let (a, b) = (lhs.storage, rhs.storage)
+        return a.scheme == b.scheme && a.authority == b.authority && a.url == b.url && a.provider == b.provider
+            && a.clientAuthorization == b.clientAuthorization && a.caFile == b.caFile && a.resource == b.resource
+            && a.scopes == b.scopes && a.tokenType == b.tokenType && a.line == b.line
     }
 
     /// Whether the proxy attaches its token to a request whose client did (or did not) send its own

@@ -12,12 +12,13 @@ extension ConnectionMachine {
         if request.upgrade {
             return beginProtectedUpgrade(request, origin: origin, kept: kept, head: head, &out)
         }
-        var exchange = ProtectedExchange(
-            request: request, origin: origin, settings: frontDoor.exchangeSettings(for: origin), knownNonce: nil)
         state = .intercepting(
             Intercepting(
-                exchange: exchange, body: BodyReader(request.framing), started: now,
-                headRequest: request.method == "HEAD", framing: nil, kept: kept))
+                exchange: ProtectedExchange(
+                    request: request, origin: origin, settings: frontDoor.exchangeSettings(for: origin),
+                    knownNonce: nil),
+                body: BodyReader(request.framing), started: now, headRequest: request.method == "HEAD", framing: nil,
+                kept: kept))
         out.append(.arm(.idle, milliseconds: settings.idleTimeout))
         out.append(.readClient(true))
         if request.expectsContinue {
@@ -25,13 +26,8 @@ extension ConnectionMachine {
             // expectation itself instead of leaving the client waiting.
             out.append(.writeClient(Self.continueResponse))
         }
-        var outputs: [ProtectedExchange.Output] = []
-        exchange.start(&outputs)
-        if case .intercepting(var intercepting) = state {
-            intercepting.exchange = exchange
-            state = .intercepting(intercepting)
-        }
-        apply(outputs, &out)
+        // Started in place: the exchange is not copied out of its box and back.
+        exchangeEvent(&out) { exchange, outputs in exchange.start(&outputs) }
     }
 
     /// Body bytes from the client into the replay store (chunk framing consumed, data kept).

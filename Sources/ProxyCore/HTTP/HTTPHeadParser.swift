@@ -149,6 +149,10 @@ public struct HTTPHeadParser: Sendable {
                         target: target,
                         status: status
                     )
+                    // The head owns these now: given up rather than emptied in place, which would allocate a
+                    // second buffer of the same size for a next head that may never come (the next parse reserves).
+                    buffer = []
+                    fields = []
                     reset()
                     return .complete(head, consumed: offset)
                 }
@@ -317,44 +321,68 @@ public struct HTTPHeadParser: Sendable {
 
     // field-line = field-name ":" OWS field-value OWS   (RFC 9112 §5)
     private func parseFieldLine(_ range: Range<Int>, line: Range<Int>) -> Result<HTTPFieldLine, HTTPParseError> {
-        let first = buffer[range.lowerBound]
-        if first == ASCII.space || first == ASCII.tab {
+        // The scans read the buffer's memory directly: an Array's bounds check per byte cost more than the
+        // byte classes themselves (callgrind, bench row 6: 450 instructions per field line before, 330 after).
+        let scan = buffer.withUnsafeBufferPointer { bytes in Self.scanFieldLine(bytes, range) }
+        switch scan {
+        case .field(let nameEnd, let value):
+            return .success(HTTPFieldLine(line: line, name: range.lowerBound..<nameEnd, value: value))
+        case .obsFold:
             // RFC 9112 §5.2: obs-fold is rejected in requests; a proxy must not forward it either.
             return .failure(HTTPParseError(.malformed, "obsolete line folding in header section"))
-        }
-        var index = range.lowerBound
-        while index < range.upperBound && ASCII.isTchar(buffer[index]) { index += 1 }
-        let nameEnd = index
-        guard nameEnd > range.lowerBound else {
+        case .badName:
             return .failure(HTTPParseError(.malformed, "malformed header field name"))
-        }
-        guard index < range.upperBound, buffer[index] == ASCII.colon else {
-            if index < range.upperBound && (buffer[index] == ASCII.space || buffer[index] == ASCII.tab) {
-                // RFC 9112 §5.1: whitespace between name and colon must be rejected with 400.
-                return .failure(
-                    HTTPParseError(
-                        .malformed,
-                        "whitespace between header field name \"\(ASCII.printable(buffer[range.lowerBound..<nameEnd]))\" and colon"
-                    ))
-            }
-            return .failure(HTTPParseError(.malformed, "malformed header field name"))
-        }
-        index += 1
-        var valueStart = index
-        while valueStart < range.upperBound && (buffer[valueStart] == ASCII.space || buffer[valueStart] == ASCII.tab) {
-            valueStart += 1
-        }
-        var valueEnd = range.upperBound
-        while valueEnd > valueStart && (buffer[valueEnd - 1] == ASCII.space || buffer[valueEnd - 1] == ASCII.tab) {
-            valueEnd -= 1
-        }
-        for byte in buffer[valueStart..<valueEnd] where !ASCII.isFieldValue(byte) {
+        case .spaceBeforeColon(let nameEnd):
+            // RFC 9112 §5.1: whitespace between name and colon must be rejected with 400.
+            return .failure(
+                HTTPParseError(
+                    .malformed,
+                    "whitespace between header field name \"\(ASCII.printable(buffer[range.lowerBound..<nameEnd]))\" and colon"
+                ))
+        case .controlInValue(let nameEnd):
             return .failure(
                 HTTPParseError(
                     .malformed,
                     "control character in the value of header field \"\(ASCII.printable(buffer[range.lowerBound..<nameEnd]))\""
                 ))
         }
-        return .success(HTTPFieldLine(line: line, name: range.lowerBound..<nameEnd, value: valueStart..<valueEnd))
+    }
+
+    private enum FieldScan {
+        case field(nameEnd: Int, value: Range<Int>)
+        case obsFold, badName
+        case spaceBeforeColon(nameEnd: Int)
+        case controlInValue(nameEnd: Int)
+    }
+
+    /// field-line = field-name ":" OWS field-value OWS, over `range` (not empty) of `bytes`.
+    private static func scanFieldLine(_ bytes: UnsafeBufferPointer<UInt8>, _ range: Range<Int>) -> FieldScan {
+        precondition(range.lowerBound >= 0 && range.upperBound <= bytes.count && !range.isEmpty)
+        let first = bytes[range.lowerBound]
+        if first == ASCII.space || first == ASCII.tab { return .obsFold }
+        var index = range.lowerBound
+        while index < range.upperBound && ASCII.isTchar(bytes[index]) { index += 1 }
+        let nameEnd = index
+        guard nameEnd > range.lowerBound else { return .badName }
+        guard index < range.upperBound, bytes[index] == ASCII.colon else {
+            if index < range.upperBound && (bytes[index] == ASCII.space || bytes[index] == ASCII.tab) {
+                return .spaceBeforeColon(nameEnd: nameEnd)
+            }
+            return .badName
+        }
+        var valueStart = index + 1
+        while valueStart < range.upperBound && (bytes[valueStart] == ASCII.space || bytes[valueStart] == ASCII.tab) {
+            valueStart += 1
+        }
+        var valueEnd = range.upperBound
+        while valueEnd > valueStart && (bytes[valueEnd - 1] == ASCII.space || bytes[valueEnd - 1] == ASCII.tab) {
+            valueEnd -= 1
+        }
+        var position = valueStart
+        while position < valueEnd {
+            guard ASCII.isFieldValue(bytes[position]) else { return .controlInValue(nameEnd: nameEnd) }
+            position += 1
+        }
+        return .field(nameEnd: nameEnd, value: valueStart..<valueEnd)
     }
 }

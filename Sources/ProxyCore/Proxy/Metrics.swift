@@ -124,8 +124,9 @@ public struct MetricsRegistry: Sendable, Equatable {
 
     public mutating func addBytes(_ kind: String, up: Int, down: Int) {
         guard up > 0 || down > 0 else { return }
-        let current = bytes[kind] ?? (0, 0)
-        bytes[kind] = (current.up + up, current.down + down)
+        // In place: one lookup, not a read and a write (this runs for every request).
+        bytes[kind, default: (0, 0)].up += up
+        bytes[kind, default: (0, 0)].down += down
     }
 
     /// Counts an exchange with a protected origin: the request itself and what happened to its token.
@@ -134,12 +135,14 @@ public struct MetricsRegistry: Sendable, Equatable {
             RequestOutcome(
                 kind: .intercepted, status: record.status, proxyError: record.answeredByProxy ? record.proxyError : nil,
                 up: up, down: down, milliseconds: milliseconds))
-        var counts = providers[record.provider, default: ProviderCounts()]
+        Self.count(record, in: &providers[record.provider, default: ProviderCounts()])
+    }
+
+    private static func count(_ record: ExchangeRecord, in counts: inout ProviderCounts) {
         if record.attached { counts.tokensAttached += 1 }
         if record.refreshed { counts.replays += 1 }
         if record.nonceRetried { counts.nonceRetries += 1 }
         if record.stepUp { counts.stepUps += 1 }
-        providers[record.provider] = counts
     }
 
     // MARK: - Exposition
