@@ -29,6 +29,26 @@ struct OriginKey: Hashable {
     let scheme: String
     let authority: HostPort
     let caFile: String?
+    /// Hashed once: the pool looks a key up several times per request (take, keep), and the CA file's path
+    /// made each lookup a SipHash over some 70 bytes.
+    private let hash: Int
+
+    init(scheme: String, authority: HostPort, caFile: String?) {
+        self.scheme = scheme
+        self.authority = authority
+        self.caFile = caFile
+        var hasher = Hasher()
+        hasher.combine(scheme)
+        hasher.combine(authority)
+        hasher.combine(caFile)
+        hash = hasher.finalize()
+    }
+
+    static func == (lhs: Self, rhs: Self) -> Bool {
+        lhs.hash == rhs.hash && lhs.scheme == rhs.scheme && lhs.authority == rhs.authority && lhs.caFile == rhs.caFile
+    }
+
+    func hash(into hasher: inout Hasher) { hasher.combine(hash) }
 }
 
 /// The proxy's own kept connections to protected origins (for `OriginTransfer`), by origin: the most

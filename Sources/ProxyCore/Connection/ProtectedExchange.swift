@@ -16,8 +16,9 @@ public struct ProtectedExchange: Sendable {
         public var idleTimeout: Int
         /// Limits for the origin's response head (the same as the passthrough path's).
         public var responseHeadLimits: HTTPHeadLimits
-        /// A fixed address for the origin's host (`resolve`), as "host:port:address".
-        public var resolve: String?
+        /// A fixed address for the origin's host (`resolve`): the address alone. libcurl's "host:port:address"
+        /// is made only for a request libcurl carries (the own client asks the resolver, which knows it too).
+        public var resolveAddress: String?
         /// The upstream proxy for the origin's authority, if one applies.
         public var upstreamProxy: UpstreamProxy?
         /// The proxy's own HTTP/1.1 client may carry the requests that fit it (`upstream_client = builtin`).
@@ -25,14 +26,14 @@ public struct ProtectedExchange: Sendable {
 
         public init(
             replaySpool: Int, connectTimeout: Int, idleTimeout: Int, responseHeadLimits: HTTPHeadLimits,
-            resolve: String? = nil, upstreamProxy: UpstreamProxy? = nil, builtinClient: Bool = false
+            resolveAddress: String? = nil, upstreamProxy: UpstreamProxy? = nil, builtinClient: Bool = false
         ) {
             self.builtinClient = builtinClient
             self.replaySpool = replaySpool
             self.connectTimeout = connectTimeout
             self.idleTimeout = idleTimeout
             self.responseHeadLimits = responseHeadLimits
-            self.resolve = resolve
+            self.resolveAddress = resolveAddress
             self.upstreamProxy = upstreamProxy
         }
     }
@@ -277,11 +278,12 @@ public struct ProtectedExchange: Sendable {
             requestTarget: request.target == "*" ? "*" : nil, fields: request.upstreamFields,
             credential: credential, body: body, http2: origin.scheme == "https",
             connectTimeout: settings.connectTimeout, idleTimeout: settings.idleTimeout,
-            caFile: origin.caFile, resolve: settings.resolve, upstreamProxy: settings.upstreamProxy,
-            attempt: attempts)
+            caFile: origin.caFile, resolve: nil, upstreamProxy: settings.upstreamProxy, attempt: attempts)
         if upstream.fitsOwnClient(builtinClient: settings.builtinClient) {
             upstream.client = .builtin
             upstream.responseHeadLimits = settings.responseHeadLimits
+        } else if let address = settings.resolveAddress {
+            upstream.resolve = "\(origin.authority.host):\(origin.authority.port):\(address)"
         }
         out.append(.send(upstream))
     }
@@ -569,8 +571,8 @@ public struct UpstreamRequest: Sendable, Equatable {
     /// The transfer ends when no byte moves for this long.
     public let idleTimeout: Int
     public let caFile: String?
-    /// "host:port:address" for a fixed address.
-    public let resolve: String?
+    /// "host:port:address" for a fixed address (libcurl's CURLOPT_RESOLVE); nil for the own client.
+    public var resolve: String?
     public let upstreamProxy: UpstreamProxy?
     /// 1 for the first send, 2 for a replay or retry.
     public let attempt: Int

@@ -86,6 +86,18 @@ public struct HTTPHead: Sendable {
         fields.indices.filter { field($0, isNamed: lowercaseName) }
     }
 
+    /// The first field line with the given name (compared case-insensitively), and how many there are: what
+    /// `indices(named:)` tells when the list itself is not needed, without making one.
+    public func firstIndex(named lowercaseName: StaticString) -> (index: Int?, count: Int) {
+        var first: Int? = nil
+        var count = 0
+        for index in fields.indices where field(index, isNamed: lowercaseName) {
+            if first == nil { first = index }
+            count += 1
+        }
+        return (first, count)
+    }
+
     /// Every value of the fields with the given name, in order.
     public func values(named lowercaseName: StaticString) -> [String] {
         indices(named: lowercaseName).map { value(at: $0) }

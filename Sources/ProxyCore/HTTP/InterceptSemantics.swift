@@ -88,16 +88,16 @@ extension MessageSemantics {
                 }
             }
         }
-        let hosts = head.indices(named: "host")
-        if hosts.isEmpty && head.version == .http1_0 {
+        let (host, hostCount) = head.firstIndex(named: "host")
+        if hostCount == 0 && head.version == .http1_0 {
             // HTTP/1.0 has no Host requirement: the tunnel names the authority.
-        } else if hosts.count != 1 {
+        } else if hostCount != 1 {
             return .failure(
-                hosts.isEmpty
+                hostCount == 0
                     ? .badRequest(HTTPParseError(.malformed, "request without a Host header field"))
                     : .badRequest(HTTPParseError(.badFraming, "more than one Host header field")))
         }
-        if let host = hosts.first {
+        if let host {
             switch HostPort.parse(head.value(at: host)[...], defaultPort: defaultPort) {
             case .failure:
                 return .failure(.misdirected("the Host field is not a valid authority"))
@@ -113,8 +113,8 @@ extension MessageSemantics {
         case .success(let parsed): framing = parsed
         }
         let options = head.listElements(named: "connection")
-        let upgrade = options.contains("upgrade") && !head.indices(named: "upgrade").isEmpty
-        let clientAuthorization = !head.indices(named: "authorization").isEmpty
+        let upgrade = options.contains("upgrade") && head.firstIndex(named: "upgrade").count > 0
+        let clientAuthorization = head.firstIndex(named: "authorization").count > 0
         let attach = attachToken(clientAuthorization)
         var fields: [(name: String, value: [UInt8])] = []
         for index in head.fields.indices {
@@ -179,12 +179,24 @@ extension MessageSemantics {
             out.append(ASCII.cr)
             out.append(ASCII.lf)
         }
-        for index in head.fields.indices where !response.semantics.dropped.contains(index) {
-            // Re-framed here: the origin's framing fields do not travel. A HEAD or 304 response keeps its
-            // Content-Length (it describes the would-be body).
-            if head.field(index, isNamed: "transfer-encoding") || head.field(index, isNamed: "trailer") { continue }
-            if head.field(index, isNamed: "content-length") && framing != .none { continue }
-            append(head.bytes[head.fields[index].name], head.valueBytes(at: index))
+        // The field lines are copied from the head's memory: through ArraySlices each line cost about 340
+        // instructions (callgrind, bench row 6).
+        head.bytes.withUnsafeBufferPointer { bytes in
+            for index in head.fields.indices where !response.semantics.dropped.contains(index) {
+                // Re-framed here: the origin's framing fields do not travel. A HEAD or 304 response keeps its
+                // Content-Length (it describes the would-be body).
+                if head.field(index, isNamed: "transfer-encoding") || head.field(index, isNamed: "trailer") {
+                    continue
+                }
+                if head.field(index, isNamed: "content-length") && framing != .none { continue }
+                let field = head.fields[index]
+                out.append(contentsOf: UnsafeBufferPointer(rebasing: bytes[field.name]))
+                out.append(ASCII.colon)
+                out.append(ASCII.space)
+                out.append(contentsOf: UnsafeBufferPointer(rebasing: bytes[field.value]))
+                out.append(ASCII.cr)
+                out.append(ASCII.lf)
+            }
         }
         if let proxyStatus = response.proxyStatus { append("Proxy-Status".utf8, proxyStatus.fieldValue.utf8) }
         if case .contentLength(let length) = framing { append("Content-Length".utf8, String(length).utf8) }

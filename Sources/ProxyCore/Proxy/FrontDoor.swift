@@ -150,9 +150,7 @@ public struct FrontDoor: Sendable {
         ProtectedExchange.Settings(
             replaySpool: max(settings.replaySpool, settings.replayMemory), connectTimeout: settings.connectTimeout,
             idleTimeout: settings.idleTimeout, responseHeadLimits: settings.headLimits,
-            resolve: settings.resolve[origin.authority.host].map {
-                "\(origin.authority.host):\(origin.authority.port):\($0)"
-            },
+            resolveAddress: settings.resolve[origin.authority.host],
             upstreamProxy: upstream(for: origin.authority), builtinClient: settings.builtinClient)
     }
 
