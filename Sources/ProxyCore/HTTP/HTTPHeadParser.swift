@@ -306,7 +306,10 @@ public struct HTTPHeadParser: Sendable {
     // HTTP-version = "HTTP" "/" DIGIT "." DIGIT   (RFC 9112 §2.3)
     private func parseVersion(_ range: Range<Int>) -> Result<HTTPVersion, HTTPParseError> {
         let bytes = buffer[range]
-        guard bytes.count == 8, bytes.starts(with: "HTTP/".utf8), ASCII.isDigit(bytes[range.lowerBound + 5]),
+        let start = range.lowerBound
+        guard bytes.count == 8, bytes[start] == UInt8(ascii: "H"), bytes[start + 1] == UInt8(ascii: "T"),
+            bytes[start + 2] == UInt8(ascii: "T"), bytes[start + 3] == UInt8(ascii: "P"),
+            bytes[start + 4] == UInt8(ascii: "/"), ASCII.isDigit(bytes[range.lowerBound + 5]),
             bytes[range.lowerBound + 6] == UInt8(ascii: "."), ASCII.isDigit(bytes[range.lowerBound + 7])
         else {
             return .failure(HTTPParseError(.malformed, "malformed HTTP version"))
