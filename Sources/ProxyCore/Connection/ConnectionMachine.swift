@@ -103,10 +103,10 @@ public struct ConnectionMachine: Sendable {
         /// in the log line written when it ends.
         case startTunnel(label: TunnelLabel, status: Int)
         /// Answer `200 Connection established`, then terminate TLS for the protected origin on the socket.
-        indirect case startInterception(OriginConfig)
+        case startInterception(OriginConfig)
         /// The client chose HTTP/2 (ALPN h2): an `H2Session` runs the connection from here (`misdirected`:
         /// the SNI named another host).
-        indirect case startHTTP2(OriginConfig, misdirected: String?)
+        case startHTTP2(OriginConfig, misdirected: String?)
 
         // Timers
         case arm(ConnectionTimer, milliseconds: Int)
@@ -121,7 +121,7 @@ public struct ConnectionMachine: Sendable {
         /// Write the body bytes of the current transfer callback to the client (chunked: in a chunk).
         case writeResponseBody(chunked: Bool)
         /// The exchange ended: log it and count it.
-        indirect case exchangeFinished(ExchangeRecord)
+        case exchangeFinished(ExchangeRecord)
 
         case log(LogLine)
         /// A request ended (an answer of the proxy's own, or a forwarded exchange): for the metrics.
