@@ -117,6 +117,7 @@ extension MessageSemantics {
         let clientAuthorization = head.firstIndex(named: "authorization").count > 0
         let attach = attachToken(clientAuthorization)
         var fields: [(name: String, value: [UInt8])] = []
+        fields.reserveCapacity(head.fields.count)
         for index in head.fields.indices {
             // Hop-by-hop fields (the one table in MessageSemantics, with the Connection options), and what the
             // transfer sets itself: Host (the URL), the framing, Expect (the proxy answered 100 itself).
