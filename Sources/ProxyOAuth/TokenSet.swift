@@ -4,7 +4,7 @@ import ProxyCore
 public struct TokenSet: Sendable, Equatable {
     /// The fields, behind one reference: a token set travels from the broker's cache to each request's driver
     /// (the cache, the completion's Result, the driver), and as a struct of seventeen fields each copy was
-    /// about ten retains (callgrind, bench row 6). Changed only while uniquely referenced (copy on write).
+    /// about ten retains (callgrind, bench row 6). `Boxed`: copied on write.
     struct Fields: Sendable, Equatable {
         var provider: String
         var issuer: String
@@ -26,148 +26,87 @@ public struct TokenSet: Sendable, Equatable {
         var idTokenSince: Int64? = nil
     }
 
-    private final class Storage: @unchecked Sendable {
-        var fields: Fields
-        init(_ fields: Fields) { self.fields = fields }
-    }
-
-    private var storage: Storage
-
-    private mutating func unique() -> Storage {
-        if !isKnownUniquelyReferenced(&storage) { storage = Storage(storage.fields) }
-        return storage
-    }
+    @Boxed private var fields: Fields
 
     public static func == (lhs: Self, rhs: Self) -> Bool {
-        lhs.storage === rhs.storage || lhs.storage.fields == rhs.storage.fields
+        lhs.fields == rhs.fields
     }
 
     public var provider: String {
-        get { storage.fields.provider }
-        _modify {
-            let storage = unique()
-            yield &storage.fields.provider
-        }
+        get { fields.provider }
+        _modify { yield &fields.provider }
     }
     public var issuer: String {
-        get { storage.fields.issuer }
-        _modify {
-            let storage = unique()
-            yield &storage.fields.issuer
-        }
+        get { fields.issuer }
+        _modify { yield &fields.issuer }
     }
     public var clientID: String {
-        get { storage.fields.clientID }
-        _modify {
-            let storage = unique()
-            yield &storage.fields.clientID
-        }
+        get { fields.clientID }
+        _modify { yield &fields.clientID }
     }
     public var accessToken: String {
-        get { storage.fields.accessToken }
-        _modify {
-            let storage = unique()
-            yield &storage.fields.accessToken
-        }
+        get { fields.accessToken }
+        _modify { yield &fields.accessToken }
     }
     /// "Bearer" or "DPoP".
     public var tokenType: String {
-        get { storage.fields.tokenType }
-        _modify {
-            let storage = unique()
-            yield &storage.fields.tokenType
-        }
+        get { fields.tokenType }
+        _modify { yield &fields.tokenType }
     }
     public var issuedAt: Int64 {
-        get { storage.fields.issuedAt }
-        _modify {
-            let storage = unique()
-            yield &storage.fields.issuedAt
-        }
+        get { fields.issuedAt }
+        _modify { yield &fields.issuedAt }
     }
     public var expiresAt: Int64? {
-        get { storage.fields.expiresAt }
-        _modify {
-            let storage = unique()
-            yield &storage.fields.expiresAt
-        }
+        get { fields.expiresAt }
+        _modify { yield &fields.expiresAt }
     }
     public var refreshToken: String? {
-        get { storage.fields.refreshToken }
-        _modify {
-            let storage = unique()
-            yield &storage.fields.refreshToken
-        }
+        get { fields.refreshToken }
+        _modify { yield &fields.refreshToken }
     }
     public var idToken: String? {
-        get { storage.fields.idToken }
-        _modify {
-            let storage = unique()
-            yield &storage.fields.idToken
-        }
+        get { fields.idToken }
+        _modify { yield &fields.idToken }
     }
     public var scope: String? {
-        get { storage.fields.scope }
-        _modify {
-            let storage = unique()
-            yield &storage.fields.scope
-        }
+        get { fields.scope }
+        _modify { yield &fields.scope }
     }
     public var identity: Identity? {
-        get { storage.fields.identity }
-        _modify {
-            let storage = unique()
-            yield &storage.fields.identity
-        }
+        get { fields.identity }
+        _modify { yield &fields.identity }
     }
     /// Grows by one each time the tokens change; lets a caller tell whether someone refreshed since it looked.
     public var generation: Int64 {
-        get { storage.fields.generation }
-        _modify {
-            let storage = unique()
-            yield &storage.fields.generation
-        }
+        get { fields.generation }
+        _modify { yield &fields.generation }
     }
     public var lastRefresh: RefreshRecord? {
-        get { storage.fields.lastRefresh }
-        _modify {
-            let storage = unique()
-            yield &storage.fields.lastRefresh
-        }
+        get { fields.lastRefresh }
+        _modify { yield &fields.lastRefresh }
     }
     /// With DPoP: the thumbprint of the key the tokens are bound to (RFC 9449 `cnf.jkt`).
     public var dpopThumbprint: String? {
-        get { storage.fields.dpopThumbprint }
-        _modify {
-            let storage = unique()
-            yield &storage.fields.dpopThumbprint
-        }
+        get { fields.dpopThumbprint }
+        _modify { yield &fields.dpopThumbprint }
     }
     /// The generation in which `accessToken` was obtained, when a later change (a token for an origin's
     /// audience, which may rotate the refresh token) left it as it was; nil means `generation`.
     public var accessGeneration: Int64? {
-        get { storage.fields.accessGeneration }
-        _modify {
-            let storage = unique()
-            yield &storage.fields.accessGeneration
-        }
+        get { fields.accessGeneration }
+        _modify { yield &fields.accessGeneration }
     }
     /// Whether the token file keeps the refresh token in the Secret Service (`token_store = secret-service`);
     /// set by `TokenStore.load`, not stored.
     public var refreshTokenInSecretService: Bool {
-        get { storage.fields.refreshTokenInSecretService }
-        _modify {
-            let storage = unique()
-            yield &storage.fields.refreshTokenInSecretService
-        }
+        get { fields.refreshTokenInSecretService }
+        _modify { yield &fields.refreshTokenInSecretService }
     }
     /// Tokens obtained for origins' audiences and scopes (RFC 8707, RFC 9700 §4.10), by `TokenKey.id`.
     public var audienceTokens: [String: AudienceToken] {
-        get { storage.fields.audienceTokens }
-        _modify {
-            let storage = unique()
-            yield &storage.fields.audienceTokens
-        }
+        get { fields.audienceTokens }
+        _modify { yield &fields.audienceTokens }
     }
 
     /// An access token obtained for one `TokenKey` (an origin's resource and scopes).
@@ -237,8 +176,8 @@ public struct TokenSet: Sendable, Equatable {
         expiresAt: Int64?, refreshToken: String?, idToken: String?, scope: String?, identity: Identity?,
         generation: Int64
     ) {
-        storage = Storage(
-            Fields(
+        _fields = Boxed(
+            wrappedValue: Fields(
                 provider: provider, issuer: issuer, clientID: clientID, accessToken: accessToken, tokenType: tokenType,
                 issuedAt: issuedAt, expiresAt: expiresAt, refreshToken: refreshToken, idToken: idToken, scope: scope,
                 identity: identity, generation: generation))
@@ -306,11 +245,8 @@ public struct TokenSet: Sendable, Equatable {
     public var idTokenGeneration: Int64 { idTokenSince ?? accessGeneration ?? generation }
     /// Set when a later change kept the ID token as it was (see `idTokenGeneration`).
     public var idTokenSince: Int64? {
-        get { storage.fields.idTokenSince }
-        _modify {
-            let storage = unique()
-            yield &storage.fields.idTokenSince
-        }
+        get { fields.idTokenSince }
+        _modify { yield &fields.idTokenSince }
     }
 
     // MARK: - JSON

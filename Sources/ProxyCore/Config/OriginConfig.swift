@@ -8,10 +8,10 @@ public enum ClientAuthorizationPolicy: String, Sendable, Equatable {
 
 /// An `[origin URL]` section: a protected origin, the only kind of traffic proxyctl intercepts.
 public struct OriginConfig: Sendable, Equatable {
-    /// The fields, behind one reference. An origin travels with every request (into the exchange, each of its
-    /// actions, the driver's calls); as a struct of nine fields each copy cost a retain per string, about 40
-    /// per request (scripts/instructions, bench row 6). Changed only while uniquely referenced (copy on write).
-    private final class Storage: @unchecked Sendable {
+    /// The fields, behind one reference (`Boxed`, copied on write). An origin travels with every request (into
+    /// the exchange, each of its actions, the driver's calls); as a struct of nine fields each copy cost a
+    /// retain per string, about 40 per request (scripts/instructions, bench row 6).
+    private struct Fields: Sendable, Equatable {
         let scheme: String
         let authority: HostPort
         let url: String
@@ -22,89 +22,60 @@ public struct OriginConfig: Sendable, Equatable {
         var scopes: [String]? = nil
         var tokenType = OriginTokenKind.accessToken
         var line = 0
-
-        init(scheme: String, authority: HostPort, url: String) {
-            self.scheme = scheme
-            self.authority = authority
-            self.url = url
-        }
-
-        func copy() -> Storage {
-            let copy = Storage(scheme: scheme, authority: authority, url: url)
-            copy.provider = provider
-            copy.clientAuthorization = clientAuthorization
-            copy.caFile = caFile
-            copy.resource = resource
-            copy.scopes = scopes
-            copy.tokenType = tokenType
-            copy.line = line
-            return copy
-        }
     }
 
-    private var storage: Storage
-
-    private mutating func unique() -> Storage {
-        if !isKnownUniquelyReferenced(&storage) { storage = storage.copy() }
-        return storage
-    }
+    @Boxed private var fields: Fields
 
     /// The normalised origin: lower-case scheme and host, no trailing dot, the port always explicit.
-    public var scheme: String { storage.scheme }
-    public var authority: HostPort { storage.authority }
+    public var scheme: String { fields.scheme }
+    public var authority: HostPort { fields.authority }
     /// The provider whose tokens are attached.
     public var provider: String {
-        get { storage.provider }
-        set { unique().provider = newValue }
+        get { fields.provider }
+        _modify { yield &fields.provider }
     }
     public var clientAuthorization: ClientAuthorizationPolicy {
-        get { storage.clientAuthorization }
-        set { unique().clientAuthorization = newValue }
+        get { fields.clientAuthorization }
+        _modify { yield &fields.clientAuthorization }
     }
     /// PEM bundle to trust for the origin's TLS instead of the system roots.
     public var caFile: String? {
-        get { storage.caFile }
-        set { unique().caFile = newValue }
+        get { fields.caFile }
+        _modify { yield &fields.caFile }
     }
     /// The audience of this origin's own token (RFC 8707 resource indicator); nil uses the provider's token.
     public var resource: String? {
-        get { storage.resource }
-        set { unique().resource = newValue }
+        get { fields.resource }
+        _modify { yield &fields.resource }
     }
     /// Narrowed scopes for this origin's own token (RFC 9700 §4.10); nil uses the provider's.
     public var scopes: [String]? {
-        get { storage.scopes }
-        set { unique().scopes = newValue }
+        get { fields.scopes }
+        _modify { yield &fields.scopes }
     }
     /// Which token the origin gets: an access token, or the ID token (`token_type = id_token`).
     public var tokenType: OriginTokenKind {
-        get { storage.tokenType }
-        set { unique().tokenType = newValue }
+        get { fields.tokenType }
+        _modify { yield &fields.tokenType }
     }
     public var line: Int {
-        get { storage.line }
-        set { unique().line = newValue }
+        get { fields.line }
+        _modify { yield &fields.line }
     }
 
     /// `https://api.example.com` or `http://127.0.0.1:8000`: the default port is left out. Made once: every
     /// request to the origin uses it (a DPoP proof's `htu`, the nonce cache's key).
-    public var url: String { storage.url }
+    public var url: String { fields.url }
 
     public init(scheme: String, authority: HostPort) {
         let defaultPort = scheme == "https" ? 443 : 80
         let url =
             authority.port == defaultPort
             ? "\(scheme)://\(authority.hostForURL)" : "\(scheme)://\(authority.hostForURL):\(authority.port)"
-        storage = Storage(scheme: scheme, authority: authority, url: url)
+        _fields = Boxed(wrappedValue: Fields(scheme: scheme, authority: authority, url: url))
     }
 
-    public static func == (lhs: Self, rhs: Self) -> Bool {
-        if lhs.storage === rhs.storage { return true }
-        let (a, b) = (lhs.storage, rhs.storage)
-        return a.scheme == b.scheme && a.authority == b.authority && a.url == b.url && a.provider == b.provider
-            && a.clientAuthorization == b.clientAuthorization && a.caFile == b.caFile && a.resource == b.resource
-            && a.scopes == b.scopes && a.tokenType == b.tokenType && a.line == b.line
-    }
+    public static func == (lhs: Self, rhs: Self) -> Bool { lhs.fields == rhs.fields }
 
     /// Whether the proxy attaches its token to a request whose client did (or did not) send its own
     /// Authorization: the one place `client_authorization` is applied.

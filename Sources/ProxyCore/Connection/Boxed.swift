@@ -20,7 +20,8 @@ public struct Boxed<Value: Sendable>: Sendable {
     public init(wrappedValue: Value) { box = Box(wrappedValue) }
 
     public var wrappedValue: Value {
-        get { box.value }
+        // Borrowed, not copied: reading one field of a boxed struct copies that field alone.
+        _read { yield box.value }
         set {
             if isKnownUniquelyReferenced(&box) {
                 box.value = newValue

@@ -557,7 +557,7 @@ public struct UpstreamRequest: Sendable, Equatable {
 
     /// The fields, behind one reference: the request goes from the exchange through the connection machine
     /// to the driver and its transfer (four copies per request as a struct of fifteen fields; callgrind, bench
-    /// row 6). Changed only while uniquely referenced (copy on write).
+    /// row 6). `Boxed`: copied on write.
     struct Fields: Sendable {
         var method: String
         var url: String
@@ -576,54 +576,40 @@ public struct UpstreamRequest: Sendable, Equatable {
         var responseHeadLimits: HTTPHeadLimits
     }
 
-    private final class Storage: @unchecked Sendable {
-        var fields: Fields
-        init(_ fields: Fields) { self.fields = fields }
-    }
+    @Boxed private var stored: Fields
 
-    private var storage: Storage
-
-    public var method: String { storage.fields.method }
-    public var url: String { storage.fields.url }
+    public var method: String { stored.method }
+    public var url: String { stored.url }
     /// A request target other than the URL's path (only `*`).
-    public var requestTarget: String? { storage.fields.requestTarget }
+    public var requestTarget: String? { stored.requestTarget }
     /// Field lines as the client sent them, minus hop-by-hop fields, Host, framing and (when a token is
     /// attached) its Authorization.
-    public var fields: [(name: String, value: [UInt8])] { storage.fields.fields }
-    public var credential: Credential? { storage.fields.credential }
-    public var body: Body { storage.fields.body }
+    public var fields: [(name: String, value: [UInt8])] { stored.fields }
+    public var credential: Credential? { stored.credential }
+    public var body: Body { stored.body }
     /// Offer HTTP/2 (https origins); HTTP/1.1 otherwise.
-    public var http2: Bool { storage.fields.http2 }
-    public var connectTimeout: Int { storage.fields.connectTimeout }
+    public var http2: Bool { stored.http2 }
+    public var connectTimeout: Int { stored.connectTimeout }
     /// The transfer ends when no byte moves for this long.
-    public var idleTimeout: Int { storage.fields.idleTimeout }
-    public var caFile: String? { storage.fields.caFile }
+    public var idleTimeout: Int { stored.idleTimeout }
+    public var caFile: String? { stored.caFile }
     /// "host:port:address" for a fixed address (libcurl's CURLOPT_RESOLVE); nil for the own client.
     public var resolve: String? {
-        get { storage.fields.resolve }
-        set {
-            if !isKnownUniquelyReferenced(&storage) { storage = Storage(storage.fields) }
-            storage.fields.resolve = newValue
-        }
+        get { stored.resolve }
+        _modify { yield &stored.resolve }
     }
-    public var upstreamProxy: UpstreamProxy? { storage.fields.upstreamProxy }
+    public var upstreamProxy: UpstreamProxy? { stored.upstreamProxy }
     /// 1 for the first send, 2 for a replay or retry.
-    public var attempt: Int { storage.fields.attempt }
+    public var attempt: Int { stored.attempt }
     /// Which client carries the request (`fitsOwnClient`).
     public var client: Client {
-        get { storage.fields.client }
-        set {
-            if !isKnownUniquelyReferenced(&storage) { storage = Storage(storage.fields) }
-            storage.fields.client = newValue
-        }
+        get { stored.client }
+        _modify { yield &stored.client }
     }
     /// The limits of the response head (the own client reads it once, with these).
     public var responseHeadLimits: HTTPHeadLimits {
-        get { storage.fields.responseHeadLimits }
-        set {
-            if !isKnownUniquelyReferenced(&storage) { storage = Storage(storage.fields) }
-            storage.fields.responseHeadLimits = newValue
-        }
+        get { stored.responseHeadLimits }
+        _modify { yield &stored.responseHeadLimits }
     }
 
     init(
@@ -632,8 +618,8 @@ public struct UpstreamRequest: Sendable, Equatable {
         resolve: String?, upstreamProxy: UpstreamProxy?, attempt: Int, client: Client = .libcurl,
         responseHeadLimits: HTTPHeadLimits = HTTPHeadLimits()
     ) {
-        storage = Storage(
-            Fields(
+        _stored = Boxed(
+            wrappedValue: Fields(
                 method: method, url: url, requestTarget: requestTarget, fields: fields, credential: credential,
                 body: body, http2: http2, connectTimeout: connectTimeout, idleTimeout: idleTimeout, caFile: caFile,
                 resolve: resolve, upstreamProxy: upstreamProxy, attempt: attempt, client: client,
