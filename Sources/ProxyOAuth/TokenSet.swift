@@ -5,7 +5,7 @@ public struct TokenSet: Sendable, Equatable {
     /// The fields, behind one reference: a token set travels from the broker's cache to each request's driver
     /// (the cache, the completion's Result, the driver), and as a struct of seventeen fields each copy was
     /// about ten retains (callgrind, bench row 6). `Boxed`: copied on write.
-    struct Fields: Sendable, Equatable {
+    private struct Fields: Sendable, Equatable {
         var provider: String
         var issuer: String
         var clientID: String

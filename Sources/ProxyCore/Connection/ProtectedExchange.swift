@@ -558,7 +558,7 @@ public struct UpstreamRequest: Sendable, Equatable {
     /// The fields, behind one reference: the request goes from the exchange through the connection machine
     /// to the driver and its transfer (four copies per request as a struct of fifteen fields; callgrind, bench
     /// row 6). `Boxed`: copied on write.
-    struct Fields: Sendable {
+    private struct Fields: Sendable {
         var method: String
         var url: String
         var requestTarget: String?

@@ -74,11 +74,11 @@ public struct HTTPHead: Sendable {
         bytes[fields[index].value]
     }
 
-    /// Whether the field at `index` has the given name, compared case-insensitively.
+    /// Whether the field at `index` has the given name, compared case-insensitively. The lengths are compared
+    /// first and the bytes read in place: most names differ in length, and an ArraySlice of `bytes` per
+    /// comparison was a retain and a release of the head's buffer, dozens of each per request (callgrind, bench
+    /// row 6).
     /// - Parameter lowercaseName: the name, in lower case.
-    /// The lengths are compared first and the bytes read in place: most names differ in length, and an
-    /// ArraySlice of `bytes` per comparison was a retain and a release of the head's buffer, dozens of each
-    /// per request (callgrind, bench row 6).
     @inline(__always)
     public func field(_ index: Int, isNamed lowercaseName: StaticString) -> Bool {
         let name = fields[index].name

@@ -309,13 +309,12 @@ public struct HTTPHeadParser: Sendable {
         let start = range.lowerBound
         guard bytes.count == 8, bytes[start] == UInt8(ascii: "H"), bytes[start + 1] == UInt8(ascii: "T"),
             bytes[start + 2] == UInt8(ascii: "T"), bytes[start + 3] == UInt8(ascii: "P"),
-            bytes[start + 4] == UInt8(ascii: "/"), ASCII.isDigit(bytes[range.lowerBound + 5]),
-            bytes[range.lowerBound + 6] == UInt8(ascii: "."), ASCII.isDigit(bytes[range.lowerBound + 7])
+            bytes[start + 4] == UInt8(ascii: "/"), ASCII.isDigit(bytes[start + 5]),
+            bytes[start + 6] == UInt8(ascii: "."), ASCII.isDigit(bytes[start + 7])
         else {
             return .failure(HTTPParseError(.malformed, "malformed HTTP version"))
         }
-        let parsed = HTTPVersion(
-            major: Int(bytes[range.lowerBound + 5] - 0x30), minor: Int(bytes[range.lowerBound + 7] - 0x30))
+        let parsed = HTTPVersion(major: Int(bytes[start + 5] - 0x30), minor: Int(bytes[start + 7] - 0x30))
         guard parsed.major == 1 else {
             return .failure(HTTPParseError(.versionNotSupported, "\(parsed) is not supported; use HTTP/1.1"))
         }

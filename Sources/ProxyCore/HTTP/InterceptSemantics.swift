@@ -191,12 +191,8 @@ extension MessageSemantics {
                 }
                 if head.field(index, isNamed: "content-length") && framing != .none { continue }
                 let field = head.fields[index]
-                out.append(contentsOf: UnsafeBufferPointer(rebasing: bytes[field.name]))
-                out.append(ASCII.colon)
-                out.append(ASCII.space)
-                out.append(contentsOf: UnsafeBufferPointer(rebasing: bytes[field.value]))
-                out.append(ASCII.cr)
-                out.append(ASCII.lf)
+                append(
+                    UnsafeBufferPointer(rebasing: bytes[field.name]), UnsafeBufferPointer(rebasing: bytes[field.value]))
             }
         }
         if let proxyStatus = response.proxyStatus { append("Proxy-Status".utf8, proxyStatus.fieldValue.utf8) }

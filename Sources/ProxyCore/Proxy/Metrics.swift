@@ -125,8 +125,12 @@ public struct MetricsRegistry: Sendable, Equatable {
     public mutating func addBytes(_ kind: String, up: Int, down: Int) {
         guard up > 0 || down > 0 else { return }
         // In place: one lookup, not a read and a write (this runs for every request).
-        bytes[kind, default: (0, 0)].up += up
-        bytes[kind, default: (0, 0)].down += down
+        Self.add(up, down, to: &bytes[kind, default: (0, 0)])
+    }
+
+    private static func add(_ up: Int, _ down: Int, to total: inout (up: Int, down: Int)) {
+        total.up += up
+        total.down += down
     }
 
     /// Counts an exchange with a protected origin: the request itself and what happened to its token.
