@@ -60,6 +60,7 @@ static inline long proxyctl_SSL_CTX_set_session_cache_mode(SSL_CTX *ctx, long mo
     return SSL_CTX_set_session_cache_mode(ctx, mode);
 }
 static inline long proxyctl_SSL_CTX_set_mode(SSL_CTX *ctx, long mode) { return SSL_CTX_set_mode(ctx, mode); }
+static inline long proxyctl_SSL_set_mode(SSL *ssl, long mode) { return SSL_set_mode(ssl, mode); }
 
 // EVP_PKEY_PUBLIC_KEY and EVP_PKEY_KEYPAIR are macro expressions.
 static inline int proxyctl_EVP_PKEY_PUBLIC_KEY(void) { return EVP_PKEY_PUBLIC_KEY; }

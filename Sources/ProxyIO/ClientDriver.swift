@@ -24,8 +24,12 @@ final class ClientDriver: ServerConnection, TransferOwner {
     let peer: String
     let clientAddress: String
     private var machine: ConnectionMachine
+    /// The client's connection as a bufferevent: a plain socket, one end of a buffer pair (a WebSocket stream of
+    /// an HTTP/2 connection), or TLS as a filter over bytes the client sent early. Nil while `tlsSocket` carries it.
     private var client: OpaquePointer?
-    /// The TLS session of an intercepted connection.
+    /// The client's connection when the proxy's TLS runs on its socket (the usual intercepted connection).
+    private var tlsSocket: TLSSocket?
+    /// The TLS session of an intercepted connection (owned by `tlsSocket` or the bufferevent).
     private var ssl: OpaquePointer?
     private var upstream: OpaquePointer?
     /// The upstream bufferevent is connecting (its first event is CONNECTED or the failure).
@@ -103,15 +107,16 @@ final class ClientDriver: ServerConnection, TransferOwner {
         self.ssl = ssl
         machine = ConnectionMachine(
             role: .intercepted(origin), frontDoor: context.frontDoor, hasLocalCA: context.tlsContexts != nil)
-        let options = Int32(BEV_OPT_CLOSE_ON_FREE.rawValue | BEV_OPT_DEFER_CALLBACKS.rawValue)
         if let underlying {
             self.client = bufferevent_openssl_filter_new(
-                context.loop.base, underlying, ssl, BUFFEREVENT_SSL_ACCEPTING, options)
+                context.loop.base, underlying, ssl, BUFFEREVENT_SSL_ACCEPTING, Self.tlsOptions)
+            if let bev = self.client { bufferevent_openssl_set_allow_dirty_shutdown(bev, 1) }
+            setUpClient()
         } else {
-            self.client = bufferevent_openssl_socket_new(context.loop.base, fd, ssl, BUFFEREVENT_SSL_ACCEPTING, options)
+            let socket = TLSSocket(loop: context.loop, fd: fd, ssl: ssl)
+            socket.user = self
+            tlsSocket = socket
         }
-        if let bev = self.client { bufferevent_openssl_set_allow_dirty_shutdown(bev, 1) }
-        setUpClient()
         handle(.start)
     }
 
@@ -140,6 +145,9 @@ final class ClientDriver: ServerConnection, TransferOwner {
     }
 
     private var contextPointer: UnsafeMutableRawPointer { Unmanaged.passUnretained(self).toOpaque() }
+
+    /// The options of the OpenSSL bufferevents the client's TLS runs on.
+    private static let tlsOptions = Int32(BEV_OPT_CLOSE_ON_FREE.rawValue | BEV_OPT_DEFER_CALLBACKS.rawValue)
 
     private func setUpClient() {
         guard let client else {
@@ -185,7 +193,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
         for job in work where !closed { job() }
     }
 
-    private var clientInput: OpaquePointer? { client.map { bufferevent_get_input($0) } }
+    private var clientInput: OpaquePointer? { tlsSocket?.input ?? client.map { bufferevent_get_input($0) } }
     private var upstreamInput: OpaquePointer? { upstream.map { bufferevent_get_input($0) } }
 
     // MARK: - Actions
@@ -219,12 +227,13 @@ final class ClientDriver: ServerConnection, TransferOwner {
             updateClientReading()
         case .closeAfterFlush:
             closingAfterFlush = true
-            if let client { bufferevent_disable(client, Int16(EV_READ)) }
+            setClientReading(false)
             if Buffers.length(clientOutput) == 0 { finishAfterFlush() }
         case .closeNow:
             close()
         case .resetClient:
-            if let client { proxyctl_set_linger_reset(bufferevent_getfd(client)) }
+            let fd = tlsSocket?.fd ?? client.map { bufferevent_getfd($0) } ?? -1
+            if fd >= 0 { proxyctl_set_linger_reset(fd) }
             close()
 
         case .resolve(let hop):
@@ -306,19 +315,35 @@ final class ClientDriver: ServerConnection, TransferOwner {
         return made
     }
 
-    private var clientOutput: OpaquePointer? { client.map { bufferevent_get_output($0) } }
+    private var clientOutput: OpaquePointer? { tlsSocket?.output ?? client.map { bufferevent_get_output($0) } }
     private var upstreamOutput: OpaquePointer? { upstream.map { bufferevent_get_output($0) } }
 
     // MARK: - Flow control (mechanics: the machine says what it wants to read, buffers say when)
 
     private func updateClientReading() {
-        guard let client, !lingering else { return }
-        if machineWantsClient && !clientThrottled && !closingAfterFlush {
-            bufferevent_enable(client, Int16(EV_READ))
-        } else {
-            bufferevent_disable(client, Int16(EV_READ))
+        guard !lingering else { return }
+        setClientReading(machineWantsClient && !clientThrottled && !closingAfterFlush)
+    }
+
+    /// Reads from the client on or off, on whichever carries its connection.
+    private func setClientReading(_ on: Bool) {
+        if let tlsSocket {
+            tlsSocket.setReading(on)
+        } else if let client {
+            if on { bufferevent_enable(client, Int16(EV_READ)) } else { bufferevent_disable(client, Int16(EV_READ)) }
         }
     }
+
+    /// The client's write callback comes when a write leaves at most `mark` bytes in its output.
+    private func setClientWriteLowWater(_ mark: Int) {
+        if let tlsSocket {
+            tlsSocket.writeLowWater = mark
+        } else if let client {
+            bufferevent_setwatermark(client, Int16(EV_WRITE), mark, 0)
+        }
+    }
+
+    private var hasClient: Bool { tlsSocket != nil || client != nil }
 
     /// The buffer toward the next hop (or the transfer's body queue) is full: stop reading the client until
     /// it drains below half.
@@ -339,16 +364,16 @@ final class ClientDriver: ServerConnection, TransferOwner {
 
     /// The client's output is full: stop reading the next hop until it drains below half.
     private func throttleUpstreamIfNeeded() {
-        guard Buffers.length(clientOutput) >= context.highWater, !upstreamThrottled, let client else { return }
+        guard Buffers.length(clientOutput) >= context.highWater, !upstreamThrottled, hasClient else { return }
         upstreamThrottled = true
-        bufferevent_setwatermark(client, Int16(EV_WRITE), context.highWater / 2, 0)
+        setClientWriteLowWater(context.highWater / 2)
         if let upstream { bufferevent_disable(upstream, Int16(EV_READ)) }
     }
 
     private func upstreamMayReadAgain() {
-        guard upstreamThrottled, let client else { return }
+        guard upstreamThrottled, hasClient else { return }
         upstreamThrottled = false
-        bufferevent_setwatermark(client, Int16(EV_WRITE), 0, 0)
+        setClientWriteLowWater(0)
         if let upstream { bufferevent_enable(upstream, Int16(EV_READ)) }
         if let transfer, transfer.paused, !transfer.cancelled {
             transfer.paused = false
@@ -359,9 +384,8 @@ final class ClientDriver: ServerConnection, TransferOwner {
     // MARK: - Client callbacks
 
     fileprivate func clientReadable() {
-        if lingering, let client {
-            let input = bufferevent_get_input(client)
-            evbuffer_drain(input, Buffers.length(input))
+        if lingering {
+            if let input = clientInput { evbuffer_drain(input, Buffers.length(input)) }
             return
         }
         lastActivity = EventLoop.monotonicMilliseconds()
@@ -380,7 +404,12 @@ final class ClientDriver: ServerConnection, TransferOwner {
     /// The last bytes went out: shut the sending side and linger, or close when there is no socket to shut.
     private func finishAfterFlush() {
         guard !closed, !lingering else { return }
-        guard let client, LingeringClose.shutWrite(client) else { return close() }
+        if let tlsSocket {
+            // A client that already ended its side has nothing left to linger for.
+            guard tlsSocket.shutWrite(), !tlsSocket.readEnded else { return close() }
+        } else {
+            guard let client, LingeringClose.shutWrite(client) else { return close() }
+        }
         lingering = true
         stopTransfer()
         if let upstream {
@@ -388,7 +417,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
             self.upstream = nil
         }
         for timer in timers.values { timer.cancel() }
-        bufferevent_enable(client, Int16(EV_READ))
+        setClientReading(true)
         let timer = LoopTimer(loop: context.loop) { [unowned self] in close() }
         timer.schedule(milliseconds: LingeringClose.milliseconds)
         lingerTimer = timer
@@ -416,7 +445,8 @@ final class ClientDriver: ServerConnection, TransferOwner {
     }
 
     private func tlsErrors() -> String {
-        client.map { Self.tlsErrors($0) } ?? "connection closed"
+        if let tlsSocket { return tlsSocket.failure ?? "connection closed" }
+        return client.map { Self.tlsErrors($0) } ?? "connection closed"
     }
 
     private static func tlsErrors(_ bev: OpaquePointer) -> String {
@@ -523,6 +553,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
     /// Connection established", bytes the client sent early, bytes after an upstream proxy's answer) as
     /// the first bytes of each direction.
     private func startTunnel(label: TunnelLabel, status: Int) {
+        handOverTLSSocket()
         guard let clientBev = client, let upstreamBev = upstream else {
             return close()
         }
@@ -621,6 +652,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
 
     /// The client chose HTTP/2 in the handshake: an `H2Driver` takes the TLS bufferevent over.
     private func startHTTP2(_ origin: OriginConfig, misdirected: String?) {
+        handOverTLSSocket()
         guard let bev = client else { return close() }
         bufferevent_setcb(bev, nil, nil, nil, nil)
         client = nil
@@ -631,6 +663,15 @@ final class ClientDriver: ServerConnection, TransferOwner {
         context.owner.adopt(session)
         finishHandOff()
         session.begin()
+    }
+
+    /// The TLS socket becomes an OpenSSL bufferevent (`client`), with what its buffers hold, for a driver
+    /// that takes bufferevents (HTTP/2, a relay).
+    private func handOverTLSSocket() {
+        guard let tlsSocket else { return }
+        self.tlsSocket = nil
+        client = tlsSocket.intoBufferevent(options: Self.tlsOptions)
+        if client == nil { context.logger.error("conn=\(id) cannot hand the TLS connection over") }
     }
 
     /// Writes a short answer straight to a fresh socket; false if it did not all go out at once.
@@ -885,11 +926,11 @@ final class ClientDriver: ServerConnection, TransferOwner {
         guard !closed, from === transfer else { return data.count }
         precondition(!handling, "a libcurl callback inside an event of the same connection")
         lastActivity = EventLoop.monotonicMilliseconds()
-        if Buffers.length(clientOutput) >= context.highWater, let client {
+        if Buffers.length(clientOutput) >= context.highWater, hasClient {
             // A slow client pauses the transfer; the client's write callback resumes it.
             from.paused = true
             upstreamThrottled = true
-            bufferevent_setwatermark(client, Int16(EV_WRITE), context.highWater / 2, 0)
+            setClientWriteLowWater(context.highWater / 2)
             return proxyctl_writefunc_pause()
         }
         transferData = data
@@ -974,6 +1015,10 @@ final class ClientDriver: ServerConnection, TransferOwner {
             bufferevent_free(client)
             self.client = nil
         }
+        if let tlsSocket {
+            tlsSocket.close()
+            self.tlsSocket = nil
+        }
         if case .intercepted(let origin) = machine.role {
             context.logger.debug(
                 "conn=\(id) client=\(peer) CONNECT \(origin.authority) intercepted: \(machine.requests) request(s) in \(LogText.duration(EventLoop.monotonicMilliseconds() - started))"
@@ -981,6 +1026,12 @@ final class ClientDriver: ServerConnection, TransferOwner {
         }
         context.owner.connectionClosed(self)
     }
+}
+
+extension ClientDriver: TLSSocketUser {
+    func socketReadable() { clientReadable() }
+    func socketWritable() { clientWritable() }
+    func socketEvent(_ events: Int16) { clientEvent(events) }
 }
 
 // MARK: - libevent callbacks (context: the ClientDriver, unretained; the server's table owns it)
