@@ -121,13 +121,14 @@ protocol OriginConnectionUser: AnyObject {
 
 /// One connection to an origin, used by one `OriginTransfer` at a time and kept in the `OriginPool` between
 /// requests: a non-blocking socket with TLS (OpenSSL on the descriptor, read-ahead on) for https, read into
-/// `input` until the socket has no more. Not a bufferevent: libevent's OpenSSL bufferevent reads one TLS
-/// record per wakeup with two recv calls and knows nothing of OpenSSL's read-ahead buffer, which made a
-/// download cost 9 syscalls and an event-loop pass per 16 KiB; here a wakeup reads what the socket holds,
-/// 64 KiB per recv.
+/// `input` until the socket has no more (a short read says so: no recv only to hear EAGAIN). Not a
+/// bufferevent: libevent's OpenSSL bufferevent reads one TLS record per wakeup with two recv calls and knows
+/// nothing of OpenSSL's read-ahead buffer, which made a download cost 9 syscalls and an event-loop pass per
+/// 16 KiB; here a wakeup reads what the socket holds, 64 KiB per recv.
 final class OriginConnection {
     enum Fill {
-        /// The socket has nothing more for now.
+        /// The socket has nothing more for now (or, after a short read, most likely has not: epoll reports it
+        /// again if it has).
         case wouldBlock
         /// `input` is full (`inputLimit`): take from it, then fill again.
         case limit
@@ -160,6 +161,8 @@ final class OriginConnection {
     /// itself (`ConnectionContext.highWater`).
     static let inputLimit = 256 * 1024
     static let readSize = 64 * 1024
+    /// The largest TLS record's plaintext: what one `SSL_read` gives at most.
+    static let recordSize: Int32 = 16 * 1024
 
     /// Starts a TCP connect to `address` (then TLS for `serverName` when `tls` is given); nil with the errno
     /// when the socket cannot even be made or the connect fails at once.
@@ -278,6 +281,9 @@ final class OriginConnection {
                 if result > 0 {
                     vector.iov_len = Int(result)
                     evbuffer_commit_space(input, &vector, 1)
+                    // A short record and nothing more with OpenSSL: the recv that brought it emptied the socket,
+                    // and one more would only return EAGAIN.
+                    if result < Self.recordSize && SSL_has_pending(ssl) == 0 { return .wouldBlock }
                     continue
                 }
                 switch SSL_get_error(ssl, result) {
@@ -297,8 +303,10 @@ final class OriginConnection {
             } else {
                 let result = recv(fd, vector.iov_base, min(vector.iov_len, Self.readSize), 0)
                 if result > 0 {
+                    let asked = min(vector.iov_len, Self.readSize)
                     vector.iov_len = result
                     evbuffer_commit_space(input, &vector, 1)
+                    if result < asked { return .wouldBlock }  // the socket gave all it had
                     continue
                 }
                 if result == 0 { return .ended }
