@@ -69,7 +69,9 @@ let package = Package(
         .testTarget(name: "ProxyCoreTests", dependencies: ["ProxyCore"]),
         .testTarget(name: "ProxyTLSTests", dependencies: ["ProxyTLS", "ProxyCore", "TestFixtures"]),
         .testTarget(name: "ProxyOAuthTests", dependencies: ["ProxyOAuth", "ProxyTLS", "ProxyCore", "TestFixtures"]),
-        .testTarget(name: "ProxyIOTests", dependencies: ["ProxyIO", "ProxyOAuth", "ProxyCore"]),
+        .testTarget(
+            name: "ProxyIOTests",
+            dependencies: ["ProxyIO", "ProxyOAuth", "ProxyCore", "ProxyTLS", "COpenSSL", "CLibevent"]),
     ],
     swiftLanguageModes: [.v6]
 )
