@@ -106,61 +106,82 @@ extension ConnectionMachine {
     /// `guard case .intercepting(var x) = state` followed by `state = .intercepting(x)` copies them on every
     /// event (copy on write), the hot path's largest cost after libcurl.
     mutating func changeIntercepting(_ change: (inout Intercepting) -> Void) {
-        guard case .intercepting(var intercepting) = state else { return }
-        state = .closed
+        guard case .intercepting = state else { return }
+        // Swapped out, then taken apart: a move, where binding the payload of `state` would copy it (a retain
+        // of each reference in it) and the placeholder's assignment would then release them all again.
+        var taken = State.closed
+        swap(&taken, &state)
+        guard case .intercepting(var intercepting) = consume taken else { preconditionFailure("checked above") }
         change(&intercepting)
         state = .intercepting(intercepting)
     }
 
     /// Body bytes of the transfer's response (the hot path: one call per libcurl write callback).
     mutating func transferBody(_ count: Int, _ out: inout [Action]) {
+        // Two fields read in place (a binding kept across the event below would be a copy of the payload).
         guard case .intercepting(let intercepting) = state else { return }
-        guard intercepting.exchange.isDelivering else {
+        let delivering = intercepting.exchange.isDelivering
+        let framing = intercepting.framing
+        guard delivering else {
             // Not the client's: the exchange counts what it discards.
             exchangeEvent(&out) { exchange, outputs in exchange.upstreamBody(count, &outputs) }
             return
         }
-        guard let framing = intercepting.framing, framing != .none else { return }
+        guard let framing, framing != .none else { return }
         out.append(.writeResponseBody(chunked: framing == .chunked))
     }
 
     /// Carries the exchange's outputs over to this HTTP/1.1 connection.
     mutating func apply(_ outputs: [ProtectedExchange.Output], _ out: inout [Action]) {
+        let draining = draining
         for output in outputs {
-            guard case .intercepting(let intercepting) = state else { return }
-            switch output {
-            case .deliverHead(let response):
-                let close = !intercepting.exchange.request.keepAlive || draining
-                let (head, framing) = MessageSemantics.interceptedResponseHead(
-                    response, requestMethod: intercepting.exchange.request.method, close: close)
-                changeIntercepting { $0.framing = framing }
-                out.append(.writeClient(head))
-            case .deliverBody:
-                if let framing = intercepting.framing, framing != .none {
-                    out.append(.writeResponseBody(chunked: framing == .chunked))
-                }
-            case .endBody(let trailers):
-                guard intercepting.framing == .chunked else { break }
-                if trailers.isEmpty || !intercepting.exchange.request.acceptsTrailers {
-                    out.append(.writeClient(Self.lastChunk))
-                } else {
-                    // RFC 9112 §7.1.2: the trailer section of the last chunk, for a client that said TE: trailers.
-                    var bytes = Array("0\r\n".utf8)
-                    for field in H2Semantics.trailers(trailers.map { ($0.nameText, $0.value) }) {
-                        bytes += field.name + Array(": ".utf8) + field.value + [ASCII.cr, ASCII.lf]
-                    }
-                    bytes += [ASCII.cr, ASCII.lf]
-                    out.append(.writeClient(bytes))
-                }
-            case .respond(let answer):
-                out.append(.writeClient(answer.response.serialized(headRequest: intercepting.headRequest)))
-            case .finished(let record):
-                out.append(.exchangeFinished(record))
-                exchangeDone(record, &out)
-            default:
-                out.append(.exchange(output, intercepting.exchange.origin))
+            guard case .intercepting = state else { return }
+            var finished: ExchangeRecord?
+            // Applied to the state in place (see `changeIntercepting`).
+            changeIntercepting { intercepting in
+                finished = Self.apply(output, to: &intercepting, draining: draining, &out)
             }
+            if let finished { exchangeDone(finished, &out) }
         }
+    }
+
+    /// One output of the exchange as actions for the client; the exchange's record when it finished.
+    private static func apply(
+        _ output: ProtectedExchange.Output, to intercepting: inout Intercepting, draining: Bool, _ out: inout [Action]
+    ) -> ExchangeRecord? {
+        switch output {
+        case .deliverHead(let response):
+            let close = !intercepting.exchange.request.keepAlive || draining
+            let (head, framing) = MessageSemantics.interceptedResponseHead(
+                response, requestMethod: intercepting.exchange.request.method, close: close)
+            intercepting.framing = framing
+            out.append(.writeClient(head))
+        case .deliverBody:
+            if let framing = intercepting.framing, framing != .none {
+                out.append(.writeResponseBody(chunked: framing == .chunked))
+            }
+        case .endBody(let trailers):
+            guard intercepting.framing == .chunked else { break }
+            if trailers.isEmpty || !intercepting.exchange.request.acceptsTrailers {
+                out.append(.writeClient(Self.lastChunk))
+            } else {
+                // RFC 9112 §7.1.2: the trailer section of the last chunk, for a client that said TE: trailers.
+                var bytes = Array("0\r\n".utf8)
+                for field in H2Semantics.trailers(trailers.map { ($0.nameText, $0.value) }) {
+                    bytes += field.name + Array(": ".utf8) + field.value + [ASCII.cr, ASCII.lf]
+                }
+                bytes += [ASCII.cr, ASCII.lf]
+                out.append(.writeClient(bytes))
+            }
+        case .respond(let answer):
+            out.append(.writeClient(answer.response.serialized(headRequest: intercepting.headRequest)))
+        case .finished(let record):
+            out.append(.exchangeFinished(record))
+            return record
+        default:
+            out.append(.exchange(output, intercepting.exchange.origin))
+        }
+        return nil
     }
 
     /// The exchange ended: read the next request, or close.
@@ -170,10 +191,11 @@ extension ConnectionMachine {
         let close =
             record.close || !intercepting.exchange.isBodyComplete || !intercepting.exchange.request.keepAlive
             || clientEOF || draining
+        let kept = intercepting.kept
         if close {
             closeAfterFlush(&out)
         } else {
-            nextRequest(kept: intercepting.kept, &out)
+            nextRequest(kept: kept, &out)
         }
     }
 }
