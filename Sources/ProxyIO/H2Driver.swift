@@ -5,6 +5,7 @@ import COpenSSL
 import Foundation
 import ProxyCore
 import ProxyOAuth
+import ProxyTLS
 
 /// Runs an `H2Session` on an HTTP/2 connection a client opened inside an intercepted TLS tunnel: nghttp2 reads
 /// and writes the frames (HPACK, flow control, the protocol's own limits), its callbacks become the machine's
@@ -215,11 +216,11 @@ final class H2Driver: ServerConnection, TransferOwner {
         withUnsafeTemporaryAllocation(of: UInt8.self, capacity: Self.recordSize) { buffer in
             for _ in 0..<Self.recordsPerPass {
                 guard !closed else { return }
-                ERR_clear_error()
+                CryptoError.clearQueue()
                 let count = SSL_read(ssl, buffer.baseAddress, Int32(buffer.count))
                 if count <= 0 {
                     let error = SSL_get_error(ssl, count)
-                    ERR_clear_error()
+                    CryptoError.clearQueue()
                     // WANT_READ: the socket is empty (a partial record stays with OpenSSL, and the bufferevent
                     // reads the rest when it comes). Anything else (the client's close_notify, a reset, a bad
                     // record) ends the connection as the bufferevent's own read would have.

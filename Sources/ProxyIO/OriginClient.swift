@@ -234,7 +234,7 @@ final class OriginConnection {
         while phase == .open, !pendingWrite.isEmpty {
             let written: Int
             if let ssl {
-                ERR_clear_error()
+                CryptoError.clearQueue()
                 let result = pendingWrite.withUnsafeBytes { SSL_write(ssl, $0.baseAddress, Int32($0.count)) }
                 if result <= 0 {
                     switch SSL_get_error(ssl, result) {
@@ -276,7 +276,7 @@ final class OriginConnection {
                 return .failed("out of memory")
             }
             if let ssl {
-                ERR_clear_error()
+                CryptoError.clearQueue()
                 let result = SSL_read(ssl, vector.iov_base, Int32(min(vector.iov_len, Self.readSize)))
                 if result > 0 {
                     vector.iov_len = Int(result)
@@ -368,7 +368,7 @@ final class OriginConnection {
 
     private func handshake() {
         guard let ssl else { return }
-        ERR_clear_error()
+        CryptoError.clearQueue()
         let result = SSL_connect(ssl)
         if result == 1 { return ready() }
         switch SSL_get_error(ssl, result) {

@@ -110,9 +110,9 @@ final class TLSSocket {
     /// socket is gone.
     func shutWrite() -> Bool {
         guard fd >= 0, let ssl else { return false }
-        ERR_clear_error()
+        CryptoError.clearQueue()
         _ = SSL_shutdown(ssl)
-        ERR_clear_error()
+        CryptoError.clearQueue()
         return Glibc.shutdown(fd, Int32(SHUT_WR)) == 0
     }
 
@@ -189,7 +189,7 @@ final class TLSSocket {
 
     private func handshake() {
         guard let ssl else { return }
-        ERR_clear_error()
+        CryptoError.clearQueue()
         let result = SSL_do_handshake(ssl)
         if result == 1 {
             phase = .open
@@ -223,7 +223,7 @@ final class TLSSocket {
                 ending = (Int16(BEV_EVENT_READING | BEV_EVENT_ERROR), "out of memory")
                 break
             }
-            ERR_clear_error()
+            CryptoError.clearQueue()
             let result = SSL_read(ssl, vector.iov_base, Int32(min(vector.iov_len, Self.recordSize)))
             if result > 0 {
                 vector.iov_len = Int(result)
@@ -244,7 +244,7 @@ final class TLSSocket {
                 ending = (Int16(BEV_EVENT_READING | BEV_EVENT_EOF), nil)
             case SSL_ERROR_SYSCALL where ERR_peek_error() == 0 && proxyctl_errno() == 0:
                 // Closed without close_notify: an end, as the bufferevent's allow_dirty_shutdown took it.
-                ERR_clear_error()
+                CryptoError.clearQueue()
                 ending = (Int16(BEV_EVENT_READING | BEV_EVENT_EOF), nil)
             default:
                 ending = (Int16(BEV_EVENT_READING | BEV_EVENT_ERROR), Self.tlsErrors())
@@ -278,7 +278,7 @@ final class TLSSocket {
             guard let bytes = evbuffer_pullup(output, count) else {
                 return end(Int16(BEV_EVENT_WRITING | BEV_EVENT_ERROR), failure: "out of memory")
             }
-            ERR_clear_error()
+            CryptoError.clearQueue()
             let result = SSL_write(ssl, bytes, Int32(count))
             if result > 0 {
                 evbuffer_drain(output, Int(result))
@@ -335,10 +335,10 @@ final class TLSSocket {
         while SSL_has_pending(ssl) != 0 {
             var vector = iovec()
             guard evbuffer_reserve_space(input, Self.recordSize, &vector, 1) == 1 else { return }
-            ERR_clear_error()
+            CryptoError.clearQueue()
             let result = SSL_read(ssl, vector.iov_base, Int32(min(vector.iov_len, Self.recordSize)))
             guard result > 0 else {
-                ERR_clear_error()
+                CryptoError.clearQueue()
                 return
             }
             vector.iov_len = Int(result)
