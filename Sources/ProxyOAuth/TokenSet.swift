@@ -183,11 +183,13 @@ public struct TokenSet: Sendable, Equatable {
                 identity: identity, generation: generation))
     }
 
-    /// When to refresh: 60 s before expiry, or at 80 % of the lifetime for short-lived tokens.
+    /// When to refresh: 60 s before expiry, or at 80 % of the lifetime for short-lived tokens. The margin is
+    /// rounded up to whole seconds: the provider's `exp`, this clock and the origin's count seconds apart, and a
+    /// token of a few seconds (a margin of 0 when rounded down) was sent in its last second and refused.
     public var refreshAt: Int64? {
         guard let expiresAt else { return nil }
         let lifetime = max(0, expiresAt - issuedAt)
-        return expiresAt - min(60, lifetime / 5)
+        return expiresAt - min(60, (lifetime + 4) / 5)
     }
 
     /// Whether the access token can be used at `now` without refreshing first.

@@ -75,6 +75,16 @@ import Testing
         #expect(!expired.isFresh(at: 950))
     }
 
+    @Test func aTokenOfAFewSecondsKeepsASecondOfMargin() {
+        // 3 s: 80 % is 2.4 s; refreshed after 2 s, not in its last second (where the origin, whose clock may
+        // already be a second on, refuses it).
+        let tokens = storedTokens(issuedAt: 1000, expiresAt: 1003)
+        #expect(tokens.refreshAt == 1002)
+        #expect(tokens.isFresh(at: 1001))
+        #expect(!tokens.isFresh(at: 1002))
+        #expect(storedTokens(issuedAt: 1000, expiresAt: 1001).refreshAt == 1000)
+    }
+
     @Test func tokensWithoutExpiryAreAlwaysFresh() {
         let tokens = storedTokens(issuedAt: 1000, expiresAt: nil)
         #expect(tokens.refreshAt == nil)
