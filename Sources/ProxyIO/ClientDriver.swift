@@ -789,8 +789,8 @@ final class ClientDriver: ServerConnection, TransferOwner {
         credentialFields(request.credential, method: request.method, url: request.url, origin: origin) {
             [unowned self] authorization in
             let made = makeUpstreamTransfer(
-                owner: self, request: request, authorization: authorization, context: context, connectionID: id,
-                body: requestBody)
+                owner: self, request: request, origin: origin, authorization: authorization, context: context,
+                connectionID: id, body: requestBody)
             transfer = made
             uploadPaused = false
             made.start()

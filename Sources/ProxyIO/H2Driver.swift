@@ -769,7 +769,8 @@ final class H2Driver: ServerConnection, TransferOwner {
             }
         }
         let made = makeUpstreamTransfer(
-            owner: self, request: request, authorization: authorization, context: context, connectionID: id
+            owner: self, request: request, origin: origin, authorization: authorization, context: context,
+            connectionID: id
         ) {
             let body =
                 io.body

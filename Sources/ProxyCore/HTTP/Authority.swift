@@ -129,6 +129,14 @@ public struct AbsoluteURL: Sendable, Equatable {
     /// Path and query, exactly as sent; "/" when the URL had no path. This is the origin-form.
     public let pathAndQuery: String
 
+    /// A URL from parts already checked: a lower-case scheme, a normalised authority (an `OriginConfig`'s), and
+    /// an origin-form path and query.
+    public init(scheme: String, authority: HostPort, pathAndQuery: String) {
+        self.scheme = scheme
+        self.authority = authority
+        self.pathAndQuery = pathAndQuery
+    }
+
     /// Parses `scheme://authority[path][?query]`. A fragment, userinfo or a scheme other than http and https
     /// are errors.
     public static func parse(_ text: String) -> Result<AbsoluteURL, HTTPParseError> {
