@@ -193,26 +193,27 @@ extension UpstreamRequest {
         method: String, url parsed: AbsoluteURL, fields: [(name: String, value: [UInt8])],
         credential: [(name: String, value: [UInt8])]
     ) -> [UInt8] {
-        var head: [UInt8] = []
-        head.reserveCapacity(
-            64 + parsed.pathAndQuery.utf8.count + fields.reduce(0) { $0 + $1.name.utf8.count + $1.value.count + 4 })
-        func line(_ name: String, _ value: some Collection<UInt8>) {
-            head.append(contentsOf: name.utf8)
-            head.append(ASCII.colon)
-            head.append(ASCII.space)
-            head.append(contentsOf: value)
-            head.append(ASCII.cr)
-            head.append(ASCII.lf)
+        let host = parsed.hostFieldValue
+        var size = method.utf8.count + 1 + parsed.pathAndQuery.utf8.count + Self.requestLineEnd.count
+        size += 6 + host.utf8.count + 2  // Host: host CRLF
+        for field in fields { size += ByteWriter.fieldSize(field.name, field.value) }
+        for field in credential { size += ByteWriter.fieldSize(field.name, field.value) }
+        size += 2
+        return ByteWriter.bytes(count: size) { head in
+            head.write(method)
+            head.write(ASCII.space)
+            head.write(parsed.pathAndQuery)
+            head.write(Self.requestLineEnd)
+            head.write("Host: ")
+            head.write(host)
+            head.write(ASCII.cr)
+            head.write(ASCII.lf)
+            for field in fields { head.writeField(field.name, field.value) }
+            for field in credential { head.writeField(field.name, field.value) }
+            head.write(ASCII.cr)
+            head.write(ASCII.lf)
         }
-        head.append(contentsOf: method.utf8)
-        head.append(ASCII.space)
-        head.append(contentsOf: parsed.pathAndQuery.utf8)
-        head.append(contentsOf: " HTTP/1.1\r\n".utf8)
-        line("Host", parsed.hostFieldValue.utf8)
-        for field in fields { line(field.name, field.value) }
-        for field in credential { line(field.name, field.value) }
-        head.append(ASCII.cr)
-        head.append(ASCII.lf)
-        return head
     }
+
+    private static let requestLineEnd = Array(" HTTP/1.1\r\n".utf8)
 }
