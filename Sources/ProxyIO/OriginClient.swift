@@ -174,8 +174,6 @@ final class OriginConnection {
     /// itself (`ConnectionContext.highWater`).
     static let inputLimit = 256 * 1024
     static let readSize = 64 * 1024
-    /// The largest TLS record's plaintext: what one `SSL_read` gives at most.
-    static let recordSize: Int32 = 16 * 1024
 
     /// Starts a TCP connect to `address` (then TLS for `serverName` when `tls` is given); nil with the errno
     /// when the socket cannot even be made or the connect fails at once.
@@ -255,7 +253,7 @@ final class OriginConnection {
                         event_add(writeEvent, nil)
                         return
                     default:
-                        return broke("writing to the origin failed: \(Self.tlsErrors())")
+                        return broke("writing to the origin failed: \(tlsFailureText())")
                     }
                 }
                 written = Int(result)
@@ -296,7 +294,7 @@ final class OriginConnection {
                     evbuffer_commit_space(input, &vector, 1)
                     // A short record and nothing more with OpenSSL: the recv that brought it emptied the socket,
                     // and one more would only return EAGAIN.
-                    if result < Self.recordSize && SSL_has_pending(ssl) == 0 { return .wouldBlock }
+                    if Int(result) < TLSSocket.recordSize && SSL_has_pending(ssl) == 0 { return .wouldBlock }
                     continue
                 }
                 switch SSL_get_error(ssl, result) {
@@ -311,7 +309,7 @@ final class OriginConnection {
                 case SSL_ERROR_SYSCALL where ERR_peek_error() == 0 && proxyctl_errno() == 0:
                     return .ended  // closed without close_notify (SSL_OP_IGNORE_UNEXPECTED_EOF makes this rare)
                 default:
-                    return .failed("reading from the origin failed: \(Self.tlsErrors())")
+                    return .failed("reading from the origin failed: \(tlsFailureText())")
                 }
             } else {
                 let result = recv(fd, vector.iov_base, min(vector.iov_len, Self.readSize), 0)
@@ -393,7 +391,7 @@ final class OriginConnection {
             if let reason = tlsVerifyFailure(ssl) {
                 failed(.certificate, "the certificate does not verify: \(reason)")
             } else {
-                failed(.tls, "TLS handshake failed: \(Self.tlsErrors())")
+                failed(.tls, "TLS handshake failed: \(tlsFailureText())")
             }
         }
     }
@@ -411,12 +409,6 @@ final class OriginConnection {
         user?.connectionFailed(self, failure, detail: detail)
     }
 
-    private static func tlsErrors() -> String {
-        let messages = CryptoError.drainQueue()
-        let errno = proxyctl_errno()
-        if messages.isEmpty && errno != 0 { return String(cString: strerror(errno)) }
-        return messages.isEmpty ? "connection closed" : messages.joined(separator: "; ")
-    }
 }
 
 // The system calls, under names the classes' own `close` and `send` do not hide.

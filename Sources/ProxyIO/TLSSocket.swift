@@ -207,7 +207,7 @@ final class TLSSocket {
         case SSL_ERROR_WANT_WRITE:
             registerWrite()
         default:
-            end(Int16(BEV_EVENT_READING | BEV_EVENT_ERROR), failure: Self.tlsErrors())
+            end(Int16(BEV_EVENT_READING | BEV_EVENT_ERROR), failure: tlsFailureText())
         }
     }
 
@@ -247,7 +247,7 @@ final class TLSSocket {
                 CryptoError.clearQueue()
                 ending = (Int16(BEV_EVENT_READING | BEV_EVENT_EOF), nil)
             default:
-                ending = (Int16(BEV_EVENT_READING | BEV_EVENT_ERROR), Self.tlsErrors())
+                ending = (Int16(BEV_EVENT_READING | BEV_EVENT_ERROR), tlsFailureText())
             }
             break
         }
@@ -292,7 +292,7 @@ final class TLSSocket {
                 writeWantsRead = true
                 updateReadInterest()
             default:
-                return end(Int16(BEV_EVENT_WRITING | BEV_EVENT_ERROR), failure: Self.tlsErrors())
+                return end(Int16(BEV_EVENT_WRITING | BEV_EVENT_ERROR), failure: tlsFailureText())
             }
             break writing
         }
@@ -357,12 +357,15 @@ final class TLSSocket {
         writeScheduled = false
     }
 
-    private static func tlsErrors() -> String {
-        let messages = CryptoError.drainQueue()
-        let errno = proxyctl_errno()
-        if messages.isEmpty && errno != 0 { return String(cString: strerror(errno)) }
-        return messages.isEmpty ? "connection closed" : messages.joined(separator: "; ")
-    }
+}
+
+/// What OpenSSL's error queue says of a failed TLS call (the queue is empty afterwards), else the system
+/// error, else "connection closed". For the proxy's TLS on both sides (`TLSSocket`, `OriginConnection`).
+func tlsFailureText() -> String {
+    let messages = CryptoError.drainQueue()
+    let errno = proxyctl_errno()
+    if messages.isEmpty && errno != 0 { return String(cString: strerror(errno)) }
+    return messages.isEmpty ? "connection closed" : messages.joined(separator: "; ")
 }
 
 // MARK: - libevent callbacks (context: the TLSSocket, unretained; its owner keeps it until `close`)
