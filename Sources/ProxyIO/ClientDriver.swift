@@ -910,11 +910,11 @@ final class ClientDriver: ServerConnection, TransferOwner {
         guard !closed, from === transfer else { return }
         precondition(!handling, "a libcurl callback inside an event of the same connection")
         lastActivity = EventLoop.monotonicMilliseconds()
-        var out: [ConnectionMachine.Action] = []
-        out.reserveCapacity(8)
-        event(&machine, lastActivity, &out)
+        // The driver's action array: nothing else uses it outside `handling`.
+        actions.removeAll(keepingCapacity: true)
+        event(&machine, lastActivity, &actions)
         handling = true
-        run(out)
+        run(actions)
         handling = false
         if !queued.isEmpty {
             let first = queued.removeFirst()

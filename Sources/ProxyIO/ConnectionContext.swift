@@ -37,6 +37,9 @@ final class ConnectionContext {
     unowned let owner: any ConnectionOwner
     /// Output buffered toward a slow receiver before its sender is paused.
     let highWater = 256 * 1024
+    /// An action array the own client's transfers reuse (`OriginTransfer.takeActions`): one per loop, not one
+    /// allocation per event of every transfer.
+    var originActions: [OriginExchange.Action] = []
 
     init(
         loop: EventLoop, logger: Logger, frontDoor: FrontDoor, resolver: Resolver, curl: @escaping () -> CurlMulti,

@@ -544,10 +544,10 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
 
     func start() {
         lastActivity = EventLoop.monotonicMilliseconds()
-        var out: [OriginExchange.Action] = []
-        out.reserveCapacity(2)
+        var out = takeActions()
         machine.start(&out)
         run(out)
+        giveBack(&out)
     }
 
     func resume() {
@@ -634,10 +634,23 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
     }
 
     private func handle(_ event: OriginExchange.Event) {
-        var out: [OriginExchange.Action] = []
-        out.reserveCapacity(6)
+        var out = takeActions()
         machine.handle(event, &out)
         run(out)
+        giveBack(&out)
+    }
+
+    /// The loop's action array, taken out while in use (a transfer run from inside `run` gets one of its own).
+    private func takeActions() -> [OriginExchange.Action] {
+        var out: [OriginExchange.Action] = []
+        swap(&out, &context.originActions)
+        if out.capacity == 0 { out.reserveCapacity(8) }
+        return out
+    }
+
+    private func giveBack(_ out: inout [OriginExchange.Action]) {
+        out.removeAll(keepingCapacity: true)
+        swap(&out, &context.originActions)
     }
 
     /// `event` (or, for nil, the stashed response and what the connection holds) at the top of the loop.
@@ -805,8 +818,8 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
                 break
             }
             let bytes = UnsafeRawBufferPointer(start: start, count: length)
-            var out: [OriginExchange.Action] = []
-            out.reserveCapacity(8)
+            var out = takeActions()
+            defer { giveBack(&out) }
             _ = machine.received(bytes, &out)
             // The bytes are handed over first (the ranges point into them), then drained, then the connection is
             // released: back to the pool with nothing of this response left in it.

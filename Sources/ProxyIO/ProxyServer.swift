@@ -318,7 +318,7 @@ public final class ProxyServer: ConnectionOwner {
         metrics.update {
             $0.tunnels[upgrade ? "upgrade" : "blind", default: 0] += 1
             if upgrade {
-                $0.addBytes("passthrough", up: up, down: down)
+                $0.addBytes(.passthrough, up: up, down: down)
             } else {
                 $0.record(RequestOutcome(kind: .connect, status: status, up: up, down: down))
             }

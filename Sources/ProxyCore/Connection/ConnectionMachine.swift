@@ -261,6 +261,9 @@ public struct ConnectionMachine: Sendable {
     var upstreamOffset = 0
     /// Scratch space for `BodyProgress.take` (kept to avoid an allocation per read).
     var spans: [BodySpan] = []
+    /// Scratch space for the outputs of an event of the exchange in flight (`exchangeEvent`), kept for the
+    /// same reason.
+    var exchangeOutputs: [ProtectedExchange.Output] = []
     /// What the request being handled was routed to, for the outcome of an answer of the proxy's own.
     var outcomeKind = RequestOutcome.Kind.proxy
 

@@ -132,6 +132,8 @@ public struct OriginExchange: Sendable {
     public mutating func received(_ input: UnsafeRawBufferPointer, _ out: inout [Action]) -> Int {
         guard case .exchanging(let reused, _, let resent) = phase else { return input.count }
         phase = .exchanging(reused: reused, answered: true, resent: resent)
+        // A response is a head, body pieces and its end: room for them at once, not grown three times.
+        if outputs.capacity == 0 { outputs.reserveCapacity(4) }
         let consumed = reader.read(input, &outputs)
         translate(consumed: consumed, of: input.count, closing: false, &out)
         return consumed

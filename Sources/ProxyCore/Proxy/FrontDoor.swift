@@ -150,7 +150,7 @@ public struct FrontDoor: Sendable {
         ProtectedExchange.Settings(
             replaySpool: max(settings.replaySpool, settings.replayMemory), connectTimeout: settings.connectTimeout,
             idleTimeout: settings.idleTimeout, responseHeadLimits: settings.headLimits,
-            resolveAddress: settings.resolve[origin.authority.host],
+            resolveAddress: settings.resolve.isEmpty ? nil : settings.resolve[origin.authority.host],
             upstreamProxy: upstream(for: origin.authority), builtinClient: settings.builtinClient)
     }
 
