@@ -39,7 +39,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
     private var upstreamSSL: OpaquePointer?
     private var upstreamTLSConnecting = false
     private var addresses: [SocketAddress] = []
-    private var timers: [ConnectionTimer: LoopTimer] = [:]
+    private var timers = TimerSlots()
     /// When a byte last moved on this connection (either side, the transfer included).
     private var lastActivity: Int64
     private let started: Int64
@@ -416,7 +416,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
             bufferevent_free(upstream)
             self.upstream = nil
         }
-        for timer in timers.values { timer.cancel() }
+        timers.cancelAll()
         setClientReading(true)
         let timer = LoopTimer(loop: context.loop) { [unowned self] in close() }
         timer.schedule(milliseconds: LingeringClose.milliseconds)
@@ -1053,4 +1053,33 @@ private let upstreamWriteCallback: bufferevent_data_cb = { _, context in
 }
 private let upstreamEventCallback: bufferevent_event_cb = { _, events, context in
     Unmanaged<ClientDriver>.fromOpaque(context!).takeUnretainedValue().upstreamEvent(events)
+}
+
+/// A connection's timers, a slot per kind: an array indexed by the kind, where a dictionary hashed the kind for
+/// every arm and disarm (four per request).
+struct TimerSlots {
+    private var slots = [LoopTimer?](repeating: nil, count: ConnectionTimer.allCases.count)
+
+    subscript(kind: ConnectionTimer) -> LoopTimer? {
+        get { slots[Self.index(kind)] }
+        set { slots[Self.index(kind)] = newValue }
+    }
+
+    func cancelAll() {
+        for case let timer? in slots { timer.cancel() }
+    }
+
+    mutating func removeAll() {
+        for index in slots.indices { slots[index] = nil }
+    }
+
+    private static func index(_ kind: ConnectionTimer) -> Int {
+        switch kind {
+        case .head: 0
+        case .keepAlive: 1
+        case .connect: 2
+        case .idle: 3
+        case .upstreamKeepAlive: 4
+        }
+    }
 }

@@ -95,17 +95,23 @@ final class OriginPool {
 
     /// Keeps `connection` for the next request to its origin.
     func keep(_ connection: OriginConnection) {
-        guard idle[connection.key]?.count ?? 0 < Self.perOriginLimit, connection.isOpen else {
+        // One lookup, the list changed in place.
+        guard connection.isOpen, Self.append(connection, to: &idle[connection.key, default: []]) else {
             connection.close()
             return
         }
         connection.pool = self
         connection.startReading()  // an idle connection still hears the origin close it
-        idle[connection.key, default: []].append(connection)
         if connection.idleTimer == nil {
             connection.idleTimer = LoopTimer(loop: loop) { [unowned self, unowned connection] in drop(connection) }
         }
         connection.idleTimer?.schedule(milliseconds: Self.keepMilliseconds)
+    }
+
+    private static func append(_ connection: OriginConnection, to list: inout [OriginConnection]) -> Bool {
+        guard list.count < perOriginLimit else { return false }
+        list.append(connection)
+        return true
     }
 
     /// Closes a kept connection (its time ran out, or the origin closed it or sent bytes unasked).

@@ -241,6 +241,44 @@ import Testing
         #expect(feedHead([response], kind: .response) == .failed(.malformed))
     }
 
+    @Test(arguments: [UInt8(0x00), 0x01, 0x0B, 0x1F, 0x7F])
+    func controlCharacterAnywhereInALongValueIsRejected(byte: UInt8) {
+        // Long values are checked eight bytes at a time: a bad byte in every position of the words and the tail.
+        let value = [UInt8]("abcdefghijklmnopqrstuvwxyz0".utf8)
+        for position in value.indices {
+            var bad = value
+            bad[position] = byte
+            let bytes = "GET / HTTP/1.1\r\nX-Long: ".bytes + bad + "\r\n\r\n".bytes
+            #expect(feedHead([bytes]) == .failed(.malformed), "byte \(byte) at \(position)")
+        }
+    }
+
+    @Test func tabsAndObsTextAnywhereInALongValueAreKept() throws {
+        let value = [UInt8]("abcdefghijklmnopqrstuvwxyz0".utf8)
+        for position in 1..<value.count - 1 {
+            for byte: UInt8 in [0x09, 0x80, 0xFF, 0x20, 0x7E] {
+                var kept = value
+                kept[position] = byte
+                let head = try parseHead("GET / HTTP/1.1\r\nX-Long: ".bytes + kept + "\r\n\r\n".bytes)
+                #expect(Array(head.valueBytes(at: 0)) == kept, "byte \(byte) at \(position)")
+            }
+        }
+    }
+
+    @Test func aHeadLargerThanOnePieceEndsWhereItEnds() {
+        // The parser copies its input a piece (2 KiB) at a time: a head across pieces, with a body behind it in
+        // the same input, is taken up to its empty line and no further, however the input is split.
+        let fields = (0..<80).map { "X-Field-\($0): " + String(repeating: "v", count: 50 + $0 % 7) }
+        let head = crlfHead(["GET / HTTP/1.1", "Host: a"] + fields)
+        #expect(head.utf8.count > 2 * HTTPHeadParser.piece)
+        let input = (head + String(repeating: "B", count: 5000)).bytes
+        let expected = HeadFeedResult.complete(bytes: head.bytes, consumed: head.utf8.count)
+        #expect(feedHead([input]) == expected)
+        for split in [1, 2047, 2048, 2049, 4095, 4096, head.utf8.count - 1, head.utf8.count] {
+            #expect(feedHead([Array(input[..<split]), Array(input[split...])]) == expected, "split at \(split)")
+        }
+    }
+
     @Test(arguments: [
         ": value",  // empty name
         "NoColon",

@@ -28,6 +28,19 @@ public enum ASCII {
     @inline(__always)
     static func isFieldValue(_ byte: UInt8) -> Bool { (byte >= 0x20 && byte != 0x7F) || byte == 0x09 }
 
+    /// Whether any of the eight bytes in `word` is below 0x20 (HTAB included) or DEL (0x7F): the bytes
+    /// `isFieldValue` looks at one by one. Bytes of 0x80 and above (obs-text) never count. The "has a byte less
+    /// than n" and "has a zero byte" word tests (exact for the word as a whole, whatever the byte order).
+    @inline(__always)
+    static func hasControlOrDEL(_ word: UInt64) -> Bool {
+        let ones: UInt64 = 0x0101_0101_0101_0101
+        let highs: UInt64 = 0x8080_8080_8080_8080
+        let below20 = (word &- ones &* 0x20) & ~word & highs
+        let xorDEL = word ^ (ones &* 0x7F)
+        let isDEL = (xorDEL &- ones) & ~xorDEL & highs
+        return below20 | isDEL != 0
+    }
+
     /// Bytes allowed in a request-target: visible ASCII and obs-text; never whitespace or controls.
     @inline(__always)
     static func isTargetByte(_ byte: UInt8) -> Bool { byte > 0x20 && byte != 0x7F }

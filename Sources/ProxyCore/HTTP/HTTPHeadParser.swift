@@ -123,22 +123,25 @@ public struct HTTPHeadParser: Sendable {
         }
         var offset = 0
         while offset < input.count {
-            let remaining = input.count - offset
-            let found = memchr(input.baseAddress! + offset, Int32(ASCII.lf), remaining)
-            guard let found else {
-                buffer.append(contentsOf: UnsafeRawBufferPointer(rebasing: input[offset...]))
-                if let error = checkLimits(lineComplete: false) { return fail(error) }
-                return .needMore
-            }
-            let lfIndex = input.baseAddress!.distance(to: UnsafeRawPointer(found))
-            buffer.append(contentsOf: UnsafeRawBufferPointer(rebasing: input[offset...lfIndex]))
-            offset = lfIndex + 1
-            if let error = checkLimits(lineComplete: true) { return fail(error) }
-            switch endLine() {
-            case .failure(let error):
-                return fail(error)
-            case .success(let done):
-                if done {
+            // A piece at a time into the buffer, its lines read there: one copy for a whole head (not one per
+            // line), and of what follows the head at most the rest of the piece, dropped again below.
+            let take = min(input.count - offset, Self.piece)
+            var base = buffer.count
+            buffer.append(contentsOf: UnsafeRawBufferPointer(rebasing: input[offset..<offset + take]))
+            // The line being read began before `base` at the earliest, and had no LF there.
+            var scan = base
+            while let lineEnd = nextLineEnd(from: scan) {
+                if let error = checkLimits(end: lineEnd, lineComplete: true) { return fail(error) }
+                let before = buffer.count
+                switch endLine(end: lineEnd) {
+                case .failure(let error):
+                    return fail(error)
+                case .success(false):
+                    // An empty line before the request line is dropped from the buffer.
+                    base -= before - buffer.count
+                    scan = lineStart
+                case .success(true):
+                    buffer.removeSubrange(lineEnd...)
                     let head = HTTPHead(
                         bytes: buffer,
                         startLine: startLine!,
@@ -154,11 +157,28 @@ public struct HTTPHeadParser: Sendable {
                     buffer = []
                     fields = []
                     reset()
-                    return .complete(head, consumed: offset)
+                    return .complete(head, consumed: offset + lineEnd - base)
                 }
             }
+            if let error = checkLimits(end: buffer.count, lineComplete: false) { return fail(error) }
+            offset += take
         }
         return .needMore
+    }
+
+    /// How much of the input goes into the buffer at a time: a typical head, so that a body behind it costs
+    /// little copying.
+    static let piece = 2048
+
+    /// Just past the next LF in `buffer` at or after `from`, if there is one.
+    private func nextLineEnd(from: Int) -> Int? {
+        guard from < buffer.count else { return nil }
+        return buffer.withUnsafeBytes { bytes in
+            guard let found = memchr(bytes.baseAddress! + from, Int32(ASCII.lf), bytes.count - from) else {
+                return nil
+            }
+            return bytes.baseAddress!.distance(to: UnsafeRawPointer(found)) + 1
+        }
     }
 
     /// Convenience for tests and the fuzzer.
@@ -171,29 +191,30 @@ public struct HTTPHeadParser: Sendable {
         return .failed(error)
     }
 
-    private func checkLimits(lineComplete: Bool) -> HTTPParseError? {
+    /// The limits, for the head up to `end` of the buffer: just past a line's LF, or (`lineComplete` false) the
+    /// end of what has arrived.
+    private func checkLimits(end: Int, lineComplete: Bool) -> HTTPParseError? {
         if startLine == nil {
             // The line terminator (CRLF, a bare LF in a response, or a CR whose LF has not arrived yet) does
             // not count toward the start line's length, so the outcome does not depend on where reads split.
-            let possibleCR = buffer.count - (lineComplete ? 2 : 1)
+            let possibleCR = end - (lineComplete ? 2 : 1)
             var terminator = lineComplete ? 1 : 0
             if possibleCR >= lineStart && buffer[possibleCR] == ASCII.cr { terminator += 1 }
-            let length = buffer.count - lineStart - terminator
+            let length = end - lineStart - terminator
             if length > limits.maxStartLine {
                 return kind == .request
                     ? HTTPParseError(.startLineTooLong, "request line longer than \(limits.maxStartLine) bytes")
                     : HTTPParseError(.headTooLarge, "status line longer than \(limits.maxStartLine) bytes")
             }
         }
-        if buffer.count > limits.maxHeadBytes {
+        if end > limits.maxHeadBytes {
             return HTTPParseError(.headTooLarge, "header section larger than \(limits.maxHeadBytes) bytes")
         }
         return nil
     }
 
-    /// Handles the line that ends at the end of `buffer` (which ends in LF). Returns true at the empty line.
-    private mutating func endLine() -> Result<Bool, HTTPParseError> {
-        let lineEnd = buffer.count  // just past LF
+    /// Handles the line that ends at `lineEnd` (just past its LF). Returns true at the empty line.
+    private mutating func endLine(end lineEnd: Int) -> Result<Bool, HTTPParseError> {
         var contentEnd = lineEnd - 1
         if contentEnd > lineStart && buffer[contentEnd - 1] == ASCII.cr {
             contentEnd -= 1
@@ -209,7 +230,7 @@ public struct HTTPHeadParser: Sendable {
                 return .failure(HTTPParseError(.malformed, "empty line where a start line was expected"))
             }
             // The line is dropped, so the next one starts at 0 (not at `lineEnd`: no `defer` on this path).
-            buffer.removeAll(keepingCapacity: true)
+            buffer.removeSubrange(..<lineEnd)
             lineStart = 0
             return .success(false)
         }
@@ -381,6 +402,13 @@ public struct HTTPHeadParser: Sendable {
             valueEnd -= 1
         }
         var position = valueStart
+        // Eight bytes at a time while none is a control byte or DEL (a value's usual bytes); from the first
+        // word that has one (an HTAB, which is allowed, or a byte that is not), byte by byte.
+        while valueEnd - position >= 8,
+            !ASCII.hasControlOrDEL(UnsafeRawPointer(bytes.baseAddress! + position).loadUnaligned(as: UInt64.self))
+        {
+            position += 8
+        }
         while position < valueEnd {
             guard ASCII.isFieldValue(bytes[position]) else { return .controlInValue(nameEnd: nameEnd) }
             position += 1
