@@ -59,15 +59,16 @@ final class TokenBroker {
         return snapshot.tokens
     }
 
-    /// The token files' versions as stat(2) saw them in this pass of the loop.
-    fileprivate var versionsSeen: (pass: Int64, versions: [String: TokenStore.FileVersion?]) = (-1, [:])
+    /// The token file's version as stat(2) last saw it, and in which pass of the loop. One file, the last one
+    /// asked about: a pass's requests go to one provider's origins as a rule, and a string compared costs less
+    /// than the dictionary (hashing, and an allocation every pass) that kept one version per file.
+    fileprivate var versionSeen: (pass: Int64, file: String, version: TokenStore.FileVersion?)?
 
     private func fileVersion(_ file: String) -> TokenStore.FileVersion? {
         let pass = loop.passStamp()
-        if versionsSeen.pass == pass, let seen = versionsSeen.versions[file] { return seen }
-        if versionsSeen.pass != pass { versionsSeen = (pass, [:]) }
+        if let seen = versionSeen, seen.pass == pass, seen.file == file { return seen.version }
         let version = TokenStore.version(atPath: file)
-        versionsSeen.versions[file] = version
+        versionSeen = (pass, file, version)
         return version
     }
 
@@ -124,7 +125,7 @@ final class TokenBroker {
                         tokens, EventLoop.monotonicMilliseconds(), manager.store.version(provider)
                     )
                     // The file was just looked at again: what this pass saw before is older.
-                    broker.value.versionsSeen = (-1, [:])
+                    broker.value.versionSeen = nil
                 }
                 callback.value(result)
             }

@@ -53,6 +53,9 @@ extension MessageSemantics {
         "connection", "proxy-connection", "keep-alive", "te", "upgrade", "proxy-authorization",
     ]
 
+    /// The lengths of the always-hop-by-hop names, as bits.
+    static let hopByHopLengths: UInt64 = alwaysHopByHop.reduce(0) { $0 | 1 << UInt64($1.utf8CodeUnitCount) }
+
     /// The always-hop-by-hop field names as bytes: the one table trailers and HTTP/2 header blocks are
     /// checked against too.
     public static let hopByHopNames: Set<[UInt8]> = Set(
@@ -133,7 +136,7 @@ public enum MessageSemantics {
         }
 
         let options = head.listElements(named: "connection")
-        let wantsUpgrade = options.contains("upgrade") && !head.indices(named: "upgrade").isEmpty
+        let wantsUpgrade = options.contains("upgrade") && head.firstIndex(named: "upgrade").count > 0
         var proxyAuthorization: Int? = nil
         for index in head.fields.indices {
             if head.field(index, isNamed: "proxy-authorization") {
@@ -160,7 +163,7 @@ public enum MessageSemantics {
     /// Request framing (RFC 9112 §6.3): Transfer-Encoding with chunked last, or one Content-Length, or none.
     static func requestFraming(_ head: HTTPHead) -> Result<BodyFraming, HTTPParseError> {
         let codings = head.listElements(named: "transfer-encoding")
-        let hasTransferEncoding = !head.indices(named: "transfer-encoding").isEmpty
+        let hasTransferEncoding = head.firstIndex(named: "transfer-encoding").count > 0
         let lengths = head.indices(named: "content-length")
         if hasTransferEncoding {
             if !lengths.isEmpty {
@@ -211,9 +214,13 @@ public enum MessageSemantics {
     }
 
     static func isHopByHop(_ head: HTTPHead, _ index: Int, options: [String], keepUpgrade: Bool) -> Bool {
-        for name in alwaysHopByHop where head.field(index, isNamed: name) {
-            if keepUpgrade && head.field(index, isNamed: "upgrade") { return false }
-            return true
+        // Most names have a length no name of the table has: one bit test instead of six comparisons.
+        let length = head.fields[index].name.count
+        if length < 64 && hopByHopLengths & (1 << UInt64(length)) != 0 {
+            for name in alwaysHopByHop where head.field(index, isNamed: name) {
+                if keepUpgrade && head.field(index, isNamed: "upgrade") { return false }
+                return true
+            }
         }
         if options.isEmpty { return false }
         let name = head.nameBytes(at: index)
@@ -243,7 +250,8 @@ public enum MessageSemantics {
             dropped = dropped.filter { !head.field($0, isNamed: "connection") }
         }
         let interim = head.status < 200 && !switches
-        if !head.indices(named: "transfer-encoding").isEmpty {
+        let transferEncoded = head.firstIndex(named: "transfer-encoding").count > 0
+        if transferEncoded {
             // RFC 9112 §6.3 item 3: Transfer-Encoding overrides Content-Length, which must not be forwarded, also
             // in a response without a body (to HEAD, 1xx, 204, 304).
             for index in head.indices(named: "content-length") { dropped.insert(index) }
@@ -251,7 +259,7 @@ public enum MessageSemantics {
         let framing: BodyFraming
         if head.status < 200 || head.status == 204 || head.status == 304 || requestMethod == "HEAD" {
             framing = .none
-        } else if !head.indices(named: "transfer-encoding").isEmpty {
+        } else if transferEncoded {
             framing = head.listElements(named: "transfer-encoding").last == "chunked" ? .chunked : .untilClose
         } else {
             switch contentLength(head, head.indices(named: "content-length")) {
