@@ -490,8 +490,13 @@ public struct ConnectionMachine: Sendable {
     }
 
     private mutating func readHead(_ client: some ByteView, _ out: inout [Action]) {
-        guard case .readingHead(var reading) = state, client.count > clientOffset else { return }
-        state = .closed  // moved out while the parser changes (no copy on write); every branch puts it back
+        guard case .readingHead = state, client.count > clientOffset else { return }
+        // Moved out while the parser changes (no copy on write), as `changeIntercepting` does: swapped out and
+        // taken apart, where binding the payload of `state` copied it (a retain of each reference in the
+        // parser). Every branch puts it back.
+        var moved = State.closed
+        swap(&moved, &state)
+        guard case .readingHead(var reading) = consume moved else { preconditionFailure("checked above") }
         let (outcome, taken) = client.parseHead(&reading.parser, from: clientOffset)
         if taken > 0 {
             out.append(.consumeClient(taken))
