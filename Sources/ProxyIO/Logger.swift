@@ -91,12 +91,12 @@ public final class Logger: @unchecked Sendable {
         var bytes: [UInt8] = []
         bytes.reserveCapacity(line.text.utf8.count + peer.utf8.count + 72)
         appendPrefix(level, to: &bytes)
-        bytes.append(contentsOf: "conn=".utf8)
-        bytes.append(contentsOf: String(id).utf8)  // a small string: no allocation
-        bytes.append(contentsOf: " client=".utf8)
-        bytes.append(contentsOf: peer.utf8)
+        bytes.append(utf8: "conn=")
+        bytes.append(utf8: String(id))  // a small string: no allocation
+        bytes.append(utf8: " client=")
+        bytes.append(utf8: peer)
         bytes.append(UInt8(ascii: " "))
-        bytes.append(contentsOf: line.text.utf8)
+        bytes.append(utf8: line.text)
         bytes.append(UInt8(ascii: "\n"))
         guard let flushTask, level != .warn, holdingLoop?.inLoopThread == true else {
             writeLine(bytes)
@@ -115,7 +115,7 @@ public final class Logger: @unchecked Sendable {
     private func appendPrefix(_ level: LogLevel, to bytes: inout [UInt8]) {
         appendTimestamp(to: &bytes)
         bytes.append(UInt8(ascii: " "))
-        bytes.append(contentsOf: level.description.utf8)
+        bytes.append(utf8: level.description)
         bytes.append(UInt8(ascii: " "))
     }
 
@@ -131,7 +131,7 @@ public final class Logger: @unchecked Sendable {
         } else {
             bytes.reserveCapacity(message.utf8.count + 40)
             appendPrefix(level, to: &bytes)
-            bytes.append(contentsOf: message.utf8)
+            bytes.append(utf8: message)
         }
         bytes.append(UInt8(ascii: "\n"))
         writeLine(bytes)
@@ -210,7 +210,7 @@ public final class Logger: @unchecked Sendable {
             cached = (now.tv_sec, text)
             return text
         }
-        bytes.append(contentsOf: prefix.utf8)
+        bytes.append(utf8: prefix)
         bytes.append(UInt8(ascii: "0") + UInt8(millis / 100))
         bytes.append(UInt8(ascii: "0") + UInt8(millis / 10 % 10))
         bytes.append(UInt8(ascii: "0") + UInt8(millis % 10))

@@ -159,6 +159,35 @@ public final class HTTPHead: Sendable {
         return elements
     }
 
+    /// Appends the field lines for which `drop` answers false, byte for byte, each ending in CRLF (a line that
+    /// ended in a bare LF gets its CR). Consecutive lines that already end in CRLF are copied at once: a
+    /// response's fields are mostly kept, so a head is a few copies, not a dozen appends per line (callgrind,
+    /// bench row 6).
+    public func appendFieldLines(to out: inout [UInt8], drop: (Int) -> Bool) {
+        bytes.withUnsafeBufferPointer { bytes in
+            var run = 0..<0
+            for index in fields.indices {
+                let line = fields[index].line
+                if drop(index) { continue }
+                if line.count >= 2 && bytes[line.upperBound - 2] == ASCII.cr {
+                    if run.upperBound == line.lowerBound && !run.isEmpty {
+                        run = run.lowerBound..<line.upperBound
+                    } else {
+                        out.append(contentsOf: UnsafeBufferPointer(rebasing: bytes[run]))
+                        run = line
+                    }
+                    continue
+                }
+                out.append(contentsOf: UnsafeBufferPointer(rebasing: bytes[run]))
+                run = 0..<0
+                out.append(contentsOf: UnsafeBufferPointer(rebasing: bytes[line.lowerBound..<line.upperBound - 1]))
+                out.append(ASCII.cr)
+                out.append(ASCII.lf)
+            }
+            out.append(contentsOf: UnsafeBufferPointer(rebasing: bytes[run]))
+        }
+    }
+
     /// Serialises the head for forwarding: `startLine` replaces the start line (when given), the field lines
     /// for which `drop` answers true are left out, `extra` lines are appended, everything else is copied
     /// byte for byte, except line ends: every line ends in CRLF (a response may use bare LF, RFC 9112 §2.2,
@@ -185,15 +214,7 @@ public final class HTTPHead: Sendable {
         }
         out.append(ASCII.cr)
         out.append(ASCII.lf)
-        for index in fields.indices where !drop(index) {
-            var end = fields[index].line.upperBound
-            while end > fields[index].line.lowerBound && (bytes[end - 1] == ASCII.lf || bytes[end - 1] == ASCII.cr) {
-                end -= 1
-            }
-            out.append(contentsOf: bytes[fields[index].line.lowerBound..<end])
-            out.append(ASCII.cr)
-            out.append(ASCII.lf)
-        }
+        appendFieldLines(to: &out, drop: drop)
         for (name, value) in extra {
             out.append(contentsOf: name.utf8)
             out.append(ASCII.colon)

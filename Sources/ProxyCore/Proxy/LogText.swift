@@ -35,7 +35,7 @@ public struct LogLineBuilder {
     public var text: String { String(decoding: bytes, as: UTF8.self) }
 
     public mutating func append(string text: String) {
-        bytes.append(contentsOf: text.utf8)
+        bytes.append(utf8: text)
     }
 
     /// A literal's bytes (a copy of a buffer: cheaper than a String's UTF-8 view).
