@@ -40,6 +40,23 @@ final class ConnectionContext {
     /// An action array the own client's transfers reuse (`OriginTransfer.takeActions`): one per loop, not one
     /// allocation per event of every transfer.
     var originActions: [OriginExchange.Action] = []
+    /// Timers of the own client's finished transfers, for the next ones: a transfer's timer was an object and a
+    /// libevent event made and freed per request.
+    private var spareTimers: [LoopTimer] = []
+
+    /// A timer running `action`: a spare one when there is one.
+    func takeTimer(_ action: @escaping () -> Void) -> LoopTimer {
+        guard let spare = spareTimers.popLast() else { return LoopTimer(loop: loop, action: action) }
+        spare.action = action
+        return spare
+    }
+
+    /// Takes back a timer no longer used: cancelled, its action (and what that holds) dropped.
+    func giveBack(_ timer: LoopTimer) {
+        timer.cancel()
+        timer.action = {}
+        if spareTimers.count < 64 { spareTimers.append(timer) }
+    }
 
     init(
         loop: EventLoop, logger: Logger, frontDoor: FrontDoor, resolver: Resolver, curl: @escaping () -> CurlMulti,

@@ -126,7 +126,8 @@ public struct LoopBound<Value>: @unchecked Sendable {
 /// A one-shot or repeating timer on a loop. Cancelled when freed.
 public final class LoopTimer {
     private var event: OpaquePointer?
-    private let action: () -> Void
+    /// What firing runs; replaced when a spare timer is reused (`ConnectionContext.takeTimer`).
+    var action: () -> Void
     /// Kept so that the event base outlives the event: freeing the event after its base was a use after
     /// free (seen as `proxyctl token` hanging at exit, in `event_free`, when a transport outlived its loop).
     private let loop: EventLoop

@@ -524,6 +524,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
     deinit {
         dialing?.close()
         connection?.close()
+        if let timer { context.giveBack(timer) }
     }
 
     /// The origin-form target of `url` when it is `origin`'s URL followed by one (as `ProtectedExchange` makes
@@ -845,7 +846,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
 
     private func armTimer(_ milliseconds: Int) {
         if timer == nil {
-            timer = LoopTimer(loop: context.loop) { [unowned self] in
+            timer = context.takeTimer { [unowned self] in
                 withExtendedLifetime(self) {
                     let idle = paused ? 0 : Int(EventLoop.monotonicMilliseconds() - lastActivity)
                     handle(.timerFired(idle: idle))
