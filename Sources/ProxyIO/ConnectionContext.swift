@@ -37,7 +37,7 @@ final class ConnectionContext {
     unowned let owner: any ConnectionOwner
     /// Output buffered toward a slow receiver before its sender is paused.
     let highWater = 256 * 1024
-    /// An action array the own client's transfers reuse (`OriginTransfer.takeActions`): one per loop, not one
+    /// An action array the own client's transfers reuse (`Array.takeScratch`): one per loop, not one
     /// allocation per event of every transfer.
     var originActions: [OriginExchange.Action] = []
     /// Timers of the own client's finished transfers, for the next ones: a transfer's timer was an object and a
@@ -52,7 +52,7 @@ final class ConnectionContext {
     }
 
     /// Takes back a timer no longer used: cancelled, its action (and what that holds) dropped.
-    func giveBack(_ timer: LoopTimer) {
+    func spareTimer(_ timer: LoopTimer) {
         timer.cancel()
         timer.action = {}
         if spareTimers.count < 64 { spareTimers.append(timer) }

@@ -524,7 +524,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
     deinit {
         dialing?.close()
         connection?.close()
-        if let timer { context.giveBack(timer) }
+        if let timer { context.spareTimer(timer) }
     }
 
     /// The origin-form target of `url` when it is `origin`'s URL followed by one (as `ProtectedExchange` makes
@@ -551,10 +551,10 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
 
     func start() {
         lastActivity = EventLoop.monotonicMilliseconds()
-        var out = takeActions()
+        var out = Array.takeScratch(from: &context.originActions, minimumCapacity: 8)
         machine.start(&out)
         run(out)
-        giveBack(&out)
+        out.returnScratch(to: &context.originActions)
     }
 
     func resume() {
@@ -641,23 +641,10 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
     }
 
     private func handle(_ event: OriginExchange.Event) {
-        var out = takeActions()
+        var out = Array.takeScratch(from: &context.originActions, minimumCapacity: 8)
         machine.handle(event, &out)
         run(out)
-        giveBack(&out)
-    }
-
-    /// The loop's action array, taken out while in use (a transfer run from inside `run` gets one of its own).
-    private func takeActions() -> [OriginExchange.Action] {
-        var out: [OriginExchange.Action] = []
-        swap(&out, &context.originActions)
-        if out.capacity == 0 { out.reserveCapacity(8) }
-        return out
-    }
-
-    private func giveBack(_ out: inout [OriginExchange.Action]) {
-        out.removeAll(keepingCapacity: true)
-        swap(&out, &context.originActions)
+        out.returnScratch(to: &context.originActions)
     }
 
     /// `event` (or, for nil, the stashed response and what the connection holds) at the top of the loop.
@@ -825,8 +812,8 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
                 break
             }
             let bytes = UnsafeRawBufferPointer(start: start, count: length)
-            var out = takeActions()
-            defer { giveBack(&out) }
+            var out = Array.takeScratch(from: &context.originActions, minimumCapacity: 8)
+            defer { out.returnScratch(to: &context.originActions) }
             _ = machine.received(bytes, &out)
             // The bytes are handed over first (the ranges point into them), then drained, then the connection is
             // released: back to the pool with nothing of this response left in it.

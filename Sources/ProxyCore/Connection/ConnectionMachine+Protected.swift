@@ -94,14 +94,10 @@ extension ConnectionMachine {
     mutating func exchangeEvent(
         _ out: inout [Action], _ body: (inout ProtectedExchange, inout [ProtectedExchange.Output]) -> Void
     ) {
-        // The scratch array is taken out while in use: an event applied from inside `apply` gets one of its own.
-        var outputs: [ProtectedExchange.Output] = []
-        swap(&outputs, &exchangeOutputs)
-        if outputs.capacity == 0 { outputs.reserveCapacity(4) }
+        var outputs = Array.takeScratch(from: &exchangeOutputs, minimumCapacity: 4)
         changeIntercepting { body(&$0.exchange, &outputs) }
         apply(outputs, &out)
-        outputs.removeAll(keepingCapacity: true)
-        exchangeOutputs = outputs
+        outputs.returnScratch(to: &exchangeOutputs)
     }
 
     /// Changes the data of the `.intercepting` state in place. The payload is moved out of `state` first

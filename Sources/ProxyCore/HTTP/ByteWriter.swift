@@ -60,6 +60,24 @@ struct ByteWriter {
     static func fieldSize(_ name: String, _ value: [UInt8]) -> Int { name.utf8.count + value.count + 4 }
 }
 
+extension Array {
+    /// A scratch array kept in `store` between events, taken out for one event (emptied, its storage kept;
+    /// `minimumCapacity` reserved the first time): an event handled inside that one finds `store` empty and
+    /// makes its own, so nothing is shared. `returnScratch` puts it back.
+    public static func takeScratch(from store: inout [Element], minimumCapacity: Int) -> [Element] {
+        var scratch: [Element] = []
+        swap(&scratch, &store)
+        if scratch.capacity == 0 { scratch.reserveCapacity(minimumCapacity) }
+        return scratch
+    }
+
+    /// Empties this scratch array (keeping its storage) and puts it back in `store` for the next event.
+    public mutating func returnScratch(to store: inout [Element]) {
+        removeAll(keepingCapacity: true)
+        swap(&self, &store)
+    }
+}
+
 extension Array where Element == UInt8 {
     /// `string`'s UTF-8 bytes, copied from its storage at once: `append(contentsOf: string.utf8)` goes through
     /// the generic sequence path, about 170 instructions for a short string (callgrind, bench row 6).

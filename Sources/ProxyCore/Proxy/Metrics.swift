@@ -127,8 +127,8 @@ public struct MetricsRegistry: Sendable, Equatable {
     /// [kind: request durations], of the kinds that have any.
     public var durations: [String: Histogram] {
         var durations: [String: Histogram] = [:]
-        for kind in RequestOutcome.Kind.allCases {
-            if let histogram = histograms[kind.index] { durations[kind.rawValue] = histogram }
+        for kind in RequestOutcome.Kind.allCases where histograms[kind.index].count > 0 {
+            durations[kind.rawValue] = histograms[kind.index]
         }
         return durations
     }
@@ -142,7 +142,7 @@ public struct MetricsRegistry: Sendable, Equatable {
         repeating: [Int](repeating: 0, count: RequestOutcome.statusClasses.count),
         count: RequestOutcome.Kind.allCases.count)
     private var byteCounts = [(up: Int, down: Int)](repeating: (0, 0), count: RequestOutcome.Kind.allCases.count)
-    private var histograms = [Histogram?](repeating: nil, count: RequestOutcome.Kind.allCases.count)
+    private var histograms = [Histogram](repeating: Histogram(), count: RequestOutcome.Kind.allCases.count)
 
     public init() {}
 
@@ -162,8 +162,7 @@ public struct MetricsRegistry: Sendable, Equatable {
         addBytes(outcome.kind, up: outcome.up, down: outcome.down)
         if outcome.isUpstreamError, let error = outcome.proxyError { upstreamErrors[error, default: 0] += 1 }
         if let milliseconds = outcome.milliseconds, outcome.kind == .passthrough || outcome.kind == .intercepted {
-            if histograms[kind] == nil { histograms[kind] = Histogram() }
-            histograms[kind]!.observe(seconds: Double(milliseconds) / 1000)
+            histograms[kind].observe(seconds: Double(milliseconds) / 1000)
         }
     }
 
