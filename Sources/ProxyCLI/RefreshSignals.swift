@@ -11,28 +11,56 @@ import Synchronization
 /// the command would leave the provider to rotate the token with nobody to keep the new one. A second
 /// signal stops at once. Without a refresh in flight a signal stops the command at once, as before. Either
 /// way the process ends by the signal itself, so callers see the usual "killed by SIGINT" status.
+///
+/// The signals reach the queue through a pipe: the handler, installed before `init` returns, writes the signal's
+/// number to it. A dispatch signal source is registered later, on libdispatch's manager thread, and a signal
+/// that came before that was lost to SIG_IGN: Ctrl-C right after the start did nothing (the integration suite
+/// saw it on a loaded machine).
 final class RefreshSignals: Sendable {
     private let gate: RefreshGate
     private let grace: Int
     private let context: CommandContext
     private let received = Atomic<Int32>(0)
     private let queue: DispatchQueue
-    /// Kept so the sources stay installed; never changed after `init` (dispatch sources are thread-safe).
-    nonisolated(unsafe) private let sources: [any DispatchSourceSignal]
+    /// Kept so the source stays installed; never changed after `init` (dispatch sources are thread-safe).
+    nonisolated(unsafe) private let source: (any DispatchSourceRead)?
 
     init(gate: RefreshGate, grace: Int, context: CommandContext) {
         self.gate = gate
         self.grace = grace
         self.context = context
-        let numbers = [SIGINT, SIGTERM]
         let queue = DispatchQueue(label: "proxyctl-signals")
         self.queue = queue
-        sources = numbers.map { DispatchSource.makeSignalSource(signal: $0, queue: queue) }
-        for (number, source) in zip(numbers, sources) {
-            // A dispatch source sees the signal only when its default action is off.
-            signal(number, SIG_IGN)
-            source.setEventHandler { [self] in signalled(number) }
-            source.resume()
+        var ends: [Int32] = [-1, -1]
+        guard pipe(&ends) == 0 else {
+            // No pipe (out of descriptors): the signals keep their default action and stop the command at once.
+            source = nil
+            return
+        }
+        for end in ends {
+            _ = fcntl(end, F_SETFD, FD_CLOEXEC)
+            _ = fcntl(end, F_SETFL, O_NONBLOCK)  // a burst of signals never blocks the handler; reads end at empty
+        }
+        let readEnd = ends[0]
+        let source = DispatchSource.makeReadSource(fileDescriptor: readEnd, queue: queue)
+        self.source = source
+        refreshSignalPipe = ends[1]
+        source.setEventHandler { [self] in
+            var numbers = [UInt8](repeating: 0, count: 16)
+            while true {
+                let count = read(readEnd, &numbers, numbers.count)
+                guard count > 0 else { return }
+                for number in numbers[..<count] { signalled(Int32(number)) }
+            }
+        }
+        source.resume()
+        for number in [SIGINT, SIGTERM] {
+            signal(number) { number in
+                let saved = errno
+                var byte = UInt8(truncatingIfNeeded: number)
+                _ = write(refreshSignalPipe, &byte, 1)
+                errno = saved
+            }
         }
     }
 
@@ -74,3 +102,7 @@ final class RefreshSignals: Sendable {
         _exit(128 + number)
     }
 }
+
+/// The pipe's write end for `RefreshSignals`' handler: set before the handler is installed, read only by it
+/// (a load and a write(2) are safe in a signal handler).
+nonisolated(unsafe) private var refreshSignalPipe: Int32 = -1
