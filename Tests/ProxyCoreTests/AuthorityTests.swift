@@ -184,6 +184,37 @@ import Testing
         #expect(throws: HTTPParseError.self) { try HostPort.parse(text[...], defaultPort: nil).get() }
     }
 
+    /// `isSpelled(by:)` lets a Host field skip the parse; it may say yes only where the parse gives the same
+    /// authority, and says yes to the usual spellings.
+    @Test func aHostFieldSpelledAsTheAuthorityNeedsNoParse() throws {
+        let authorities = [
+            HostPort(host: "api.test", port: 443, kind: .name), HostPort(host: "api.test", port: 8443, kind: .name),
+            HostPort(host: "127.0.0.1", port: 443, kind: .ipv4), HostPort(host: "::1", port: 443, kind: .ipv6),
+        ]
+        let spellings = [
+            "api.test", "api.test:443", "api.test:8443", "api.test:08443", "api.test:", "api.test.", "API.test",
+            "api.test:443x", "api.test:0", "api.test:65536", "api.testx", "api.tes", "127.0.0.1", "127.0.0.1:443",
+            "127.0.0.1.:443", "127.0.0.1:4430", "[::1]:443", "::1", "", ":443", "api.test:+443", "api.test::443",
+        ]
+        for authority in authorities {
+            for spelling in spellings {
+                let bytes = Array(spelling.utf8)[...]
+                guard authority.isSpelled(by: bytes, defaultPort: 443) else { continue }
+                #expect(
+                    try HostPort.parse(spelling[...], defaultPort: 443).get() == authority,
+                    "\(spelling) is not \(authority)")
+            }
+        }
+        let spelled = { (authority: HostPort, text: String) in
+            authority.isSpelled(by: Array(text.utf8)[...], defaultPort: 443)
+        }
+        #expect(spelled(authorities[0], "api.test") && spelled(authorities[0], "api.test:443"))
+        #expect(spelled(authorities[1], "api.test:8443") && !spelled(authorities[1], "api.test"))
+        #expect(spelled(authorities[2], "127.0.0.1:443"))
+        #expect(!spelled(authorities[0], "API.test") && !spelled(authorities[0], "api.test."))
+        #expect(!spelled(authorities[3], "[::1]:443"))
+    }
+
     @Test func description() {
         #expect(HostPort(host: "example.com", port: 443, kind: .name).description == "example.com:443")
         #expect(HostPort(host: "::1", port: 443, kind: .ipv6).description == "[::1]:443")

@@ -428,7 +428,7 @@ extension ConnectionMachine {
             line.append(string: note)
             line.append("\"")
         }
-        out.append(.log(LogLine(.info, line.text)))
+        out.append(.log(LogLine(.info, line)))
         out.append(
             .requestFinished(
                 RequestOutcome(

@@ -28,16 +28,25 @@ public enum ConnectFailure: Sendable, Equatable {
     case other(reason: String)
 }
 
-/// A line for the log, without the `conn= client=` prefix the I/O layer adds.
+/// A line for the log, without the `conn= client=` prefix the I/O layer adds. Kept as its UTF-8 bytes: the
+/// access log's lines are built as bytes (`LogLineBuilder`) and written as bytes, with no String between.
 public struct LogLine: Sendable, Equatable {
     public enum Level: Sendable, Equatable { case debug, info, warn }
     public let level: Level
-    public let text: String
+    public let bytes: [UInt8]
 
     public init(_ level: Level, _ text: String) {
         self.level = level
-        self.text = text
+        self.bytes = Array(text.utf8)
     }
+
+    /// A line built by `LogLineBuilder` (valid UTF-8).
+    public init(_ level: Level, _ line: LogLineBuilder) {
+        self.level = level
+        self.bytes = line.bytes
+    }
+
+    public var text: String { String(decoding: bytes, as: UTF8.self) }
 }
 
 /// How a tunnel is named in its log line: "CONNECT host:port", or the upgraded request's method and URL. The

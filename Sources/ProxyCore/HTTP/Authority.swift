@@ -110,6 +110,20 @@ public struct HostPort: Sendable, Hashable, CustomStringConvertible {
         }
     }
 
+    /// Whether `bytes` spells this authority as clients write it: the host as kept here (lower case, no
+    /// trailing dot), then `:port`, or nothing when the port is `defaultPort`. Such bytes parse to this
+    /// authority, so a Host field that matches needs no parse; false only means "parse and compare".
+    func isSpelled(by bytes: ArraySlice<UInt8>, defaultPort: Int) -> Bool {
+        guard kind != .ipv6 else { return false }
+        var host = host
+        return host.withUTF8 { name in
+            guard bytes.count >= name.count, bytes.starts(with: name) else { return false }
+            let rest = bytes.dropFirst(name.count)
+            guard let colon = rest.first else { return port == defaultPort }
+            return colon == ASCII.colon && HostPort.parsePort(rest.dropFirst()) == port
+        }
+    }
+
     static func parsePort(_ digits: some Collection<UInt8>) -> Int? {
         guard !digits.isEmpty, digits.count <= 5 else { return nil }
         var value = 0

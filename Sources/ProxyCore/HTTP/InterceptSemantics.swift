@@ -97,8 +97,9 @@ extension MessageSemantics {
                     ? .badRequest(HTTPParseError(.malformed, "request without a Host header field"))
                     : .badRequest(HTTPParseError(.badFraming, "more than one Host header field")))
         }
-        if let host {
-            switch HostPort.parse(head.value(at: host)[...], defaultPort: defaultPort) {
+        if let host, case let value = head.valueBytes(at: host), !origin.isSpelled(by: value, defaultPort: defaultPort)
+        {
+            switch HostPort.parse(bytes: value, defaultPort: defaultPort) {
             case .failure:
                 return .failure(.misdirected("the Host field is not a valid authority"))
             case .success(let authority):

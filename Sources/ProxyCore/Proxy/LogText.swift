@@ -83,23 +83,24 @@ public struct LogLineBuilder {
     }
 
     /// A raw request target as `LogText.target` shows it: cut at the query (`?...`), at most 200 characters
-    /// (then `...`), each one not printable ASCII as `?`.
+    /// (then `...`), each one not printable ASCII as `?`. Read as UTF-8: a scalar beyond ASCII is one `?` for its
+    /// lead byte, its continuation bytes skipped.
     public mutating func append(target: String) {
-        var count = 0
+        var target = target
         var clipped = false
-        var query = false
-        for scalar in target.unicodeScalars {
-            if scalar == "?" {
-                query = true
-                break
+        let query = target.withUTF8 { utf8 -> Bool in
+            var count = 0
+            for byte in utf8 {
+                if byte == UInt8(ascii: "?") { return true }
+                if clipped || byte & 0xC0 == 0x80 { continue }
+                if count == 200 {
+                    clipped = true
+                    continue
+                }
+                bytes.append(byte >= 0x20 && byte < 0x7F ? byte : UInt8(ascii: "?"))
+                count += 1
             }
-            if clipped { continue }
-            if count == 200 {
-                clipped = true
-                continue
-            }
-            bytes.append(scalar.value >= 0x20 && scalar.value < 0x7F ? UInt8(scalar.value) : UInt8(ascii: "?"))
-            count += 1
+            return false
         }
         if clipped { append("...") }
         if query { append("?...") }
