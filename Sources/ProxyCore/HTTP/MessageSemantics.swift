@@ -164,9 +164,8 @@ public enum MessageSemantics {
     static func requestFraming(_ head: HTTPHead) -> Result<BodyFraming, HTTPParseError> {
         let codings = head.listElements(named: "transfer-encoding")
         let hasTransferEncoding = head.firstIndex(named: "transfer-encoding").count > 0
-        let lengths = head.indices(named: "content-length")
         if hasTransferEncoding {
-            if !lengths.isEmpty {
+            if head.firstIndex(named: "content-length").count > 0 {
                 return .failure(HTTPParseError(.badFraming, "both Transfer-Encoding and Content-Length"))
             }
             if head.version == .http1_0 {
@@ -181,25 +180,35 @@ public enum MessageSemantics {
             }
             return .success(.chunked)
         }
-        switch contentLength(head, lengths) {
+        switch contentLength(head) {
         case .failure(let error): return .failure(error)
         case .success(let length): return .success(length.map { $0 == 0 ? .none : .contentLength($0) } ?? .none)
         }
     }
 
-    /// The Content-Length, when every value agrees (RFC 9110 §8.6, RFC 9112 §6.3 item 5).
-    static func contentLength(_ head: HTTPHead, _ indices: [Int]) -> Result<UInt64?, HTTPParseError> {
+    /// The Content-Length, when every value agrees (RFC 9110 §8.6, RFC 9112 §6.3 item 5); nil without one.
+    static func contentLength(_ head: HTTPHead) -> Result<UInt64?, HTTPParseError> {
         var length: UInt64? = nil
-        for index in indices {
+        for index in head.fields.indices where head.field(index, isNamed: "content-length") {
+            // Each comma-separated element in place (an empty one is an error too): no array of them.
             let value = head.valueBytes(at: index)
-            for element in value.split(separator: UInt8(ascii: ","), omittingEmptySubsequences: false) {
-                var trimmed = element[...]
-                while let first = trimmed.first, first == ASCII.space || first == ASCII.tab { trimmed.removeFirst() }
-                while let last = trimmed.last, last == ASCII.space || last == ASCII.tab { trimmed.removeLast() }
-                guard !trimmed.isEmpty, trimmed.count <= 19, trimmed.allSatisfy(ASCII.isDigit) else {
+            var start = value.startIndex
+            while true {
+                let end = value[start...].firstIndex(of: UInt8(ascii: ",")) ?? value.endIndex
+                var low = start
+                var high = end
+                while low < high && (value[low] == ASCII.space || value[low] == ASCII.tab) { low += 1 }
+                while high > low && (value[high - 1] == ASCII.space || value[high - 1] == ASCII.tab) { high -= 1 }
+                guard low < high, high - low <= 19 else {
                     return .failure(HTTPParseError(.badFraming, "invalid Content-Length"))
                 }
-                let parsed = trimmed.reduce(UInt64(0)) { $0 * 10 + UInt64($1 - 0x30) }
+                var parsed: UInt64 = 0
+                for byte in value[low..<high] {
+                    guard ASCII.isDigit(byte) else {
+                        return .failure(HTTPParseError(.badFraming, "invalid Content-Length"))
+                    }
+                    parsed = parsed * 10 + UInt64(byte - 0x30)
+                }
                 // Lengths beyond 2^63 - 1: a next hop with signed 64-bit lengths would read another one.
                 guard parsed <= UInt64(Int64.max) else {
                     return .failure(HTTPParseError(.badFraming, "Content-Length too large"))
@@ -208,6 +217,8 @@ public enum MessageSemantics {
                     return .failure(HTTPParseError(.badFraming, "conflicting Content-Length values"))
                 }
                 length = parsed
+                if end == value.endIndex { break }
+                start = end + 1
             }
         }
         return .success(length)
@@ -262,7 +273,7 @@ public enum MessageSemantics {
         } else if transferEncoded {
             framing = head.listElements(named: "transfer-encoding").last == "chunked" ? .chunked : .untilClose
         } else {
-            switch contentLength(head, head.indices(named: "content-length")) {
+            switch contentLength(head) {
             case .failure(let error): return .failure(error)
             case .success(let length): framing = length.map { .contentLength($0) } ?? .untilClose
             }
