@@ -982,7 +982,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
         if context.logger.enabled(.info) {
             context.logger.connection(
                 id, peer: peer,
-                LogLine(.info, record.logLineBytes(up: exchangeUp, down: exchangeDown, milliseconds: duration)))
+                LogLine(.info, record.logLineBuilder(up: exchangeUp, down: exchangeDown, milliseconds: duration)))
         }
         stopTransfer()
         body = nil

@@ -795,10 +795,10 @@ final class H2Driver: ServerConnection, TransferOwner {
         let duration = EventLoop.monotonicMilliseconds() - io.started
         context.owner.record(record, up: io.up, down: io.down, milliseconds: duration)
         if context.logger.enabled(.info) {
-            context.logger.connection(
-                id, peer: peer,
-                LogLine(.info, record.logLine(up: io.up, down: io.down, milliseconds: duration) + " h2=\(stream)")
-            )
+            var line = record.logLineBuilder(up: io.up, down: io.down, milliseconds: duration)
+            line.append(" h2=")
+            line.append(stream)
+            context.logger.connection(id, peer: peer, LogLine(.info, line))
         }
         if let transfer = io.transfer { stopTransfer(io, transfer) }
         io.tokens = nil

@@ -729,11 +729,11 @@ public final class ExchangeRecord: Sendable, Equatable {
 
     /// The access log line (after the `conn= client=` prefix): no token, no query.
     public func logLine(up: Int, down: Int, milliseconds: Int64) -> String {
-        logLineBytes(up: up, down: down, milliseconds: milliseconds).text
+        logLineBuilder(up: up, down: down, milliseconds: milliseconds).text
     }
 
-    /// `logLine` as the bytes the log writes.
-    public func logLineBytes(up: Int, down: Int, milliseconds: Int64) -> LogLineBuilder {
+    /// `logLine` as the builder holding its bytes, for the log to write (and a driver to extend).
+    public func logLineBuilder(up: Int, down: Int, milliseconds: Int64) -> LogLineBuilder {
         var line = LogLineBuilder()
         line.append(string: method)
         line.append(" ")
