@@ -86,6 +86,13 @@ final class InterceptTransfer: CurlTransfer, UpstreamTransfer {
             easy, CURLOPT_HTTP_VERSION,
             request.http2 && Self.http2Works ? CURL_HTTP_VERSION_2TLS : CURL_HTTP_VERSION_1_1)
         _ = proxyctl_easy_setopt_long(easy, CURLOPT_PIPEWAIT, 1)
+        if !request.mayResend {
+            // libcurl sends a request again by itself when a reused connection ends before a byte of the answer
+            // (Curl_retry_request: the body rewound, up to five times), whatever the method. A request that may
+            // not reach the origin twice (RetryPolicy) never goes on a reused connection: on a new one that
+            // ends unanswered it fails, and the client gets a 502.
+            _ = proxyctl_easy_setopt_long(easy, CURLOPT_FRESH_CONNECT, 1)
+        }
         _ = proxyctl_easy_setopt_long(easy, CURLOPT_BUFFERSIZE, 256 * 1024)
         _ = proxyctl_easy_setopt_long(easy, CURLOPT_CONNECTTIMEOUT_MS, request.connectTimeout)
         // The transfer ends when no byte moved for idle_timeout.

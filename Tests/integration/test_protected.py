@@ -35,6 +35,7 @@ from cryptography.hazmat.primitives import serialization
 
 from fixtures import config
 from fixtures.content import MiB, expected_sha256, fill, write_generated
+from fixtures.h2client import H2Client
 from fixtures.http import Reader, free_port, open_tunnel
 from fixtures.jose import unverified_claims
 from fixtures.pki import CertificateAuthority
@@ -1070,6 +1071,62 @@ def test_a_kept_connection_the_origin_closed_unanswered_is_replaced_once(main, r
     assert second.connection != first.connection, "the resend went on the connection that had closed"
     main.proxy.wait_log(r"the kept connection to the origin closed before answering; GET sent again on a new "
                         r"connection", since=mark)
+
+
+def intercepted_tls(main: Deployment, rs: ResourceServer, alpn: str = "http/1.1") -> tuple[ssl.SSLSocket, Reader]:
+    """A TLS connection through the proxy's tunnel to the resource server, trusting the local CA."""
+    sock, _, response = open_tunnel(main.proxy.port, rs.authority())
+    assert response.status == 200, response.head
+    context = ssl.create_default_context(cafile=str(main.ws.state / "ca" / "ca.pem"))
+    context.set_alpn_protocols([alpn])
+    tls = context.wrap_socket(sock, server_hostname=API)
+    return tls, Reader(tls)
+
+
+# A request that RFC 9110 §9.2.2 forbids sending twice: not idempotent, or with a body. Each is sent after a warm
+# request of the same shape, on one client connection, so that it goes on the origin connection that carried the
+# first, which the origin then closes after reading it, without a byte of answer.
+NOT_RESENT = [("POST", b"order"), ("PATCH", b"patch"), ("POST", b""), ("PUT", b"put-body")]
+
+
+@pytest.mark.parametrize("method, body", NOT_RESENT, ids=["post", "patch", "post-no-body", "put-with-body"])
+def test_a_request_that_may_not_be_resent_reaches_the_origin_once_http1(main, rs, method, body):
+    """The origin reads the request and closes the kept connection without answering (its keep-alive timer
+    fired as the request came): it may have acted on it, so the request is not sent again. The client gets a
+    502 whose Proxy-Status says the answer was incomplete; the origin saw the request exactly once."""
+    tag = uuid.uuid4().hex[:10]
+    seen_mark = rs.mark()
+    tls, reader = intercepted_tls(main, rs)
+    answers = []
+    with tls:
+        for path, payload in ((f"/warm/{tag}", b"warm!"), (f"/hangup/{tag}", body)):
+            length = f"Content-Length: {len(payload)}\r\n" if payload else ""
+            tls.sendall(f"{method} {path} HTTP/1.1\r\nHost: {rs.authority()}\r\n{length}\r\n".encode() + payload)
+            answers.append(reader.read_response(method))
+    warm, hangup = answers
+    assert warm.status == 200, warm.head
+    assert hangup.status == 502, hangup.head
+    assert (hangup.header("proxy-status") or "").startswith("proxyctl; error=http_response_incomplete"), hangup.head
+    seen = rs.since(seen_mark)
+    assert [s.path for s in seen] == [f"/warm/{tag}", f"/hangup/{tag}"], f"sent {len(seen) - 1} times: {seen}"
+    assert seen[1].error == "hung up" and seen[1].body_size == len(body)
+
+
+@pytest.mark.parametrize("method, body", NOT_RESENT[:2], ids=["post", "patch"])
+def test_a_request_that_may_not_be_resent_reaches_the_origin_once_http2(main, rs, method, body):
+    """The same over an HTTP/2 client connection: the stream gets a 502 with Proxy-Status, the origin saw the
+    request once."""
+    tag = uuid.uuid4().hex[:10]
+    seen_mark = rs.mark()
+    with H2Client(main.proxy.port, rs.authority(), str(main.ws.state / "ca" / "ca.pem"),
+                  server_hostname=API) as client:
+        warm = client.request(method, f"/warm/{tag}", body=b"warm!")
+        hangup = client.request(method, f"/hangup/{tag}", body=body)
+    assert warm.status == 200, warm
+    assert hangup.status == 502, hangup
+    assert (hangup.header("proxy-status") or "").startswith("proxyctl; error=http_response_incomplete"), hangup
+    seen = rs.since(seen_mark)
+    assert [s.path for s in seen] == [f"/warm/{tag}", f"/hangup/{tag}"], f"sent {len(seen) - 1} times: {seen}"
 
 
 @pytest.mark.parametrize("name, raw, error", [

@@ -150,9 +150,11 @@ def test_start_script_makes_the_ca_exports_the_bundle_and_serves(tmp_path):
 def test_device_login_puts_the_code_on_stdout_and_to_the_hook(tmp_path):
     hook_out = tmp_path / "hook.json"
     hook = tmp_path / "hook.py"
+    # Written whole, then renamed: the test reads the file as soon as it exists.
     hook.write_text("import json, os, sys\n"
                     f"json.dump({{k: v for k, v in os.environ.items() if k.startswith('PROXYCTL_')}} | "
-                    f"{{'argv': sys.argv[1:]}}, open({str(hook_out)!r}, 'w'))\n")
+                    f"{{'argv': sys.argv[1:]}}, open({str(hook_out) + '.part'!r}, 'w'))\n"
+                    f"os.replace({str(hook_out) + '.part'!r}, {str(hook_out)!r})\n")
     with FakeIdP(access_token_format="jwt", expires_in=3600) as fake:
         text = (config.proxy(state_dir=tmp_path / "volume", notify_command=f"{sys.executable} {hook}")
                 + config.provider("fake", fake.issuer))

@@ -190,6 +190,12 @@ public struct OriginExchange: Sendable {
 }
 
 extension UpstreamRequest {
+    /// Whether the request may be sent again when a reused connection ends before a byte of the answer came
+    /// (RFC 9110 §9.2.2, `RetryPolicy`): idempotent and without a body.
+    public var mayResend: Bool {
+        RetryPolicy.mayResend(method: method, framing: body == .none ? .none : .chunked)
+    }
+
     /// Whether the proxy's own HTTP/1.1 client carries this request (the hot path: a GET or HEAD without a
     /// body, straight to the origin, its target the URL's path). libcurl carries the rest: request bodies
     /// (streamed, replayed from the spool), upstream proxies, `*` targets, and every request when
