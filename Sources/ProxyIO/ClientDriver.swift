@@ -961,6 +961,9 @@ final class ClientDriver: ServerConnection, TransferOwner {
         return true
     }
 
+    /// An HTTP/1.1 client's trailers end with its chunked body's framing (not kept).
+    func transferTrailers(_ from: any UpstreamTransfer) -> [H2Field] { [] }
+
     func transferFinished(_ from: any UpstreamTransfer, _ failure: UpstreamFailure?, detail: String) {
         guard from === transfer else { return }
         transfer = nil

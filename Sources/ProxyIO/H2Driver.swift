@@ -889,6 +889,10 @@ final class H2Driver: ServerConnection, TransferOwner {
         return true
     }
 
+    func transferTrailers(_ from: any UpstreamTransfer) -> [H2Field] {
+        current(from)?.requestTrailers ?? []
+    }
+
     func transferFinished(_ from: any UpstreamTransfer, _ failure: UpstreamFailure?, detail: String) {
         guard let io = current(from) else { return }
         io.transfer = nil

@@ -15,6 +15,8 @@ protocol TransferOwner: AnyObject {
     func transferRead(_ transfer: any UpstreamTransfer, _ buffer: UnsafeMutableRawBufferPointer) -> Int
     /// CURLOPT_SEEKFUNCTION: rewind the request body (libcurl resends it on a new HTTP/2 stream, say).
     func transferSeek(_ transfer: any UpstreamTransfer, _ offset: Int) -> Bool
+    /// The trailer fields to send after a request body of unknown length (the client's own, or none).
+    func transferTrailers(_ transfer: any UpstreamTransfer) -> [H2Field]
     func transferFinished(_ transfer: any UpstreamTransfer, _ failure: UpstreamFailure?, detail: String)
 }
 

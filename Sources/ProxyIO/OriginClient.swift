@@ -136,6 +136,8 @@ protocol OriginConnectionUser: AnyObject {
     func connectionReadable(_ connection: OriginConnection)
     /// Writing failed after the connection was made.
     func connectionBroke(_ connection: OriginConnection, detail: String)
+    /// The socket took what was waiting to be written (most of it): more may be written.
+    func connectionDrained(_ connection: OriginConnection)
 }
 
 /// One connection to an origin, used by one `OriginTransfer` at a time and kept in the `OriginPool` between
@@ -163,7 +165,8 @@ final class OriginConnection {
     private var ssl: OpaquePointer?
     private var readEvent: OpaquePointer?
     private var writeEvent: OpaquePointer?
-    private var pendingWrite: [UInt8] = []
+    /// Bytes waiting for the socket.
+    let output: OpaquePointer
     private enum Phase { case connecting, handshaking, open, closed }
     private var phase = Phase.connecting
     private var reading = false
@@ -180,6 +183,8 @@ final class OriginConnection {
     /// itself (`ConnectionContext.highWater`).
     static let inputLimit = 256 * 1024
     static let readSize = 64 * 1024
+    /// The most one SSL_write or send takes.
+    static let writePiece = 64 * 1024
 
     /// Starts a TCP connect to `address` (then TLS for `serverName` when `tls` is given); nil with the errno
     /// when the socket cannot even be made or the connect fails at once.
@@ -194,6 +199,7 @@ final class OriginConnection {
         self.caFile = caFile
         self.user = user
         input = evbuffer_new()
+        output = evbuffer_new()
         fd = proxyctl_tcp_socket(address.family)
         guard fd >= 0 else { throw ConnectError(code: proxyctl_errno()) }
         let status = address.withSockaddr { socketConnect(fd, $0, $1) }
@@ -209,6 +215,7 @@ final class OriginConnection {
     deinit {
         close()
         evbuffer_free(input)
+        evbuffer_free(output)
     }
 
     var isOpen: Bool { phase == .open }
@@ -243,16 +250,30 @@ final class OriginConnection {
 
     /// Writes `bytes` (now, or as the socket takes them).
     func send(_ bytes: [UInt8]) {
-        pendingWrite.append(contentsOf: bytes)
+        bytes.withUnsafeBytes { send($0) }
+    }
+
+    /// Writes `bytes` (now, or as the socket takes them; copied).
+    func send(_ bytes: UnsafeRawBufferPointer) {
+        evbuffer_add(output, bytes.baseAddress, bytes.count)
         flush()
     }
 
+    /// Bytes written but not yet taken by the socket.
+    var outputLength: Int { evbuffer_get_length(output) }
+
+    /// Writes what `output` holds, a piece at a time, until the socket takes no more.
     private func flush() {
-        while phase == .open, !pendingWrite.isEmpty {
+        while phase == .open, evbuffer_get_length(output) > 0 {
+            let piece = min(evbuffer_get_length(output), Self.writePiece)
+            guard let start = evbuffer_pullup(output, piece) else { return broke("out of memory") }
+            let bytes = UnsafeRawBufferPointer(start: start, count: piece)
             let written: Int
             if let ssl {
                 CryptoError.clearQueue()
-                let result = pendingWrite.withUnsafeBytes { SSL_write(ssl, $0.baseAddress, Int32($0.count)) }
+                // SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER (set with the SSL): a retry after WANT_WRITE may come from
+                // another address, the buffer's front having moved.
+                let result = SSL_write(ssl, bytes.baseAddress, Int32(bytes.count))
                 if result <= 0 {
                     switch SSL_get_error(ssl, result) {
                     case SSL_ERROR_WANT_WRITE, SSL_ERROR_WANT_READ:
@@ -264,7 +285,7 @@ final class OriginConnection {
                 }
                 written = Int(result)
             } else {
-                written = pendingWrite.withUnsafeBytes { socketSend(fd, $0) }
+                written = socketSend(fd, bytes)
                 if written < 0 {
                     let code = proxyctl_errno()
                     if code == EAGAIN || code == EWOULDBLOCK || code == EINTR {
@@ -274,12 +295,12 @@ final class OriginConnection {
                     return broke("writing to the origin failed: \(String(cString: strerror(code)))")
                 }
             }
-            pendingWrite.removeFirst(written)
+            evbuffer_drain(output, written)
         }
     }
 
     private func broke(_ detail: String) {
-        pendingWrite = []
+        evbuffer_drain(output, evbuffer_get_length(output))
         if let user { user.connectionBroke(self, detail: detail) } else { pool?.drop(self) }
     }
 
@@ -351,6 +372,7 @@ final class OriginConnection {
                 let made = try tls.makeSSL(serverName: serverName, caFile: caFile)
                 SSL_set_fd(made, fd)
                 SSL_set_read_ahead(made, 1)
+                _ = proxyctl_SSL_set_mode(made, Int(SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER))
                 SSL_set_default_read_buffer_len(made, Self.readSize)
                 ssl = made
             } catch {
@@ -367,6 +389,8 @@ final class OriginConnection {
                     notifyReadable()
                 }
                 flush()
+                // The socket took what waited: a request body may go on (not from `send`, which the user calls).
+                if evbuffer_get_length(output) < Self.writePiece { user?.connectionDrained(self) }
             }
             if Int32(what) & Int32(EV_READ) != 0 { notifyReadable() }
         }
@@ -484,6 +508,15 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
     private var peerClosed = false
     /// Events that must not reach the owner inside a call it made (a connection that failed at once).
     private var deferred: [OriginExchange.Event] = []
+    /// The owner's call (`start`) is under way: nothing is read from it meanwhile.
+    private var insideOwnerCall = false
+    /// The machine asked for at most this many bytes of the request body (`.readBody`), not read yet.
+    private var bodyRead: Int?
+    private var pumping = false
+    /// The piece of the request body read last (`.bodyRead`), written by `.writeBody`.
+    private var bodyPiece: [UInt8] = []
+    /// Request body bytes waiting in the connection's output beyond which no more are read.
+    static let bodyHighWater = 256 * 1024
     private var deferredTimer: LoopTimer?
 
     /// Response bytes go through the machine in pieces of at most this many bytes.
@@ -508,7 +541,8 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
             url = parsed
         }
         let head = UpstreamRequest.http1Head(
-            method: request.method, url: url, fields: request.fields, credential: authorization)
+            method: request.method, url: url, target: request.requestTarget, fields: request.fields,
+            body: request.originBody, credential: authorization)
         self.owner = owner
         self.context = context
         self.connectionID = connectionID
@@ -517,8 +551,9 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
         caFile = request.caFile
         key = context.origins.key(scheme: url.scheme, authority: url.authority, caFile: request.caFile)
         machine = OriginExchange(
-            method: request.method, url: request.url, head: head, connectTimeout: request.connectTimeout,
-            idleTimeout: request.idleTimeout, limits: request.responseHeadLimits)
+            method: request.method, url: request.url, head: head, body: request.originBody,
+            connectTimeout: request.connectTimeout, idleTimeout: request.idleTimeout,
+            limits: request.responseHeadLimits)
     }
 
     deinit {
@@ -552,9 +587,14 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
     func start() {
         lastActivity = EventLoop.monotonicMilliseconds()
         var out = Array.takeScratch(from: &context.originActions, minimumCapacity: 8)
+        // A kept connection is taken at once, and the request body would be read from the owner inside its own
+        // call: that waits for the top of the loop.
+        insideOwnerCall = true
         machine.start(&out)
         run(out)
+        insideOwnerCall = false
         out.returnScratch(to: &context.originActions)
+        if bodyRead != nil { later(nil) }
     }
 
     func resume() {
@@ -568,6 +608,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
         cancelled = true
         stash = []
         deferred = []
+        bodyRead = nil
         var out: [OriginExchange.Action] = []
         machine.handle(.cancel, &out)
         run(out)
@@ -621,6 +662,35 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
                 owner.transferFinished(self, failure, detail: detail)
             case .log(let line):
                 context.logger.info("conn=\(connectionID) \(line)")
+            case .readBody(let most):
+                bodyRead = most
+            case .writeBody(let count):
+                bodyPiece.withUnsafeBytes { connection?.send(UnsafeRawBufferPointer(rebasing: $0[..<count])) }
+            }
+        }
+    }
+
+    /// Reads the request body from the owner and hands it to the machine, while it asks for more and the
+    /// connection takes it (what waits in the connection's output stays under `bodyHighWater`).
+    private func pumpBody() {
+        guard !insideOwnerCall, !pumping else { return }
+        pumping = true
+        defer { pumping = false }
+        while let most = bodyRead, !cancelled, !machine.isFinished, let connection,
+            connection.outputLength < Self.bodyHighWater
+        {
+            bodyRead = nil
+            if bodyPiece.count < most { bodyPiece = [UInt8](repeating: 0, count: OriginExchange.bodyPiece) }
+            let count = bodyPiece.withUnsafeMutableBytes {
+                owner.transferRead(self, UnsafeMutableRawBufferPointer(rebasing: $0[..<most]))
+            }
+            if count == proxyctl_readfunc_pause() {
+                handle(.bodyPaused)
+            } else if count == 0 {
+                handle(.bodyEnded(trailers: owner.transferTrailers(self)))
+            } else {
+                lastActivity = EventLoop.monotonicMilliseconds()
+                handle(.bodyRead(count))
             }
         }
     }
@@ -629,7 +699,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
     private static func isOrdered(_ action: OriginExchange.Action) -> Bool {
         switch action {
         case .deliverHead, .deliverBody, .deliverTrailers, .release, .finish: true
-        case .connect, .arm, .write, .log: false
+        case .connect, .arm, .write, .log, .readBody, .writeBody: false
         }
     }
 
@@ -645,6 +715,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
         machine.handle(event, &out)
         run(out)
         out.returnScratch(to: &context.originActions)
+        if bodyRead != nil { pumpBody() }
     }
 
     /// `event` (or, for nil, the stashed response and what the connection holds) at the top of the loop.
@@ -663,6 +734,9 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
         while !cancelled, !deferred.isEmpty {
             handle(deferred.removeFirst())
         }
+        // The owner has more of the request body (or the start left a read for now).
+        if !cancelled, machine.isWaitingForBody { handle(.bodyResumed) }
+        pumpBody()
         guard !cancelled, !paused else { return }
         // Resumed: what was read before the pause first, then the connection.
         let steps = stash
@@ -760,6 +834,12 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
         guard used === connection else { return }
         lastActivity = EventLoop.monotonicMilliseconds()
         handle(.broken(detail: "the connection to \(hop) broke: \(detail)"))
+    }
+
+    func connectionDrained(_ used: OriginConnection) {
+        guard used === connection else { return }
+        lastActivity = EventLoop.monotonicMilliseconds()
+        pumpBody()
     }
 
     func connectionReadable(_ used: OriginConnection) {

@@ -238,6 +238,27 @@ import Testing
         #expect(String(decoding: head, as: UTF8.self) == "HEAD / HTTP/1.1\r\nHost: 127.0.0.1:8080\r\n\r\n")
     }
 
+    @Test func theBodysFramingFollowsTheClientsFieldsAndAsteriskFormIsKept() throws {
+        let length = try #require(
+            UpstreamRequest.http1Head(
+                method: "POST", url: "https://api.test/orders", fields: [("Content-Type", Array("text/plain".utf8))],
+                body: .length(5), credential: [("Authorization", Array("Bearer t".utf8))]))
+        #expect(
+            String(decoding: length, as: UTF8.self)
+                == "POST /orders HTTP/1.1\r\nHost: api.test\r\nContent-Type: text/plain\r\nContent-Length: 5\r\n"
+                + "Authorization: Bearer t\r\n\r\n")
+        let chunked = try #require(
+            UpstreamRequest.http1Head(
+                method: "PUT", url: "https://api.test/f", fields: [], body: .chunked, credential: []))
+        #expect(
+            String(decoding: chunked, as: UTF8.self)
+                == "PUT /f HTTP/1.1\r\nHost: api.test\r\nTransfer-Encoding: chunked\r\n\r\n")
+        let options = try #require(
+            UpstreamRequest.http1Head(
+                method: "OPTIONS", url: "https://api.test:8443/", target: "*", fields: [], credential: []))
+        #expect(String(decoding: options, as: UTF8.self) == "OPTIONS * HTTP/1.1\r\nHost: api.test:8443\r\n\r\n")
+    }
+
     @Test func aURLThatDoesNotParseGivesNoHead() {
         #expect(UpstreamRequest.http1Head(method: "GET", url: "not a url", fields: [], credential: []) == nil)
     }

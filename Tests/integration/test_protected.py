@@ -1110,6 +1110,32 @@ def test_a_request_that_may_not_be_resent_reaches_the_origin_once_http1(main, rs
     seen = rs.since(seen_mark)
     assert [s.path for s in seen] == [f"/warm/{tag}", f"/hangup/{tag}"], f"sent {len(seen) - 1} times: {seen}"
     assert seen[1].error == "hung up" and seen[1].body_size == len(body)
+    assert seen[1].connection == seen[0].connection, "the request did not go on the kept connection"
+
+
+def test_libcurl_sends_a_request_that_may_not_be_resent_on_a_new_connection(main, rs):
+    """libcurl (`upstream_client = libcurl`, and requests through an upstream proxy) sends a request again by
+    itself when a reused connection ends unanswered: a POST never goes on a reused one there, so it reaches the
+    origin once and the client gets the 502."""
+    ws = Workspace(main.ws.root.parent / "libcurl-once", main.ws.sections, MAIN_RESOLVE, state=main.ws.state,
+                   upstream_client="libcurl")
+    deployment = Deployment(ws, ws.start_proxy())
+    try:
+        tag = uuid.uuid4().hex[:10]
+        seen_mark = rs.mark()
+        tls, reader = intercepted_tls(deployment, rs)
+        answers = []
+        with tls:
+            for path in (f"/warm/{tag}", f"/hangup/{tag}"):
+                tls.sendall(f"POST {path} HTTP/1.1\r\nHost: {rs.authority()}\r\nContent-Length: 5\r\n\r\nbody!".encode())
+                answers.append(reader.read_response("POST"))
+        assert [a.status for a in answers] == [200, 502], answers
+        seen = rs.since(seen_mark)
+        assert [s.path for s in seen] == [f"/warm/{tag}", f"/hangup/{tag}"], f"sent {len(seen) - 1} times: {seen}"
+        assert seen[1].connection != seen[0].connection, "libcurl sent the POST on a reused connection"
+    finally:
+        failure = deployment.stop()
+        assert failure is None, failure
 
 
 @pytest.mark.parametrize("method, body", NOT_RESENT[:2], ids=["post", "patch"])
@@ -1127,6 +1153,7 @@ def test_a_request_that_may_not_be_resent_reaches_the_origin_once_http2(main, rs
     assert (hangup.header("proxy-status") or "").startswith("proxyctl; error=http_response_incomplete"), hangup
     seen = rs.since(seen_mark)
     assert [s.path for s in seen] == [f"/warm/{tag}", f"/hangup/{tag}"], f"sent {len(seen) - 1} times: {seen}"
+    assert seen[1].connection == seen[0].connection, "the request did not go on the kept connection"
 
 
 @pytest.mark.parametrize("name, raw, error", [

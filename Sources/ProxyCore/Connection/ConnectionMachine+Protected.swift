@@ -2,7 +2,6 @@
 /// `ProtectedExchange` run, its response framed for an HTTP/1.1 client.
 extension ConnectionMachine {
     static let continueResponse = Array("HTTP/1.1 100 Continue\r\n\r\n".utf8)
-    static let lastChunk = Array("0\r\n\r\n".utf8)
 
     mutating func beginProtected(
         _ request: InterceptedRequest, origin: OriginConfig, kept: HostPort?, head: HTTPHead, _ out: inout [Action]
@@ -162,17 +161,9 @@ extension ConnectionMachine {
             }
         case .endBody(let trailers):
             guard intercepting.framing == .chunked else { break }
-            if trailers.isEmpty || !intercepting.exchange.request.acceptsTrailers {
-                out.append(.writeClient(Self.lastChunk))
-            } else {
-                // RFC 9112 §7.1.2: the trailer section of the last chunk, for a client that said TE: trailers.
-                var bytes = Array("0\r\n".utf8)
-                for field in H2Semantics.trailers(trailers.map { ($0.nameText, $0.value) }) {
-                    bytes += field.name + Array(": ".utf8) + field.value + [ASCII.cr, ASCII.lf]
-                }
-                bytes += [ASCII.cr, ASCII.lf]
-                out.append(.writeClient(bytes))
-            }
+            // RFC 9112 §7.1.2: the trailer section of the last chunk, for a client that said TE: trailers.
+            let sent = intercepting.exchange.request.acceptsTrailers ? trailers : []
+            out.append(.writeClient(ChunkedFraming.last(trailers: sent)))
         case .respond(let answer):
             out.append(.writeClient(answer.response.serialized(headRequest: intercepting.headRequest)))
         case .finished(let record):

@@ -226,3 +226,30 @@ public struct ChunkedScanner: Sendable {
         return HTTPParseError(.badChunk, reason)
     }
 }
+
+/// Writes chunked framing (RFC 9112 §7.1): the one place its bytes are made, for a response to an HTTP/1.1
+/// client and a request body to an origin alike.
+public enum ChunkedFraming {
+    /// The chunk-size line before `count` bytes of data (hexadecimal, no extensions).
+    public static func header(_ count: Int) -> [UInt8] {
+        Array(String(count, radix: 16).utf8) + [ASCII.cr, ASCII.lf]
+    }
+
+    /// What follows a chunk's data.
+    public static let dataEnd: [UInt8] = [ASCII.cr, ASCII.lf]
+
+    /// The last chunk without trailers.
+    public static let last = Array("0\r\n\r\n".utf8)
+
+    /// The last chunk, the trailer section (RFC 9112 §7.1.2: none of the fields a trailer must not carry, names
+    /// in lower case) and the empty line.
+    public static func last(trailers: [H2Field]) -> [UInt8] {
+        guard !trailers.isEmpty else { return last }
+        var bytes = Array("0\r\n".utf8)
+        for field in H2Semantics.trailers(trailers.map { ($0.nameText, $0.value) }) {
+            bytes += field.name + Array(": ".utf8) + field.value + [ASCII.cr, ASCII.lf]
+        }
+        bytes += [ASCII.cr, ASCII.lf]
+        return bytes
+    }
+}

@@ -176,39 +176,51 @@ public struct ReceivedHead: Sendable, Equatable {
 }
 
 extension UpstreamRequest {
-    /// The HTTP/1.1 request head of a request without a body to `url`, for the proxy's own upstream client:
-    /// the request line with the URL's path and query byte for byte, `Host` (the URL's authority, the port
-    /// left out when it is the scheme's default), the client's fields in their order, then the credential's
-    /// (`Authorization`, `DPoP`). Nothing is added that the client did not send. nil when `url` does not parse.
+    /// The HTTP/1.1 request head of a request to `url`, for the proxy's own upstream client: the request line
+    /// with the URL's path and query byte for byte (or `target`: `*` for `OPTIONS *`), `Host` (the URL's
+    /// authority, the port left out when it is the scheme's default), the client's fields in their order, the
+    /// body's framing as the client framed it (`Content-Length`, or `Transfer-Encoding: chunked`), then the
+    /// credential's fields (`Authorization`, `DPoP`). Nothing is added that the client did not send. nil when
+    /// `url` does not parse.
     public static func http1Head(
-        method: String, url: String, fields: [(name: String, value: [UInt8])],
-        credential: [(name: String, value: [UInt8])]
+        method: String, url: String, target: String? = nil, fields: [(name: String, value: [UInt8])],
+        body: OriginExchange.Body = .none, credential: [(name: String, value: [UInt8])]
     ) -> [UInt8]? {
         guard case .success(let parsed) = AbsoluteURL.parse(url) else { return nil }
-        return http1Head(method: method, url: parsed, fields: fields, credential: credential)
+        return http1Head(
+            method: method, url: parsed, target: target, fields: fields, body: body, credential: credential)
     }
 
     /// The same for a URL already parsed.
     public static func http1Head(
-        method: String, url parsed: AbsoluteURL, fields: [(name: String, value: [UInt8])],
-        credential: [(name: String, value: [UInt8])]
+        method: String, url parsed: AbsoluteURL, target: String? = nil, fields: [(name: String, value: [UInt8])],
+        body: OriginExchange.Body = .none, credential: [(name: String, value: [UInt8])]
     ) -> [UInt8] {
         let host = parsed.hostFieldValue
-        var size = method.utf8.count + 1 + parsed.pathAndQuery.utf8.count + Self.requestLineEnd.count
+        let target = target ?? parsed.pathAndQuery
+        let framing: (name: String, value: [UInt8])?
+        switch body {
+        case .none: framing = nil
+        case .length(let length): framing = ("Content-Length", Array(String(length).utf8))
+        case .chunked: framing = ("Transfer-Encoding", Self.chunked)
+        }
+        var size = method.utf8.count + 1 + target.utf8.count + Self.requestLineEnd.count
         size += 6 + host.utf8.count + 2  // Host: host CRLF
         for field in fields { size += ByteWriter.fieldSize(field.name, field.value) }
+        if let framing { size += ByteWriter.fieldSize(framing.name, framing.value) }
         for field in credential { size += ByteWriter.fieldSize(field.name, field.value) }
         size += 2
         return ByteWriter.bytes(count: size) { head in
             head.write(method)
             head.write(ASCII.space)
-            head.write(parsed.pathAndQuery)
+            head.write(target)
             head.write(Self.requestLineEnd)
             head.write("Host: ")
             head.write(host)
             head.write(ASCII.cr)
             head.write(ASCII.lf)
             for field in fields { head.writeField(field.name, field.value) }
+            if let framing { head.writeField(framing.name, framing.value) }
             for field in credential { head.writeField(field.name, field.value) }
             head.write(ASCII.cr)
             head.write(ASCII.lf)
@@ -216,4 +228,5 @@ extension UpstreamRequest {
     }
 
     private static let requestLineEnd = Array(" HTTP/1.1\r\n".utf8)
+    private static let chunked = Array("chunked".utf8)
 }

@@ -106,8 +106,10 @@ private func driveOriginExchange(
     _ input: [UInt8], method: String, reader: [Reported], random: inout InputRandom
 ) {
     let head = Array("\(method) / HTTP/1.1\r\nHost: api.test\r\n\r\n".utf8)
+    let bodies: [OriginExchange.Body] = [.none, .length(random.next(in: 0...9)), .chunked]
+    let body = bodies[random.next(in: 0...2)]
     var exchange = OriginExchange(
-        method: method, url: "https://api.test/", head: head, connectTimeout: 100, idleTimeout: 1000)
+        method: method, url: "https://api.test/", head: head, body: body, connectTimeout: 100, idleTimeout: 1000)
     var actions: [OriginExchange.Action] = []
     exchange.start(&actions)
     var reported: [Reported] = []
@@ -116,14 +118,33 @@ private func driveOriginExchange(
     var finished = false
     var onlyBytes = true
     var writes = 0
+    var readAsked: Int?
+    var bodyWritten = 0
+    // The request body as it went on the wire after the head (data bytes as "x"), for a chunked one.
+    var wire: [UInt8] = []
     func apply(_ step: [OriginExchange.Action], _ bytes: [UInt8]) {
         for action in step {
             invariant(!finished || { if case .release = action { true } else { false } }(), "\(action) after the end")
             switch action {
             case .connect: asked += 1
             case .write(let bytes):
-                invariant(connected && bytes == head, "a write without a connection, or not the head")
-                writes += 1
+                invariant(connected, "a write without a connection")
+                if bytes == head {
+                    writes += 1
+                    wire = []
+                    bodyWritten = 0
+                } else {
+                    invariant(body == .chunked, "framing bytes for a body that is not chunked")
+                    wire += bytes
+                }
+            case .readBody(let most):
+                invariant(readAsked == nil && most > 0, "a second .readBody, or one for nothing")
+                readAsked = most
+            case .writeBody(let count):
+                invariant(connected && count > 0, "body bytes without a connection")
+                bodyWritten += count
+                wire += [UInt8](repeating: UInt8(ascii: "x"), count: count)
+                if case .length(let length) = body { invariant(bodyWritten <= length, "more body than its length") }
             case .deliverHead(let received): record(.head(received), bytes, &reported)
             case .deliverBody(let range): record(.body(range), bytes, &reported)
             case .deliverTrailers(let lines): record(.trailers(Array(lines.dropLast(2))), lines, &reported)
@@ -137,6 +158,20 @@ private func driveOriginExchange(
         var step: [OriginExchange.Action] = []
         exchange.handle(event, &step)
         apply(step, [])
+    }
+    /// The owner answers an outstanding `.readBody`: some bytes, none yet (then more later), or the end.
+    func answerBody() {
+        guard let most = readAsked, !exchange.isFinished else { return }
+        readAsked = nil
+        switch random.next(in: 0...3) {
+        case 0:
+            event(.bodyPaused)
+            event(.bodyResumed)
+        case 1 where body == .chunked:
+            event(.bodyEnded(trailers: random.nextBool() ? [H2Field("x-check", "1")] : []))
+        default:
+            event(.bodyRead(random.next(in: 1...max(1, min(most, 4)))))
+        }
     }
     connected = true
     event(.connected(reused: random.nextBool()))
@@ -153,6 +188,7 @@ private func driveOriginExchange(
             }
             continue
         }
+        answerBody()
         var step: [OriginExchange.Action] = []
         let bytes = Array(input[piece])
         let taken = bytes.withUnsafeBytes { exchange.received($0, &step) }
@@ -161,6 +197,24 @@ private func driveOriginExchange(
     }
     invariant(asked <= (RetryPolicy.mayResend(method: method, framing: .none) ? 2 : 1), "more than one resend")
     invariant(writes <= 2, "the head written more than twice")
+    if body == .chunked {
+        // What went out is chunked framing another reader accepts, up to where it stopped.
+        var scanner = ChunkedScanner()
+        var position = 0
+        while position < wire.count {
+            if scanner.pendingData > 0 {
+                let take = Int(min(scanner.pendingData, UInt64(wire.count - position)))
+                scanner.skipData(take)
+                position += take
+                continue
+            }
+            let (consumed, outcome) = wire[position...].withUnsafeBytes { scanner.scanFraming($0) }
+            if case .failed(let error) = outcome { invariant(false, "the chunked body does not parse: \(error)") }
+            position += consumed
+            if case .done = outcome { break }
+            if consumed == 0 { break }
+        }
+    }
     if onlyBytes {
         // The reader's reports up to its end (a close the exchange did not see is left out).
         let expected = reader.filter { if case .failed = $0 { false } else { true } }
