@@ -121,8 +121,41 @@ final class OriginPool {
         idle[connection.key]?.remove(at: index)
     }
 
+    // MARK: - HTTP/2 connections, shared by the streams of every transfer
+
+    /// HTTP/2 connections per origin, each carrying streams of any transfer while it has room.
+    private var sessions: [OriginKey: [OriginH2Session]] = [:]
+
+    /// An HTTP/2 connection to `key`'s origin with room for another stream, if there is one.
+    func session(_ key: OriginKey) -> OriginH2Session? {
+        sessions[key]?.first { $0.hasCapacity }
+    }
+
+    /// Shares a new HTTP/2 connection.
+    func add(_ session: OriginH2Session) {
+        session.pool = self
+        sessions[session.key, default: []].append(session)
+    }
+
+    /// An HTTP/2 connection goes away (GOAWAY, its end): no new stream goes on it.
+    func drop(_ session: OriginH2Session) {
+        session.idleTimer?.cancel()
+        guard let index = sessions[session.key]?.firstIndex(where: { $0 === session }) else { return }
+        sessions[session.key]?.remove(at: index)
+    }
+
+    /// An HTTP/2 connection has no stream: closed after `keepMilliseconds` unless one comes.
+    func idle(_ session: OriginH2Session) {
+        if session.idleTimer == nil {
+            // The timer is the session's, so it fires only while the session is there.
+            session.idleTimer = LoopTimer(loop: loop) { [unowned session] in session.close() }
+        }
+        session.idleTimer?.schedule(milliseconds: Self.keepMilliseconds)
+    }
+
     deinit {
         for list in idle.values { for connection in list { connection.close() } }
+        for list in sessions.values { for session in list { session.close() } }
     }
 }
 
@@ -178,6 +211,9 @@ final class OriginConnection {
     private let serverName: String
     private let tls: TLSClientContexts?
     private let caFile: String?
+    private let offerHTTP2: Bool
+    /// The origin chose HTTP/2 in the TLS handshake (ALPN `h2`).
+    private(set) var http2 = false
 
     /// Bytes read ahead of the transfer at most: what a paused owner leaves here is bounded like what it holds
     /// itself (`ConnectionContext.highWater`).
@@ -190,13 +226,14 @@ final class OriginConnection {
     /// when the socket cannot even be made or the connect fails at once.
     init(
         key: OriginKey, loop: EventLoop, address: SocketAddress, serverName: String, tls: TLSClientContexts?,
-        caFile: String?, user: any OriginConnectionUser
+        caFile: String?, offerHTTP2: Bool, user: any OriginConnectionUser
     ) throws(ConnectError) {
         self.key = key
         self.loop = loop
         self.serverName = serverName
         self.tls = tls
         self.caFile = caFile
+        self.offerHTTP2 = offerHTTP2
         self.user = user
         input = evbuffer_new()
         output = evbuffer_new()
@@ -369,7 +406,7 @@ final class OriginConnection {
             _ = proxyctl_set_nodelay(fd)
             guard let tls else { return ready() }
             do {
-                let made = try tls.makeSSL(serverName: serverName, caFile: caFile)
+                let made = try tls.makeSSL(serverName: serverName, caFile: caFile, offerHTTP2: offerHTTP2)
                 SSL_set_fd(made, fd)
                 SSL_set_read_ahead(made, 1)
                 _ = proxyctl_SSL_set_mode(made, Int(SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER))
@@ -428,6 +465,12 @@ final class OriginConnection {
 
     private func ready() {
         phase = .open
+        if let ssl {
+            var selected: UnsafePointer<UInt8>?
+            var length: UInt32 = 0
+            SSL_get0_alpn_selected(ssl, &selected, &length)
+            http2 = length == 2 && selected?[0] == UInt8(ascii: "h") && selected?[1] == UInt8(ascii: "2")
+        }
         event_del(readEvent)
         reading = false
         startReading()
@@ -478,7 +521,7 @@ func makeUpstreamTransfer(
 /// libcurl's callbacks would, the timer, the connection kept or closed) on an `OriginConnection`. Decides
 /// nothing itself; flow control is the owner's, as with libcurl: a paused response keeps what was read and
 /// stops reading the origin.
-final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
+final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStreamUser {
     unowned let owner: any TransferOwner
     private let context: ConnectionContext
     private let connectionID: UInt64
@@ -492,8 +535,14 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
     private let hop: HostPort
     private let https: Bool
     private let caFile: String?
-    /// The connection the request is on, once there is one.
+    /// The connection the request is on, once there is one (HTTP/1.1).
     private var connection: OriginConnection?
+    /// The HTTP/2 connection the request is a stream of, and the stream, once there is one.
+    private var session: OriginH2Session?
+    private var stream: Int32 = 0
+    /// Offer HTTP/2 to the origin (an https origin).
+    private let offerHTTP2: Bool
+    private let responseHeadLimits: HTTPHeadLimits
     /// A connection being made, and the addresses left to try.
     private var dialing: OriginConnection?
     private var addresses: [SocketAddress] = []
@@ -540,9 +589,6 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
             guard case .success(let parsed) = AbsoluteURL.parse(request.url) else { return nil }
             url = parsed
         }
-        let head = UpstreamRequest.http1Head(
-            method: request.method, url: url, target: request.requestTarget, fields: request.fields,
-            body: request.originBody, credential: authorization)
         self.owner = owner
         self.context = context
         self.connectionID = connectionID
@@ -550,8 +596,12 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
         https = url.scheme == "https"
         caFile = request.caFile
         key = context.origins.key(scheme: url.scheme, authority: url.authority, caFile: request.caFile)
+        offerHTTP2 = request.http2
+        responseHeadLimits = request.responseHeadLimits
         machine = OriginExchange(
-            method: request.method, url: request.url, head: head, body: request.originBody,
+            request: OriginExchange.Request(
+                method: request.method, url: url, target: request.requestTarget, fields: request.fields,
+                body: request.originBody, credential: authorization),
             connectTimeout: request.connectTimeout, idleTimeout: request.idleTimeout,
             limits: request.responseHeadLimits)
     }
@@ -559,6 +609,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
     deinit {
         dialing?.close()
         connection?.close()
+        session?.release(stream)
         if let timer { context.spareTimer(timer) }
     }
 
@@ -599,6 +650,8 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
 
     func resume() {
         guard !cancelled else { return }
+        // The owner has more of the request body (nghttp2 reads it when the stream's window allows).
+        if let session, stream != 0 { session.resumeBody(stream) }
         // At the top of the loop, not inside the owner's call.
         later(nil)
     }
@@ -644,6 +697,12 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
                 armTimer(milliseconds)
             case .write(let bytes):
                 connection?.send(bytes)
+            case .submit(let fields, let body):
+                guard let session, let opened = session.open(self, fields: fields, body: body) else {
+                    later(.streamFailed(refused: true, detail: "the connection to the origin went away"))
+                    continue
+                }
+                stream = opened
             case .deliverHead(let received):
                 owner.transferResponseHead(self, received)
             case .deliverTrailers(let bytes):
@@ -654,6 +713,8 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
                 if owner.transferBody(self, data) == proxyctl_writefunc_pause() {
                     paused = true
                     stash.append(.body(Array(data)))
+                } else if let session {
+                    session.consume(stream, data.count)
                 }
             case .release(let reusable):
                 release(reusable: reusable)
@@ -664,6 +725,9 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
                 context.logger.info("conn=\(connectionID) \(line)")
             case .readBody(let most):
                 bodyRead = most
+            case .rewindBody:
+                // The owner's store rewinds the body (the read position back to 0) if it kept all of it.
+                handle(.bodyRewound(owner.transferSeek(self, 0)))
             case .writeBody(let count):
                 bodyPiece.withUnsafeBytes { connection?.send(UnsafeRawBufferPointer(rebasing: $0[..<count])) }
             }
@@ -699,7 +763,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
     private static func isOrdered(_ action: OriginExchange.Action) -> Bool {
         switch action {
         case .deliverHead, .deliverBody, .deliverTrailers, .release, .finish: true
-        case .connect, .arm, .write, .log, .readBody, .writeBody: false
+        case .connect, .arm, .write, .log, .readBody, .writeBody, .submit, .rewindBody: false
         }
     }
 
@@ -757,9 +821,10 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
                     stash.append(contentsOf: steps[position...])
                     return
                 }
+                session?.consume(stream, bytes.count)
             }
         }
-        guard !cancelled, !paused, let connection else { return }
+        guard !cancelled, !paused, let connection, session == nil else { return }
         connection.startReading()
         // What OpenSSL or the socket held while reading was stopped: nothing may wake the loop for it.
         readable(fill: true)
@@ -768,6 +833,11 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
     // MARK: - The connection
 
     private func connect(reuse: Bool) {
+        if reuse, let shared = context.origins.session(key) {
+            session = shared
+            handle(.connected(reused: true, http2: true))
+            return
+        }
         if reuse, let kept = context.origins.take(key) {
             kept.user = self
             connection = kept
@@ -799,7 +869,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
             do {
                 dialing = try OriginConnection(
                     key: key, loop: context.loop, address: addresses[addressIndex], serverName: hop.host,
-                    tls: https ? context.tlsClients : nil, caFile: caFile, user: self)
+                    tls: https ? context.tlsClients : nil, caFile: caFile, offerHTTP2: offerHTTP2 && https, user: self)
                 return
             } catch {
                 addressIndex += 1
@@ -815,8 +885,16 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
     func connectionReady(_ made: OriginConnection) {
         guard made === dialing else { return }
         dialing = nil
-        connection = made
         lastActivity = EventLoop.monotonicMilliseconds()
+        if made.http2 {
+            // The origin chose HTTP/2: the connection becomes a shared one, this request its first stream.
+            let shared = OriginH2Session(key: key, connection: made, loop: context.loop, limits: responseHeadLimits)
+            context.origins.add(shared)
+            session = shared
+            handle(.connected(reused: false, http2: true))
+            return
+        }
+        connection = made
         handle(.connected(reused: false))
     }
 
@@ -847,10 +925,45 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser {
         readable(fill: true)
     }
 
+    // MARK: - OriginStreamUser (the HTTP/2 stream's events, at the top of the loop)
+
+    func streamEvent(_ event: OriginExchange.Event) {
+        guard !cancelled else { return }
+        lastActivity = EventLoop.monotonicMilliseconds()
+        // What reaches the owner waits behind response bytes it has not taken yet (`run` keeps the order).
+        handle(event)
+    }
+
+    func streamData(_ bytes: [UInt8]) {
+        guard !cancelled else { return }
+        lastActivity = EventLoop.monotonicMilliseconds()
+        var out = Array.takeScratch(from: &context.originActions, minimumCapacity: 4)
+        defer { out.returnScratch(to: &context.originActions) }
+        bytes.withUnsafeBytes { input in
+            _ = machine.received(input, &out)
+            run(out, input: input)
+        }
+    }
+
+    func streamReadBody(_ buffer: UnsafeMutableRawBufferPointer) -> Int {
+        guard !cancelled else { return 0 }
+        lastActivity = EventLoop.monotonicMilliseconds()
+        return owner.transferRead(self, buffer)
+    }
+
+    func streamTrailers() -> [H2Field] {
+        owner.transferTrailers(self)
+    }
+
     private func release(reusable: Bool) {
         dialing?.close()
         dialing = nil
         attempt += 1  // a resolver answer still to come is for nobody
+        if let used = session {
+            used.release(stream)
+            session = nil
+            stream = 0
+        }
         defer { peerClosed = false }
         guard let used = connection else { return }
         connection = nil

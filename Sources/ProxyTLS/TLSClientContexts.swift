@@ -1,11 +1,11 @@
 import COpenSSL
 import ProxyCore
 
-/// TLS client contexts for connections the proxy makes to origins itself (protocol upgrades, which libcurl
-/// cannot hand over after a 101): the peer is verified against `ca_file` when the origin names one (the
-/// system's roots otherwise, as libcurl does with CURLOPT_CAINFO unset), the name is checked against the
-/// certificate, and ALPN offers http/1.1 only (an upgrade is an HTTP/1.1 thing). One context per trust file,
-/// made on first use. Used on the loop thread only.
+/// TLS client contexts for the connections the proxy makes to origins itself (its own client, and protocol
+/// upgrades): the peer is verified against `ca_file` when the origin names one (the system's roots otherwise),
+/// the name is checked against the certificate, and ALPN offers http/1.1 (an upgrade is an HTTP/1.1 thing), or
+/// h2 first where the request may go in HTTP/2. One context per trust file, made on first use. Used on the
+/// loop thread only.
 public final class TLSClientContexts {
     private var contexts: [String: OpaquePointer] = [:]
 
@@ -15,10 +15,15 @@ public final class TLSClientContexts {
         for context in contexts.values { SSL_CTX_free(context) }
     }
 
-    /// A client SSL object for `serverName` (a DNS name, or an IP address checked as one), trusting `caFile`.
-    public func makeSSL(serverName: String, caFile: String?) throws -> OpaquePointer {
+    /// A client SSL object for `serverName` (a DNS name, or an IP address checked as one), trusting `caFile`;
+    /// with `offerHTTP2`, ALPN offers `h2` before `http/1.1` (RFC 9113 §3.2) and the origin chooses.
+    public func makeSSL(serverName: String, caFile: String?, offerHTTP2: Bool = false) throws -> OpaquePointer {
         let context = try self.context(caFile: caFile)
         guard let ssl = SSL_new(context) else { throw CryptoError("SSL_new") }
+        if offerHTTP2 {
+            let alpn: [UInt8] = [2] + Array("h2".utf8) + [8] + Array("http/1.1".utf8)
+            _ = alpn.withUnsafeBufferPointer { SSL_set_alpn_protos(ssl, $0.baseAddress, UInt32($0.count)) }
+        }
         if IPAddress.parse(serverName[...]) != nil {
             // No SNI for an address (RFC 6066 §3); the certificate must name the address.
             guard X509_VERIFY_PARAM_set1_ip_asc(SSL_get0_param(ssl), serverName) == 1 else {

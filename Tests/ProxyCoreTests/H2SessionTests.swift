@@ -29,8 +29,8 @@ import Testing
             credential: generation.map { UpstreamRequest.Credential(generation: $0, dpopNonce: nonce) }, body: body,
             http2: true, connectTimeout: 5_000, idleTimeout: 30_000, caFile: nil, resolve: nil, upstreamProxy: nil,
             attempt: attempt)
-        // The default `upstream_client = builtin`: bodiless GETs and HEADs on the proxy's own client.
-        if ["GET", "HEAD"].contains(method), body == .none, target != "*" { request.client = .builtin }
+        // The default `upstream_client = builtin`: every request straight to the origin on the proxy's own client.
+        request.client = .builtin
         return request
     }
 

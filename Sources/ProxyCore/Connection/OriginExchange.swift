@@ -1,22 +1,26 @@
-/// One request on the proxy's own HTTP/1.1 client to an origin: which connection it goes on, its body sent as
-/// the owner has it, when it is sent again, when it has timed out, what of the response reaches the owner and
-/// whether the connection goes back to the pool. Events in, actions out; ProxyIO's `OriginTransfer` carries them
-/// out on an `OriginConnection`.
+/// One request on the proxy's own client to an origin, in HTTP/1.1 or HTTP/2 (whichever the origin chose by
+/// ALPN on the connection it goes on): which connection it goes on, its body sent as the owner has it, when it is
+/// sent again, when it has timed out, what of the response reaches the owner and whether the connection goes back
+/// to the pool. Events in, actions out; ProxyIO's `OriginTransfer` carries them out on an `OriginConnection` (or a
+/// stream of an `OriginH2Session` on one).
 ///
-/// The response is read by `ResponseReader` (so by the one head parser and `MessageSemantics.response`). A
-/// request goes on a kept connection when there is one; when such a connection closes or breaks before a
-/// byte of the response arrived (the origin had closed it while it was idle, the usual race of keep-alive),
-/// the request is sent once more on a new connection, only if `RetryPolicy` allows it (RFC 9110 §9.2.2): a
-/// request with a body, or one that is not idempotent, reaches the origin at most once.
+/// An HTTP/1.1 response is read by `ResponseReader`, an HTTP/2 response head by `H2Semantics.originResponseHead`:
+/// both by the one head parser and `MessageSemantics.response`. A request goes on a kept connection when there is
+/// one; when such a connection closes or breaks before a byte of the response arrived (the origin had closed it
+/// while it was idle, the usual race of keep-alive), the request is sent once more on a new connection, only if
+/// `RetryPolicy` allows it (RFC 9110 §9.2.2): a request with a body, or one that is not idempotent, reaches the
+/// origin at most once. A stream the origin proved it did not process (RST_STREAM with REFUSED_STREAM, or a
+/// GOAWAY whose last stream id is below it: RFC 9113 §8.7) is sent once more whatever its method.
 ///
-/// The request body is the owner's (kept for a replay, or streaming): the exchange asks for it a piece at a time
-/// (`.readBody`), and frames each piece it is given as the head announced: as it is for a Content-Length, in a
-/// chunk for a chunked body, whose end is the last chunk with the trailer fields the owner has.
+/// The request body is the owner's (kept for a replay, or streaming). In HTTP/1.1 the exchange asks for it a
+/// piece at a time (`.readBody`) and frames each piece as the head announced: as it is for a Content-Length, in
+/// a chunk for a chunked body, whose end is the last chunk with the trailer fields the owner has. In HTTP/2
+/// nghttp2 asks for it as the flow-control windows open, and DATA frames carry it.
 public struct OriginExchange: Sendable {
     public enum Event: Sendable, Equatable {
         /// A connection is ready: one kept from an earlier request (`reused`), or a new one (TCP, then TLS to
-        /// an https origin, done).
-        case connected(reused: Bool)
+        /// an https origin, done); `http2`: the origin chose HTTP/2, and the request goes on a stream of it.
+        case connected(reused: Bool, http2: Bool = false)
         /// No connection could be made.
         case connectFailed(UpstreamFailure, detail: String)
         /// The origin closed its sending side.
@@ -35,6 +39,19 @@ public struct OriginExchange: Sendable {
         case bodyResumed
         /// The answer to `.readBody`: the request body is complete; `trailers` are its trailer fields.
         case bodyEnded(trailers: [H2Field])
+        /// HTTP/2: a header block of the response (an interim one, or the final).
+        case streamHead([H2Field])
+        /// HTTP/2: the response's header block was larger than the limits of a head (`reason` says which).
+        case streamHeadTooLarge(reason: String)
+        /// HTTP/2: the trailer fields after the response's body.
+        case streamTrailers([H2Field])
+        /// HTTP/2: the stream ended (END_STREAM from the origin).
+        case streamEnded
+        /// HTTP/2: the stream ended without its response: `refused` when the origin proved it did not process
+        /// it (REFUSED_STREAM, or beyond a GOAWAY's last stream id), else reset or the connection lost.
+        case streamFailed(refused: Bool, detail: String)
+        /// The answer to `.rewindBody`: whether the request body can be read again from its start.
+        case bodyRewound(Bool)
     }
 
     public enum Action: Sendable, Equatable {
@@ -43,20 +60,26 @@ public struct OriginExchange: Sendable {
         case connect(reuse: Bool)
         /// (Re)arm the exchange's one timer.
         case arm(milliseconds: Int)
-        /// Write these bytes to the connection.
+        /// HTTP/1.1: write these bytes to the connection.
         case write([UInt8])
-        /// Read up to this many bytes of the request body from the owner (once the connection has room for
-        /// them): `.bodyRead`, `.bodyPaused` or `.bodyEnded` follows.
+        /// HTTP/1.1: read up to this many bytes of the request body from the owner (once the connection has room
+        /// for them): `.bodyRead`, `.bodyPaused` or `.bodyEnded` follows.
         case readBody(max: Int)
-        /// Write the bytes of the request body the last `.bodyRead` counted.
+        /// HTTP/1.1: write the bytes of the request body the last `.bodyRead` counted.
         case writeBody(Int)
+        /// Read the request body from its start again, for a resend: `.bodyRewound` follows.
+        case rewindBody
+        /// HTTP/2: open a stream with this request header block; `body`: DATA follows, read from the owner as
+        /// the windows open, then the owner's trailer fields, if any.
+        case submit([H2Field], body: Bool)
         /// A response head (an interim one or the final), parsed, for the owner.
         case deliverHead(ReceivedHead)
         /// Body bytes at this range of the input just received, for the owner.
         case deliverBody(Range<Int>)
         /// The trailer section of a chunked body (its field lines and the blank line), for the owner.
         case deliverTrailers([UInt8])
-        /// Done with the connection (or the attempt to make one): back to the pool if `reusable`, else closed.
+        /// Done with the connection (or the attempt to make one, or the stream): back to the pool if `reusable`,
+        /// else closed (a stream still open is reset).
         case release(reusable: Bool)
         /// The exchange is over: the response was complete (nil), or why not.
         case finish(UpstreamFailure?, detail: String)
@@ -69,19 +92,59 @@ public struct OriginExchange: Sendable {
         case none
         /// `Content-Length: n`.
         case length(Int)
-        /// `Transfer-Encoding: chunked`, of a length nobody knows in advance.
+        /// `Transfer-Encoding: chunked` (DATA frames in HTTP/2), of a length nobody knows in advance.
         case chunked
+    }
+
+    /// The request as it goes out, whichever protocol carries it.
+    public struct Request: Sendable {
+        public let method: String
+        public let url: AbsoluteURL
+        /// A request target other than the URL's path and query (only `*`).
+        public let target: String?
+        public let fields: [(name: String, value: [UInt8])]
+        public let body: Body
+        /// The credential's fields (`Authorization`, `DPoP`), added last.
+        public let credential: [(name: String, value: [UInt8])]
+
+        public init(
+            method: String, url: AbsoluteURL, target: String? = nil, fields: [(name: String, value: [UInt8])],
+            body: Body = .none, credential: [(name: String, value: [UInt8])]
+        ) {
+            self.method = method
+            self.url = url
+            self.target = target
+            self.fields = fields
+            self.body = body
+            self.credential = credential
+        }
+
+        /// The HTTP/1.1 head.
+        var http1Head: [UInt8] {
+            UpstreamRequest.http1Head(
+                method: method, url: url, target: target, fields: fields, body: body, credential: credential)
+        }
+
+        /// The HTTP/2 header block.
+        var http2Fields: [H2Field] {
+            H2Semantics.originRequest(
+                method: method, url: url, target: target, fields: fields, body: body, credential: credential)
+        }
     }
 
     private enum Phase: Sendable, Equatable {
         /// Waiting for a connection; `resent`: this is the one retry.
         case connecting(resent: Bool)
-        /// The head was written on a connection; `reused`: a kept one; `answered`: a byte of the response came.
-        case exchanging(reused: Bool, answered: Bool, resent: Bool)
+        /// A request with a body is to be sent again: waiting for the owner to rewind it (`.bodyRewound`), then a
+        /// connection (`reuse`: a kept one may do). -> `.connecting(resent: true)`, `.done`
+        case rewinding(reuse: Bool)
+        /// The request went out on a connection; `reused`: a kept one; `answered`: a byte of the response came
+        /// (HTTP/2: its first header block); `http2`: on a stream.
+        case exchanging(reused: Bool, answered: Bool, resent: Bool, http2: Bool)
         case done
     }
 
-    /// Where sending the request body is.
+    /// Where sending the request body is (HTTP/1.1).
     private enum Sending: Sendable, Equatable {
         /// Not begun (no connection yet).
         case idle
@@ -89,14 +152,13 @@ public struct OriginExchange: Sendable {
         case reading
         /// The owner had nothing more: `.bodyResumed` asks again.
         case waiting
-        /// The whole body (and a chunked body's last chunk) is written.
+        /// The whole body (and a chunked body's last chunk) is written, or nghttp2 sends it.
         case sent
     }
 
-    public let method: String
-    public let url: String
-    private let head: [UInt8]
-    private let body: Body
+    public var method: String { request.method }
+    private let request: Request
+    private var body: Body { request.body }
     private let connectTimeout: Int
     private let idleTimeout: Int
     private let limits: HTTPHeadLimits
@@ -105,25 +167,20 @@ public struct OriginExchange: Sendable {
     private var sending = Sending.idle
     /// Bytes of the request body written so far (chunk framing left out).
     private var bodySent = 0
+    /// HTTP/2: the final response head came.
+    private var finalHead = false
     private var outputs: [ResponseReader.Output] = []
 
     /// The most a `.readBody` asks for.
     public static let bodyPiece = 64 * 1024
 
-    /// `head`: the request's bytes (`UpstreamRequest.http1Head`), its framing fields those of `body`.
     /// `limits`: those of the response head (the owner reads the head as parsed here, not again).
-    public init(
-        method: String, url: String, head: [UInt8], body: Body = .none, connectTimeout: Int, idleTimeout: Int,
-        limits: HTTPHeadLimits = HTTPHeadLimits()
-    ) {
-        self.method = method
-        self.url = url
-        self.head = head
-        self.body = body
+    public init(request: Request, connectTimeout: Int, idleTimeout: Int, limits: HTTPHeadLimits = HTTPHeadLimits()) {
+        self.request = request
         self.connectTimeout = connectTimeout
         self.idleTimeout = idleTimeout
         self.limits = limits
-        reader = ResponseReader(requestMethod: method, limits: limits)
+        reader = ResponseReader(requestMethod: request.method, limits: limits)
     }
 
     public var isFinished: Bool { phase == .done }
@@ -139,25 +196,36 @@ public struct OriginExchange: Sendable {
         switch (event, phase) {
         case (_, .done):
             break
-        case (.connected(let reused), .connecting(let resent)):
-            phase = .exchanging(reused: reused, answered: false, resent: resent)
-            out.append(.write(head))
-            out.append(.arm(milliseconds: idleTimeout))
-            beginBody(&out)
+        case (.connected(let reused, let http2), .connecting(let resent)):
+            phase = .exchanging(reused: reused, answered: false, resent: resent, http2: http2)
+            if http2 {
+                sending = .sent
+                finalHead = false
+                out.append(.submit(request.http2Fields, body: body != .none && body != .length(0)))
+                out.append(.arm(milliseconds: idleTimeout))
+            } else {
+                out.append(.write(request.http1Head))
+                out.append(.arm(milliseconds: idleTimeout))
+                beginBody(&out)
+            }
         case (.connected, .exchanging):
             preconditionFailure("a second connection for one exchange")
         case (.connectFailed(let failure, let detail), .connecting):
             finish(failure, detail, &out)
         case (.connectFailed, .exchanging):
             preconditionFailure("a connection failed after it was made")
-        case (.closed, .exchanging(let reused, let answered, let resent)):
+        case (.closed, .exchanging(let reused, let answered, let resent, false)):
             if resendIfStale(reused: reused, answered: answered, resent: resent, "closed", &out) { return }
             reader.closed(&outputs)
             translate(consumed: 0, of: 0, closing: true, &out)
-        case (.broken(let detail), .exchanging(let reused, let answered, let resent)):
+        case (.broken(let detail), .exchanging(let reused, let answered, let resent, false)):
             if resendIfStale(reused: reused, answered: answered, resent: resent, "broke", &out) { return }
             out.append(.release(reusable: false))
             finish(.incomplete, detail, &out)
+        case (.closed, .exchanging(_, _, _, true)):
+            streamFailed(refused: false, detail: "the origin closed the connection", &out)
+        case (.broken(let detail), .exchanging(_, _, _, true)):
+            streamFailed(refused: false, detail: detail, &out)
         case (.closed, .connecting), (.broken, .connecting):
             // Nothing of a connection being made is read yet: its failure comes as `.connectFailed`.
             break
@@ -174,22 +242,109 @@ public struct OriginExchange: Sendable {
         case (.cancel, _):
             phase = .done
             out.append(.release(reusable: false))
-        case (.bodyRead(let count), .exchanging):
+        case (.bodyRead(let count), .exchanging(_, _, _, false)):
             bodyRead(count, &out)
-        case (.bodyPaused, .exchanging):
+        case (.bodyPaused, .exchanging(_, _, _, false)):
             precondition(sending == .reading, "a body answer without a .readBody")
             sending = .waiting
-        case (.bodyResumed, .exchanging):
+        case (.bodyResumed, .exchanging(_, _, _, false)):
             guard sending == .waiting else { return }
             askForBody(&out)
-        case (.bodyEnded(let trailers), .exchanging):
+        case (.bodyEnded(let trailers), .exchanging(_, _, _, false)):
             bodyEnded(trailers, &out)
-        case (.bodyRead, .connecting), (.bodyPaused, .connecting), (.bodyEnded, .connecting):
-            preconditionFailure("a body answer before the request was sent")
-        case (.bodyResumed, .connecting):
-            // The connection is not there yet: the body is asked for once the head is written.
+        case (.bodyRead, _), (.bodyPaused, _), (.bodyEnded, _):
+            preconditionFailure("a body answer without a .readBody")
+        case (.bodyResumed, _):
+            // Not waiting (no connection yet, or nghttp2 reads the body): nothing to ask for.
             break
+        case (.bodyRewound(true), .rewinding(let reuse)):
+            phase = .connecting(resent: true)
+            out.append(.arm(milliseconds: connectTimeout))
+            out.append(.connect(reuse: reuse))
+        case (.bodyRewound(false), .rewinding):
+            finish(
+                .incomplete,
+                "the origin did not process the request, but its body was too large to keep, so it was not sent again",
+                &out)
+        case (.bodyRewound, _):
+            preconditionFailure("a rewind answer without a .rewindBody")
+        case (.timerFired, .rewinding), (.closed, .rewinding), (.broken, .rewinding):
+            // The rewind is answered at once (no connection, no timer).
+            break
+        case (.connected, .rewinding), (.connectFailed, .rewinding):
+            preconditionFailure("a connection while rewinding the body")
+        case (.streamHead(let fields), .exchanging(let reused, _, let resent, true)):
+            phase = .exchanging(reused: reused, answered: true, resent: resent, http2: true)
+            streamHead(fields, &out)
+        case (.streamHeadTooLarge(let reason), .exchanging(_, _, _, true)):
+            out.append(.release(reusable: false))
+            finish(.headTooLarge, reason, &out)
+        case (.streamTrailers(let fields), .exchanging(_, _, _, true)):
+            guard finalHead else {
+                out.append(.release(reusable: false))
+                return finish(.protocolError, "trailer fields before the response", &out)
+            }
+            out.append(.deliverTrailers(H2Semantics.trailerSection(fields)))
+        case (.streamEnded, .exchanging(_, _, _, true)):
+            guard finalHead else {
+                out.append(.release(reusable: false))
+                return finish(.incomplete, "the stream ended without a response", &out)
+            }
+            out.append(.release(reusable: true))
+            finish(nil, "", &out)
+        case (.streamFailed(let refused, let detail), .exchanging(_, _, _, true)):
+            streamFailed(refused: refused, detail: detail, &out)
+        case (.streamHead, _), (.streamHeadTooLarge, _), (.streamTrailers, _), (.streamEnded, _),
+            (.streamFailed, _):
+            preconditionFailure("a stream event without a stream")
         }
+    }
+
+    // MARK: - HTTP/2
+
+    private mutating func streamHead(_ fields: [H2Field], _ out: inout [Action]) {
+        guard !finalHead else {
+            // nghttp2 hands a header block after the final head over as trailers.
+            out.append(.release(reusable: false))
+            return finish(.protocolError, "a second response head", &out)
+        }
+        switch H2Semantics.originResponseHead(fields, requestMethod: request.method, limits: limits) {
+        case .failure(let error):
+            out.append(.release(reusable: false))
+            finish(Self.failure(error), "\(error)", &out)
+        case .success(let received):
+            if received.head.status >= 200 { finalHead = true }
+            out.append(.deliverHead(received))
+        }
+    }
+
+    /// A stream that ended without its response: sent once more when the origin proved it untouched, or (as a
+    /// kept HTTP/1.1 connection that ended) when it went on a reused connection, had no answer and may be resent.
+    private mutating func streamFailed(refused: Bool, detail: String, _ out: inout [Action]) {
+        guard case .exchanging(let reused, let answered, let resent, _) = phase else { return }
+        if !answered && !resent && (refused || (reused && RetryPolicy.mayResend(method: method, framing: framing))) {
+            phase = .connecting(resent: true)
+            sending = .idle
+            out.append(.release(reusable: false))
+            out.append(
+                .log(
+                    refused
+                        ? "the origin did not process the stream (\(detail)); \(method) sent again"
+                        : "the kept connection to the origin ended before answering; \(method) sent again on a new connection"
+                ))
+            // A refusal of the stream alone (too many at once) leaves the connection usable.
+            if body == .none || body == .length(0) {
+                out.append(.arm(milliseconds: connectTimeout))
+                out.append(.connect(reuse: refused))
+            } else {
+                // The body was read (some of it) for the first stream: from its start again, if it was kept.
+                phase = .rewinding(reuse: refused)
+                out.append(.rewindBody)
+            }
+            return
+        }
+        out.append(.release(reusable: false))
+        finish(.incomplete, detail, &out)
     }
 
     // MARK: - The request body
@@ -252,8 +407,13 @@ public struct OriginExchange: Sendable {
     /// Response bytes arrived; returns how many were read (all of them, unless the response ended before them:
     /// then the connection is not reused, its peer being out of step).
     public mutating func received(_ input: UnsafeRawBufferPointer, _ out: inout [Action]) -> Int {
-        guard case .exchanging(let reused, _, let resent) = phase else { return input.count }
-        phase = .exchanging(reused: reused, answered: true, resent: resent)
+        guard case .exchanging(let reused, _, let resent, let http2) = phase else { return input.count }
+        phase = .exchanging(reused: reused, answered: true, resent: resent, http2: http2)
+        if http2 {
+            // DATA of the stream: the body as it is (HTTP/2 frames it; nghttp2 checks it against content-length).
+            out.append(.deliverBody(0..<input.count))
+            return input.count
+        }
         // A response is a head, body pieces and its end: room for them at once, not grown three times.
         if outputs.capacity == 0 { outputs.reserveCapacity(4) }
         let consumed = reader.read(input, &outputs)
@@ -332,12 +492,11 @@ extension UpstreamRequest {
         RetryPolicy.mayResend(method: method, framing: body == .none ? .none : .chunked)
     }
 
-    /// Whether the proxy's own HTTP/1.1 client carries this request: every method, body and target, straight to
-    /// the origin. libcurl carries requests through an upstream proxy, every request when `builtinClient` is off
-    /// (`upstream_client = libcurl`), and, until the own client speaks HTTP/2, a request to an https origin that
-    /// says `te: trailers` (a gRPC call, which needs HTTP/2 to the origin).
+    /// Whether the proxy's own client carries this request: every method, body and target, straight to the
+    /// origin, in HTTP/2 when an https origin chooses it. libcurl carries requests through an upstream proxy,
+    /// and every request when `builtinClient` is off (`upstream_client = libcurl`).
     public func fitsOwnClient(builtinClient: Bool) -> Bool {
-        builtinClient && upstreamProxy == nil && !(http2 && fields.contains { $0.name == "te" })
+        builtinClient && upstreamProxy == nil
     }
 
     /// How the own client frames the request body.
