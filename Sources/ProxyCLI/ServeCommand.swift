@@ -221,7 +221,6 @@ enum ServeCommand {
         logger.info(
             "max_connections \(admission.maxConnections), \(admission.maxPerClient) per client address (open-file limit \(fileLimit))"
         )
-        if let warning = ProxyServer.libcurlWarning { logger.warn(warning) }
         let needed = admission.maxConnections * 2 + Admission.reservedFiles
         if fileLimit < needed {
             logger.warn(

@@ -788,9 +788,10 @@ final class ClientDriver: ServerConnection, TransferOwner {
     private func send(_ request: UpstreamRequest, origin: OriginConfig) {
         credentialFields(request.credential, method: request.method, url: request.url, origin: origin) {
             [unowned self] authorization in
+            _ = requestBody()
             let made = makeUpstreamTransfer(
                 owner: self, request: request, origin: origin, authorization: authorization, context: context,
-                connectionID: id, body: requestBody)
+                connectionID: id)
             transfer = made
             uploadPaused = false
             made.start()

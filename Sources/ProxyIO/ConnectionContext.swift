@@ -13,10 +13,6 @@ final class ConnectionContext {
     /// The decisions for request heads and the `[proxy]` settings they were made with.
     let frontDoor: FrontDoor
     let resolver: Resolver
-    /// libcurl's multi handle for requests to protected origins (shared by every context of the server), made
-    /// on first use: a proxy that only passes traffic through never opens curl's descriptors.
-    var curl: CurlMulti { curlProvider() }
-    private let curlProvider: () -> CurlMulti
     let tokens: TokenBroker
     /// The proxy's own kept connections to protected origins (`OriginTransfer`), made on first use.
     private(set) lazy var origins = OriginPool(loop: loop)
@@ -59,7 +55,7 @@ final class ConnectionContext {
     }
 
     init(
-        loop: EventLoop, logger: Logger, frontDoor: FrontDoor, resolver: Resolver, curl: @escaping () -> CurlMulti,
+        loop: EventLoop, logger: Logger, frontDoor: FrontDoor, resolver: Resolver,
         tokens: TokenBroker, tlsContexts: TLSServerContexts?, tlsClients: TLSClientContexts, spoolDirectory: String,
         nonces: DPoPNonces,
         keys: DPoPKeyring, pipes: PipePool, tunnelBuffer: TunnelBuffer, peers: PeerLookup, owner: any ConnectionOwner
@@ -68,7 +64,6 @@ final class ConnectionContext {
         self.logger = logger
         self.frontDoor = frontDoor
         self.resolver = resolver
-        self.curlProvider = curl
         self.tokens = tokens
         self.tlsContexts = tlsContexts
         self.tlsClients = tlsClients

@@ -478,3 +478,24 @@ final class BufferedTransfer: CurlTransfer {
         }
     }
 }
+
+extension UpstreamFailure {
+    /// What a libcurl error code means to the provider client.
+    init(_ code: CURLcode) {
+        switch code {
+        case CURLE_COULDNT_RESOLVE_HOST: self = .dns
+        case CURLE_COULDNT_CONNECT: self = .connect
+        case CURLE_OPERATION_TIMEDOUT: self = .timeout
+        case CURLE_PEER_FAILED_VERIFICATION, CURLE_SSL_CACERT_BADFILE, CURLE_SSL_CERTPROBLEM: self = .certificate
+        case CURLE_SSL_CONNECT_ERROR: self = .tls
+        case CURLE_GOT_NOTHING, CURLE_RECV_ERROR, CURLE_SEND_ERROR, CURLE_PARTIAL_FILE, CURLE_HTTP2,
+            CURLE_HTTP2_STREAM:
+            self = .incomplete
+        case CURLE_COULDNT_RESOLVE_PROXY, CURLE_PROXY: self = .proxy
+        case CURLE_WEIRD_SERVER_REPLY: self = .protocolError
+        // libcurl refuses a response head above its limit (CURL_MAX_HTTP_HEADER) as out of memory.
+        case CURLE_OUT_OF_MEMORY: self = .headTooLarge
+        default: self = .other
+        }
+    }
+}

@@ -770,17 +770,7 @@ final class H2Driver: ServerConnection, TransferOwner {
         }
         let made = makeUpstreamTransfer(
             owner: self, request: request, origin: origin, authorization: authorization, context: context,
-            connectionID: id
-        ) {
-            let body =
-                io.body
-                ?? RequestBody(memoryLimit: context.settings.replayMemory, spoolDirectory: context.spoolDirectory)
-            io.body = body
-            return body
-        }
-        if request.body == .streaming, let curl = made as? InterceptTransfer {
-            curl.sendTrailers { [weak io] in io?.requestTrailers ?? [] }
-        }
+            connectionID: id)
         made.tag = stream
         io.transfer = made
         io.uploadPaused = false

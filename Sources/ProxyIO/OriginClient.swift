@@ -5,9 +5,8 @@ import Foundation
 import ProxyCore
 import ProxyTLS
 
-/// A request to a protected origin in flight: a libcurl transfer (`InterceptTransfer`) or one of the proxy's
-/// own HTTP/1.1 client (`OriginTransfer`). Its callbacks reach the owner at the top of the loop, never inside
-/// a call the owner made.
+/// A request to a protected origin in flight on the proxy's own client (`OriginTransfer`). Its callbacks reach
+/// the owner at the top of the loop, never inside a call the owner made.
 protocol UpstreamTransfer: AnyObject {
     /// The owner paused the response (its client is slow); `resume()` lets it go on.
     var paused: Bool { get set }
@@ -23,29 +22,54 @@ protocol UpstreamTransfer: AnyObject {
     func cancel()
 }
 
+/// Who receives an upstream transfer's callbacks (the client connection's driver).
+protocol TransferOwner: AnyObject {
+    /// The trailer section of the response (its field lines and the blank line).
+    func transferHeader(_ transfer: any UpstreamTransfer, _ lines: UnsafeRawBufferPointer)
+    /// The response head, parsed once (`OriginExchange`).
+    func transferResponseHead(_ transfer: any UpstreamTransfer, _ received: ReceivedHead)
+    /// Response body bytes; returns the count taken, or `proxyctl_writefunc_pause()` (the owner's client is slow:
+    /// `resume()` when it is not).
+    func transferBody(_ transfer: any UpstreamTransfer, _ data: UnsafeRawBufferPointer) -> Int
+    /// Request body bytes from the read position (`uploadOffset`); 0 at the end, or `proxyctl_readfunc_pause()`
+    /// when none are there yet (`resume()` when there are).
+    func transferRead(_ transfer: any UpstreamTransfer, _ buffer: UnsafeMutableRawBufferPointer) -> Int
+    /// Moves the read position of the request body (back to its start, for a resend); false when the body was
+    /// not kept.
+    func transferSeek(_ transfer: any UpstreamTransfer, _ offset: Int) -> Bool
+    /// The trailer fields to send after a request body of unknown length (the client's own, or none).
+    func transferTrailers(_ transfer: any UpstreamTransfer) -> [H2Field]
+    func transferFinished(_ transfer: any UpstreamTransfer, _ failure: UpstreamFailure?, detail: String)
+}
+
 /// What makes two origin connections interchangeable: the origin, and the CA file its certificate is checked
 /// against.
 struct OriginKey: Hashable {
     let scheme: String
     let authority: HostPort
     let caFile: String?
+    /// The upstream proxy a connection goes through (a tunnel, or absolute-form requests to an http origin).
+    let proxy: HostPort?
     /// Hashed once: the pool looks a key up several times per request (take, keep), and the CA file's path
     /// made each lookup a SipHash over some 70 bytes.
     private let hash: Int
 
-    init(scheme: String, authority: HostPort, caFile: String?) {
+    init(scheme: String, authority: HostPort, caFile: String?, proxy: HostPort? = nil) {
         self.scheme = scheme
         self.authority = authority
         self.caFile = caFile
+        self.proxy = proxy
         var hasher = Hasher()
         hasher.combine(scheme)
         hasher.combine(authority)
         hasher.combine(caFile)
+        hasher.combine(proxy)
         hash = hasher.finalize()
     }
 
     static func == (lhs: Self, rhs: Self) -> Bool {
         lhs.hash == rhs.hash && lhs.scheme == rhs.scheme && lhs.authority == rhs.authority && lhs.caFile == rhs.caFile
+            && lhs.proxy == rhs.proxy
     }
 
     func hash(into hasher: inout Hasher) { hasher.combine(hash) }
@@ -67,11 +91,13 @@ final class OriginPool {
 
     /// The key of an origin: the last one made again when it is the same origin (comparing three strings costs
     /// less than hashing them, and one connection's requests go to one origin).
-    func key(scheme: String, authority: HostPort, caFile: String?) -> OriginKey {
-        if let last = lastKey, last.scheme == scheme, last.authority == authority, last.caFile == caFile {
+    func key(scheme: String, authority: HostPort, caFile: String?, proxy: HostPort?) -> OriginKey {
+        if let last = lastKey, last.scheme == scheme, last.authority == authority, last.caFile == caFile,
+            last.proxy == proxy
+        {
             return last
         }
-        let made = OriginKey(scheme: scheme, authority: authority, caFile: caFile)
+        let made = OriginKey(scheme: scheme, authority: authority, caFile: caFile, proxy: proxy)
         lastKey = made
         return made
     }
@@ -212,6 +238,8 @@ final class OriginConnection {
     private let tls: TLSClientContexts?
     private let caFile: String?
     private let offerHTTP2: Bool
+    /// TLS waits for `startTLS` (a tunnel through the upstream proxy is asked for first).
+    private let tlsLater: Bool
     /// The origin chose HTTP/2 in the TLS handshake (ALPN `h2`).
     private(set) var http2 = false
 
@@ -226,8 +254,9 @@ final class OriginConnection {
     /// when the socket cannot even be made or the connect fails at once.
     init(
         key: OriginKey, loop: EventLoop, address: SocketAddress, serverName: String, tls: TLSClientContexts?,
-        caFile: String?, offerHTTP2: Bool, user: any OriginConnectionUser
+        caFile: String?, offerHTTP2: Bool, tlsLater: Bool = false, user: any OriginConnectionUser
     ) throws(ConnectError) {
+        self.tlsLater = tlsLater
         self.key = key
         self.loop = loop
         self.serverName = serverName
@@ -404,19 +433,8 @@ final class OriginConnection {
                 return failed(.connect, "cannot connect: \(String(cString: strerror(code)))")
             }
             _ = proxyctl_set_nodelay(fd)
-            guard let tls else { return ready() }
-            do {
-                let made = try tls.makeSSL(serverName: serverName, caFile: caFile, offerHTTP2: offerHTTP2)
-                SSL_set_fd(made, fd)
-                SSL_set_read_ahead(made, 1)
-                _ = proxyctl_SSL_set_mode(made, Int(SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER))
-                SSL_set_default_read_buffer_len(made, Self.readSize)
-                ssl = made
-            } catch {
-                return failed(.tls, "TLS cannot start: \(error)")
-            }
-            phase = .handshaking
-            handshake()
+            guard tls != nil, !tlsLater else { return ready() }
+            beginTLS()
         case .handshaking:
             handshake()
         case .open:
@@ -431,6 +449,30 @@ final class OriginConnection {
             }
             if Int32(what) & Int32(EV_READ) != 0 { notifyReadable() }
         }
+    }
+
+    /// TLS to the origin over the open connection (a tunnel the upstream proxy opened); `connectionReady` again
+    /// when it is up.
+    func startTLS() {
+        guard phase == .open, ssl == nil, tls != nil else { return failed(.tls, "TLS cannot start on this connection") }
+        stopReading()
+        beginTLS()
+    }
+
+    private func beginTLS() {
+        guard let tls else { return }
+        do {
+            let made = try tls.makeSSL(serverName: serverName, caFile: caFile, offerHTTP2: offerHTTP2)
+            SSL_set_fd(made, fd)
+            SSL_set_read_ahead(made, 1)
+            _ = proxyctl_SSL_set_mode(made, Int(SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER))
+            SSL_set_default_read_buffer_len(made, Self.readSize)
+            ssl = made
+        } catch {
+            return failed(.tls, "TLS cannot start: \(error)")
+        }
+        phase = .handshaking
+        handshake()
     }
 
     private func notifyReadable() {
@@ -498,28 +540,20 @@ private let originEventCallback: event_callback_fn = { _, what, context in
     withExtendedLifetime(connection) { connection.event(what) }
 }
 
-/// The transfer for `request` on the client its `client` names: the own one (when its URL parses), else
-/// libcurl with the request body `body()` gives (made only then).
+/// The transfer for `request` to `origin`.
 func makeUpstreamTransfer(
     owner: any TransferOwner, request: UpstreamRequest, origin: OriginConfig,
-    authorization: [(name: String, value: [UInt8])], context: ConnectionContext, connectionID: UInt64,
-    body: () -> RequestBody
+    authorization: [(name: String, value: [UInt8])], context: ConnectionContext, connectionID: UInt64
 ) -> any UpstreamTransfer {
-    if request.client == .builtin,
-        let own = OriginTransfer(
-            owner: owner, request: request, origin: origin, authorization: authorization, context: context,
-            connectionID: connectionID)
-    {
-        return own
-    }
-    return InterceptTransfer(
-        owner: owner, request: request, authorization: authorization, body: body(), pool: context.curl)
+    OriginTransfer(
+        owner: owner, request: request, origin: origin, authorization: authorization, context: context,
+        connectionID: connectionID)
 }
 
-/// One GET or HEAD to a protected origin on the proxy's own HTTP/1.1 client: carries out what its
-/// `OriginExchange` decides (which connection, the head written, the response read and handed to the owner as
-/// libcurl's callbacks would, the timer, the connection kept or closed) on an `OriginConnection`. Decides
-/// nothing itself; flow control is the owner's, as with libcurl: a paused response keeps what was read and
+/// One request to a protected origin on the proxy's own client: carries out what its `OriginExchange` decides
+/// (which connection or stream, the head or header block written, the request body, the response read and
+/// handed to the owner, the timer, the connection kept or closed) on an `OriginConnection` or a stream of an
+/// `OriginH2Session`. Decides nothing itself; flow control is the owner's: a paused response keeps what was read and
 /// stops reading the origin.
 final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStreamUser {
     unowned let owner: any TransferOwner
@@ -532,7 +566,16 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
 
     private var machine: OriginExchange
     private let key: OriginKey
+    /// Where connections go: the origin, or the upstream proxy.
     private let hop: HostPort
+    /// The origin's host, for TLS (SNI and the certificate's name).
+    private let serverName: String
+    /// The request goes through a tunnel the upstream proxy opens (`.proxyConnected`, then `.startTLS`).
+    private let tunnelled: Bool
+    /// TLS over the tunnel is being set up (`connectionReady` again when it is up).
+    private var startingTLS = false
+    /// How a failure to reach `hop` is named: the origin, or the upstream proxy.
+    private let hopFailure: (UpstreamFailure) -> UpstreamFailure
     private let https: Bool
     private let caFile: String?
     /// The connection the request is on, once there is one (HTTP/1.1).
@@ -557,6 +600,8 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
     private var peerClosed = false
     /// Events that must not reach the owner inside a call it made (a connection that failed at once).
     private var deferred: [OriginExchange.Event] = []
+    /// Why the request cannot be sent at all, if it cannot.
+    private var unsendable: String?
     /// The owner's call (`start`) is under way: nothing is read from it meanwhile.
     private var insideOwnerCall = false
     /// The machine asked for at most this many bytes of the request body (`.readBody`), not read yet.
@@ -577,7 +622,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
     }
 
     /// nil when `request` cannot be sent this way (its URL does not parse).
-    init?(
+    init(
         owner: any TransferOwner, request: UpstreamRequest, origin: OriginConfig,
         authorization: [(name: String, value: [UInt8])], context: ConnectionContext, connectionID: UInt64
     ) {
@@ -585,23 +630,31 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
         if let target = Self.target(of: request.url, at: origin) {
             // The origin's parts are parsed and normalised already: only the target is new.
             url = AbsoluteURL(scheme: origin.scheme, authority: origin.authority, pathAndQuery: target)
-        } else {
-            guard case .success(let parsed) = AbsoluteURL.parse(request.url) else { return nil }
+        } else if case .success(let parsed) = AbsoluteURL.parse(request.url) {
             url = parsed
+        } else {
+            // Not a URL this client can send (a fragment in the target): the exchange fails at its start.
+            url = AbsoluteURL(scheme: origin.scheme, authority: origin.authority, pathAndQuery: "/")
+            unsendable = "the request target cannot be sent to the origin (\(TargetText.withoutQuery(request.url)))"
         }
         self.owner = owner
         self.context = context
         self.connectionID = connectionID
-        hop = url.authority
+        let proxy = request.upstreamProxy
+        hop = proxy?.address ?? url.authority
+        serverName = url.authority.host
+        tunnelled = proxy != nil && url.scheme == "https"
+        hopFailure = proxy == nil ? { $0 } : { _ in .proxy }
         https = url.scheme == "https"
         caFile = request.caFile
-        key = context.origins.key(scheme: url.scheme, authority: url.authority, caFile: request.caFile)
+        key = context.origins.key(
+            scheme: url.scheme, authority: url.authority, caFile: request.caFile, proxy: proxy?.address)
         offerHTTP2 = request.http2
         responseHeadLimits = request.responseHeadLimits
         machine = OriginExchange(
             request: OriginExchange.Request(
                 method: request.method, url: url, target: request.requestTarget, fields: request.fields,
-                body: request.originBody, credential: authorization),
+                body: request.originBody, credential: authorization, proxy: proxy),
             connectTimeout: request.connectTimeout, idleTimeout: request.idleTimeout,
             limits: request.responseHeadLimits)
     }
@@ -637,6 +690,9 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
 
     func start() {
         lastActivity = EventLoop.monotonicMilliseconds()
+        if let unsendable {
+            return later(.connectFailed(.other, detail: unsendable))
+        }
         var out = Array.takeScratch(from: &context.originActions, minimumCapacity: 8)
         // A kept connection is taken at once, and the request body would be read from the owner inside its own
         // call: that waits for the top of the loop.
@@ -725,6 +781,9 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
                 context.logger.info("conn=\(connectionID) \(line)")
             case .readBody(let most):
                 bodyRead = most
+            case .startTLS:
+                startingTLS = true
+                connection?.startTLS()
             case .rewindBody:
                 // The owner's store rewinds the body (the read position back to 0) if it kept all of it.
                 handle(.bodyRewound(owner.transferSeek(self, 0)))
@@ -763,7 +822,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
     private static func isOrdered(_ action: OriginExchange.Action) -> Bool {
         switch action {
         case .deliverHead, .deliverBody, .deliverTrailers, .release, .finish: true
-        case .connect, .arm, .write, .log, .readBody, .writeBody, .submit, .rewindBody: false
+        case .connect, .arm, .write, .log, .readBody, .writeBody, .submit, .rewindBody, .startTLS: false
         }
     }
 
@@ -856,9 +915,11 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
                 transfer.addressIndex = 0
                 transfer.dial()
             case .failure(.notFound):
-                transfer.later(.connectFailed(.dns, detail: "cannot resolve \(transfer.hop.host)"))
+                transfer.later(
+                    .connectFailed(transfer.hopFailure(.dns), detail: "cannot resolve \(transfer.hopName)"))
             case .failure(.temporary(let reason)):
-                transfer.later(.connectFailed(.dns, detail: "cannot resolve \(transfer.hop.host): \(reason)"))
+                transfer.later(
+                    .connectFailed(transfer.hopFailure(.dns), detail: "cannot resolve \(transfer.hopName): \(reason)"))
             }
         }
     }
@@ -868,24 +929,46 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
         while addressIndex < addresses.count {
             do {
                 dialing = try OriginConnection(
-                    key: key, loop: context.loop, address: addresses[addressIndex], serverName: hop.host,
-                    tls: https ? context.tlsClients : nil, caFile: caFile, offerHTTP2: offerHTTP2 && https, user: self)
+                    key: key, loop: context.loop, address: addresses[addressIndex], serverName: serverName,
+                    tls: https ? context.tlsClients : nil, caFile: caFile, offerHTTP2: offerHTTP2 && https,
+                    tlsLater: tunnelled, user: self)
                 return
             } catch {
                 addressIndex += 1
                 if addressIndex == addresses.count {
                     later(
                         .connectFailed(
-                            .connect, detail: "cannot connect to \(hop): \(String(cString: strerror(error.code)))"))
+                            hopFailure(.connect),
+                            detail: "cannot connect to \(hopName): \(String(cString: strerror(error.code)))"))
                 }
             }
         }
     }
 
+    /// The hop as the messages name it.
+    private var hopName: String { hop == key.authority ? "\(hop)" : "the upstream proxy \(hop)" }
+
     func connectionReady(_ made: OriginConnection) {
+        if made === connection, startingTLS {
+            // TLS to the origin through the upstream proxy's tunnel is up.
+            startingTLS = false
+            lastActivity = EventLoop.monotonicMilliseconds()
+            connection = nil
+            return connected(made)
+        }
         guard made === dialing else { return }
         dialing = nil
         lastActivity = EventLoop.monotonicMilliseconds()
+        if tunnelled {
+            connection = made
+            return handle(.proxyConnected)
+        }
+        connected(made)
+    }
+
+    /// A new connection (TCP, TLS) is ready for the request: an HTTP/2 one becomes shared, the request its first
+    /// stream.
+    private func connected(_ made: OriginConnection) {
         if made.http2 {
             // The origin chose HTTP/2: the connection becomes a shared one, this request its first stream.
             let shared = OriginH2Session(key: key, connection: made, loop: context.loop, limits: responseHeadLimits)
@@ -899,13 +982,18 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
     }
 
     func connectionFailed(_ made: OriginConnection, _ failure: UpstreamFailure, detail: String) {
+        if made === connection, startingTLS {
+            startingTLS = false
+            connection = nil
+            return handle(.connectFailed(failure, detail: "\(key.authority): \(detail)"))
+        }
         guard made === dialing else { return }
         dialing = nil
         if failure == .connect, addressIndex + 1 < addresses.count {
             addressIndex += 1
             return dial()
         }
-        handle(.connectFailed(failure, detail: "\(hop): \(detail)"))
+        handle(.connectFailed(hopFailure(failure), detail: "\(hopName): \(detail)"))
     }
 
     func connectionBroke(_ used: OriginConnection, detail: String) {

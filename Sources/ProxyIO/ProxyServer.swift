@@ -74,8 +74,6 @@ public final class ProxyServer: ConnectionOwner {
     /// The limits on connections, from the settings and the open-file limit.
     private(set) var admission: Admission
     private let fileLimit: Int
-    /// libcurl's multi handle for requests to protected origins (connection reuse, HTTP/2).
-    private(set) lazy var curl = CurlMulti(loop: loop)
     /// Tokens for protected origins.
     private(set) var tokens: TokenBroker
     /// TLS contexts with leaves from the local CA; nil without protected https origins.
@@ -147,7 +145,7 @@ public final class ProxyServer: ConnectionOwner {
     private func currentContext() -> ConnectionContext {
         if let context { return context }
         let made = ConnectionContext(
-            loop: loop, logger: logger, frontDoor: frontDoor, resolver: resolver, curl: { [unowned self] in curl },
+            loop: loop, logger: logger, frontDoor: frontDoor, resolver: resolver,
             tokens: tokens,
             tlsContexts: tlsContexts, tlsClients: tlsClients, spoolDirectory: spoolDirectory, nonces: resourceNonces,
             keys: keys, pipes: pipes, tunnelBuffer: tunnelBuffer, peers: peers, owner: self)
@@ -207,8 +205,6 @@ public final class ProxyServer: ConnectionOwner {
 
     // MARK: - Accepting
 
-    /// A warning about the libcurl this process runs with, if it limits what protected origins get.
-    public static var libcurlWarning: String? { InterceptTransfer.http2Warning }
 
     /// The process's open-file limit (its soft limit, which serve raises to the hard one first).
     public static func openFileLimit() -> Int {

@@ -71,7 +71,7 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
             replay_memory = 2MiB
             replay_spool = 16MiB
             http2 = off
-            upstream_client = LibCurl
+            upstream_client = Builtin
             resolve = api.test=127.0.0.1, Git.Test.=::1
             notify_command = notify-send  proxyctl
             log_level = debug
@@ -87,8 +87,6 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(proxy.replayMemory == 2 << 20)
         #expect(proxy.replaySpool == 16 << 20)
         #expect(proxy.http2 == false)
-        #expect(proxy.builtinClient == false)
-        #expect(ProxySettings().builtinClient)
         #expect(proxy.resolve == ["api.test": "127.0.0.1", "git.test": "::1"])
         #expect(proxy.notifyCommand == ["notify-send", "proxyctl"])
         #expect(proxy.listen == ListenAddress(host: "127.0.0.1", port: 3128, isIPv6: false))
@@ -219,8 +217,8 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
             found.first?.description
                 == "proxy.conf:2: [proxy] connect_timeout: expected a duration such as 10s, 500ms or 5m, got \"5x\"")
         #expect(
-            errors("[proxy]\nupstream_client = fast\n").first?.description
-                == "proxy.conf:2: [proxy] upstream_client: expected builtin or libcurl, got \"fast\"")
+            errors("[proxy]\nupstream_client = libcurl\n").first?.description
+                == "proxy.conf:2: [proxy] upstream_client: libcurl no longer carries requests to protected origins (the proxy's own client does, in HTTP/1.1 or HTTP/2 as the origin chooses); remove this line, got \"libcurl\"")
     }
 
     @Test func unknownKey() throws {

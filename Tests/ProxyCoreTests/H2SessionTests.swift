@@ -23,15 +23,12 @@ import Testing
         _ method: String, _ target: String, _ fields: [(String, String)], generation: Int64?,
         nonce: String? = nil, body: UpstreamRequest.Body = .none, attempt: Int = 1
     ) -> UpstreamRequest {
-        var request = UpstreamRequest(
+        UpstreamRequest(
             method: method, url: "https://api.test" + (target == "*" ? "/" : target),
             requestTarget: target == "*" ? "*" : nil, fields: fields.map { ($0.0, Array($0.1.utf8)) },
             credential: generation.map { UpstreamRequest.Credential(generation: $0, dpopNonce: nonce) }, body: body,
-            http2: true, connectTimeout: 5_000, idleTimeout: 30_000, caFile: nil, resolve: nil, upstreamProxy: nil,
+            http2: true, connectTimeout: 5_000, idleTimeout: 30_000, caFile: nil, upstreamProxy: nil,
             attempt: attempt)
-        // The default `upstream_client = builtin`: every request straight to the origin on the proxy's own client.
-        request.client = .builtin
-        return request
     }
 
     static func record(

@@ -30,6 +30,7 @@ import Testing
             case .readBody(let most): "readBody(\(most))"
             case .writeBody(let count): "writeBody(\(count))"
             case .rewindBody: "rewindBody"
+            case .startTLS: "startTLS"
             case .submit(let fields, let body): "submit(\(fields.count) fields, body: \(body))"
             }
         }
@@ -314,31 +315,18 @@ import Testing
         }
     }
 
-    @Test func theOwnClientCarriesEveryMethodBodyAndTargetStraightToTheOrigin() {
-        func request(
-            _ method: String, body: UpstreamRequest.Body = .none, target: String? = nil, proxy: Bool = false,
-            fields: [(name: String, value: [UInt8])] = []
-        ) -> UpstreamRequest {
+    @Test func theBodysFramingAndWhetherTheRequestMayGoTwice() {
+        func request(_ method: String, body: UpstreamRequest.Body = .none) -> UpstreamRequest {
             UpstreamRequest(
-                method: method, url: "https://api.test/a", requestTarget: target, fields: fields, credential: nil,
-                body: body, http2: true, connectTimeout: 1, idleTimeout: 1, caFile: nil, resolve: nil,
-                upstreamProxy: proxy ? UpstreamProxy(address: HostPort(host: "p.test", port: 3128, kind: .name)) : nil,
-                attempt: 1)
+                method: method, url: "https://api.test/a", requestTarget: nil, fields: [], credential: nil, body: body,
+                http2: true, connectTimeout: 1, idleTimeout: 1, caFile: nil, upstreamProxy: nil, attempt: 1)
         }
-        #expect(request("GET").fitsOwnClient(builtinClient: true))
-        #expect(request("HEAD").fitsOwnClient(builtinClient: true))
-        #expect(!request("GET").fitsOwnClient(builtinClient: false))
-        #expect(request("POST").fitsOwnClient(builtinClient: true))
-        #expect(request("DELETE").fitsOwnClient(builtinClient: true))
-        #expect(request("GET", body: .length(3)).fitsOwnClient(builtinClient: true))
-        #expect(request("PATCH", body: .streaming).fitsOwnClient(builtinClient: true))
-        #expect(request("OPTIONS", target: "*").fitsOwnClient(builtinClient: true))
-        #expect(!request("GET", proxy: true).fitsOwnClient(builtinClient: true))
-        #expect(request("POST", fields: [("te", Array("trailers".utf8))]).fitsOwnClient(builtinClient: true))
         #expect(request("POST", body: .streaming).originBody == .chunked)
         #expect(request("POST", body: .length(7)).originBody == .length(7))
+        #expect(request("GET").originBody == OriginExchange.Body.none)
         #expect(!request("POST").mayResend && !request("PUT", body: .length(1)).mayResend)
-        #expect(request("PUT").mayResend && request("GET").mayResend)
+        #expect(!request("PATCH").mayResend && !request("DELETE", body: .streaming).mayResend)
+        #expect(request("PUT").mayResend && request("GET").mayResend && request("OPTIONS").mayResend)
     }
 
     // MARK: - Request bodies
@@ -801,5 +789,117 @@ import Testing
                 decoding: H2Semantics.trailerSection([H2Field("grpc-status", "0"), H2Field("grpc-message", "")]),
                 as: UTF8.self)
                 == "grpc-status: 0\r\ngrpc-message: \r\n\r\n")
+    }
+}
+
+/// The own client through the upstream proxy: a CONNECT tunnel to an https origin (RFC 9110 §9.3.6), read by
+/// the one head parser; the proxy's refusals become its answers; an http origin gets the absolute form.
+@Suite struct OriginExchangeProxyTests {
+    static let proxy = UpstreamProxy(
+        address: HostPort(host: "proxy.corp", port: 3128, kind: .name), username: "u", password: "p")
+
+    static func make(scheme: String = "https", method: String = "GET") -> OriginExchange {
+        OriginExchange(
+            request: OriginExchange.Request(
+                method: method,
+                url: AbsoluteURL(
+                    scheme: scheme, authority: HostPort(host: "api.test", port: 8443, kind: .name), pathAndQuery: "/a"),
+                fields: [], credential: [("Authorization", Array("Bearer t".utf8))], proxy: Self.proxy),
+            connectTimeout: 3000, idleTimeout: 9000)
+    }
+
+    static func feed(_ exchange: inout OriginExchange, _ text: String) -> ([String], Int) {
+        var out: [OriginExchange.Action] = []
+        let bytes = Array(text.utf8)
+        let taken = bytes.withUnsafeBytes { exchange.received($0, &out) }
+        return (OriginExchangeTests.render(out, bytes), taken)
+    }
+
+    @Test func anHTTPSOriginIsReachedThroughATunnelTheProxyOpens() {
+        var exchange = Self.make()
+        var out: [OriginExchange.Action] = []
+        exchange.start(&out)
+        out = []
+        exchange.handle(.proxyConnected, &out)
+        #expect(
+            OriginExchangeTests.render(out) == [
+                "write(CONNECT api.test:8443 HTTP/1.1\r\nHost: api.test:8443\r\nProxy-Authorization: Basic dTpw\r\n\r\n)"
+            ])
+        #expect(Self.feed(&exchange, "HTTP/1.1 200 Connection established\r\n") == ([], 37))
+        #expect(Self.feed(&exchange, "\r\n") == (["startTLS"], 2))
+        out = []
+        exchange.handle(.connected(reused: false), &out)
+        #expect(
+            OriginExchangeTests.render(out) == [
+                "write(GET /a HTTP/1.1\r\nHost: api.test:8443\r\nAuthorization: Bearer t\r\n\r\n)", "arm(9000)",
+            ])
+    }
+
+    @Test(arguments: [
+        (
+            "HTTP/1.1 407 Proxy Authentication Required\r\n\r\n",
+            "finish(proxyRefused(status: 407), the upstream proxy answered 407 to CONNECT)"
+        ),
+        (
+            "HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n",
+            "finish(proxyRefused(status: 403), the upstream proxy answered 403 to CONNECT)"
+        ),
+        (
+            "HTTP/1.1 200 OK\r\n\r\n\u{16}\u{3}",
+            "finish(proxyMalformed, the upstream proxy sent bytes after its answer to CONNECT)"
+        ),
+    ])
+    func aRefusalOrAMalformedAnswerEndsTheExchange(answer: String, finish: String) {
+        var exchange = Self.make()
+        var out: [OriginExchange.Action] = []
+        exchange.start(&out)
+        exchange.handle(.proxyConnected, &out)
+        #expect(Self.feed(&exchange, answer).0 == ["release(reusable: false)", finish])
+    }
+
+    @Test func aProxyThatClosesOrStaysSilentIsNamed() {
+        for (event, finish) in [
+            (
+                OriginExchange.Event.closed,
+                "finish(proxyClosed, the upstream proxy closed the connection during CONNECT)"
+            ),
+            (.timerFired(idle: 3000), "finish(proxyTimeout, no answer to CONNECT within 3000 ms)"),
+        ] {
+            var exchange = Self.make()
+            var out: [OriginExchange.Action] = []
+            exchange.start(&out)
+            exchange.handle(.proxyConnected, &out)
+            out = []
+            exchange.handle(event, &out)
+            #expect(OriginExchangeTests.render(out) == ["release(reusable: false)", finish])
+        }
+    }
+
+    @Test func anHTTPOriginGetsTheAbsoluteFormWithTheProxysCredentials() {
+        var exchange = Self.make(scheme: "http")
+        var out: [OriginExchange.Action] = []
+        exchange.start(&out)
+        out = []
+        exchange.handle(.connected(reused: false), &out)
+        #expect(
+            OriginExchangeTests.render(out).first
+                == "write(GET http://api.test:8443/a HTTP/1.1\r\nHost: api.test:8443\r\nProxy-Authorization: Basic dTpw\r\nAuthorization: Bearer t\r\n\r\n)"
+        )
+    }
+
+    @Test func theProxysRefusalsAreTheFrontDoorsAnswers() {
+        let hop = HostPort(host: "api.test", port: 443, kind: .name)
+        #expect(
+            UpstreamFailure.proxyRefused(status: 407).answer(hop: hop, proxy: Self.proxy, detail: "")
+                == .upstreamProxyCredentials(Self.proxy.address, credentialsConfigured: true))
+        #expect(
+            UpstreamFailure.proxyRefused(status: 403).answer(hop: hop, proxy: Self.proxy, detail: "")
+                == .upstreamProxyRefused(Self.proxy.address, status: 403))
+        #expect(
+            UpstreamFailure.proxyClosed.answer(hop: hop, proxy: Self.proxy, detail: "")
+                == .upstreamProxyClosed(Self.proxy.address))
+        #expect(
+            UpstreamFailure.incomplete.answer(hop: hop, proxy: nil, detail: "x")
+                == .upstreamFailed(.incomplete, hop: hop, detail: "x"))
     }
 }

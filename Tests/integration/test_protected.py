@@ -1000,7 +1000,7 @@ def test_env_for_sh_and_fish(tmp_path, rs):
     assert wrong.returncode == 64, wrong.stderr
 
 
-# MARK: - 12. The proxy's own HTTP/1.1 client (upstream_client = builtin, the default) and libcurl
+# MARK: - 12. The proxy's own client
 
 
 BARE_CLIENT = textwrap.dedent("""
@@ -1024,36 +1024,20 @@ BARE_CLIENT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("client", ["builtin", "libcurl"])
-def test_each_upstream_client_attaches_the_token_and_keeps_the_origin_connection(main, rs, client):
-    """GETs go through the proxy's own client by default, or through libcurl with `upstream_client = libcurl`:
-    either way the token is attached, the two requests share one kept connection to the origin, and the
-    request reaches the origin as the client made it. The own client adds nothing; libcurl adds its
-    `User-Agent: proxyctl` when the client sent none."""
-    deployment, ws = main, None
-    if client == "libcurl":
-        ws = Workspace(main.ws.root.parent / "libcurl-client", main.ws.sections, MAIN_RESOLVE,
-                       state=main.ws.state, upstream_client="libcurl")
-        deployment = Deployment(ws, ws.start_proxy())
-    try:
-        seen_mark = rs.mark()
-        done = subprocess.run([sys.executable, "-c", BARE_CLIENT, rs.url(f"/bare/{client}")], capture_output=True,
-                              text=True, timeout=60, env=deployment.client_env())
-        assert done.returncode == 0, done.stderr[-2000:]
-        assert json.loads(done.stdout) == [200, 200]
-        seen = rs.since(seen_mark)
-        assert [s.path for s in seen] == [f"/bare/{client}"] * 2
-        assert all(s.token == deployment.ws.tokens("glew")["access_token"] for s in seen)
-        assert seen[0].connection == seen[1].connection, "the second request went on a new connection"
-        names = [name.lower() for name, _ in seen[0].headers]
-        if client == "builtin":
-            assert names == ["host", "authorization"], seen[0].headers
-        else:
-            assert ("user-agent", "proxyctl") in [(n.lower(), v) for n, v in seen[0].headers], seen[0].headers
-    finally:
-        if ws is not None:
-            failure = deployment.stop()
-            assert failure is None, failure
+def test_the_own_client_attaches_the_token_and_keeps_the_origin_connection(main, rs):
+    """Requests go to the origin on the proxy's own client: the token attached, two requests sharing one kept
+    connection, and the request reaching the origin as the client made it (no User-Agent or Accept of the
+    proxy's)."""
+    seen_mark = rs.mark()
+    done = subprocess.run([sys.executable, "-c", BARE_CLIENT, rs.url("/bare/own")], capture_output=True,
+                          text=True, timeout=60, env=main.client_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout) == [200, 200]
+    seen = rs.since(seen_mark)
+    assert [s.path for s in seen] == ["/bare/own"] * 2
+    assert all(s.token == main.ws.tokens("glew")["access_token"] for s in seen)
+    assert seen[0].connection == seen[1].connection, "the second request went on a new connection"
+    assert [name.lower() for name, _ in seen[0].headers] == ["host", "authorization"], seen[0].headers
 
 
 def test_a_kept_connection_the_origin_closed_unanswered_is_replaced_once(main, rs):
@@ -1111,31 +1095,6 @@ def test_a_request_that_may_not_be_resent_reaches_the_origin_once_http1(main, rs
     assert [s.path for s in seen] == [f"/warm/{tag}", f"/hangup/{tag}"], f"sent {len(seen) - 1} times: {seen}"
     assert seen[1].error == "hung up" and seen[1].body_size == len(body)
     assert seen[1].connection == seen[0].connection, "the request did not go on the kept connection"
-
-
-def test_libcurl_sends_a_request_that_may_not_be_resent_on_a_new_connection(main, rs):
-    """libcurl (`upstream_client = libcurl`, and requests through an upstream proxy) sends a request again by
-    itself when a reused connection ends unanswered: a POST never goes on a reused one there, so it reaches the
-    origin once and the client gets the 502."""
-    ws = Workspace(main.ws.root.parent / "libcurl-once", main.ws.sections, MAIN_RESOLVE, state=main.ws.state,
-                   upstream_client="libcurl")
-    deployment = Deployment(ws, ws.start_proxy())
-    try:
-        tag = uuid.uuid4().hex[:10]
-        seen_mark = rs.mark()
-        tls, reader = intercepted_tls(deployment, rs)
-        answers = []
-        with tls:
-            for path in (f"/warm/{tag}", f"/hangup/{tag}"):
-                tls.sendall(f"POST {path} HTTP/1.1\r\nHost: {rs.authority()}\r\nContent-Length: 5\r\n\r\nbody!".encode())
-                answers.append(reader.read_response("POST"))
-        assert [a.status for a in answers] == [200, 502], answers
-        seen = rs.since(seen_mark)
-        assert [s.path for s in seen] == [f"/warm/{tag}", f"/hangup/{tag}"], f"sent {len(seen) - 1} times: {seen}"
-        assert seen[1].connection != seen[0].connection, "libcurl sent the POST on a reused connection"
-    finally:
-        failure = deployment.stop()
-        assert failure is None, failure
 
 
 @pytest.mark.parametrize("method, body", NOT_RESENT[:2], ids=["post", "patch"])

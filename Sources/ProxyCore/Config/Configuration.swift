@@ -91,10 +91,6 @@ public struct ProxySettings: Sendable, Equatable {
     public var replaySpool = 64 << 20
     /// Offer HTTP/2 (ALPN h2) to clients of protected origins; off keeps them on HTTP/1.1.
     public var http2 = true
-    /// GET and HEAD requests without a body to protected origins go through the proxy's own HTTP/1.1 client
-    /// (`builtin`, the default: a quarter of libcurl's cost per request, docs/performance.md) or through
-    /// libcurl like every other request (`libcurl`: HTTP/2 to origins that offer it for those too).
-    public var builtinClient = true
     /// Host names answered without DNS (`resolve = api.test=127.0.0.1`), like curl's --resolve: for
     /// development setups and sidecars.
     public var resolve: [String: String] = [:]
@@ -364,10 +360,12 @@ public struct ConfigParser: Sendable {
                 guard let flag = ConfigValue.bool(entry.value) else { return fail("expected on or off, \(got())") }
                 settings.http2 = flag
             case "upstream_client":
-                switch entry.value.lowercased() {
-                case "builtin": settings.builtinClient = true
-                case "libcurl": settings.builtinClient = false
-                default: return fail("expected builtin or libcurl, \(got())")
+                // Obsolete: the proxy's own client carries every request to protected origins. `builtin`, what
+                // files written from the old example say, is what happens anyway.
+                guard entry.value.lowercased() == "builtin" else {
+                    return fail(
+                        "libcurl no longer carries requests to protected origins (the proxy's own client does, in HTTP/1.1 or HTTP/2 as the origin chooses); remove this line, \(got())"
+                    )
                 }
             case "resolve":
                 var map: [String: String] = [:]

@@ -21,6 +21,23 @@ public struct UpstreamProxy: Sendable, Equatable, CustomStringConvertible {
         return "Basic " + Base64.encode(raw)
     }
 
+    /// Our CONNECT request for a tunnel to `target` through this proxy (RFC 9110 §9.3.6), with
+    /// `Proxy-Authorization` when credentials are configured: the one place it is written, for a client's tunnel
+    /// and the proxy's own connections to origins alike.
+    public func connectRequest(to target: HostPort) -> [UInt8] {
+        var request = "CONNECT \(target) HTTP/1.1\r\nHost: \(target)\r\n"
+        if let authorization { request += "Proxy-Authorization: \(authorization)\r\n" }
+        request += "\r\n"
+        return Array(request.utf8)
+    }
+
+    /// What this proxy's answer to our CONNECT means: nil when the tunnel is open (2xx), else why not.
+    public func connectRefusal(status: Int) -> ProxyAnswer? {
+        if (200..<300).contains(status) { return nil }
+        if status == 407 { return .upstreamProxyCredentials(address, credentialsConfigured: username != nil) }
+        return .upstreamProxyRefused(address, status: status)
+    }
+
     /// Parses `http://[user:pass@]host:port`. The port defaults to 8080 (no default is standard for proxies;
     /// 8080 is what most use); percent-encoding in the credentials is decoded.
     public static func parse(_ text: String) -> Result<UpstreamProxy, ValueError> {

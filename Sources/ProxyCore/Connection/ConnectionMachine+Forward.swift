@@ -105,14 +105,11 @@ extension ConnectionMachine {
         out.append(.disarm(.connect))
         switch connecting.purpose {
         case .tunnel(let target, let proxy?):
-            var request = "CONNECT \(target) HTTP/1.1\r\nHost: \(target)\r\n"
-            if let authorization = proxy.authorization { request += "Proxy-Authorization: \(authorization)\r\n" }
-            request += "\r\n"
             state = .proxyHandshake(
                 ProxyHandshake(
                     target: target, proxy: proxy,
                     parser: HTTPHeadParser(kind: .response, limits: settings.headLimits)))
-            out.append(.writeUpstream(Array(request.utf8)))
+            out.append(.writeUpstream(proxy.connectRequest(to: target)))
             out.append(.arm(.connect, milliseconds: settings.connectTimeout))
         case .tunnel(let target, nil):
             out.append(.writeClient(Self.connectEstablished))
@@ -123,14 +120,11 @@ extension ConnectionMachine {
             if let proxy = upgrade.proxy {
                 // The upstream proxy opens a tunnel to the origin; the upgrade goes through it.
                 let target = upgrade.origin.authority
-                var request = "CONNECT \(target) HTTP/1.1\r\nHost: \(target)\r\n"
-                if let authorization = proxy.authorization { request += "Proxy-Authorization: \(authorization)\r\n" }
-                request += "\r\n"
                 state = .proxyHandshake(
                     ProxyHandshake(
                         target: target, proxy: proxy,
                         parser: HTTPHeadParser(kind: .response, limits: settings.headLimits), then: upgrade))
-                out.append(.writeUpstream(Array(request.utf8)))
+                out.append(.writeUpstream(proxy.connectRequest(to: target)))
                 out.append(.arm(.connect, milliseconds: settings.connectTimeout))
             } else {
                 upgradeConnected(upgrade, &out)
@@ -163,18 +157,14 @@ extension ConnectionMachine {
         case .failed:
             answerConnectFailure(.upstreamProxyMalformedAnswer(hop), log: target, &out)
         case .complete(let head, _):
-            if (200..<300).contains(head.status), let upgrade = handshake.then {
+            if let refusal = handshake.proxy.connectRefusal(status: head.status) {
+                answerConnectFailure(refusal, log: target, &out)
+            } else if let upgrade = handshake.then {
                 out.append(.disarm(.connect))
                 upgradeConnected(upgrade, &out)
-            } else if (200..<300).contains(head.status) {
+            } else {
                 out.append(.writeClient(Self.connectEstablished))
                 startTunnel(label: .connect(handshake.target), status: 200, &out)
-            } else if head.status == 407 {
-                answerConnectFailure(
-                    .upstreamProxyCredentials(hop, credentialsConfigured: handshake.proxy.username != nil), log: target,
-                    &out)
-            } else {
-                answerConnectFailure(.upstreamProxyRefused(hop, status: head.status), log: target, &out)
             }
         }
     }

@@ -52,6 +52,9 @@ public struct OriginExchange: Sendable {
         case streamFailed(refused: Bool, detail: String)
         /// The answer to `.rewindBody`: whether the request body can be read again from its start.
         case bodyRewound(Bool)
+        /// A new connection to the upstream proxy is up (TCP) for a tunnel to an https origin: the exchange
+        /// asks the proxy for it.
+        case proxyConnected
     }
 
     public enum Action: Sendable, Equatable {
@@ -69,6 +72,9 @@ public struct OriginExchange: Sendable {
         case writeBody(Int)
         /// Read the request body from its start again, for a resend: `.bodyRewound` follows.
         case rewindBody
+        /// The upstream proxy opened the tunnel: TLS to the origin over it. `.connected` (or `.connectFailed`)
+        /// follows.
+        case startTLS
         /// HTTP/2: open a stream with this request header block; `body`: DATA follows, read from the owner as
         /// the windows open, then the owner's trailer fields, if any.
         case submit([H2Field], body: Bool)
@@ -106,10 +112,13 @@ public struct OriginExchange: Sendable {
         public let body: Body
         /// The credential's fields (`Authorization`, `DPoP`), added last.
         public let credential: [(name: String, value: [UInt8])]
+        /// The upstream proxy the request goes through: a CONNECT tunnel to an https origin, the absolute-form
+        /// request (with its `Proxy-Authorization`) to an http one.
+        public let proxy: UpstreamProxy?
 
         public init(
             method: String, url: AbsoluteURL, target: String? = nil, fields: [(name: String, value: [UInt8])],
-            body: Body = .none, credential: [(name: String, value: [UInt8])]
+            body: Body = .none, credential: [(name: String, value: [UInt8])], proxy: UpstreamProxy? = nil
         ) {
             self.method = method
             self.url = url
@@ -117,12 +126,27 @@ public struct OriginExchange: Sendable {
             self.fields = fields
             self.body = body
             self.credential = credential
+            self.proxy = proxy
         }
 
-        /// The HTTP/1.1 head.
+        /// Whether the request goes through a tunnel the upstream proxy opens (an https origin through a proxy).
+        public var tunnelled: Bool { proxy != nil && url.scheme == "https" }
+
+        /// The HTTP/1.1 head: to an http origin through a proxy, in absolute form with the proxy's credentials
+        /// (RFC 9112 §3.2.2).
         var http1Head: [UInt8] {
-            UpstreamRequest.http1Head(
-                method: method, url: url, target: target, fields: fields, body: body, credential: credential)
+            guard let proxy, url.scheme == "http" else {
+                return UpstreamRequest.http1Head(
+                    method: method, url: url, target: target, fields: fields, body: body, credential: credential)
+            }
+            var sent = fields
+            if let authorization = proxy.authorization {
+                sent.append(("Proxy-Authorization", Array(authorization.utf8)))
+            }
+            return UpstreamRequest.http1Head(
+                method: method, url: url,
+                target: "http://\(url.hostFieldValue)\(target == "*" ? "" : url.pathAndQuery)",
+                fields: sent, body: body, credential: credential)
         }
 
         /// The HTTP/2 header block.
@@ -132,9 +156,12 @@ public struct OriginExchange: Sendable {
         }
     }
 
-    private enum Phase: Sendable, Equatable {
+    private enum Phase: Sendable {
         /// Waiting for a connection; `resent`: this is the one retry.
         case connecting(resent: Bool)
+        /// Our CONNECT went to the upstream proxy: reading its answer. -> `.connecting` (TLS to the origin),
+        /// `.done`
+        case tunnelling(HTTPHeadParser, resent: Bool)
         /// A request with a body is to be sent again: waiting for the owner to rewind it (`.bodyRewound`), then a
         /// connection (`reuse`: a kept one may do). -> `.connecting(resent: true)`, `.done`
         case rewinding(reuse: Bool)
@@ -183,9 +210,11 @@ public struct OriginExchange: Sendable {
         reader = ResponseReader(requestMethod: request.method, limits: limits)
     }
 
-    public var isFinished: Bool { phase == .done }
+    public var isFinished: Bool {
+        if case .done = phase { true } else { false }
+    }
     /// Whether the exchange waits for the owner to have more of the request body (`.bodyResumed`).
-    public var isWaitingForBody: Bool { phase != .done && sending == .waiting }
+    public var isWaitingForBody: Bool { !isFinished && sending == .waiting }
 
     public mutating func start(_ out: inout [Action]) {
         out.append(.arm(milliseconds: connectTimeout))
@@ -208,8 +237,22 @@ public struct OriginExchange: Sendable {
                 out.append(.arm(milliseconds: idleTimeout))
                 beginBody(&out)
             }
-        case (.connected, .exchanging):
+        case (.connected, .exchanging), (.connected, .tunnelling):
             preconditionFailure("a second connection for one exchange")
+        case (.proxyConnected, .connecting(let resent)):
+            guard let proxy = request.proxy else { preconditionFailure("a tunnel without an upstream proxy") }
+            phase = .tunnelling(HTTPHeadParser(kind: .response, limits: limits), resent: resent)
+            out.append(.write(proxy.connectRequest(to: request.url.authority)))
+        case (.proxyConnected, _):
+            preconditionFailure("a proxy connection for an exchange not connecting")
+        case (.closed, .tunnelling), (.broken, .tunnelling):
+            out.append(.release(reusable: false))
+            finish(.proxyClosed, "the upstream proxy closed the connection during CONNECT", &out)
+        case (.timerFired, .tunnelling):
+            out.append(.release(reusable: false))
+            finish(.proxyTimeout, "no answer to CONNECT within \(connectTimeout) ms", &out)
+        case (.connectFailed(let failure, let detail), .tunnelling):
+            finish(failure, detail, &out)
         case (.connectFailed(let failure, let detail), .connecting):
             finish(failure, detail, &out)
         case (.connectFailed, .exchanging):
@@ -407,6 +450,7 @@ public struct OriginExchange: Sendable {
     /// Response bytes arrived; returns how many were read (all of them, unless the response ended before them:
     /// then the connection is not reused, its peer being out of step).
     public mutating func received(_ input: UnsafeRawBufferPointer, _ out: inout [Action]) -> Int {
+        if case .tunnelling(var parser, let resent) = phase { return proxyAnswer(input, &parser, resent: resent, &out) }
         guard case .exchanging(let reused, _, let resent, let http2) = phase else { return input.count }
         phase = .exchanging(reused: reused, answered: true, resent: resent, http2: http2)
         if http2 {
@@ -419,6 +463,35 @@ public struct OriginExchange: Sendable {
         let consumed = reader.read(input, &outputs)
         translate(consumed: consumed, of: input.count, closing: false, &out)
         return consumed
+    }
+
+    /// The upstream proxy's answer to our CONNECT: the tunnel is open (TLS to the origin next), or the exchange
+    /// ends with the proxy's refusal. Nothing may follow the answer before our TLS begins.
+    private mutating func proxyAnswer(
+        _ input: UnsafeRawBufferPointer, _ parser: inout HTTPHeadParser, resent: Bool, _ out: inout [Action]
+    ) -> Int {
+        switch parser.parse(input) {
+        case .needMore:
+            phase = .tunnelling(parser, resent: resent)
+            return input.count
+        case .failed(let error):
+            out.append(.release(reusable: false))
+            finish(.proxyMalformed, "the upstream proxy's answer to CONNECT: \(error)", &out)
+            return input.count
+        case .complete(let head, let consumed):
+            if (200..<300).contains(head.status), consumed == input.count {
+                phase = .connecting(resent: resent)
+                out.append(.startTLS)
+            } else if (200..<300).contains(head.status) {
+                out.append(.release(reusable: false))
+                finish(.proxyMalformed, "the upstream proxy sent bytes after its answer to CONNECT", &out)
+            } else {
+                out.append(.release(reusable: false))
+                finish(
+                    .proxyRefused(status: head.status), "the upstream proxy answered \(head.status) to CONNECT", &out)
+            }
+            return consumed
+        }
     }
 
     /// `closing`: the outputs of the origin's close (a failure then means the response was cut short).
@@ -490,13 +563,6 @@ extension UpstreamRequest {
     /// (RFC 9110 §9.2.2, `RetryPolicy`): idempotent and without a body.
     public var mayResend: Bool {
         RetryPolicy.mayResend(method: method, framing: body == .none ? .none : .chunked)
-    }
-
-    /// Whether the proxy's own client carries this request: every method, body and target, straight to the
-    /// origin, in HTTP/2 when an https origin chooses it. libcurl carries requests through an upstream proxy,
-    /// and every request when `builtinClient` is off (`upstream_client = libcurl`).
-    public func fitsOwnClient(builtinClient: Bool) -> Bool {
-        builtinClient && upstreamProxy == nil
     }
 
     /// How the own client frames the request body.

@@ -16,24 +16,17 @@ public struct ProtectedExchange: Sendable {
         public var idleTimeout: Int
         /// Limits for the origin's response head (the same as the passthrough path's).
         public var responseHeadLimits: HTTPHeadLimits
-        /// A fixed address for the origin's host (`resolve`): the address alone. libcurl's "host:port:address"
-        /// is made only for a request libcurl carries (the own client asks the resolver, which knows it too).
-        public var resolveAddress: String?
         /// The upstream proxy for the origin's authority, if one applies.
         public var upstreamProxy: UpstreamProxy?
-        /// The proxy's own HTTP/1.1 client may carry the requests that fit it (`upstream_client = builtin`).
-        public var builtinClient: Bool
 
         public init(
             replaySpool: Int, connectTimeout: Int, idleTimeout: Int, responseHeadLimits: HTTPHeadLimits,
-            resolveAddress: String? = nil, upstreamProxy: UpstreamProxy? = nil, builtinClient: Bool = false
+            upstreamProxy: UpstreamProxy? = nil
         ) {
-            self.builtinClient = builtinClient
             self.replaySpool = replaySpool
             self.connectTimeout = connectTimeout
             self.idleTimeout = idleTimeout
             self.responseHeadLimits = responseHeadLimits
-            self.resolveAddress = resolveAddress
             self.upstreamProxy = upstreamProxy
         }
     }
@@ -269,20 +262,15 @@ public struct ProtectedExchange: Sendable {
         case .contentLength(let length): body = .length(Int(clamping: length))
         case .chunked: body = .streaming
         }
-        var upstream = UpstreamRequest(
+        let upstream = UpstreamRequest(
             method: request.method,
             // `OPTIONS *` (asterisk-form): the URL names the origin, the target is sent as it came.
             url: request.target == "*" ? origin.url + "/" : origin.url + request.target,
             requestTarget: request.target == "*" ? "*" : nil, fields: request.upstreamFields,
             credential: credential, body: body, http2: origin.scheme == "https",
             connectTimeout: settings.connectTimeout, idleTimeout: settings.idleTimeout,
-            caFile: origin.caFile, resolve: nil, upstreamProxy: settings.upstreamProxy, attempt: attempts)
-        if upstream.fitsOwnClient(builtinClient: settings.builtinClient) {
-            upstream.client = .builtin
-            upstream.responseHeadLimits = settings.responseHeadLimits
-        } else if let address = settings.resolveAddress {
-            upstream.resolve = "\(origin.authority.host):\(origin.authority.port):\(address)"
-        }
+            caFile: origin.caFile, upstreamProxy: settings.upstreamProxy, attempt: attempts,
+            responseHeadLimits: settings.responseHeadLimits)
         out.append(.send(upstream))
     }
 
@@ -465,7 +453,7 @@ public struct ProtectedExchange: Sendable {
             }
         case .sending:
             let (kind, detail) = failure ?? (.incomplete, "no response")
-            fail(.upstreamFailed(kind, hop: origin.authority, detail: detail), &out)
+            fail(kind.answer(hop: origin.authority, proxy: settings.upstreamProxy, detail: detail), &out)
         case .starting, .gettingTokens, .refreshing, .awaitingBody, .done:
             break
         }
@@ -569,10 +557,8 @@ public struct UpstreamRequest: Sendable, Equatable {
         var connectTimeout: Int
         var idleTimeout: Int
         var caFile: String?
-        var resolve: String?
         var upstreamProxy: UpstreamProxy?
         var attempt: Int
-        var client: Client
         var responseHeadLimits: HTTPHeadLimits
     }
 
@@ -593,19 +579,9 @@ public struct UpstreamRequest: Sendable, Equatable {
     /// The transfer ends when no byte moves for this long.
     public var idleTimeout: Int { stored.idleTimeout }
     public var caFile: String? { stored.caFile }
-    /// "host:port:address" for a fixed address (libcurl's CURLOPT_RESOLVE); nil for the own client.
-    public var resolve: String? {
-        get { stored.resolve }
-        _modify { yield &stored.resolve }
-    }
     public var upstreamProxy: UpstreamProxy? { stored.upstreamProxy }
     /// 1 for the first send, 2 for a replay or retry.
     public var attempt: Int { stored.attempt }
-    /// Which client carries the request (`fitsOwnClient`).
-    public var client: Client {
-        get { stored.client }
-        _modify { yield &stored.client }
-    }
     /// The limits of the response head (the own client reads it once, with these).
     public var responseHeadLimits: HTTPHeadLimits {
         get { stored.responseHeadLimits }
@@ -615,30 +591,25 @@ public struct UpstreamRequest: Sendable, Equatable {
     init(
         method: String, url: String, requestTarget: String?, fields: [(name: String, value: [UInt8])],
         credential: Credential?, body: Body, http2: Bool, connectTimeout: Int, idleTimeout: Int, caFile: String?,
-        resolve: String?, upstreamProxy: UpstreamProxy?, attempt: Int, client: Client = .libcurl,
+        upstreamProxy: UpstreamProxy?, attempt: Int,
         responseHeadLimits: HTTPHeadLimits = HTTPHeadLimits()
     ) {
         _stored = Boxed(
             wrappedValue: Fields(
                 method: method, url: url, requestTarget: requestTarget, fields: fields, credential: credential,
                 body: body, http2: http2, connectTimeout: connectTimeout, idleTimeout: idleTimeout, caFile: caFile,
-                resolve: resolve, upstreamProxy: upstreamProxy, attempt: attempt, client: client,
+                upstreamProxy: upstreamProxy, attempt: attempt,
                 responseHeadLimits: responseHeadLimits))
     }
 
-    public enum Client: Sendable, Equatable {
-        /// The proxy's own HTTP/1.1 client (`OriginExchange`).
-        case builtin
-        case libcurl
-    }
 
     public static func == (lhs: Self, rhs: Self) -> Bool {
         lhs.method == rhs.method && lhs.url == rhs.url && lhs.requestTarget == rhs.requestTarget
             && lhs.fields.map(\.name) == rhs.fields.map(\.name)
             && lhs.fields.map(\.value) == rhs.fields.map(\.value) && lhs.credential == rhs.credential
             && lhs.body == rhs.body && lhs.http2 == rhs.http2 && lhs.connectTimeout == rhs.connectTimeout
-            && lhs.idleTimeout == rhs.idleTimeout && lhs.caFile == rhs.caFile && lhs.resolve == rhs.resolve
-            && lhs.upstreamProxy == rhs.upstreamProxy && lhs.attempt == rhs.attempt && lhs.client == rhs.client
+            && lhs.idleTimeout == rhs.idleTimeout && lhs.caFile == rhs.caFile
+            && lhs.upstreamProxy == rhs.upstreamProxy && lhs.attempt == rhs.attempt
             && lhs.responseHeadLimits == rhs.responseHeadLimits
     }
 }

@@ -150,8 +150,7 @@ public struct FrontDoor: Sendable {
         ProtectedExchange.Settings(
             replaySpool: max(settings.replaySpool, settings.replayMemory), connectTimeout: settings.connectTimeout,
             idleTimeout: settings.idleTimeout, responseHeadLimits: settings.headLimits,
-            resolveAddress: settings.resolve.isEmpty ? nil : settings.resolve[origin.authority.host],
-            upstreamProxy: upstream(for: origin.authority), builtinClient: settings.builtinClient)
+            upstreamProxy: upstream(for: origin.authority))
     }
 
     public func upstream(for target: HostPort) -> UpstreamProxy? {

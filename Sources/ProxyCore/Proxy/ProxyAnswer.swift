@@ -321,6 +321,28 @@ public enum UpstreamFailure: Sendable, Equatable {
     /// The response could not be read as HTTP (a malformed head, ambiguous framing, a broken chunk).
     case protocolError
     case other
+    /// The upstream proxy answered this status to our CONNECT (407: it wants credentials).
+    case proxyRefused(status: Int)
+    /// The upstream proxy closed the connection during our CONNECT.
+    case proxyClosed
+    /// The upstream proxy's answer to our CONNECT was not HTTP, or came with more than the answer.
+    case proxyMalformed
+    /// The upstream proxy did not answer our CONNECT in time.
+    case proxyTimeout
+
+    /// The proxy's own answer for this failure of a request to `hop` (through `proxy`, when one applies): the
+    /// upstream proxy's own answers for the CONNECT failures, else `.upstreamFailed`.
+    public func answer(hop: HostPort, proxy: UpstreamProxy?, detail: String) -> ProxyAnswer {
+        guard let proxy else { return .upstreamFailed(self, hop: hop, detail: detail) }
+        switch self {
+        case .proxyRefused(let status):
+            return proxy.connectRefusal(status: status) ?? .upstreamFailed(self, hop: hop, detail: detail)
+        case .proxyClosed: return .upstreamProxyClosed(proxy.address)
+        case .proxyMalformed: return .upstreamProxyMalformedAnswer(proxy.address)
+        case .proxyTimeout: return .upstreamProxyTimeout(proxy.address)
+        default: return .upstreamFailed(self, hop: hop, detail: detail)
+        }
+    }
 
     /// Status, `Proxy-Status` error type and the sentence for a person.
     func describe(_ hop: HostPort) -> (Int, ProxyStatus.ErrorType, String) {
@@ -331,7 +353,9 @@ public enum UpstreamFailure: Sendable, Equatable {
         case .certificate: (502, .tlsCertificateError, "the certificate of \(hop) does not verify")
         case .tls: (502, .tlsProtocolError, "TLS with \(hop) failed")
         case .incomplete: (502, .httpResponseIncomplete, "\(hop) closed the connection without a complete response")
-        case .proxy: (502, .proxyConfigurationError, "the upstream proxy failed")
+        case .proxy, .proxyRefused, .proxyClosed, .proxyMalformed:
+            (502, .proxyConfigurationError, "the upstream proxy failed")
+        case .proxyTimeout: (504, .connectionTimeout, "the upstream proxy did not answer in time")
         case .headTooLarge:
             (502, .httpResponseHeaderSectionSize, "\(hop) sent a response head larger than the proxy accepts")
         case .protocolError: (502, .httpProtocolError, "\(hop) sent a response that is not valid HTTP/1.1")

@@ -105,11 +105,16 @@ public func fuzzResponseReader(_ data: UnsafeBufferPointer<UInt8>) {
 private func driveOriginExchange(
     _ input: [UInt8], method: String, reader: [Reported], random: inout InputRandom
 ) {
-    let head = Array("\(method) / HTTP/1.1\r\nHost: api.test\r\n\r\n".utf8)
     let bodies: [OriginExchange.Body] = [.none, .length(random.next(in: 0...9)), .chunked]
     let body = bodies[random.next(in: 0...2)]
-    var exchange = OriginExchange(
-        method: method, url: "https://api.test/", head: head, body: body, connectTimeout: 100, idleTimeout: 1000)
+    let request = OriginExchange.Request(
+        method: method,
+        url: AbsoluteURL(
+            scheme: "https", authority: HostPort(host: "api.test", port: 443, kind: .name), pathAndQuery: "/"),
+        fields: [], body: body, credential: [])
+    let head = UpstreamRequest.http1Head(
+        method: method, url: request.url, fields: [], body: body, credential: [])
+    var exchange = OriginExchange(request: request, connectTimeout: 100, idleTimeout: 1000)
     var actions: [OriginExchange.Action] = []
     exchange.start(&actions)
     var reported: [Reported] = []
@@ -151,6 +156,7 @@ private func driveOriginExchange(
             case .release: connected = false
             case .finish: finished = true
             case .arm, .log: break
+            case .submit, .rewindBody, .startTLS: invariant(false, "\(action) on an HTTP/1.1 connection")
             }
         }
     }
