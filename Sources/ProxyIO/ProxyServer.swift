@@ -205,7 +205,6 @@ public final class ProxyServer: ConnectionOwner {
 
     // MARK: - Accepting
 
-
     /// The process's open-file limit (its soft limit, which serve raises to the hard one first).
     public static func openFileLimit() -> Int {
         var limit = rlimit()

@@ -218,7 +218,8 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
                 == "proxy.conf:2: [proxy] connect_timeout: expected a duration such as 10s, 500ms or 5m, got \"5x\"")
         #expect(
             errors("[proxy]\nupstream_client = libcurl\n").first?.description
-                == "proxy.conf:2: [proxy] upstream_client: libcurl no longer carries requests to protected origins (the proxy's own client does, in HTTP/1.1 or HTTP/2 as the origin chooses); remove this line, got \"libcurl\"")
+                == "proxy.conf:2: [proxy] upstream_client: libcurl no longer carries requests to protected origins (the proxy's own client does, in HTTP/1.1 or HTTP/2 as the origin chooses); remove this line, got \"libcurl\""
+        )
     }
 
     @Test func unknownKey() throws {

@@ -602,7 +602,6 @@ public struct UpstreamRequest: Sendable, Equatable {
                 responseHeadLimits: responseHeadLimits))
     }
 
-
     public static func == (lhs: Self, rhs: Self) -> Bool {
         lhs.method == rhs.method && lhs.url == rhs.url && lhs.requestTarget == rhs.requestTarget
             && lhs.fields.map(\.name) == rhs.fields.map(\.name)
