@@ -3,14 +3,20 @@ that adds a protected origin to a running serve (the CA reissued with `ca init` 
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import signal
+import socket
 import subprocess
 from pathlib import Path
 
 from fixtures import config
+from fixtures.deployment import BROWSER
 from fixtures.proxy import clean_env, poll, proxyctl_bin
 from idp_fake import FakeIdP
 from resource_server import ResourceServer
+from signin import glewlwyd_factory  # noqa: F401
 from test_protected import Deployment, Workspace
 
 API, MORE = "api.test", "more.test"
@@ -50,6 +56,108 @@ def test_init_checks_the_provider_and_writes_a_working_configuration(tmp_path):
         assert forced.returncode == 0 and "client_id = other" in conf.read_text()
     down = run(home, "init", "--issuer", fake.issuer, "--client-id", "x", "--force")
     assert down.returncode == 1 and "cannot use" in down.stderr, down
+
+
+def ephemeral_range() -> range:
+    low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+    return range(int(low), int(high) + 1)
+
+
+def test_init_writes_a_redirect_port_and_prints_the_redirect_uri_to_register(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    with FakeIdP() as fake:
+        done = run(home, "init", "--issuer", fake.issuer, "--client-id", "proxyctl-test")
+        assert done.returncode == 0, done.stderr
+        port = int(re.search(r"^redirect_port = (\d+)$", (home / "xdg" / "proxyctl" / "proxy.conf").read_text(),
+                             re.M).group(1))
+        # The fixed default unless something listens there now; never in the kernel's ephemeral range.
+        assert port == 17755 or "17755 in use here" in done.stderr, done.stderr
+        assert port not in ephemeral_range()
+        uri = f"http://127.0.0.1:{port}/callback"
+        assert f"  sign-in redirect: {uri} (redirect_port = {port}" in done.stderr, done.stderr
+        assert ("Register this redirect URI for client proxyctl-test at the provider, exactly as written (many "
+                f"providers compare it character for character):\n    {uri}\nNext:") in done.stderr, done.stderr
+
+        # Replaced with --force: the port stays (the provider has it registered).
+        again = run(home, "init", "--issuer", fake.issuer, "--client-id", "proxyctl-test", "--force")
+        assert again.returncode == 0 and f"(redirect_port = {port}, as in the file replaced)" in again.stderr, again
+
+        # Something listens on it: a second configuration gets the next free port, and says why.
+        with socket.socket() as taken:
+            taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a login's connection may be in TIME_WAIT
+            taken.bind(("127.0.0.1", port))
+            taken.listen()
+            other = run(home, "init", "--config", str(tmp_path / "other.conf"), "--issuer", fake.issuer,
+                        "--client-id", "proxyctl-test")
+            assert other.returncode == 0, other.stderr
+            found = re.search(r"sign-in redirect: http://127\.0\.0\.1:(\d+)/callback \(redirect_port = (\d+); ports? "
+                              r"([\d, ]+) in use here\)", other.stderr)
+            assert found and found.group(1) == found.group(2) != str(port), other.stderr
+            assert str(port) in found.group(3).split(", ")
+            assert f"redirect_port = {found.group(1)}\n" in (tmp_path / "other.conf").read_text()
+
+            # Given: taken as given, with a word when something listens there.
+            given = run(home, "init", "--config", str(tmp_path / "given.conf"), "--issuer", fake.issuer,
+                        "--client-id", "proxyctl-test", "--redirect-port", str(port))
+            assert given.returncode == 0, given.stderr
+            assert (f"sign-in redirect: http://127.0.0.1:{port}/callback (redirect_port = {port}; something listens "
+                    "there now, and a login needs it free)") in given.stderr, given.stderr
+        for bad in ("0", "65536", "http"):
+            refused = run(home, "init", "--config", str(tmp_path / "bad.conf"), "--issuer", fake.issuer,
+                          "--client-id", "proxyctl-test", "--redirect-port", bad)
+            assert refused.returncode == 64 and "--redirect-port expects a port from 1 to 65535" in refused.stderr
+        assert not (tmp_path / "bad.conf").exists()
+
+
+def test_readme_use_it_against_a_provider_that_matches_redirect_uris_exactly(tmp_path, glewlwyd_factory):
+    """The README's "Use it", command by command, against glewlwyd (which matches redirect URIs exactly): init
+    with no redirect port, the redirect URI it prints registered at the provider, the `proxyctl login` it prints
+    (the scripted browser signs in), then the `proxyctl exec -- curl` it prints gets the API's answer, which
+    needs a token the API accepts. Two things the README's reader does not do: `--resolve` (api.test is not in
+    DNS) and `ca_file` for the test API, whose certificate comes from a test CA."""
+    idp = glewlwyd_factory()
+    rs = ResourceServer(tmp_path / "rs", [API])
+    try:
+        rs.trust(idp.issuer(), idp.discovery()["jwks_uri"])
+        home = tmp_path / "home"
+        home.mkdir()
+        origin = f"https://{API}:{rs.port}"
+        init = run(home, "init", "--issuer", idp.issuer(), "--client-id", idp.client_id, "--origin", origin,
+                   "--resolve", f"{API}=127.0.0.1")
+        assert init.returncode == 0, init.stderr
+        uri = re.search(r"^Register this redirect URI for client \S+ at the provider.*\n    (\S+)$", init.stderr,
+                        re.M).group(1)
+        registered = re.fullmatch(r"http://127\.0\.0\.1:(\d+)/callback", uri)
+        assert registered, uri
+        idp.add_redirect_ports([int(registered.group(1))])
+        conf = home / "xdg" / "proxyctl" / "proxy.conf"
+        conf.write_text(conf.read_text().replace(f"[origin {origin}]\n", f"[origin {origin}]\nca_file = {rs.ca_pem}\n"))
+
+        # The commands as init printed them, run by a shell that finds proxyctl on PATH.
+        login, use = init.stdout.splitlines()
+        assert login.startswith("proxyctl login") and use == f"proxyctl exec -- curl {origin}/", init.stdout
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        (bin_dir / "proxyctl").symlink_to(Path(proxyctl_bin()).resolve())
+        env = clean_env(HOME=str(home), XDG_CONFIG_HOME=str(home / "xdg"), PATH=f"{bin_dir}:{os.environ['PATH']}",
+                        BROWSER=BROWSER, PROXYCTL_TEST_BROWSER="glewlwyd", PROXYCTL_TEST_IDP_URL=idp.base_url,
+                        PROXYCTL_TEST_IDP_USER=idp.username, PROXYCTL_TEST_IDP_PASSWORD=idp.password,
+                        PROXYCTL_TEST_IDP_SCOPE="openid profile email")
+        env.pop("PROXYCTL_CONFIG", None)
+        signed_in = subprocess.run(["sh", "-c", login], capture_output=True, text=True, timeout=60, env=env,
+                                   stdin=subprocess.DEVNULL)
+        assert signed_in.returncode == 0, signed_in.stderr
+        assert f"Waiting for the provider to send the browser back to {uri}.\n" in signed_in.stderr
+        assert "Signed in to" in signed_in.stderr and "No answer from the browser" not in signed_in.stderr
+        answer = subprocess.run(["sh", "-c", use], capture_output=True, text=True, timeout=60, env=env,
+                                stdin=subprocess.DEVNULL)
+        assert answer.returncode == 0, answer.stderr
+        assert json.loads(answer.stdout)["sub"], answer.stdout
+        [seen] = rs.since(0)
+        assert seen.status == 200 and seen.header_values("Authorization")[0].startswith("Bearer ")
+    finally:
+        rs.close()
 
 
 def test_sighup_applies_a_new_origin(tmp_path):
