@@ -183,23 +183,11 @@ enum InitCommand {
                 let stateDirectory = configuration.proxy.stateDir
                     ?? TokenStore.defaultStateDirectory(environment: context.environment)
             else { throw CommandFailure(message: "no state directory for the local CA: set HOME or XDG_STATE_HOME") }
-            let files = LocalCA.Files(stateDirectory: stateDirectory)
-            let existing = try? LocalCA.load(files)
-            if let existing, existing.hosts == configuration.origins.tlsHosts {
-                context.err("  the local CA already covers \(existing.hosts.joined(separator: ", "))")
-            } else {
-                let user = context.environment["USER"] ?? "user"
-                do {
-                    let ca = try LocalCA.create(
-                        hosts: configuration.origins.tlsHosts, label: "\(user)@\(ProcessInfo.processInfo.hostName)")
-                    try ca.save(files, systemRoots: LocalCA.systemRootsPath())
-                } catch {
-                    throw CommandFailure(message: "cannot make the local CA: \(error)")
-                }
-                context.err(
-                    "  made the local CA for \(configuration.origins.tlsHosts.joined(separator: ", ")) (\(files.certificate))"
-                )
-            }
+            // The state directory, and its CA, may serve other configurations too: init never drops a host of
+            // theirs nor stops trusting the CA a running serve uses (CACommand.establish).
+            _ = try CACommand.establish(
+                hosts: configuration.origins.tlsHosts, files: LocalCA.Files(stateDirectory: stateDirectory),
+                force: false, context: context, style: .report)
         }
         let configFlag = arguments.value("config").map { " --config \(EnvCommand.quote($0))" } ?? ""
         context.err("")

@@ -1,5 +1,7 @@
-"""A first run without reading the example file (`proxyctl init`, and `doctor` pointing at it), and a SIGHUP
-that adds a protected origin to a running serve (the CA reissued with `ca init` first)."""
+"""A first run without reading the example file (`proxyctl init`, and `doctor` pointing at it): the redirect port
+it writes and the URI it prints, the README's "Use it" against a provider that matches redirect URIs exactly, an
+init of a second configuration that must not break a running serve, and a SIGHUP that adds a protected origin to
+a running serve (the CA reissued with `ca init` first)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,11 @@ import socket
 import subprocess
 from pathlib import Path
 
+from cryptography import x509
+
 from fixtures import config
 from fixtures.deployment import BROWSER
+from fixtures.http import free_port, run_curl
 from fixtures.proxy import clean_env, poll, proxyctl_bin
 from idp_fake import FakeIdP
 from resource_server import ResourceServer
@@ -156,6 +161,131 @@ def test_readme_use_it_against_a_provider_that_matches_redirect_uris_exactly(tmp
         assert json.loads(answer.stdout)["sub"], answer.stdout
         [seen] = rs.since(0)
         assert seen.status == 200 and seen.header_values("Authorization")[0].startswith("Bearer ")
+    finally:
+        rs.close()
+
+
+def shell_env(tmp_path: Path, home: Path, **extra: str) -> dict[str, str]:
+    """The environment of a person's shell: HOME, XDG_CONFIG_HOME, and a PATH on which `proxyctl` is found."""
+    bin_dir = tmp_path / "bin"
+    if not bin_dir.exists():
+        bin_dir.mkdir()
+        (bin_dir / "proxyctl").symlink_to(Path(proxyctl_bin()).resolve())
+    env = clean_env(HOME=str(home), XDG_CONFIG_HOME=str(home / "xdg"), PATH=f"{bin_dir}:{os.environ['PATH']}",
+                    **extra)
+    env.pop("PROXYCTL_CONFIG", None)
+    return env
+
+
+def sh(line: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(["sh", "-c", line], capture_output=True, text=True, timeout=60, env=env,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_init_of_a_second_configuration_keeps_a_running_serve_working(tmp_path):
+    """The newcomer's second blocker: `init --config other.conf` with another origin, on the state directory
+    (and so the local CA) a running serve uses. The CA is widened to cover both configurations, never narrowed;
+    the CA the serve signs with stays trusted, so that the serve keeps working for new clients and for clients
+    that loaded the bundle before; the second configuration works with the commands init printed. Then the
+    CA's other commands: `ca init` keeps the other configuration's host, `ca init --force` drops it and names
+    what breaks, and a SIGHUP mends the serve."""
+    rs = ResourceServer(tmp_path / "rs", [API, MORE])
+    try:
+        with FakeIdP(access_token_format="jwt", expires_in=3600) as fake:
+            rs.trust(fake.issuer, fake.url("jwks"))
+            state = tmp_path / "xdg-state" / "proxyctl"  # the default state directory of the second one
+            provider = config.provider("fake", fake.issuer, redirect_port=0)
+            ws = Workspace(tmp_path / "a", provider + config.origin(f"https://{API}:{rs.port}", "fake",
+                                                                   ca_file=rs.ca_pem),
+                           f"{API}=127.0.0.1", state=state)
+            ws.ca_init()
+            ws.login_fake("fake")
+            deployment = Deployment(ws, ws.start_proxy())
+            try:
+                assert deployment.curl(rs.url("/before", API)).status == 200
+                # A client that loaded the bundle now and keeps it (a long-running program).
+                loaded = tmp_path / "loaded-bundle.pem"
+                loaded.write_bytes((state / "ca" / "bundle.pem").read_bytes())
+
+                home = tmp_path / "home-b"
+                home.mkdir()
+                env = shell_env(tmp_path, home, XDG_STATE_HOME=str(tmp_path / "xdg-state"), BROWSER=BROWSER,
+                                PROXYCTL_TEST_BROWSER="fake")
+                other = tmp_path / "other.conf"
+                init = subprocess.run(
+                    [proxyctl_bin(), "init", "--config", str(other), "--issuer", fake.issuer, "--client-id",
+                     "proxyctl-test", "--origin", f"https://{MORE}:{rs.port}", "--resolve", f"{MORE}=127.0.0.1",
+                     "--redirect-port", str(free_port())],
+                    capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
+                assert init.returncode == 0, init.stderr
+                assert (f"  made a new local CA for {API}, {MORE} ({state}/ca/ca.pem): it adds {MORE}; {API} stays "
+                        f"covered for the other configurations that share {state}\n") in init.stderr, init.stderr
+                assert re.search(rf"  the CA before it stays trusted \(in {re.escape(str(state))}/ca/bundle\.pem\) until "
+                                 rf"it expires, \d{{4}}-.*, so a proxyctl serve running with it \(running: pid "
+                                 rf"{deployment.proxy.pid}\) and the tools that trust it keep working\n", init.stderr)
+                assert (f"  a running proxyctl serve (running: pid {deployment.proxy.pid}) keeps the CA it started with; "
+                        f"one whose proxy.conf protects {MORE} moves to the new one at its next SIGHUP (kill -HUP PID) "
+                        "or restart\n") in init.stderr, init.stderr
+                # A serve of the first configuration starts with the wider CA: it covers its hosts.
+                checked = ws.cli("serve", "--check")
+                assert checked.returncode == 0, checked.stderr
+                constraints = x509.load_pem_x509_certificate((state / "ca" / "ca.pem").read_bytes()).extensions \
+                    .get_extension_for_class(x509.NameConstraints).value
+                assert {n.value for n in constraints.permitted_subtrees} == {API, MORE}
+
+                # The running serve keeps working: for a client that reads the bundle now, and one that loaded it
+                # before.
+                assert deployment.curl(rs.url("/after", API)).status == 200
+                kept = run_curl(rs.url("/loaded-before", API), "--suppress-connect-headers",
+                                env=deployment.client_env(CURL_CA_BUNDLE=str(loaded)), scratch=tmp_path / "curl")
+                assert kept.status == 200, kept
+
+                # The second configuration works with the commands init printed (its test API's CA added).
+                other.write_text(other.read_text().replace(f"[origin https://{MORE}:{rs.port}]\n",
+                                                           f"[origin https://{MORE}:{rs.port}]\nca_file = {rs.ca_pem}\n"))
+                login, use = init.stdout.splitlines()
+                assert use == f"proxyctl exec --config '{other}' -- curl https://{MORE}:{rs.port}/", init.stdout
+                signed_in = sh(login, env)
+                assert signed_in.returncode == 0, signed_in.stderr
+                answer = sh(use, env)
+                assert answer.returncode == 0 and json.loads(answer.stdout)["sub"], answer.stderr + answer.stdout
+                assert rs.since(0, MORE)[-1].status == 200
+
+                # ca init of the first configuration keeps the other's host, and says so.
+                again = ws.cli("ca", "init")
+                assert again.returncode == 0, again.stderr
+                assert (f"The local CA already covers {API}; nothing to do (--force makes a new one). It also covers "
+                        f"{MORE}, kept for the other configurations that share {state} (proxyctl ca init --force makes "
+                        f"one for exactly {API} and drops {MORE}).") in again.stderr, again.stderr
+                shown = ws.cli("ca", "show")
+                assert shown.returncode == 0, shown.stdout
+                assert f"also trusted: the CA it replaced, for {API}, until " in shown.stdout, shown.stdout
+                assert (f"{MORE}: not in this proxy.conf; kept for the other configurations that share the state "
+                        "directory") in shown.stdout
+                # A reload keeps the CA the serve signs with: it still covers api.test and is trusted.
+                mark = deployment.proxy.mark()
+                deployment.proxy.signal(signal.SIGHUP)
+                deployment.proxy.wait_log(r"SIGHUP: configuration reloaded", since=mark)
+                assert run_curl(rs.url("/reloaded", API), "--suppress-connect-headers",
+                                env=deployment.client_env(CURL_CA_BUNDLE=str(loaded)),
+                                scratch=tmp_path / "curl").status == 200
+
+                # --force: exactly this configuration's hosts; it names what it drops and the serve to signal.
+                forced = ws.cli("ca", "init", "--force")
+                assert forced.returncode == 0, forced.stderr
+                assert (f"Made a new local CA for exactly: {API} (--force); the CAs before it are trusted no more. "
+                        f"It drops {MORE}: a proxyctl serve or exec of another configuration sharing {state} that "
+                        f"protects it fails until proxyctl ca init --config ITS_FILE makes a CA that covers it "
+                        "again.") in forced.stderr, forced.stderr
+                assert (f"Send SIGHUP to each running proxyctl serve (running: pid {deployment.proxy.pid}), or "
+                        "restart it: until then it signs with a CA nobody trusts.") in forced.stderr
+                assert deployment.curl(rs.url("/untrusted", API)).returncode == 60
+                mark = deployment.proxy.mark()
+                deployment.proxy.signal(signal.SIGHUP)
+                deployment.proxy.wait_log(r"SIGHUP: configuration reloaded", since=mark)
+                assert deployment.curl(rs.url("/mended", API)).status == 200
+            finally:
+                assert deployment.stop() is None
     finally:
         rs.close()
 
