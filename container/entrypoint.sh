@@ -17,7 +17,7 @@ if [ "$#" -gt 0 ]; then
   exec "$proxyctl" "$@"
 fi
 
-# `ca init` does nothing when the CA already covers exactly the protected hosts, and says so when there is no
+# `ca init` does nothing when the CA already covers the protected hosts, and says so when there is no
 # https origin to cover (nothing to do then). A broken configuration stops the script here, every error named.
 if ! output=$("$proxyctl" ca init 2>&1); then
   case "$output" in

@@ -257,10 +257,24 @@ struct BrowserLauncher {
         return nil
     }
 
-    /// Starts the browser on `url` without waiting for it. `$BROWSER` may list several commands separated by
-    /// ":"; `%s` in one is replaced by the URL, else the URL is its last argument. No shell is involved.
-    func open(_ url: String) -> Bool {
-        var candidates: [[String]] = []
+    /// Starts the browser on `url` without waiting for it; false when no command could be started.
+    func open(_ url: String) -> Bool { launch(url, failed: { _ in }) == nil }
+
+    /// Starts the browser on `url` without waiting for it, and returns why no command could be started (nil when
+    /// one was). `$BROWSER` may list several commands separated by ":"; `%s` in one is replaced by the URL, else
+    /// the URL is its last argument. No shell is involved. A command that starts and then exits with a status
+    /// other than 0 (xdg-open that finds no browser, a `$BROWSER` entry that fails) is reported to `failed` as it
+    /// ends, and the next command of `$BROWSER` is tried, as the `$BROWSER` convention asks; a browser that keeps
+    /// running is never waited for.
+    func launch(_ url: String, failed: @escaping @Sendable (String) -> Void) -> String? {
+        let attempt = BrowserAttempt(candidates: candidates(url), path: environment["PATH"], failed: failed)
+        let problems = attempt.start(from: 0)
+        return problems.isEmpty ? nil : problems.joined(separator: "; ")
+    }
+
+    /// The commands to try, each as its words, the URL in place.
+    private func candidates(_ url: String) -> [BrowserAttempt.Command] {
+        var candidates: [BrowserAttempt.Command] = []
         if let browser = environment["BROWSER"], !browser.isEmpty {
             for command in browser.split(separator: ":") {
                 var words = command.split(separator: " ").map(String.init)
@@ -269,24 +283,12 @@ struct BrowserLauncher {
                 } else {
                     words.append(url)
                 }
-                candidates.append(words)
+                if let first = words.first { candidates.append(.init(words: words, name: "$BROWSER command \(first)")) }
             }
         } else {
-            candidates.append(["xdg-open", url])
+            candidates.append(.init(words: ["xdg-open", url], name: "xdg-open"))
         }
-        for words in candidates {
-            guard let first = words.first, let executable = Self.which(first, path: environment["PATH"]) else {
-                continue
-            }
-            let process = Process()
-            process.executableURL = URL(fileURLWithPath: executable)
-            process.arguments = Array(words.dropFirst())
-            process.standardInput = FileHandle.nullDevice
-            process.standardOutput = FileHandle.nullDevice
-            process.standardError = FileHandle.nullDevice
-            if (try? process.run()) != nil { return true }
-        }
-        return false
+        return candidates
     }
 
     static func which(_ command: String, path: String?) -> String? {
@@ -296,6 +298,68 @@ struct BrowserLauncher {
             if FileManager.default.isExecutableFile(atPath: candidate) { return candidate }
         }
         return nil
+    }
+}
+
+/// One browser start: the commands of `$BROWSER` (or xdg-open) tried in turn until one starts and does not
+/// fail. Each process is watched from Foundation's thread for its end; nothing waits for it.
+final class BrowserAttempt: Sendable {
+    struct Command {
+        let words: [String]
+        /// How messages name it: the program, never the URL (its arguments).
+        let name: String
+    }
+
+    let candidates: [Command]
+    let path: String?
+    let failed: @Sendable (String) -> Void
+
+    init(candidates: [Command], path: String?, failed: @escaping @Sendable (String) -> Void) {
+        self.candidates = candidates
+        self.path = path
+        self.failed = failed
+    }
+
+    /// Starts the first command from `index` on that can be started; returns why each one before it could not
+    /// (all of them when none started).
+    func start(from index: Int) -> [String] {
+        var problems: [String] = []
+        for position in index..<candidates.count {
+            let command = candidates[position]
+            guard let first = command.words.first, let executable = BrowserLauncher.which(first, path: path) else {
+                problems.append("\(command.name) is not found")
+                continue
+            }
+            let process = Process()
+            process.executableURL = URL(fileURLWithPath: executable)
+            process.arguments = Array(command.words.dropFirst())
+            process.standardInput = FileHandle.nullDevice
+            process.standardOutput = FileHandle.nullDevice
+            process.standardError = FileHandle.nullDevice
+            process.terminationHandler = { [self] ended in
+                let status = ended.terminationStatus
+                guard ended.terminationReason == .uncaughtSignal || status != 0 else { return }
+                var message =
+                    "\(command.name) "
+                    + (ended.terminationReason == .uncaughtSignal
+                        ? "was ended by signal \(status)" : "exited with status \(status)")
+                let remaining = candidates.count - position - 1
+                let later = remaining > 0 ? start(from: position + 1) : []
+                if later.count < remaining {
+                    message += "; trying the next command of $BROWSER"
+                } else if !later.isEmpty {
+                    message += "; " + later.joined(separator: "; ")
+                }
+                failed(message)
+            }
+            do {
+                try process.run()
+                return []
+            } catch {
+                problems.append("\(command.name) cannot be started: \(error.localizedDescription)")
+            }
+        }
+        return problems
     }
 }
 

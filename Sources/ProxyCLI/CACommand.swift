@@ -17,9 +17,21 @@ enum CACommand {
             CommandSpec(
                 name: "init",
                 abstract: "Make the local CA for the protected hosts in proxy.conf (reissue it when they changed).",
+                discussion: """
+                    One CA serves every configuration that shares the state directory. A CA that covers the \
+                    protected hosts is kept, whatever else it covers. For a host it lacks, a new CA is made for \
+                    it and every host of the old one, and the old one stays trusted (in the bundle) until it \
+                    expires, so that a running proxyctl serve and the tools that trust it keep working. --force \
+                    makes a CA for exactly the hosts of this proxy.conf and stops trusting the older ones: it \
+                    names the hosts it drops and the running serves that must be sent SIGHUP.
+                    """,
                 options: [
                     AuthEnvironment.configOption,
-                    .flag("force", help: "Make a new CA even when the current one is still right."),
+                    .flag(
+                        "force",
+                        help:
+                            "Make a new CA for exactly these hosts, even when the current one is right; older CAs are trusted no more."
+                    ),
                 ], run: initialize),
             CommandSpec(
                 name: "show", abstract: "Show the local CA: hosts, fingerprint, validity, files.",
@@ -65,36 +77,127 @@ enum CACommand {
                     "no https origin is configured: add an [origin https://HOST] section first (see proxy.conf.example)"
             )
         }
-        let existing = try? LocalCA.load(files)
-        if let existing, existing.hosts == hosts, !arguments.flag("force"),
-            existing.certificate.notAfter > Int64(time(nil)) + 30 * 86400
-        {
-            context.err(
-                "The local CA already covers exactly \(hosts.joined(separator: ", ")); nothing to do (--force makes a new one)."
-            )
+        let (plan, ca) = try establish(
+            hosts: hosts, files: files, force: arguments.flag("force"), context: context, style: .command)
+        if case .keep = plan {
             context.err("CA certificate: \(files.certificate)")
             return ExitCode.success
         }
+        context.err("  certificate: \(files.certificate)  (SHA-256 \(ca.certificate.fingerprint))")
+        context.err("  key:         \(files.key)  (readable by you alone)")
+        context.err("  bundle:      \(files.bundle)  (the system roots plus the local CA)")
+        context.err("Make your tools trust it and use the proxy:  eval \"$(proxyctl env)\"")
+        return ExitCode.success
+    }
+
+    /// How `establish` speaks: as `ca init` (sentences), or inside `init`'s report (indented lines).
+    enum Style { case command, report }
+
+    /// Makes sure the local CA of `files` covers `hosts`, never dropping a host another configuration sharing
+    /// the state directory may protect unless `force`: the CA is kept when it covers them, else a new one is
+    /// made for them and the old CA's hosts, and the old one stays trusted until it expires (`LocalCA.Plan`).
+    /// Says what it did, and what a running proxyctl serve needs.
+    static func establish(
+        hosts: [String], files: LocalCA.Files, force: Bool, context: CommandContext, style: Style
+    ) throws -> (LocalCA.Plan, LocalCA) {
+        let stateDirectory = (files.directory as NSString).deletingLastPathComponent
+        let now = Int64(time(nil))
+        let existing: LocalCA?
+        do {
+            existing = try LocalCA.load(files)
+        } catch {
+            guard force else {
+                throw CommandFailure(
+                    message:
+                        "cannot read the local CA in \(files.directory): \(error); proxyctl ca init --force replaces it"
+                )
+            }
+            existing = nil
+        }
+        let plan = LocalCA.Plan.decide(
+            existing: existing.map { ($0.hosts, $0.certificate.notAfter) }, wanted: hosts, force: force, now: now)
+        // ca init speaks in sentences, init's report in indented lines that start in lower case.
+        let say = { (line: String) in
+            context.err(style == .report ? "  \(line)" : line.prefix(1).uppercased() + line.dropFirst())
+        }
+        let list = { (hosts: [String]) in hosts.joined(separator: ", ") }
+        if case .keep(let extra) = plan, let existing {
+            var line =
+                style == .report
+                ? "the local CA already covers \(list(hosts))"
+                : "The local CA already covers \(extra.isEmpty ? "exactly " : "")\(list(hosts)); nothing to do (--force makes a new one)."
+            if !extra.isEmpty {
+                line +=
+                    "\(style == .report ? "; it" : " It") also covers \(list(extra)), kept for the other configurations that share \(stateDirectory) (proxyctl ca init --force makes one for exactly \(list(hosts)) and drops \(list(extra)))"
+                    + (style == .report ? "" : ".")
+            }
+            say(line)
+            return (plan, existing)
+        }
+        let newHosts: [String]
+        switch plan {
+        case .keep: newHosts = hosts
+        case .create(let made), .widen(let made, _), .renew(let made, _), .replace(let made, _): newHosts = made
+        }
         let user = context.environment["USER"] ?? "user"
-        let host = ProcessInfo.processInfo.hostName
         let ca: LocalCA
         do {
-            ca = try LocalCA.create(hosts: hosts, label: "\(user)@\(host)")
-            try ca.save(files, systemRoots: LocalCA.systemRootsPath())
+            ca = try LocalCA.create(hosts: newHosts, label: "\(user)@\(ProcessInfo.processInfo.hostName)")
+            let retain: Bool
+            if case .replace = plan { retain = false } else { retain = true }
+            try ca.save(files, systemRoots: LocalCA.systemRootsPath(), retainPrevious: retain)
         } catch {
             throw CommandFailure(message: "cannot make the local CA: \(error)")
         }
-        context.err(
-            existing == nil
-                ? "Made the local CA for: \(hosts.joined(separator: ", "))."
-                : "Reissued the local CA for: \(hosts.joined(separator: ", ")). Tools that trusted the old one must trust this one instead."
-        )
-        context.err("  certificate: \(files.certificate)  (SHA-256 \(ca.certificate.fingerprint))")
-        context.err("  key:         \(files.key)  (readable by you alone)")
-        context.err("  bundle:      \(files.bundle)  (the system roots plus this CA)")
-        context.err("Make your tools trust it and use the proxy:  eval \"$(proxyctl env)\"")
-        context.err("Restart a running proxyctl serve to use the new CA.")
-        return ExitCode.success
+        let serves = ServeState.allRunning(stateDirectory: stateDirectory).map { "pid \($0.pid)" }
+        let running = serves.isEmpty ? "" : " (running: \(serves.joined(separator: ", ")))"
+        let until = existing.map { HumanTime.describe($0.certificate.notAfter, now: now) } ?? ""
+        let kept =
+            "the CA before it stays trusted (in \(files.bundle)) until it expires, \(until), so a proxyctl serve running with it\(running) and the tools that trust it keep working"
+        switch plan {
+        case .keep:
+            break
+        case .create:
+            say(
+                style == .report
+                    ? "made the local CA for \(list(newHosts)) (\(files.certificate))"
+                    : "Made the local CA for: \(list(newHosts)).")
+        case .widen(_, let added):
+            let others = Set(newHosts).subtracting(hosts).sorted()
+            say(
+                (style == .report
+                    ? "made a new local CA for \(list(newHosts)) (\(files.certificate)): it adds \(list(added))"
+                    : "Reissued the local CA for: \(list(newHosts)). It adds \(list(added))")
+                    + (others.isEmpty
+                        ? ""
+                        : "; \(list(others)) \(others.count == 1 ? "stays" : "stay") covered for the other configurations that share \(stateDirectory)")
+                    + (style == .report ? "" : "."))
+            say(style == .report ? kept : kept + ".")
+            if !serves.isEmpty {
+                say(
+                    "a running proxyctl serve\(running) keeps the CA it started with; one whose proxy.conf protects \(list(added)) moves to the new one at its next SIGHUP (kill -HUP PID) or restart"
+                        + (style == .report ? "" : "."))
+            }
+        case .renew(_, let added):
+            say(
+                (style == .report ? "renewed the local CA" : "Renewed the local CA")
+                    + " for \(list(newHosts)) (the old one expires \(until))"
+                    + (added.isEmpty ? "" : ", adding \(list(added))") + (style == .report ? "" : "."))
+            say(style == .report ? kept : kept + ".")
+        case .replace(_, let dropped):
+            say(
+                "Made a new local CA for exactly: \(list(newHosts)) (--force); the CAs before it are trusted no more."
+                    + (dropped.isEmpty
+                        ? ""
+                        : " It drops \(list(dropped)): a proxyctl serve or exec of another configuration sharing \(stateDirectory) that protects \(dropped.count == 1 ? "it" : "them") fails until proxyctl ca init --config ITS_FILE makes a CA that covers \(dropped.count == 1 ? "it" : "them") again.")
+            )
+            if !serves.isEmpty {
+                say(
+                    "Send SIGHUP to each running proxyctl serve\(running), or restart it: until then it signs with a CA nobody trusts."
+                )
+            }
+        }
+        return (plan, ca)
     }
 
     static func show(_ arguments: ParsedArguments, _ context: CommandContext) throws -> Int32 {
@@ -110,12 +213,23 @@ enum CACommand {
         context.out("  SHA-256:     \(ca.certificate.fingerprint)")
         context.out("  certificate: \(files.certificate)")
         context.out("  bundle:      \(files.bundle)")
+        for retired in LocalCA.retired(files, now: now) {
+            context.out(
+                "  also trusted: the CA it replaced, for \(retired.hosts.joined(separator: ", ")), until \(HumanTime.describe(retired.certificate.notAfter, now: now)) (a proxyctl serve started before may still use it)"
+            )
+        }
         let wanted = configuration.origins.tlsHosts
-        if wanted != ca.hosts {
+        if !ca.covers(wanted) {
             context.out(
                 "  The protected hosts in proxy.conf are now: \(wanted.joined(separator: ", ")); run proxyctl ca init to reissue."
             )
             return ExitCode.failure
+        }
+        let extra = Set(ca.hosts).subtracting(wanted).sorted()
+        if !extra.isEmpty {
+            context.out(
+                "  \(extra.joined(separator: ", ")): not in this proxy.conf; kept for the other configurations that share the state directory (proxyctl ca init --force drops them)"
+            )
         }
         return ExitCode.success
     }
@@ -131,7 +245,7 @@ enum CACommand {
         }
         var pem = try ca.certificate.pem()
         if arguments.flag("bundle") {
-            try ca.save(files, systemRoots: LocalCA.systemRootsPath())
+            try LocalCA.refreshBundle(files, systemRoots: LocalCA.systemRootsPath())
             guard let data = FileManager.default.contents(atPath: files.bundle) else {
                 throw CommandFailure(message: "\(files.bundle) cannot be read")
             }

@@ -42,7 +42,7 @@ enum ClientEnvironment {
         let files = Files(stateDirectory: stateDirectory)
         let caFiles = LocalCA.Files(stateDirectory: stateDirectory)
         var bundle: String? = nil
-        if let ca = try? LocalCA.load(caFiles) {
+        if (try? LocalCA.load(caFiles)) != nil {
             // Rewrite the bundle (and the Java trust store) so that they carry the current roots: those this
             // environment trusted already (SSL_CERT_FILE naming another bundle, a corporate one say), else the
             // system's.
@@ -53,7 +53,7 @@ enum ClientEnvironment {
                 roots = own
             }
             do {
-                try ca.save(caFiles, systemRoots: roots)
+                try LocalCA.refreshBundle(caFiles, systemRoots: roots)
             } catch {
                 notes.append("cannot rewrite the CA bundle: \(error)")
             }

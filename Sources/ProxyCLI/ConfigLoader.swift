@@ -31,6 +31,14 @@ struct ConfigLoader {
     /// The label of a configuration given as text, used in error messages instead of a file name.
     static let textLabel = "$PROXYCTL_CONFIG_TEXT"
 
+    /// A configuration's source (`Configuration.source`) as one name: the file's real path (symbolic links
+    /// and relative parts resolved), or the label of a configuration given as text.
+    static func canonical(_ source: String?) -> String? {
+        guard let source, source != textLabel, let resolved = realpath(source, nil) else { return source }
+        defer { free(resolved) }
+        return String(cString: resolved)
+    }
+
     /// `[proxy]` keys that may also come from the environment (a sidecar's), overriding the file's.
     static let environmentKeys: [(variable: String, key: String)] = [
         ("PROXYCTL_LISTEN", "listen"), ("PROXYCTL_PROXY_AUTH_FILE", "proxy_auth_file"),

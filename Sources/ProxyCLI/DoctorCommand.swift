@@ -114,15 +114,19 @@ enum DoctorCommand {
         if hosts.isEmpty {
             note("no https protected origin: no CA needed")
         } else if let ca = try? LocalCA.load(files) {
-            if ca.hosts != hosts {
+            if !ca.covers(hosts) {
                 bad(
                     "the CA was made for \(ca.hosts.joined(separator: ", ")), proxy.conf protects \(hosts.joined(separator: ", "))",
                     fix: "proxyctl ca init")
             } else if ca.certificate.notAfter < now + 7 * 86400 {
                 bad("the CA expires \(HumanTime.describe(ca.certificate.notAfter, now: now))", fix: "proxyctl ca init")
             } else {
+                let extra = Set(ca.hosts).subtracting(hosts).sorted()
                 ok(
-                    "the CA covers exactly \(hosts.joined(separator: ", ")) until \(HumanTime.describe(ca.certificate.notAfter, now: now))"
+                    "the CA covers \(extra.isEmpty ? "exactly " : "")\(hosts.joined(separator: ", ")) until \(HumanTime.describe(ca.certificate.notAfter, now: now))"
+                        + (extra.isEmpty
+                            ? ""
+                            : " (and \(extra.joined(separator: ", ")), for other configurations sharing \(stateDirectory))")
                 )
             }
         } else {

@@ -73,7 +73,8 @@ enum ExecCommand {
             throw CommandFailure(message: "\(program): command not found", exitCode: 127)
         }
 
-        let running = arguments.flag("no-serve") ? nil : stateDirectory.flatMap { reachableServe($0) }
+        let running =
+            arguments.flag("no-serve") ? nil : stateDirectory.flatMap { reachableServe($0, for: configuration) }
         if let running {
             var environment = context.environment
             let (variables, notes) = ClientEnvironment.variables(
@@ -183,8 +184,14 @@ enum ExecCommand {
     }
 
     /// A running serve of this state directory that accepts connections.
-    static func reachableServe(_ stateDirectory: String) -> ServeState? {
-        for state in ServeState.allRunning(stateDirectory: stateDirectory) {
+    /// A running serve of `configuration` that accepts connections. Several configurations may share a state
+    /// directory (and so its serve records): a serve of another one protects other origins, so it is used only
+    /// when it runs the same file (or the same text) with the same protected origins.
+    static func reachableServe(_ stateDirectory: String, for configuration: Configuration) -> ServeState? {
+        let source = ConfigLoader.canonical(configuration.source)
+        let origins = Set(configuration.origins.origins.map(\.url))
+        for state in ServeState.allRunning(stateDirectory: stateDirectory)
+        where ConfigLoader.canonical(state.configuration) == source && Set(state.origins.keys) == origins {
             guard let address = ListenAddress.parse(state.listen) else { continue }
             let host = address.host == "0.0.0.0" ? "127.0.0.1" : (address.host == "::" ? "::1" : address.host)
             if DoctorCommand.canConnect(host: host, port: address.port) { return state }

@@ -16,8 +16,11 @@ enum InitCommand {
             --origin https://api.example.com. The provider's discovery document must name exactly this issuer; \
             PKCE with S256, the device flow and DPoP are checked and reported. The file is written where \
             proxyctl looks for it (--config, else $PROXYCTL_CONFIG, else ~/.config/proxyctl/proxy.conf) and an \
-            existing one is never replaced without --force. With origins, the local CA is made too. Then run \
-            the command it prints.
+            existing one is never replaced without --force. It writes redirect_port (--redirect-port, else \
+            \(RedirectPort.preferred), the same on every machine, or a free port near it when that one is busy; \
+            --force keeps the port of the file replaced) and prints the redirect URI to register for the client \
+            at the provider, http://127.0.0.1:PORT/callback, exactly as printed: many providers compare it \
+            character for character. With origins, the local CA is made too. Then run the command it prints.
             """,
         options: [
             AuthEnvironment.configOption,
@@ -30,6 +33,11 @@ enum InitCommand {
             .option("name", value: "name", help: "The provider's name in proxy.conf (default: the issuer's host)."),
             .option(
                 "scopes", value: "scopes", help: "Scopes to ask for (default: openid profile email offline_access)."),
+            .option(
+                "redirect-port", value: "port",
+                help:
+                    "The loopback port the browser comes back to after sign-in (default: \(RedirectPort.preferred), else a free one near it)."
+            ),
             .flag("dpop", help: "Bind tokens with DPoP (token_binding = dpop, dpop_required = true)."),
             .flag("force", help: "Replace an existing configuration file."),
             .option("resolve", value: "pairs", help: "HOST=ADDRESS pairs for [proxy] resolve (development set-ups)."),
@@ -60,6 +68,13 @@ enum InitCommand {
             case .failure(let error): throw UsageError(message: "--origin \(text): \(error.message)", command: path)
             }
         }
+        var redirectPort: Int? = nil
+        if let text = arguments.value("redirect-port") {
+            guard let port = Int(text), (1...65535).contains(port) else {
+                throw UsageError(message: "--redirect-port expects a port from 1 to 65535", command: path)
+            }
+            redirectPort = port
+        }
         let scopes = arguments.value("scopes") ?? "openid profile email offline_access"
         let dpop = arguments.flag("dpop")
         let loader = ConfigLoader(environment: context.environment)
@@ -78,6 +93,7 @@ enum InitCommand {
                     "\(file) exists already; proxyctl init never replaces it without --force (check it with proxyctl doctor)"
             )
         }
+        let redirect = chooseRedirectPort(given: redirectPort, replacing: file, provider: name, context: context)
 
         // The provider as written, checked against its discovery document before anything is written.
         var provider = ProviderConfig(name: name)
@@ -85,6 +101,7 @@ enum InitCommand {
         provider.clientID = clientID
         provider.scopes = scopes.split(separator: " ").map(String.init)
         provider.caFile = arguments.value("ca-file")
+        provider.redirectPort = redirect.port
         var proxySettings = ProxySettings()
         if let resolve = arguments.value("resolve") {
             let parser = ConfigParser(homeDirectory: nil, baseDirectory: nil)
@@ -159,38 +176,69 @@ enum InitCommand {
         }
         context.err("Wrote \(file):")
         for line in report { context.err("  \(line)") }
+        context.err("  sign-in redirect: \(redirect.uri) (redirect_port = \(redirect.port)\(redirect.note))")
         for origin in origins { context.err("  protected origin \(origin)") }
         if !configuration.origins.tlsHosts.isEmpty {
             guard
                 let stateDirectory = configuration.proxy.stateDir
                     ?? TokenStore.defaultStateDirectory(environment: context.environment)
             else { throw CommandFailure(message: "no state directory for the local CA: set HOME or XDG_STATE_HOME") }
-            let files = LocalCA.Files(stateDirectory: stateDirectory)
-            let existing = try? LocalCA.load(files)
-            if let existing, existing.hosts == configuration.origins.tlsHosts {
-                context.err("  the local CA already covers \(existing.hosts.joined(separator: ", "))")
-            } else {
-                let user = context.environment["USER"] ?? "user"
-                do {
-                    let ca = try LocalCA.create(
-                        hosts: configuration.origins.tlsHosts, label: "\(user)@\(ProcessInfo.processInfo.hostName)")
-                    try ca.save(files, systemRoots: LocalCA.systemRootsPath())
-                } catch {
-                    throw CommandFailure(message: "cannot make the local CA: \(error)")
-                }
-                context.err(
-                    "  made the local CA for \(configuration.origins.tlsHosts.joined(separator: ", ")) (\(files.certificate))"
-                )
-            }
+            // The state directory, and its CA, may serve other configurations too: init never drops a host of
+            // theirs nor stops trusting the CA a running serve uses (CACommand.establish).
+            _ = try CACommand.establish(
+                hosts: configuration.origins.tlsHosts, files: LocalCA.Files(stateDirectory: stateDirectory),
+                force: false, context: context, style: .report)
         }
         let configFlag = arguments.value("config").map { " --config \(EnvCommand.quote($0))" } ?? ""
         context.err("")
+        context.err(
+            "Register this redirect URI for client \(clientID) at the provider, exactly as written (many providers compare it character for character):"
+        )
+        context.err("    \(redirect.uri)")
         context.err("Next: sign in, then run your tools through the proxy:")
         context.out(
             "proxyctl login\(configFlag)\(metadata.deviceAuthorizationEndpoint != nil ? "    # or --device without a browser" : "")"
         )
         context.out("proxyctl exec\(configFlag) -- curl \(origins.first ?? "https://api.example.com")/")
         return ExitCode.success
+    }
+
+    /// The sign-in redirect of the new file: the port given, else the one of the file replaced, else one
+    /// `RedirectPort` chooses (a fixed default, free now and below the kernel's ephemeral range).
+    static func chooseRedirectPort(
+        given: Int?, replacing file: String, provider name: String, context: CommandContext
+    ) -> (port: Int, uri: String, note: String) {
+        let path = ProviderConfig(name: name).redirectPath
+        let uri = { (port: Int) in "http://127.0.0.1:\(port)\(path)" }
+        if let given {
+            let busy =
+                LoopbackReceiver.canListen(port: given)
+                ? "" : "; something listens there now, and a login needs it free"
+            return (given, uri(given), busy)
+        }
+        // The port of the file replaced (init --force) is registered at the provider already.
+        var existing: Int? = nil
+        if let text = try? String(contentsOfFile: file, encoding: .utf8),
+            case .success(let old) = ConfigParser(homeDirectory: nil, baseDirectory: nil).parse(text, file: file)
+        {
+            existing = old.providers.first { $0.name == name }?.redirectPort
+        }
+        let ephemeral = (try? String(contentsOfFile: "/proc/sys/net/ipv4/ip_local_port_range", encoding: .utf8))
+            .flatMap(RedirectPort.ephemeralRange)
+        guard
+            let (port, reason) = RedirectPort.choose(
+                existing: existing, ephemeral: ephemeral, isFree: LoopbackReceiver.canListen(port:))
+        else {
+            context.err("  no free port below the ephemeral range for the sign-in redirect; give --redirect-port")
+            return (RedirectPort.preferred, uri(RedirectPort.preferred), "")
+        }
+        switch reason {
+        case .preferred: return (port, uri(port), "")
+        case .kept: return (port, uri(port), ", as in the file replaced")
+        case .fallback(let busy):
+            let ports = busy.map(String.init).joined(separator: ", ")
+            return (port, uri(port), "; \(busy.count == 1 ? "port" : "ports") \(ports) in use here")
+        }
     }
 
     /// A commented proxy.conf for one provider and its origins.
@@ -214,6 +262,10 @@ enum InitCommand {
             issuer = \(issuer)
             client_id = \(provider.clientID)
             scopes = \(provider.scopes.joined(separator: " "))
+            # After sign-in the browser comes back to http://127.0.0.1:\(provider.redirectPort)\(provider.redirectPath):
+            # register exactly this redirect URI for the client at the provider (or change the port here and
+            # register that one).
+            redirect_port = \(provider.redirectPort)
 
             """
         if let caFile = provider.caFile { text += "ca_file = \(caFile)\n" }

@@ -9,7 +9,12 @@ enum LoginCommand {
         abstract: "Sign in to an OpenID provider and keep the tokens.",
         discussion: """
             Opens the browser for Authorization Code + PKCE with a loopback redirect (RFC 8252), or shows a code \
-            to enter on another device with --device (RFC 8628). The URL is always printed too. Where no \
+            to enter on another device with --device (RFC 8628). The URL is always printed too, and so is the \
+            redirect URI login waits on (http://127.0.0.1:PORT/callback, PORT from redirect_port): it must be \
+            registered for the client at the provider. A browser command that fails is reported at once and \
+            login keeps waiting for the URL opened by hand; when the browser has not come back after 45s \
+            (a third of login_timeout when that is shorter), login names the usual causes (the redirect URI not \
+            registered exactly as printed, a wrong client_id) and the key to change. Where no \
             browser can be opened (no display, an SSH session, --no-browser, not a terminal) login says so \
             and offers the device flow. Tokens are stored under state_dir, readable by you alone; a running \
             proxyctl serve uses them without a restart.
@@ -83,7 +88,9 @@ enum LoginCommand {
         context: CommandContext
     ) throws -> TokenSet {
         let console = StderrConsole(context: context, notifyCommand: environment.configuration.proxy.notifyCommand)
-        let flow = LoginFlow(client: environment.client, store: environment.store, console: console)
+        var made = LoginFlow(client: environment.client, store: environment.store, console: console)
+        made.configurationFile = environment.configuration.source
+        let flow = made
         let launcher = BrowserLauncher(environment: context.environment, interactive: context.isInteractive)
         let provider = environment.provider
         let interactive = context.isInteractive
@@ -120,7 +127,16 @@ enum LoginCommand {
                 defer { receiver.close() }
                 let openBrowser = browserReason == nil
                 return try await flow.browserLogin(options: loginOptions, receiver: receiver) { url in
-                    openBrowser ? launcher.open(url) : true
+                    guard openBrowser else { return nil }
+                    // A browser command that fails is said at once: the login keeps waiting for the URL opened
+                    // by hand.
+                    return launcher.launch(url) { problem in
+                        console.say("The browser did not open the sign-in page: \(problem).")
+                        console.say("Open this URL in a browser yourself; the login keeps waiting:")
+                        console.say("")
+                        console.say("    \(url)")
+                        console.say("")
+                    }
                 }
             }
         } catch let error as AuthError {

@@ -66,6 +66,8 @@ enum ServeCommand {
         let overrides = (listen: arguments.value("listen"), level: arguments.value("log-level"))
         // What the running proxy was built from; a SIGHUP compares the new file with it.
         let current = Box(configuration)
+        // The CA the proxy signs with: a reload keeps it while it covers the protected hosts and is trusted.
+        let signing = Box(ca)
         let reload: () -> Result<Reloaded, any Error> = {
             do {
                 var fresh = try loader.load(location)
@@ -90,7 +92,7 @@ enum ServeCommand {
                 if originsChanged || transportChanged || !fresh.origins.isEmpty {
                     do {
                         // The CA is read again: `proxyctl ca init` may have reissued it for new hosts.
-                        let freshCA = try loadLocalCA(fresh, stateDirectory: stateDirectory)
+                        let freshCA = try loadLocalCA(fresh, stateDirectory: stateDirectory, inUse: signing.value)
                         let reuse = transportChanged ? [:] : runtimeOrigins.managers
                         if let made = try ProxyRuntime.interception(
                             fresh, stateDirectory: stateDirectory, loop: loop, ca: freshCA, reuse: reuse)
@@ -102,6 +104,7 @@ enum ServeCommand {
                                 spoolDirectory: (stateDirectory ?? NSTemporaryDirectory()) + "/spool")
                         }
                         reloaded.origins = fresh.origins
+                        if freshCA != nil { signing.value = freshCA }
                         runtimeOrigins.replace(
                             origins: fresh.origins.origins, managers: reloaded.interception?.managers ?? [:])
                         current.value.origins = fresh.origins
@@ -130,7 +133,8 @@ enum ServeCommand {
         } catch {
             throw CommandFailure(message: "cannot set up interception: \(error)")
         }
-        server.configurationSource = configuration.source
+        // The file as one name, so that `proxyctl exec --config` from another directory recognises this serve.
+        server.configurationSource = ConfigLoader.canonical(configuration.source)
         let admin = try ProxyRuntime.startAdmin(
             configuration.proxy, server: server, origins: runtimeOrigins, stateDirectory: stateDirectory)
         server.adminAddress = admin.map { "\($0.boundAddress)" }
@@ -168,15 +172,25 @@ enum ServeCommand {
         return keys
     }
 
-    /// The local CA for the protected https hosts; an error naming the fix when it is missing or was made for
-    /// another set of hosts.
-    static func loadLocalCA(_ configuration: Configuration, stateDirectory: String?) throws -> LocalCA? {
+    /// The local CA for the protected https hosts; an error naming the fix when it is missing or does not cover
+    /// them. The CA may cover more hosts (those of other configurations sharing the state directory): the proxy
+    /// still intercepts only its own origins and mints leaves for them alone. `inUse` is the CA a running proxy
+    /// signs with: it is kept while it covers the hosts and the bundle still trusts it (a CA replaced by a wider
+    /// one stays trusted until it expires), so that a reload never breaks the clients that trust it.
+    static func loadLocalCA(
+        _ configuration: Configuration, stateDirectory: String?, inUse: LocalCA? = nil
+    ) throws -> LocalCA? {
         let hosts = configuration.origins.tlsHosts
         guard !hosts.isEmpty else { return nil }
         guard let stateDirectory else {
             throw CommandFailure(message: "no state directory for the local CA: set HOME, XDG_STATE_HOME or state_dir")
         }
         let files = LocalCA.Files(stateDirectory: stateDirectory)
+        if let inUse, inUse.covers(hosts), inUse.certificate.notAfter >= Int64(time(nil)) + 7 * 86400,
+            inUse.isTrusted(files)
+        {
+            return inUse
+        }
         let ca: LocalCA
         do {
             guard let loaded = try LocalCA.load(files) else {
@@ -191,15 +205,11 @@ enum ServeCommand {
         } catch {
             throw CommandFailure(message: "cannot read the local CA: \(error)")
         }
-        if ca.hosts != hosts {
+        if !ca.covers(hosts) {
             let added = Set(hosts).subtracting(ca.hosts).sorted()
-            let removed = Set(ca.hosts).subtracting(hosts).sorted()
-            var change: [String] = []
-            if !added.isEmpty { change.append("added \(added.joined(separator: ", "))") }
-            if !removed.isEmpty { change.append("removed \(removed.joined(separator: ", "))") }
             throw CommandFailure(
                 message:
-                    "the protected hosts changed since the local CA was made (\(change.joined(separator: "; "))); its name constraints must name exactly them: run proxyctl ca init to reissue it, then restart the tools that trust it"
+                    "the protected hosts changed since the local CA was made (added \(added.joined(separator: ", "))); its name constraints must name every protected host: run proxyctl ca init to reissue it (the CA before it stays trusted until it expires)"
             )
         }
         if ca.certificate.notAfter < Int64(time(nil)) + 7 * 86400 {

@@ -194,6 +194,21 @@ public struct LoginFlow: Sendable {
     public let store: TokenStore
     public let console: any LoginConsole
     public var now: @Sendable () -> Int64 = { Int64(Date().timeIntervalSince1970) }
+    /// The configuration file the provider comes from, named by the hint about a redirect that does not come.
+    public var configurationFile: String? = nil
+
+    /// How long a browser sign-in waits for the redirect before saying what usually keeps it away (milliseconds):
+    /// long enough for a person to type a password and pass a second factor, short enough that nobody gives up
+    /// on a silent terminal first. A third of `login_timeout` when that is less, so that the hint always comes
+    /// before the login gives up.
+    public static let redirectHintDelay = 45_000
+
+    /// When the hint comes for a login that waits `loginTimeout` milliseconds.
+    public static func redirectHintDelay(loginTimeout: Int) -> Int {
+        let third = loginTimeout / 3
+        // Whole seconds, so that the hint says "after 6s" and not "after 6666ms".
+        return min(redirectHintDelay, third >= 1000 ? third / 1000 * 1000 : third)
+    }
 
     public init(client: ProviderClient, store: TokenStore, console: any LoginConsole) {
         self.client = client
@@ -203,10 +218,10 @@ public struct LoginFlow: Sendable {
 
     var provider: ProviderConfig { client.config }
 
-    /// Authorization Code + PKCE in the browser. `openBrowser` returns false when no browser could be started
-    /// (the URL is printed either way).
+    /// Authorization Code + PKCE in the browser. `openBrowser` returns why no browser could be started, or nil
+    /// when one was (the URL is printed either way).
     public func browserLogin(
-        options: LoginOptions, receiver: any RedirectReceiver, openBrowser: @Sendable (String) -> Bool
+        options: LoginOptions, receiver: any RedirectReceiver, openBrowser: @Sendable (String) -> String?
     ) async throws -> TokenSet {
         let metadata = try await client.discover()
         guard let authorizationEndpoint = metadata.authorizationEndpoint else {
@@ -229,17 +244,33 @@ public struct LoginFlow: Sendable {
             console.say("")
             console.say("    \(url)")
             console.say("")
-            if !openBrowser(url) {
-                console.say("(No browser could be started here; open the URL on any device that can reach this one.)")
+            if let reason = openBrowser(url) {
+                console.say(
+                    "No browser could be started (\(reason)); open the URL above in a browser on this machine.")
             }
+            console.say(
+                "Waiting for the provider to send the browser back to \(receiver.redirectURI)"
+                    + (provider.redirectPort == 0 ? " (redirect_port = 0: a port of this login's own)." : "."))
             console.waiting(
                 for: "the sign-in in the browser (the redirect to \(receiver.redirectURI))",
                 until: now() + Int64(provider.loginTimeout / 1000))
+            // A provider that refuses the redirect URI or the client shows its own error page and never sends
+            // the browser back: say what usually causes that while the login still waits.
+            let hint = Task { [console, provider, configurationFile] in
+                try await Task.sleep(for: .milliseconds(Self.redirectHintDelay(loginTimeout: provider.loginTimeout)))
+                for line in Self.redirectHint(
+                    provider: provider, redirectURI: receiver.redirectURI, file: configurationFile)
+                {
+                    console.say(line)
+                }
+            }
             let query: [(String, String)]
             do {
                 query = try await receiver.waitForResponse(timeout: provider.loginTimeout)
+                hint.cancel()
                 console.waitEnded()
             } catch {
+                hint.cancel()
                 console.waitEnded()
                 throw error
             }
@@ -269,6 +300,23 @@ public struct LoginFlow: Sendable {
                     response, nonce: request.nonce, maxAge: currentOptions.maxAge, scopes: request.scopes)
             }
         }
+    }
+
+    /// What to say when the browser has not come back for a while: the two usual causes, each with the key that
+    /// fixes it. `file` is the configuration file the provider is in.
+    public static func redirectHint(provider: ProviderConfig, redirectURI: String, file: String?) -> [String] {
+        let section = "[provider \(provider.name)]" + (file.map { " of \($0)" } ?? "")
+        let waited = ConfigValue.describeDuration(redirectHintDelay(loginTimeout: provider.loginTimeout))
+        let registration =
+            provider.redirectPort == 0
+            ? "redirect_port is 0 in \(section), so this login listens on a port of its own (\(redirectURI)) that a provider matching redirect URIs exactly does not know: set redirect_port to a port and register http://127.0.0.1:PORT\(provider.redirectPath) for the client"
+            : "the redirect URI \(redirectURI) is not registered for client \(provider.clientID) exactly as written: register it at the provider, or set redirect_port in \(section) to a port that is registered"
+        return [
+            "No answer from the browser after \(waited). If the provider showed an error page instead of signing you in, the usual causes are:",
+            "  - \(registration);",
+            "  - the client id \(provider.clientID) is not the one registered at the provider: change client_id in \(section).",
+            "Still waiting (login_timeout \(ConfigValue.describeDuration(provider.loginTimeout)); Ctrl-C stops).",
+        ]
     }
 
     /// The URL to open: the request itself, or a PAR `request_uri` (RFC 9126) when pushing is required or asked.

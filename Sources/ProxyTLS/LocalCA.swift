@@ -7,6 +7,12 @@ import ProxyCore
 /// An EC P-256 key and a self-signed certificate whose name constraints (RFC 5280 §4.2.1.10) permit exactly
 /// the protected host names (subdomains excluded, every IPv4 and IPv6 address excluded), so that even a
 /// stolen CA key cannot impersonate any other site to a client that trusts it.
+///
+/// One CA serves every configuration that shares a state directory, so its hosts are those of all of them: a
+/// CA is never replaced by one that drops a host (another configuration may protect it) unless asked
+/// (`ca init --force`). Adding hosts makes a new CA for all of them, and the one it replaces is retired: its
+/// key is deleted, and its certificate stays in the bundle until it expires, so that a proxy running with it
+/// (which holds the key in memory) and every client that trusted it keep working (`Plan`, `save`).
 public final class LocalCA: @unchecked Sendable {
     // @unchecked Sendable: immutable after creation.
     public let certificate: Certificate
@@ -24,6 +30,44 @@ public final class LocalCA: @unchecked Sendable {
         self.certificate = certificate
         self.key = key
         self.hosts = hosts
+    }
+
+    /// Whether this CA may sign for every one of `hosts`.
+    public func covers(_ wanted: [String]) -> Bool { Set(wanted).isSubset(of: hosts) }
+
+    /// What `init` and `ca init` do with the CA of a state directory, given the hosts a configuration protects.
+    public enum Plan: Equatable, Sendable {
+        /// The CA covers every host asked for and is not about to expire. `extra`: the hosts it covers beyond
+        /// them (those of other configurations sharing the state directory).
+        case keep(extra: [String])
+        /// There is no CA: one for these hosts.
+        case create(hosts: [String])
+        /// A new CA for `hosts`, the old CA's and the `added` ones; the old one is retired, not dropped.
+        case widen(hosts: [String], added: [String])
+        /// The old CA expires within `renewBefore`: a new one for its hosts and any `added`; the old one retired.
+        case renew(hosts: [String], added: [String])
+        /// Asked for (`--force`): a new CA for exactly the hosts asked for; the old one and every retired one
+        /// are no longer trusted. `dropped`: the old CA's hosts that go.
+        case replace(hosts: [String], dropped: [String])
+
+        /// A CA this close to its end is renewed by `ca init` and `init` (seconds).
+        public static let renewBefore: Int64 = 30 * 86400
+
+        /// The plan for a state directory whose CA (if any) covers `existing` until `notAfter`, when a
+        /// configuration protects `wanted`.
+        public static func decide(
+            existing: (hosts: [String], notAfter: Int64)?, wanted: [String], force: Bool, now: Int64
+        ) -> Plan {
+            let wanted = Array(Set(wanted)).sorted()
+            guard let existing else { return .create(hosts: wanted) }
+            let have = Set(existing.hosts)
+            if force { return .replace(hosts: wanted, dropped: have.subtracting(wanted).sorted()) }
+            let added = Set(wanted).subtracting(have).sorted()
+            let union = have.union(wanted).sorted()
+            if existing.notAfter < now + renewBefore { return .renew(hosts: union, added: added) }
+            if !added.isEmpty { return .widen(hosts: union, added: added) }
+            return .keep(extra: have.subtracting(wanted).sorted())
+        }
     }
 
     /// The name constraints extension value for `hosts`.
@@ -85,6 +129,10 @@ public final class LocalCA: @unchecked Sendable {
         public var bundle: String { directory + "/bundle.pem" }
         /// The same certificates as a PKCS#12 trust store, for Java (`javax.net.ssl.trustStore`).
         public var trustStore: String { directory + "/truststore.p12" }
+        /// Certificates of CAs replaced by wider ones (their keys deleted), trusted until they expire.
+        public var retired: String { directory + "/retired" }
+        /// Serialises writers of the directory across processes (`flock`).
+        var lock: String { directory + "/.lock" }
 
         public init(stateDirectory: String) { directory = stateDirectory + "/ca" }
     }
@@ -103,22 +151,126 @@ public final class LocalCA: @unchecked Sendable {
             hosts: hosts.sorted())
     }
 
-    /// Writes the CA: the key 0600, everything replaced atomically, the directory 0700.
-    public func save(_ files: Files, systemRoots: String?) throws {
+    /// Makes this the CA of `files` (the key 0600, everything replaced atomically, the directory 0700) and
+    /// writes the bundle. The CA there before is retired when `retainPrevious` (its certificate kept in
+    /// `retired/` and trusted until it expires, its key deleted); otherwise it and every retired one are
+    /// trusted no more.
+    public func save(_ files: Files, systemRoots: String?, retainPrevious: Bool = true) throws {
         try SecureFile.makePrivateDirectory(files.directory)
-        try SecureFile.write(try key.pem(), to: files.key, mode: 0o600)
-        let pem = try certificate.pem()
-        try SecureFile.write(pem, to: files.certificate, mode: 0o644)
-        try SecureFile.write(Array((hosts.joined(separator: "\n") + "\n").utf8), to: files.hosts, mode: 0o644)
+        try Self.locked(files) {
+            try SecureFile.makePrivateDirectory(files.retired)
+            if retainPrevious {
+                if let data = FileManager.default.contents(atPath: files.certificate),
+                    let previous = try? Certificate.fromPEM(Array(data)),
+                    previous.fingerprint != certificate.fingerprint
+                {
+                    let previousHosts =
+                        (try? String(contentsOfFile: files.hosts, encoding: .utf8))?
+                        .split(separator: "\n").joined(separator: " ") ?? ""
+                    try SecureFile.write(
+                        Array("# proxyctl local CA for: \(previousHosts)\n".utf8) + (try previous.pem()),
+                        to: Self.retiredPath(files, previous), mode: 0o644)
+                }
+            } else {
+                for name in Self.retiredNames(files) { unlink(files.retired + "/" + name) }
+            }
+            try SecureFile.write(try key.pem(), to: files.key, mode: 0o600)
+            try SecureFile.write(try certificate.pem(), to: files.certificate, mode: 0o644)
+            try SecureFile.write(Array((hosts.joined(separator: "\n") + "\n").utf8), to: files.hosts, mode: 0o644)
+            try Self.writeBundle(files, systemRoots: systemRoots)
+        }
+    }
+
+    /// Writes the bundle (`systemRoots`, then every retired CA still valid, then the CA of `files`) and the
+    /// Java trust store made from it, as the files are now. Retired CAs that have expired are deleted.
+    public static func refreshBundle(_ files: Files, systemRoots: String?) throws {
+        try locked(files) { try writeBundle(files, systemRoots: systemRoots) }
+    }
+
+    private static func writeBundle(_ files: Files, systemRoots: String?, now: Int64 = Int64(time(nil))) throws {
+        guard let current = FileManager.default.contents(atPath: files.certificate) else {
+            throw CryptoError("\(files.certificate) is missing; run proxyctl ca init")
+        }
         var bundle: [UInt8] = []
         if let systemRoots, let roots = FileManager.default.contents(atPath: systemRoots) {
             bundle.append(contentsOf: roots)
             if bundle.last != 0x0A { bundle.append(0x0A) }
         }
-        bundle.append(contentsOf: Array("# proxyctl local CA for: \(hosts.joined(separator: " "))\n".utf8))
-        bundle.append(contentsOf: pem)
+        for (name, certificate, text) in retiredEntries(files) {
+            guard certificate.notAfter > now else {
+                unlink(files.retired + "/" + name)
+                continue
+            }
+            bundle.append(contentsOf: Array(text.utf8))
+            if bundle.last != 0x0A { bundle.append(0x0A) }
+        }
+        let hosts =
+            (try? String(contentsOfFile: files.hosts, encoding: .utf8))?.split(separator: "\n").joined(separator: " ")
+            ?? ""
+        bundle.append(contentsOf: Array("# proxyctl local CA for: \(hosts)\n".utf8))
+        bundle.append(contentsOf: Array(current))
         try SecureFile.write(bundle, to: files.bundle, mode: 0o644)
         try SecureFile.write(try TrustStore.pkcs12(pem: bundle), to: files.trustStore, mode: 0o644)
+    }
+
+    /// A retired CA: its certificate and the hosts it was made for.
+    public struct Retired: Sendable {
+        public let certificate: Certificate
+        public let hosts: [String]
+    }
+
+    /// The retired CAs of `files` still trusted (not expired), oldest first.
+    public static func retired(_ files: Files, now: Int64 = Int64(time(nil))) -> [Retired] {
+        retiredEntries(files).filter { $0.certificate.notAfter > now }.map { entry in
+            let first = entry.text.split(separator: "\n").first ?? ""
+            let prefix = "# proxyctl local CA for: "
+            let hosts =
+                first.hasPrefix(prefix) ? first.dropFirst(prefix.count).split(separator: " ").map(String.init) : []
+            return Retired(certificate: entry.certificate, hosts: hosts)
+        }.sorted { $0.certificate.notAfter < $1.certificate.notAfter }
+    }
+
+    /// Whether clients that use the bundle of `files` trust this CA: it is the CA there, or a retired one that
+    /// has not expired.
+    public func isTrusted(_ files: Files, now: Int64 = Int64(time(nil))) -> Bool {
+        if let data = FileManager.default.contents(atPath: files.certificate),
+            let current = try? Certificate.fromPEM(Array(data)), current.fingerprint == certificate.fingerprint
+        {
+            return true
+        }
+        return Self.retired(files, now: now).contains { $0.certificate.fingerprint == certificate.fingerprint }
+    }
+
+    private static func retiredPath(_ files: Files, _ certificate: Certificate) -> String {
+        files.retired + "/" + certificate.fingerprint.replacingOccurrences(of: ":", with: "").lowercased() + ".pem"
+    }
+
+    private static func retiredNames(_ files: Files) -> [String] {
+        ((try? FileManager.default.contentsOfDirectory(atPath: files.retired)) ?? [])
+            .filter { $0.hasSuffix(".pem") && !$0.hasPrefix(".") }.sorted()
+    }
+
+    private static func retiredEntries(_ files: Files) -> [(name: String, certificate: Certificate, text: String)] {
+        retiredNames(files).compactMap { name in
+            guard let data = FileManager.default.contents(atPath: files.retired + "/" + name),
+                let certificate = try? Certificate.fromPEM(Array(data))
+            else { return nil }
+            return (name, certificate, String(decoding: data, as: UTF8.self))
+        }
+    }
+
+    /// Runs `body` holding the CA directory's lock (`flock` on `.lock`), so that a bundle is never written
+    /// from a CA another process is replacing.
+    private static func locked<T>(_ files: Files, _ body: () throws -> T) throws -> T {
+        let fd = open(files.lock, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0o600)
+        guard fd >= 0 else { throw CryptoError("\(files.lock) cannot be opened: \(String(cString: strerror(errno)))") }
+        defer { close(fd) }
+        while flock(fd, LOCK_EX) != 0 {
+            guard errno == EINTR else {
+                throw CryptoError("\(files.lock) cannot be locked: \(String(cString: strerror(errno)))")
+            }
+        }
+        return try body()
     }
 
     /// Where this system keeps its trusted roots (OpenSSL's default, else the usual Debian and Red Hat places).

@@ -245,3 +245,37 @@ private func isBase64URL(_ text: String) -> Bool {
         }
     }
 }
+
+/// What `proxyctl login` says when the browser does not come back: when, and the key that fixes each cause.
+@Suite struct RedirectHintTests {
+    @Test func comesAfter45sOrAThirdOfAShortLoginTimeout() {
+        #expect(LoginFlow.redirectHintDelay(loginTimeout: 300_000) == 45_000)
+        #expect(LoginFlow.redirectHintDelay(loginTimeout: 6_000) == 2_000)
+        #expect(LoginFlow.redirectHintDelay(loginTimeout: 20_000) == 6_000)  // whole seconds
+        #expect(LoginFlow.redirectHintDelay(loginTimeout: 900) == 300)
+    }
+
+    @Test func aFixedPortNamesTheURIToRegisterAndBothKeys() {
+        var provider = testProvider(name: "corp")
+        provider.redirectPort = 17755
+        let lines = LoginFlow.redirectHint(
+            provider: provider, redirectURI: "http://127.0.0.1:17755/callback", file: "/home/me/proxy.conf")
+        #expect(
+            lines.first
+                == "No answer from the browser after 45s. If the provider showed an error page instead of signing you in, the usual causes are:"
+        )
+        #expect(
+            lines[1]
+                == "  - the redirect URI http://127.0.0.1:17755/callback is not registered for client \(JWSFixtures.clientID) exactly as written: register it at the provider, or set redirect_port in [provider corp] of /home/me/proxy.conf to a port that is registered;"
+        )
+        #expect(lines[2].hasSuffix("change client_id in [provider corp] of /home/me/proxy.conf."))
+        #expect(lines.last == "Still waiting (login_timeout 5m; Ctrl-C stops).")
+    }
+
+    @Test func portZeroSaysThatThePortChangesAtEachLogin() {
+        let lines = LoginFlow.redirectHint(
+            provider: testProvider(name: "corp"), redirectURI: "http://127.0.0.1:40001/callback", file: nil)
+        #expect(lines[1].contains("redirect_port is 0 in [provider corp], so this login listens on a port of its own"))
+        #expect(lines[1].contains("register http://127.0.0.1:PORT/callback for the client"))
+    }
+}

@@ -94,3 +94,103 @@ import Testing
         #expect(bundle.hasSuffix(String(decoding: try ca.certificate.pem(), as: UTF8.self)))
     }
 }
+
+/// What `init` and `ca init` do with the CA of a state directory several configurations may share: keep it
+/// when it covers the hosts asked for, widen it (never narrow it) when it lacks one, narrow only when forced.
+@Suite struct LocalCAPlanTests {
+    let now: Int64 = 1_800_000_000
+    var valid: Int64 { now + LocalCA.validity }
+
+    @Test func noCAMakesOneForTheHostsAskedFor() {
+        #expect(
+            LocalCA.Plan.decide(existing: nil, wanted: ["b.test", "a.test"], force: false, now: now)
+                == .create(hosts: ["a.test", "b.test"]))
+    }
+
+    @Test func aCAThatCoversTheHostsIsKeptWhateverElseItCovers() {
+        #expect(
+            LocalCA.Plan.decide(existing: (["a.test"], valid), wanted: ["a.test"], force: false, now: now)
+                == .keep(extra: []))
+        #expect(
+            LocalCA.Plan.decide(existing: (["a.test", "b.test"], valid), wanted: ["a.test"], force: false, now: now)
+                == .keep(extra: ["b.test"]))
+    }
+
+    @Test func aHostItLacksWidensItToTheUnion() {
+        #expect(
+            LocalCA.Plan.decide(existing: (["a.test", "b.test"], valid), wanted: ["c.test"], force: false, now: now)
+                == .widen(hosts: ["a.test", "b.test", "c.test"], added: ["c.test"]))
+    }
+
+    @Test func aCAAboutToExpireIsRenewedForTheUnion() {
+        let soon = now + LocalCA.Plan.renewBefore - 1
+        #expect(
+            LocalCA.Plan.decide(existing: (["a.test"], soon), wanted: ["a.test"], force: false, now: now)
+                == .renew(hosts: ["a.test"], added: []))
+        #expect(
+            LocalCA.Plan.decide(existing: (["a.test"], soon), wanted: ["b.test"], force: false, now: now)
+                == .renew(hosts: ["a.test", "b.test"], added: ["b.test"]))
+    }
+
+    @Test func forceMakesOneForExactlyTheHostsAskedForAndNamesWhatItDrops() {
+        #expect(
+            LocalCA.Plan.decide(existing: (["a.test", "b.test"], valid), wanted: ["a.test"], force: true, now: now)
+                == .replace(hosts: ["a.test"], dropped: ["b.test"]))
+        #expect(
+            LocalCA.Plan.decide(existing: nil, wanted: ["a.test"], force: true, now: now) == .create(hosts: ["a.test"]))
+    }
+}
+
+/// A CA replaced by a wider one is retired: its key goes, its certificate stays in the bundle until it expires,
+/// so a proxy that still signs with it keeps working. `retainPrevious: false` (ca init --force) trusts it no more.
+@Suite struct LocalCARetirementTests {
+    let files = LocalCA.Files(
+        stateDirectory: NSTemporaryDirectory() + "proxyctl-ca-retire-\(UUID().uuidString)")
+
+    func bundle() throws -> String { try String(contentsOfFile: files.bundle, encoding: .utf8) }
+
+    @Test func aWiderCARetiresTheOldOneWhichStaysTrusted() throws {
+        let first = try LocalCA.create(hosts: ["a.test"], label: "test")
+        try first.save(files, systemRoots: nil)
+        #expect(LocalCA.retired(files).isEmpty && first.isTrusted(files))
+        let wider = try LocalCA.create(hosts: ["a.test", "b.test"], label: "test")
+        try wider.save(files, systemRoots: nil)
+        let loaded = try #require(try LocalCA.load(files))
+        #expect(
+            loaded.certificate.fingerprint == wider.certificate.fingerprint && loaded.hosts == ["a.test", "b.test"])
+        let retired = LocalCA.retired(files)
+        #expect(retired.count == 1 && retired[0].certificate.fingerprint == first.certificate.fingerprint)
+        #expect(retired[0].hosts == ["a.test"])
+        #expect(first.isTrusted(files) && wider.isTrusted(files))
+        // Both in the bundle, the current one last; the old key is gone from the directory.
+        let text = try bundle()
+        #expect(text.contains(String(decoding: try first.certificate.pem(), as: UTF8.self)))
+        #expect(text.hasSuffix(String(decoding: try wider.certificate.pem(), as: UTF8.self)))
+        let key = try String(contentsOfFile: files.key, encoding: .utf8)
+        #expect(key == String(decoding: try wider.key.pem(), as: UTF8.self))
+        // Saving the same CA again (proxyctl env rewrites the bundle) retires nothing.
+        try LocalCA.refreshBundle(files, systemRoots: nil)
+        try wider.save(files, systemRoots: nil)
+        #expect(LocalCA.retired(files).count == 1)
+    }
+
+    @Test func replacingWithoutRetainingTrustsTheOldOnesNoMore() throws {
+        let first = try LocalCA.create(hosts: ["a.test"], label: "test")
+        try first.save(files, systemRoots: nil)
+        try LocalCA.create(hosts: ["a.test", "b.test"], label: "test").save(files, systemRoots: nil)
+        let forced = try LocalCA.create(hosts: ["a.test"], label: "test")
+        try forced.save(files, systemRoots: nil, retainPrevious: false)
+        #expect(LocalCA.retired(files).isEmpty)
+        #expect(!first.isTrusted(files) && forced.isTrusted(files))
+        #expect(try bundle().components(separatedBy: "BEGIN CERTIFICATE").count == 2)
+    }
+
+    @Test func anExpiredRetiredCALeavesTheBundle() throws {
+        let old = try LocalCA.create(hosts: ["a.test"], label: "test", now: Int64(time(nil)) - LocalCA.validity - 10)
+        try old.save(files, systemRoots: nil)
+        try LocalCA.create(hosts: ["a.test", "b.test"], label: "test").save(files, systemRoots: nil)
+        #expect(LocalCA.retired(files).isEmpty && !old.isTrusted(files))
+        #expect(try bundle().components(separatedBy: "BEGIN CERTIFICATE").count == 2)
+        #expect(try FileManager.default.contentsOfDirectory(atPath: files.retired).isEmpty)
+    }
+}

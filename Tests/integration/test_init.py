@@ -1,16 +1,27 @@
-"""A first run without reading the example file (`proxyctl init`, and `doctor` pointing at it), and a SIGHUP
-that adds a protected origin to a running serve (the CA reissued with `ca init` first)."""
+"""A first run without reading the example file (`proxyctl init`, and `doctor` pointing at it): the redirect port
+it writes and the URI it prints, the README's "Use it" against a provider that matches redirect URIs exactly, an
+init of a second configuration that must not break a running serve, and a SIGHUP that adds a protected origin to
+a running serve (the CA reissued with `ca init` first)."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import signal
+import socket
 import subprocess
 from pathlib import Path
 
+from cryptography import x509
+
 from fixtures import config
+from fixtures.deployment import BROWSER
+from fixtures.http import free_port, run_curl
 from fixtures.proxy import clean_env, poll, proxyctl_bin
 from idp_fake import FakeIdP
 from resource_server import ResourceServer
+from signin import glewlwyd_factory  # noqa: F401
 from test_protected import Deployment, Workspace
 
 API, MORE = "api.test", "more.test"
@@ -50,6 +61,233 @@ def test_init_checks_the_provider_and_writes_a_working_configuration(tmp_path):
         assert forced.returncode == 0 and "client_id = other" in conf.read_text()
     down = run(home, "init", "--issuer", fake.issuer, "--client-id", "x", "--force")
     assert down.returncode == 1 and "cannot use" in down.stderr, down
+
+
+def ephemeral_range() -> range:
+    low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+    return range(int(low), int(high) + 1)
+
+
+def test_init_writes_a_redirect_port_and_prints_the_redirect_uri_to_register(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    with FakeIdP() as fake:
+        done = run(home, "init", "--issuer", fake.issuer, "--client-id", "proxyctl-test")
+        assert done.returncode == 0, done.stderr
+        port = int(re.search(r"^redirect_port = (\d+)$", (home / "xdg" / "proxyctl" / "proxy.conf").read_text(),
+                             re.M).group(1))
+        # The fixed default unless something listens there now; never in the kernel's ephemeral range.
+        assert port == 17755 or "17755 in use here" in done.stderr, done.stderr
+        assert port not in ephemeral_range()
+        uri = f"http://127.0.0.1:{port}/callback"
+        assert f"  sign-in redirect: {uri} (redirect_port = {port}" in done.stderr, done.stderr
+        assert ("Register this redirect URI for client proxyctl-test at the provider, exactly as written (many "
+                f"providers compare it character for character):\n    {uri}\nNext:") in done.stderr, done.stderr
+
+        # Replaced with --force: the port stays (the provider has it registered).
+        again = run(home, "init", "--issuer", fake.issuer, "--client-id", "proxyctl-test", "--force")
+        assert again.returncode == 0 and f"(redirect_port = {port}, as in the file replaced)" in again.stderr, again
+
+        # Something listens on it: a second configuration gets the next free port, and says why.
+        with socket.socket() as taken:
+            taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a login's connection may be in TIME_WAIT
+            taken.bind(("127.0.0.1", port))
+            taken.listen()
+            other = run(home, "init", "--config", str(tmp_path / "other.conf"), "--issuer", fake.issuer,
+                        "--client-id", "proxyctl-test")
+            assert other.returncode == 0, other.stderr
+            found = re.search(r"sign-in redirect: http://127\.0\.0\.1:(\d+)/callback \(redirect_port = (\d+); ports? "
+                              r"([\d, ]+) in use here\)", other.stderr)
+            assert found and found.group(1) == found.group(2) != str(port), other.stderr
+            assert str(port) in found.group(3).split(", ")
+            assert f"redirect_port = {found.group(1)}\n" in (tmp_path / "other.conf").read_text()
+
+            # Given: taken as given, with a word when something listens there.
+            given = run(home, "init", "--config", str(tmp_path / "given.conf"), "--issuer", fake.issuer,
+                        "--client-id", "proxyctl-test", "--redirect-port", str(port))
+            assert given.returncode == 0, given.stderr
+            assert (f"sign-in redirect: http://127.0.0.1:{port}/callback (redirect_port = {port}; something listens "
+                    "there now, and a login needs it free)") in given.stderr, given.stderr
+        for bad in ("0", "65536", "http"):
+            refused = run(home, "init", "--config", str(tmp_path / "bad.conf"), "--issuer", fake.issuer,
+                          "--client-id", "proxyctl-test", "--redirect-port", bad)
+            assert refused.returncode == 64 and "--redirect-port expects a port from 1 to 65535" in refused.stderr
+        assert not (tmp_path / "bad.conf").exists()
+
+
+def test_readme_use_it_against_a_provider_that_matches_redirect_uris_exactly(tmp_path, glewlwyd_factory):
+    """The README's "Use it", command by command, against glewlwyd (which matches redirect URIs exactly): init
+    with no redirect port, the redirect URI it prints registered at the provider, the `proxyctl login` it prints
+    (the scripted browser signs in), then the `proxyctl exec -- curl` it prints gets the API's answer, which
+    needs a token the API accepts. Two things the README's reader does not do: `--resolve` (api.test is not in
+    DNS) and `ca_file` for the test API, whose certificate comes from a test CA."""
+    idp = glewlwyd_factory()
+    rs = ResourceServer(tmp_path / "rs", [API])
+    try:
+        rs.trust(idp.issuer(), idp.discovery()["jwks_uri"])
+        home = tmp_path / "home"
+        home.mkdir()
+        origin = f"https://{API}:{rs.port}"
+        init = run(home, "init", "--issuer", idp.issuer(), "--client-id", idp.client_id, "--origin", origin,
+                   "--resolve", f"{API}=127.0.0.1")
+        assert init.returncode == 0, init.stderr
+        uri = re.search(r"^Register this redirect URI for client \S+ at the provider.*\n    (\S+)$", init.stderr,
+                        re.M).group(1)
+        registered = re.fullmatch(r"http://127\.0\.0\.1:(\d+)/callback", uri)
+        assert registered, uri
+        idp.add_redirect_ports([int(registered.group(1))])
+        conf = home / "xdg" / "proxyctl" / "proxy.conf"
+        conf.write_text(conf.read_text().replace(f"[origin {origin}]\n", f"[origin {origin}]\nca_file = {rs.ca_pem}\n"))
+
+        # The commands as init printed them, run by a shell that finds proxyctl on PATH.
+        login, use = init.stdout.splitlines()
+        assert login.startswith("proxyctl login") and use == f"proxyctl exec -- curl {origin}/", init.stdout
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        (bin_dir / "proxyctl").symlink_to(Path(proxyctl_bin()).resolve())
+        env = clean_env(HOME=str(home), XDG_CONFIG_HOME=str(home / "xdg"), PATH=f"{bin_dir}:{os.environ['PATH']}",
+                        BROWSER=BROWSER, PROXYCTL_TEST_BROWSER="glewlwyd", PROXYCTL_TEST_IDP_URL=idp.base_url,
+                        PROXYCTL_TEST_IDP_USER=idp.username, PROXYCTL_TEST_IDP_PASSWORD=idp.password,
+                        PROXYCTL_TEST_IDP_SCOPE="openid profile email")
+        env.pop("PROXYCTL_CONFIG", None)
+        signed_in = subprocess.run(["sh", "-c", login], capture_output=True, text=True, timeout=60, env=env,
+                                   stdin=subprocess.DEVNULL)
+        assert signed_in.returncode == 0, signed_in.stderr
+        assert f"Waiting for the provider to send the browser back to {uri}.\n" in signed_in.stderr
+        assert "Signed in to" in signed_in.stderr and "No answer from the browser" not in signed_in.stderr
+        answer = subprocess.run(["sh", "-c", use], capture_output=True, text=True, timeout=60, env=env,
+                                stdin=subprocess.DEVNULL)
+        assert answer.returncode == 0, answer.stderr
+        assert json.loads(answer.stdout)["sub"], answer.stdout
+        [seen] = rs.since(0)
+        assert seen.status == 200 and seen.header_values("Authorization")[0].startswith("Bearer ")
+    finally:
+        rs.close()
+
+
+def shell_env(tmp_path: Path, home: Path, **extra: str) -> dict[str, str]:
+    """The environment of a person's shell: HOME, XDG_CONFIG_HOME, and a PATH on which `proxyctl` is found."""
+    bin_dir = tmp_path / "bin"
+    if not bin_dir.exists():
+        bin_dir.mkdir()
+        (bin_dir / "proxyctl").symlink_to(Path(proxyctl_bin()).resolve())
+    env = clean_env(HOME=str(home), XDG_CONFIG_HOME=str(home / "xdg"), PATH=f"{bin_dir}:{os.environ['PATH']}",
+                    **extra)
+    env.pop("PROXYCTL_CONFIG", None)
+    return env
+
+
+def sh(line: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(["sh", "-c", line], capture_output=True, text=True, timeout=60, env=env,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_init_of_a_second_configuration_keeps_a_running_serve_working(tmp_path):
+    """The newcomer's second blocker: `init --config other.conf` with another origin, on the state directory
+    (and so the local CA) a running serve uses. The CA is widened to cover both configurations, never narrowed;
+    the CA the serve signs with stays trusted, so that the serve keeps working for new clients and for clients
+    that loaded the bundle before; the second configuration works with the commands init printed. Then the
+    CA's other commands: `ca init` keeps the other configuration's host, `ca init --force` drops it and names
+    what breaks, and a SIGHUP mends the serve."""
+    rs = ResourceServer(tmp_path / "rs", [API, MORE])
+    try:
+        with FakeIdP(access_token_format="jwt", expires_in=3600) as fake:
+            rs.trust(fake.issuer, fake.url("jwks"))
+            state = tmp_path / "xdg-state" / "proxyctl"  # the default state directory of the second one
+            provider = config.provider("fake", fake.issuer, redirect_port=0)
+            ws = Workspace(tmp_path / "a", provider + config.origin(f"https://{API}:{rs.port}", "fake",
+                                                                   ca_file=rs.ca_pem),
+                           f"{API}=127.0.0.1", state=state)
+            ws.ca_init()
+            ws.login_fake("fake")
+            deployment = Deployment(ws, ws.start_proxy())
+            try:
+                assert deployment.curl(rs.url("/before", API)).status == 200
+                # A client that loaded the bundle now and keeps it (a long-running program).
+                loaded = tmp_path / "loaded-bundle.pem"
+                loaded.write_bytes((state / "ca" / "bundle.pem").read_bytes())
+
+                home = tmp_path / "home-b"
+                home.mkdir()
+                env = shell_env(tmp_path, home, XDG_STATE_HOME=str(tmp_path / "xdg-state"), BROWSER=BROWSER,
+                                PROXYCTL_TEST_BROWSER="fake")
+                other = tmp_path / "other.conf"
+                init = subprocess.run(
+                    [proxyctl_bin(), "init", "--config", str(other), "--issuer", fake.issuer, "--client-id",
+                     "proxyctl-test", "--origin", f"https://{MORE}:{rs.port}", "--resolve", f"{MORE}=127.0.0.1",
+                     "--redirect-port", str(free_port())],
+                    capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
+                assert init.returncode == 0, init.stderr
+                assert (f"  made a new local CA for {API}, {MORE} ({state}/ca/ca.pem): it adds {MORE}; {API} stays "
+                        f"covered for the other configurations that share {state}\n") in init.stderr, init.stderr
+                assert re.search(rf"  the CA before it stays trusted \(in {re.escape(str(state))}/ca/bundle\.pem\) until "
+                                 rf"it expires, \d{{4}}-.*, so a proxyctl serve running with it \(running: pid "
+                                 rf"{deployment.proxy.pid}\) and the tools that trust it keep working\n", init.stderr)
+                assert (f"  a running proxyctl serve (running: pid {deployment.proxy.pid}) keeps the CA it started with; "
+                        f"one whose proxy.conf protects {MORE} moves to the new one at its next SIGHUP (kill -HUP PID) "
+                        "or restart\n") in init.stderr, init.stderr
+                # A serve of the first configuration starts with the wider CA: it covers its hosts.
+                checked = ws.cli("serve", "--check")
+                assert checked.returncode == 0, checked.stderr
+                constraints = x509.load_pem_x509_certificate((state / "ca" / "ca.pem").read_bytes()).extensions \
+                    .get_extension_for_class(x509.NameConstraints).value
+                assert {n.value for n in constraints.permitted_subtrees} == {API, MORE}
+
+                # The running serve keeps working: for a client that reads the bundle now, and one that loaded it
+                # before.
+                assert deployment.curl(rs.url("/after", API)).status == 200
+                kept = run_curl(rs.url("/loaded-before", API), "--suppress-connect-headers",
+                                env=deployment.client_env(CURL_CA_BUNDLE=str(loaded)), scratch=tmp_path / "curl")
+                assert kept.status == 200, kept
+
+                # The second configuration works with the commands init printed (its test API's CA added).
+                other.write_text(other.read_text().replace(f"[origin https://{MORE}:{rs.port}]\n",
+                                                           f"[origin https://{MORE}:{rs.port}]\nca_file = {rs.ca_pem}\n"))
+                login, use = init.stdout.splitlines()
+                assert use == f"proxyctl exec --config '{other}' -- curl https://{MORE}:{rs.port}/", init.stdout
+                signed_in = sh(login, env)
+                assert signed_in.returncode == 0, signed_in.stderr
+                answer = sh(use, env)
+                assert answer.returncode == 0 and json.loads(answer.stdout)["sub"], answer.stderr + answer.stdout
+                assert rs.since(0, MORE)[-1].status == 200
+
+                # ca init of the first configuration keeps the other's host, and says so.
+                again = ws.cli("ca", "init")
+                assert again.returncode == 0, again.stderr
+                assert (f"The local CA already covers {API}; nothing to do (--force makes a new one). It also covers "
+                        f"{MORE}, kept for the other configurations that share {state} (proxyctl ca init --force makes "
+                        f"one for exactly {API} and drops {MORE}).") in again.stderr, again.stderr
+                shown = ws.cli("ca", "show")
+                assert shown.returncode == 0, shown.stdout
+                assert f"also trusted: the CA it replaced, for {API}, until " in shown.stdout, shown.stdout
+                assert (f"{MORE}: not in this proxy.conf; kept for the other configurations that share the state "
+                        "directory") in shown.stdout
+                # A reload keeps the CA the serve signs with: it still covers api.test and is trusted.
+                mark = deployment.proxy.mark()
+                deployment.proxy.signal(signal.SIGHUP)
+                deployment.proxy.wait_log(r"SIGHUP: configuration reloaded", since=mark)
+                assert run_curl(rs.url("/reloaded", API), "--suppress-connect-headers",
+                                env=deployment.client_env(CURL_CA_BUNDLE=str(loaded)),
+                                scratch=tmp_path / "curl").status == 200
+
+                # --force: exactly this configuration's hosts; it names what it drops and the serve to signal.
+                forced = ws.cli("ca", "init", "--force")
+                assert forced.returncode == 0, forced.stderr
+                assert (f"Made a new local CA for exactly: {API} (--force); the CAs before it are trusted no more. "
+                        f"It drops {MORE}: a proxyctl serve or exec of another configuration sharing {state} that "
+                        f"protects it fails until proxyctl ca init --config ITS_FILE makes a CA that covers it "
+                        "again.") in forced.stderr, forced.stderr
+                assert (f"Send SIGHUP to each running proxyctl serve (running: pid {deployment.proxy.pid}), or "
+                        "restart it: until then it signs with a CA nobody trusts.") in forced.stderr
+                assert deployment.curl(rs.url("/untrusted", API)).returncode == 60
+                mark = deployment.proxy.mark()
+                deployment.proxy.signal(signal.SIGHUP)
+                deployment.proxy.wait_log(r"SIGHUP: configuration reloaded", since=mark)
+                assert deployment.curl(rs.url("/mended", API)).status == 200
+            finally:
+                assert deployment.stop() is None
+    finally:
+        rs.close()
 
 
 def test_sighup_applies_a_new_origin(tmp_path):

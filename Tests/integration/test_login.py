@@ -16,6 +16,8 @@ import pytest
 import requests
 
 from fixtures import config
+from fixtures.http import free_port
+from fixtures.proxy import poll
 from idp_fake import Fault
 from signin import (fake, fake_workspace, glewlwyd_factory, glewlwyd_workspace, printed_url,  # noqa: F401
                     wait_expired, ws)
@@ -305,6 +307,74 @@ def test_login_timeout(ws, fake):
     assert "nobody finished the sign-in within" in login.stderr and "run the login again" in login.stderr, str(login)
     assert len(ws.browser_urls()) == 1
     assert not ws.token_path("fake").exists()
+
+
+def test_login_names_its_redirect_uri_and_says_why_the_browser_may_not_come_back(ws, fake):
+    # redirect_port = 0: a port of the login's own, which a provider matching redirect URIs exactly cannot know.
+    fake_workspace(ws, fake, login_timeout="6s")
+    running = ws.start("login", browser="none")
+    waiting = running.wait_for_line(r"^Waiting for the provider to send the browser back to "
+                                    r"(http://127\.0\.0\.1:(\d+)/callback) \(redirect_port = 0: a port of this login's own\)\.$")
+    url = printed_url("".join(running.stderr_lines), "/authorize?")
+    assert url.count(urllib.parse.quote(waiting.group(1), safe="")) == 1, "the URI it listens on"
+    # After a third of login_timeout without the browser: the two usual causes, each with the key that fixes it.
+    hint = running.wait_for_line(r"^No answer from the browser after 2s\. If the provider showed an error page")
+    section = f"[provider fake] of {ws.config_path}"
+    assert running.wait_for_line(r"redirect_port is 0 in (.*), so this login listens on a port of its own "
+                                 r"\((\S+)\)").groups() == (section, waiting.group(1))
+    assert running.wait_for_line(r"client id (\S+) is not the one registered at the provider: change client_id in "
+                                 r"(.*)\.$").groups() == (fake.client_id, section)
+    running.wait_for_line(r"^Still waiting \(login_timeout 6s; Ctrl-C stops\)\.$")
+    assert hint and time.monotonic() - running.started >= 2
+    # It does keep waiting: the URL opened by hand completes the sign-in.
+    complete_in_browser(fake, url)
+    result = running.finish(20)
+    assert result.returncode == 0 and ws.tokens("fake")["access_token"], str(result)
+
+
+def test_glewlwyd_with_a_redirect_uri_it_does_not_know(ws, glewlwyd_factory):
+    # The newcomer's hang: glewlwyd matches redirect URIs exactly and this port is not registered. Its error
+    # page never sends the browser back; the scripted browser then fails, and that is said at once.
+    unregistered = free_port()
+    idp = glewlwyd_workspace(ws, glewlwyd_factory, redirect_port=unregistered, login_timeout="6s")
+    assert unregistered not in idp.redirect_ports
+    login = ws.run("login", browser="glewlwyd", glewlwyd=idp)
+    assert login.returncode == 1 and "nobody finished the sign-in within 6s" in login.stderr, str(login)
+    uri = f"http://127.0.0.1:{unregistered}/callback"
+    assert f"Waiting for the provider to send the browser back to {uri}.\n" in login.stderr, str(login)
+    assert re.search(r"The browser did not open the sign-in page: \$BROWSER command \S+ exited with status 1\.\n"
+                     r"Open this URL in a browser yourself; the login keeps waiting:\n\n    (http\S+)\n",
+                     login.stderr).group(1) == ws.browser_urls()[0], str(login)
+    section = f"[provider glew] of {ws.config_path}"
+    assert (f"the redirect URI {uri} is not registered for client {idp.client_id} exactly as written: register it "
+            f"at the provider, or set redirect_port in {section} to a port that is registered;") in login.stderr
+    assert f"change client_id in {section}." in login.stderr, str(login)
+    # The hint came before the failure, and the browser's failure before the hint.
+    assert login.stderr.index("The browser did not open") < login.stderr.index("No answer from the browser") \
+        < login.stderr.index("nobody finished")
+    assert not ws.token_path("glew").exists()
+
+
+@pytest.mark.parametrize("browser, problem", [
+    ("false", r"The browser did not open the sign-in page: \$BROWSER command false exited with status 1\."),
+    ("false:true", r"The browser did not open the sign-in page: \$BROWSER command false exited with status 1; "
+                   r"trying the next command of \$BROWSER\."),
+    ("/nonexistent/browser", r"^No browser could be started \(\$BROWSER command /nonexistent/browser is not found\); "
+                             r"open the URL above in a browser on this machine\.$"),
+])
+def test_a_browser_that_fails_is_reported_at_once_and_the_login_keeps_waiting(ws, fake, browser, problem):
+    fake_workspace(ws, fake)
+    running = ws.start("login", BROWSER=browser)
+    url = running.wait_for_line(r"^\s+(http://\S+/authorize\?\S+)\s*$").group(1)
+    running.wait_for_line(problem)
+    if browser.startswith("false"):
+        # The URL again, to open by hand, right after the failure.
+        poll(lambda: "".join(running.stderr_lines).count(f"    {url}\n") == 2, 10,
+             message="the URL printed again after the failure")
+    complete_in_browser(fake, url)
+    result = running.finish(20)
+    assert result.returncode == 0 and ws.tokens("fake")["access_token"], str(result)
+    assert "No answer from the browser" not in result.stderr, "the hint comes only after a while"
 
 
 def test_fake_device_flow_denied(ws, fake):
