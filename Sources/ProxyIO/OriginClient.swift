@@ -556,7 +556,10 @@ func makeUpstreamTransfer(
 /// `OriginH2Session`. Decides nothing itself; flow control is the owner's: a paused response keeps what was read and
 /// stops reading the origin.
 final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStreamUser {
-    unowned let owner: any TransferOwner
+    /// The driver the exchange belongs to. Weak: a transfer kept alive by a resolver answer or a timer of its
+    /// own past its driver's end (any shutdown order) finds no owner and does nothing, where an unowned
+    /// reference would be read after its object was freed.
+    private weak var owner: (any TransferOwner)?
     private let context: ConnectionContext
     private let connectionID: UInt64
     var paused = false
@@ -760,13 +763,13 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
                 }
                 stream = opened
             case .deliverHead(let received):
-                owner.transferResponseHead(self, received)
+                owner?.transferResponseHead(self, received)
             case .deliverTrailers(let bytes):
-                bytes.withUnsafeBytes { owner.transferHeader(self, $0) }
+                bytes.withUnsafeBytes { owner?.transferHeader(self, $0) }
             case .deliverBody(let range):
                 guard let input else { continue }
                 let data = UnsafeRawBufferPointer(rebasing: input[range])
-                if owner.transferBody(self, data) == proxyctl_writefunc_pause() {
+                if owner?.transferBody(self, data) == proxyctl_writefunc_pause() {
                     paused = true
                     stash.append(.body(Array(data)))
                 } else if let session {
@@ -776,7 +779,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
                 release(reusable: reusable)
             case .finish(let failure, let detail):
                 timer?.cancel()
-                owner.transferFinished(self, failure, detail: detail)
+                owner?.transferFinished(self, failure, detail: detail)
             case .log(let line):
                 context.logger.info("conn=\(connectionID) \(line)")
             case .readBody(let most):
@@ -786,7 +789,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
                 connection?.startTLS()
             case .rewindBody:
                 // The owner's store rewinds the body (the read position back to 0) if it kept all of it.
-                handle(.bodyRewound(owner.transferSeek(self, 0)))
+                handle(.bodyRewound(owner?.transferSeek(self, 0) ?? false))
             case .writeBody(let count):
                 bodyPiece.withUnsafeBytes { connection?.send(UnsafeRawBufferPointer(rebasing: $0[..<count])) }
             }
@@ -805,12 +808,12 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
             bodyRead = nil
             if bodyPiece.count < most { bodyPiece = [UInt8](repeating: 0, count: OriginExchange.bodyPiece) }
             let count = bodyPiece.withUnsafeMutableBytes {
-                owner.transferRead(self, UnsafeMutableRawBufferPointer(rebasing: $0[..<most]))
+                owner?.transferRead(self, UnsafeMutableRawBufferPointer(rebasing: $0[..<most])) ?? 0
             }
             if count == proxyctl_readfunc_pause() {
                 handle(.bodyPaused)
             } else if count == 0 {
-                handle(.bodyEnded(trailers: owner.transferTrailers(self)))
+                handle(.bodyEnded(trailers: owner?.transferTrailers(self) ?? []))
             } else {
                 lastActivity = EventLoop.monotonicMilliseconds()
                 handle(.bodyRead(count))
@@ -874,7 +877,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
             case .action(let action):
                 run([action])
             case .body(let bytes):
-                let taken = bytes.withUnsafeBytes { owner.transferBody(self, $0) }
+                let taken = bytes.withUnsafeBytes { owner?.transferBody(self, $0) ?? $0.count }
                 if taken == proxyctl_writefunc_pause() {
                     paused = true
                     stash.append(contentsOf: steps[position...])
@@ -1036,11 +1039,11 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
     func streamReadBody(_ buffer: UnsafeMutableRawBufferPointer) -> Int {
         guard !cancelled else { return 0 }
         lastActivity = EventLoop.monotonicMilliseconds()
-        return owner.transferRead(self, buffer)
+        return owner?.transferRead(self, buffer) ?? 0
     }
 
     func streamTrailers() -> [H2Field] {
-        owner.transferTrailers(self)
+        owner?.transferTrailers(self) ?? []
     }
 
     private func release(reusable: Bool) {

@@ -510,6 +510,9 @@ public final class ProxyServer: ConnectionOwner {
         default:
             if draining {
                 logger.info("second signal: exiting now with \(connections.count) connection(s) open")
+                // Every connection ends here, its transfers cancelled, before the loop stops: nothing of theirs
+                // is left to run while the server and its pools are torn down.
+                for connection in Array(connections.values) { connection.abort("second signal") }
                 loop.stop()
                 return
             }
