@@ -44,7 +44,11 @@ class Started:
                                         stderr=log.open("wb"))
 
     def text(self) -> str:
-        return self.log.read_text(errors="replace")
+        """The whole lines written so far (all of it once the process exited): a line still being written can
+        be read in part, and a JSON line in part is no JSON."""
+        exited = self.process.poll() is not None  # before the read: then the file is final
+        data = self.log.read_bytes()
+        return (data if exited else data[:data.rfind(b"\n") + 1]).decode(errors="replace")
 
     def line(self, pattern: str, timeout: float = 15) -> re.Match:
         def found():
