@@ -19,6 +19,7 @@ import subprocess
 import threading
 import time
 import urllib.parse
+import uuid
 from pathlib import Path
 
 import grpc
@@ -91,26 +92,30 @@ def h2_curl(deployment: Deployment, url: str, *args: str):
                     scratch=deployment.ws.root / "curl")
 
 
-def h2_lines(deployment: Deployment, mark: int, at_least: int) -> list[str]:
-    return deployment.lines(mark, needle=" h2=", at_least=at_least)
+def h2_lines(deployment: Deployment, mark: int, target: str, at_least: int) -> list[str]:
+    """The HTTP/2 log lines since `mark` of the test's own requests, those naming `target` (a path no other test
+    asks for): the shared proxy writes a line after its client has the answer, so the line of the test before
+    can land after the mark."""
+    return deployment.lines(mark, needle=" h2=", target=target, at_least=at_least)
 
 
 # MARK: - curl and httpx
 
 
 def test_curl_gets_http2_and_the_origin_gets_the_token(deployment, rs):
+    path = f"/hello/{uuid.uuid4().hex[:10]}"
     mark, seen_mark = deployment.proxy.mark(), rs.mark()
-    answer = h2_curl(deployment, rs.url("/hello?x=1"), "-w", "%{http_version}")
+    answer = h2_curl(deployment, rs.url(f"{path}?x=1"), "-w", "%{http_version}")
     assert answer.returncode == 0 and answer.status == 200, str(answer)
     assert answer.stderr == ""
     info = answer.json()
     assert info["authorization"] and info["sub"], info
-    assert info["path"] == "/hello?x=1" and info["host"] == rs.authority()
+    assert info["path"] == f"{path}?x=1" and info["host"] == rs.authority()
     seen = rs.since(seen_mark)
     assert len(seen) == 1 and seen[0].header("authorization").startswith("Bearer ")
-    line = h2_lines(deployment, mark, 1)[0]
+    [line] = h2_lines(deployment, mark, f"https://{rs.authority()}{path}", 1)
     # The query is left out of the log (it may carry secrets).
-    assert f"GET https://{rs.authority()}/hello?... status=200" in line and line.endswith(" h2=1"), line
+    assert f"GET https://{rs.authority()}{path}?... status=200" in line and line.endswith(" h2=1"), line
 
 
 def test_http2_version_is_what_the_client_sees(deployment, rs):
@@ -123,14 +128,15 @@ def test_http2_version_is_what_the_client_sees(deployment, rs):
 def test_many_streams_on_one_connection_each_get_their_answer(deployment, rs):
     """httpx with http2=True: 40 requests at once on one connection, each with its own path and body, each
     answered for itself (the origin saw each body whole)."""
+    many = f"/many/{uuid.uuid4().hex[:10]}"
     mark = deployment.proxy.mark()
-    bodies = {f"/many/{i}": os.urandom(1000 + 7919 * i) for i in range(40)}
+    bodies = {f"{many}/{i}": os.urandom(1000 + 7919 * i) for i in range(40)}
 
     async def run():
         async with httpx.AsyncClient(http2=True, proxy=deployment.exports["HTTPS_PROXY"],
                                      verify=deployment.exports["SSL_CERT_FILE"], timeout=60) as client:
             # One request first, so that the others find the connection open and share it.
-            await client.get(rs.url("/warm-up"))
+            await client.get(rs.url(f"{many}/warm-up"))
             answers = await asyncio.gather(*(client.post(rs.url(path), content=body)
                                              for path, body in bodies.items()))
             return dict(zip(bodies, answers))
@@ -143,7 +149,7 @@ def test_many_streams_on_one_connection_each_get_their_answer(deployment, rs):
         assert info["path"] == path
         assert info["body_size"] == len(bodies[path])
         assert info["body_sha256"] == hashlib.sha256(bodies[path]).hexdigest()
-    lines = h2_lines(deployment, mark, len(bodies) + 1)
+    lines = h2_lines(deployment, mark, f"https://{rs.authority()}{many}/", len(bodies) + 1)
     assert len({line.split(" conn=")[1].split()[0] for line in lines}) == 1, "one connection carries every stream"
     assert sorted(int(line.rsplit(" h2=", 1)[1]) for line in lines) == list(range(1, 2 * len(bodies) + 2, 2))
 
@@ -235,7 +241,8 @@ def test_grpc_unary_call_carries_the_token(deployment, grpc_origin, channel):
     assert info["sub"], info
     seen = grpc_origin.since(calls)
     assert len(seen) == 1 and seen[0]["status"] == "OK", seen
-    line = h2_lines(deployment, mark, 1)[0]
+    # Other tests call Unary too: this call's line is the one that carried its payload (and gRPC's 5-byte frame).
+    [line] = h2_lines(deployment, mark, f" up={len(payload) + 5} ", 1)
     assert f"POST https://{grpc_origin.authority}/{SERVICE}/Unary status=200" in line, line
 
 

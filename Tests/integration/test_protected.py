@@ -132,9 +132,19 @@ def refresh_tokens_at_glewlwyd(idp: Glewlwyd) -> int:
     return len(answer.json())
 
 
-def assert_one_intercepted(main: Deployment, mark: int, *needles: str) -> str:
-    lines = main.lines(mark, at_least=1)
-    assert len(lines) == 1, f"expected one intercepted request in the log, got {lines}"
+def unique(path: str) -> str:
+    """`path` with a tag of the test's own. The shared proxy writes an exchange's log line after its client has
+    the answer, so the line of the test before can land after this test's mark: a test counts only the lines
+    of its own paths."""
+    return f"{path}/{uuid.uuid4().hex[:10]}"
+
+
+def assert_one_intercepted(main: Deployment, mark: int, target: str, *needles: str) -> str:
+    """The one log line since `mark` of the test's own request `target` ("METHOD https://HOST:PORT/PATH", a path
+    no other test asks for), intercepted and carrying each of `needles`."""
+    lines = main.lines(mark, target, at_least=1)
+    assert len(lines) == 1, f"expected one log line for {target}, got {lines}"
+    assert " intercepted=" in lines[0], lines[0]
     for needle in needles:
         assert needle in lines[0], f"{needle!r} not in {lines[0]!r}"
     return lines[0]
@@ -164,21 +174,22 @@ def test_env_exports_point_at_proxy_and_bundle(main):
 
 
 def test_curl_get_carries_a_token_glewlwyd_issued(main, rs, idp):
+    path = unique("/me")
     mark, seen_mark = main.proxy.mark(), rs.mark()
-    answer = main.curl(rs.url("/me?x=1"))
+    answer = main.curl(rs.url(f"{path}?x=1"))
     assert answer.status == 200, answer
     tokens = main.ws.tokens("glew")
     data = answer.json()
     assert data["sub"] == tokens["identity"]["sub"] and data["iss"] == idp.issuer()
     assert data["jti"] == unverified_claims(tokens["access_token"])["jti"]
     [seen] = rs.since(seen_mark)
-    assert seen.status == 200 and seen.path == "/me?x=1" and seen.host == f"{API}:{rs.port}"
+    assert seen.status == 200 and seen.path == f"{path}?x=1" and seen.host == f"{API}:{rs.port}"
     assert seen.header_values("Authorization") == [f"Bearer {tokens['access_token']}"]
     assert seen.claims["aud"] == SCOPES and seen.claims["client_id"] == "proxyctl-test"
     # glewlwyd itself takes the token as one of its live access tokens.
     info = requests.get(idp.issuer() + "/userinfo", headers={"Authorization": f"Bearer {seen.token}"}, timeout=10)
     assert info.status_code == 200 and info.json()["sub"] == data["sub"], info.text
-    line = assert_one_intercepted(main, mark, f"GET https://{API}:{rs.port}/me", "status=200", "intercepted=glew")
+    line = assert_one_intercepted(main, mark, f"GET https://{API}:{rs.port}{path}", "status=200", "intercepted=glew")
     assert "refreshed=1" not in line and "attempts=" not in line and "x=1" not in line
 
 
@@ -189,18 +200,19 @@ def test_upload_replayed_byte_identical_after_forced_401(main, rs, size, kind):
     write_generated(body, size)
     expected = expected_sha256(size)
     generation = main.ws.tokens("glew")["generation"]
+    path = unique("/upload")
     mark, seen_mark = main.proxy.mark(), rs.mark()
     rs.reject_next(1)
     if kind == "memory":
-        answer = main.curl(rs.url("/upload"), "--data-binary", f"@{body}", "-H", "Content-Type: application/x-test")
+        answer = main.curl(rs.url(path), "--data-binary", f"@{body}", "-H", "Content-Type: application/x-test")
         method = "POST"
     elif kind == "chunked":
         # Chunked framing is HTTP/1.1's (over HTTP/2, which curl picks otherwise, a body is DATA frames).
-        answer = main.curl(rs.url("/upload"), "--http1.1", "--data-binary", f"@{body}", "-H",
+        answer = main.curl(rs.url(path), "--http1.1", "--data-binary", f"@{body}", "-H",
                            "Transfer-Encoding: chunked")
         method = "POST"
     else:
-        answer = main.curl(rs.url("/upload"), "-T", str(body))  # PUT, streamed from the file
+        answer = main.curl(rs.url(path), "-T", str(body))  # PUT, streamed from the file
         method = "PUT"
     assert answer.status == 200, answer
     assert answer.json()["body_sha256"] == expected and answer.json()["body_size"] == size
@@ -217,7 +229,7 @@ def test_upload_replayed_byte_identical_after_forced_401(main, rs, size, kind):
     after = main.ws.tokens("glew")
     assert after["generation"] == generation + 1
     assert first.jti != second.jti == unverified_claims(after["access_token"])["jti"]
-    assert_one_intercepted(main, mark, f"{method} https://{API}:{rs.port}/upload", "status=200", "refreshed=1",
+    assert_one_intercepted(main, mark, f"{method} https://{API}:{rs.port}{path}", "status=200", "refreshed=1",
                            "attempts=2")
     # Spooled bodies live in unlinked files: nothing is left in the spool directory.
     spool = main.ws.state / "spool"
@@ -241,9 +253,10 @@ def test_upload_beyond_replay_spool_is_not_replayed(main, rs):
         assert answer.status == 200 and answer.json()["body_sha256"] == expected, answer
 
         generation = ws.tokens("glew")["generation"]
+        path = unique("/upload")  # apart from the first upload, whose log line can come after the mark
         mark, seen_mark = small.proxy.mark(), rs.mark()
         rs.reject_next(1)
-        answer = small.curl(rs.url("/upload"), "--data-binary", f"@{body}")
+        answer = small.curl(rs.url(path), "--data-binary", f"@{body}")
         assert answer.status == 401, answer
         assert answer.header("WWW-Authenticate") and "invalid_token" in answer.header("WWW-Authenticate")
         proxy_status = answer.header("Proxy-Status") or ""
@@ -255,7 +268,7 @@ def test_upload_beyond_replay_spool_is_not_replayed(main, rs):
         # as chunked, which origins that need a length refuse).
         assert seen.header("Content-Length") == str(size) and seen.header("Transfer-Encoding") is None
         assert ws.tokens("glew")["generation"] == generation  # nothing refreshed for a request it cannot replay
-        line = assert_one_intercepted(small, mark, "status=401")
+        line = assert_one_intercepted(small, mark, f"POST https://{API}:{rs.port}{path}", "status=401")
         assert "refreshed=1" not in line
     finally:
         failure = small.stop()
@@ -286,13 +299,14 @@ def test_server_sent_events_arrive_as_the_origin_sends_them(main, rs, http2, rec
     after the client has the one before, so a proxy that held the response back would never finish. The
     time from the request to the first event and from each send to its arrival are recorded."""
     names = ["one", "two", "three"]
+    path = unique("/events")
     mark = main.proxy.mark()
     rs.events.put(names[0])
     sent = time.monotonic()
     waits = []
     with httpx.Client(http2=http2, proxy=main.exports["HTTPS_PROXY"], verify=main.exports["SSL_CERT_FILE"],
                       timeout=20) as client:
-        with client.stream("GET", rs.url("/events")) as response:
+        with client.stream("GET", rs.url(path)) as response:
             assert response.status_code == 200
             assert response.http_version == ("HTTP/2" if http2 else "HTTP/1.1")
             assert response.headers["content-type"] == "text/event-stream"
@@ -305,14 +319,15 @@ def test_server_sent_events_arrive_as_the_origin_sends_them(main, rs, http2, rec
             assert [line for line in lines if line] == [], "the stream did not end with the origin's end"
     record_property("first_event_ms", round(waits[0], 2))
     record_property("later_events_ms", [round(wait, 2) for wait in waits[1:]])
-    assert_one_intercepted(main, mark, "status=200")
+    assert_one_intercepted(main, mark, f"GET https://{API}:{rs.port}{path}", "status=200")
 
 
 def test_a_second_401_reaches_the_client_with_proxy_status(main, rs):
     generation = main.ws.tokens("glew")["generation"]
+    path = unique("/twice")
     mark, seen_mark = main.proxy.mark(), rs.mark()
     rs.reject_next(2)
-    answer = main.curl(rs.url("/twice"))
+    answer = main.curl(rs.url(path))
     assert answer.status == 401, answer
     assert "invalid_token" in (answer.header("WWW-Authenticate") or "")
     proxy_status = answer.header("Proxy-Status") or ""
@@ -320,7 +335,8 @@ def test_a_second_401_reaches_the_client_with_proxy_status(main, rs):
     assert "details=" in proxy_status and "freshly refreshed" in proxy_status, proxy_status
     assert [s.status for s in rs.since(seen_mark)] == [401, 401]     # replayed once, never twice
     assert main.ws.tokens("glew")["generation"] == generation + 1
-    assert_one_intercepted(main, mark, "status=401", "refreshed=1", "attempts=2")
+    assert_one_intercepted(main, mark, f"GET https://{API}:{rs.port}{path}", "status=401", "refreshed=1",
+                           "attempts=2")
 
 
 def test_expect_100_continue_is_answered(main, rs):
@@ -371,7 +387,7 @@ def test_large_download_arrives_intact(main, rs, record_property):
             digest.update(chunk)
     target.unlink()
     assert digest.hexdigest() == expected_sha256(size)
-    line = assert_one_intercepted(main, mark, "status=200")
+    line = assert_one_intercepted(main, mark, f"GET https://{API}:{rs.port}/download/{size}", "status=200")
     down = int(re.search(r" down=(\d+)", line).group(1))
     # Body bytes, plus the chunk framing when the client speaks HTTP/1.1 (curl picks HTTP/2 here).
     assert size <= down < size + 4096
@@ -395,7 +411,9 @@ def test_git_clone_of_a_protected_repository(main, rs, tmp_path):
     assert "/repo.git/info/refs" in paths and "/repo.git/git-upload-pack" in paths, paths
     assert all(s.status == 200 and s.claims and s.header("User-Agent").startswith("git/") for s in seen), \
         [(s.path, s.status, s.error) for s in seen]
-    assert len(main.lines(mark, at_least=len(seen))) == len(seen)
+    # The repository is this test's alone: its lines are those naming it.
+    lines = main.lines(mark, f"https://{API}:{rs.port}/repo.git/", at_least=len(seen))
+    assert len(lines) == len(seen) and all(" intercepted=" in line for line in lines), lines
 
 
 CLIENT_SCRIPT = textwrap.dedent("""
@@ -416,8 +434,9 @@ CLIENT_SCRIPT = textwrap.dedent("""
 
 
 def test_requests_and_httpx_from_their_environment(main, rs):
+    base = unique("")
     seen_mark, mark = rs.mark(), main.proxy.mark()
-    done = subprocess.run([sys.executable, "-c", CLIENT_SCRIPT, rs.url("")], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", CLIENT_SCRIPT, rs.url(base)], capture_output=True, text=True,
                           timeout=60, env=main.client_env())
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout)
@@ -431,7 +450,9 @@ def test_requests_and_httpx_from_their_environment(main, rs):
     assert agents == ["python-requests"] * 2 + ["python-httpx"] * 2
     assert all(s.status == 200 and s.header("Authorization").startswith("Bearer ") for s in seen)
     # Each client kept its one tunnel for both of its requests.
-    conns = [re.search(r"conn=(\d+)", line).group(1) for line in main.lines(mark, at_least=4)]
+    lines = main.lines(mark, f"https://{API}:{rs.port}{base}/", at_least=4)
+    assert all(" intercepted=" in line for line in lines), lines
+    conns = [re.search(r"conn=(\d+)", line).group(1) for line in lines]
     assert len(conns) == 4 and conns[0] == conns[1] and conns[2] == conns[3] and conns[0] != conns[2], conns
 
 
@@ -456,7 +477,8 @@ def test_unprotected_host_keeps_its_own_certificate_and_gets_no_token(main, plai
     assert [s.path for s in seen] == ["/public/raw", "/anything"]
     assert all(s.header("Authorization") is None for s in seen)
     main.proxy.wait_log(f"CONNECT {re.escape(plain.authority())}", since=mark, count=3)
-    log = main.proxy.log_since(mark)
+    # plain.test is this test's alone: its lines are those naming it (another test's line can land after the mark).
+    log = "\n".join(line for line in main.proxy.log_since(mark).splitlines() if plain.authority() in line)
     assert "intercepted=" not in log and log.count(f"CONNECT {plain.authority()}") == 3, log
 
 
@@ -560,6 +582,7 @@ def test_name_constraints_name_exactly_the_protected_hosts_and_the_real_leaf_ver
 
 
 def test_sni_other_than_the_connect_host_gets_421(main, rs):
+    path = unique("/me")
     mark, seen_mark = main.proxy.mark(), rs.mark()
     sock, _, response = open_tunnel(main.proxy.port, rs.authority())
     assert response.status == 200
@@ -567,7 +590,7 @@ def test_sni_other_than_the_connect_host_gets_421(main, rs):
     context.check_hostname = False    # the leaf names api.test; the client claims to want other.test
     with context.wrap_socket(sock, server_hostname="other.test") as tls:
         reader = Reader(tls)
-        tls.sendall(f"GET /me HTTP/1.1\r\nHost: {rs.authority()}\r\n\r\n".encode())
+        tls.sendall(f"GET {path} HTTP/1.1\r\nHost: {rs.authority()}\r\n\r\n".encode())
         answer = reader.read_response()
         assert answer.status == 421, answer.head
         assert "other.test" in (answer.header("Proxy-Status") or ""), answer.head
@@ -575,27 +598,29 @@ def test_sni_other_than_the_connect_host_gets_421(main, rs):
         if "close" in (answer.header("Connection") or "").lower():
             assert reader.closed_by_peer(10)
         else:
-            tls.sendall(f"GET /me HTTP/1.1\r\nHost: {rs.authority()}\r\n\r\n".encode())
+            tls.sendall(f"GET {path} HTTP/1.1\r\nHost: {rs.authority()}\r\n\r\n".encode())
             assert reader.read_response().status == 421
     # openssl s_client, the same way.
-    request = f"GET /me HTTP/1.1\r\nHost: {rs.authority()}\r\nConnection: close\r\n\r\n"
+    request = f"GET {path} HTTP/1.1\r\nHost: {rs.authority()}\r\nConnection: close\r\n\r\n"
     done = subprocess.run(["openssl", "s_client", "-quiet", "-proxy", main.proxy.address, "-connect", rs.authority(),
                            "-servername", "evil.test", "-CAfile", str(main.ws.state / "ca" / "ca.pem")],
                           input=request, capture_output=True, text=True, timeout=20, env=clean_env())
     assert done.stdout.startswith("HTTP/1.1 421"), done.stdout + done.stderr
     assert rs.since(seen_mark) == []
-    lines = main.lines(mark, "status=421", at_least=2)
-    assert len(lines) >= 2 and all("answered-by=proxyctl" in line for line in lines), lines
+    lines = main.lines(mark, f"GET https://{API}:{rs.port}{path}", at_least=2)
+    assert len(lines) >= 2 and all("status=421 answered-by=proxyctl" in line for line in lines), lines
 
 
 @pytest.mark.parametrize("host", ["evil.test", f"{API}:1", "127.0.0.1"])
 def test_host_other_than_the_connect_authority_gets_421(main, rs, host):
+    path = unique("/me")
     mark, seen_mark = main.proxy.mark(), rs.mark()
-    answer = main.curl(rs.url("/me"), "-H", f"Host: {host}")
+    answer = main.curl(rs.url(path), "-H", f"Host: {host}")
     assert answer.status == 421, answer
     assert (answer.header("Proxy-Status") or "").startswith("proxyctl"), answer
     assert rs.since(seen_mark) == []
-    assert main.lines(mark, "status=421", at_least=1)
+    lines = main.lines(mark, f"GET https://{API}:{rs.port}{path}", at_least=1)
+    assert all("status=421 answered-by=proxyctl" in line for line in lines), lines
 
 
 # MARK: - 6, 7. Expiry and refresh
@@ -628,8 +653,9 @@ def test_expiring_tokens_heal_themselves(main, rs, idp):
     refreshes before expiry; and a token the origin rejects once costs the client nothing."""
     try:
         first = short_lived_login(main, idp)
+        loop = unique("/loop")
         mark, seen_mark = main.proxy.mark(), rs.mark()
-        done = subprocess.run([sys.executable, "-c", LOOP_SCRIPT, rs.url("/loop", SHORT), "7.5"],
+        done = subprocess.run([sys.executable, "-c", LOOP_SCRIPT, rs.url(loop, SHORT), "7.5"],
                               capture_output=True, text=True, timeout=60, env=main.client_env())
         assert done.returncode == 0, done.stderr[-2000:]
         statuses = json.loads(done.stdout)
@@ -638,14 +664,17 @@ def test_expiring_tokens_heal_themselves(main, rs, idp):
         assert refreshes >= 2
         seen = rs.since(seen_mark, host=SHORT)
         assert len({s.jti for s in seen if s.status == 200}) >= 3
-        reactive = main.lines(mark, "refreshed=1")
+        lines = main.lines(mark, f"https://{SHORT}:{rs.port}{loop}", at_least=len(statuses))
+        reactive = [line for line in lines if "refreshed=1" in line]
         assert len(reactive) < refreshes, f"every refresh waited for a 401: {reactive}"
 
+        once = unique("/once")
         mark = main.proxy.mark()
         rs.reject_next(1)
-        answer = main.curl(rs.url("/once", SHORT))
+        answer = main.curl(rs.url(once, SHORT))
         assert answer.status == 200, answer
-        assert_one_intercepted(main, mark, "status=200", "refreshed=1", "attempts=2")
+        assert_one_intercepted(main, mark, f"GET https://{SHORT}:{rs.port}{once}", "status=200", "refreshed=1",
+                               "attempts=2")
     finally:
         idp.set_access_token_duration(3600)
 
@@ -654,10 +683,11 @@ def test_hundred_requests_on_a_revoked_token_refresh_once(main, rs, idp, record_
     tokens = main.ws.tokens("glew")
     revoked = unverified_claims(tokens["access_token"])["jti"]
     grants = refresh_tokens_at_glewlwyd(idp)
+    burst = unique("/burst")
     mark, seen_mark = main.proxy.mark(), rs.mark()
     rs.revoke(revoked)
     started = time.monotonic()
-    statuses = main.burst(rs.authority(), [f"/burst/{i}" for i in range(CONCURRENCY)])
+    statuses = main.burst(rs.authority(), [f"{burst}/{i}" for i in range(CONCURRENCY)])
     elapsed = time.monotonic() - started
     assert statuses == [200] * CONCURRENCY, statuses
     after = main.ws.tokens("glew")
@@ -667,8 +697,8 @@ def test_hundred_requests_on_a_revoked_token_refresh_once(main, rs, idp, record_
     assert {s.jti for s in seen if s.status == 401} <= {revoked}
     assert {s.jti for s in seen if s.status == 200} == {unverified_claims(after["access_token"])["jti"]}
     assert len([s for s in seen if s.status == 200]) == CONCURRENCY
-    lines = main.lines(mark, at_least=CONCURRENCY)
-    assert len(lines) == CONCURRENCY and all("status=200" in line for line in lines)
+    lines = main.lines(mark, f"https://{API}:{rs.port}{burst}/", at_least=CONCURRENCY)
+    assert len(lines) == CONCURRENCY and all("status=200" in line and " intercepted=" in line for line in lines)
     record_property(f"{CONCURRENCY} simultaneous requests through one forced refresh (s)", round(elapsed, 2))
     record_property("of them refused with the revoked token first", len([s for s in seen if s.status == 401]))
 
@@ -748,13 +778,13 @@ def test_provider_down_gives_503_with_retry_after(fake_deployment, rs):
     wait_expired(fake_deployment.ws, "fake")
     fake.fail_always("token", Fault.status(503, retry_after=120))
     seen_mark, mark = rs.mark(), fake_deployment.proxy.mark()
-    answer = fake_deployment.curl(rs.url("/down", FAKE))
+    answer = fake_deployment.curl(rs.url("/down", FAKE))  # the only request this proxy is asked
     assert answer.status == 503, answer
     assert answer.header("Retry-After") == "120", answer
     assert "identity provider is unavailable" in (answer.header("Proxy-Status") or ""), answer
     assert fake.count("token", grant_type="refresh_token") >= 1
     assert rs.since(seen_mark) == []
-    assert_one_intercepted(fake_deployment, mark, "status=503")
+    assert_one_intercepted(fake_deployment, mark, f"GET https://{FAKE}:{rs.port}/down", "status=503")
 
 
 # MARK: - Refresh faults in the proxy: a stalled provider, a stop mid-refresh, a damaged file, a full disk
@@ -848,14 +878,15 @@ def test_full_disk_is_named_and_spends_no_refresh_token(tmp_path, rs):
 
 
 def test_not_signed_in_is_answered_by_the_proxy(main, rs):
+    path = unique("/me")
     mark, seen_mark = main.proxy.mark(), rs.mark()
-    answer = main.curl(rs.url("/me", NOLOGIN))
+    answer = main.curl(rs.url(path, NOLOGIN))
     assert answer.status == 401, answer
     proxy_status = answer.header("Proxy-Status") or ""
     assert proxy_status.startswith("proxyctl") and "proxyctl login nobody" in proxy_status, answer
     assert b"proxyctl login nobody" in answer.body
     assert rs.since(seen_mark) == []
-    assert_one_intercepted(main, mark, "status=401", "intercepted=nobody")
+    assert_one_intercepted(main, mark, f"GET https://{NOLOGIN}:{rs.port}{path}", "status=401", "intercepted=nobody")
 
 
 # MARK: - 9. Redirects
@@ -876,14 +907,15 @@ def test_redirect_reaches_the_client_unfollowed(main, rs, plain):
 
 def test_client_authorization_keep_forwards_the_clients_own(main, rs):
     generation = main.ws.tokens("glew")["generation"]
+    path = unique("/me")
     mark, seen_mark = main.proxy.mark(), rs.mark()
-    answer = main.curl(rs.url("/me"), "-H", "Authorization: Bearer client-own-value")
+    answer = main.curl(rs.url(path), "-H", "Authorization: Bearer client-own-value")
     assert answer.status == 401, answer          # the origin's verdict on the client's token, passed on
     assert answer.header("Proxy-Status") is None
     [seen] = rs.since(seen_mark)
     assert seen.header_values("Authorization") == ["Bearer client-own-value"]
     assert main.ws.tokens("glew")["generation"] == generation
-    assert_one_intercepted(main, mark, "status=401", "token=client")
+    assert_one_intercepted(main, mark, f"GET https://{API}:{rs.port}{path}", "status=401", "token=client")
 
     seen_mark = rs.mark()
     answer = main.curl(rs.url("/public/basic"), "-u", "someone:secret")
@@ -913,14 +945,15 @@ def test_field_values_with_obs_text_pass_both_ways_byte_for_byte(main, rs):
 
 
 def test_client_authorization_replace_attaches_the_proxys_token(main, rs):
+    path = unique("/me")
     mark, seen_mark = main.proxy.mark(), rs.mark()
-    answer = main.curl(rs.url("/me", REPLACE), "-H", "Authorization: Bearer client-own-value")
+    answer = main.curl(rs.url(path, REPLACE), "-H", "Authorization: Bearer client-own-value")
     assert answer.status == 200, answer
     tokens = main.ws.tokens("glew")
     [seen] = rs.since(seen_mark)
     assert seen.header_values("Authorization") == [f"Bearer {tokens['access_token']}"]
     assert answer.json()["sub"] == tokens["identity"]["sub"]
-    line = assert_one_intercepted(main, mark, "status=200")
+    line = assert_one_intercepted(main, mark, f"GET https://{REPLACE}:{rs.port}{path}", "status=200")
     assert "token=client" not in line
 
 

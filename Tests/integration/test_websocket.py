@@ -94,8 +94,10 @@ def client(deployment: Deployment, url: str, **options):
     return connect(url, proxy=deployment.exports["HTTPS_PROXY"], ssl=context, **options)
 
 
-def upgrade_lines(deployment: Deployment, mark: int, at_least: int) -> list[str]:
-    return deployment.lines(mark, needle="note=\"switched protocols\"", at_least=at_least)
+def upgrade_lines(deployment: Deployment, mark: int, target: str, at_least: int) -> list[str]:
+    """The upgrade lines since `mark` naming `target`, the test's own path: the line of another test's exchange
+    can land after the mark."""
+    return deployment.lines(mark, needle="note=\"switched protocols\"", target=target, at_least=at_least)
 
 
 def tunnel_line(deployment: Deployment, mark: int, label: str) -> str:
@@ -121,7 +123,7 @@ def test_messages_echo_and_the_origin_got_the_token(deployment, wss):
     upgrades = wss.since(seen)
     assert len(upgrades) == 1 and upgrades[0]["status"] == 101 and upgrades[0]["sub"], upgrades
     assert upgrades[0]["host"] == wss.authority
-    line = upgrade_lines(deployment, mark, 1)[0]
+    line = upgrade_lines(deployment, mark, f"https://{wss.authority}/chat?", 1)[0]
     assert f"GET https://{wss.authority}/chat?... status=101" in line and "intercepted=fake" in line, line
     # The tunnel's own line when it ends: bytes both ways, no error.
     tunnel = tunnel_line(deployment, mark, f"GET https://{wss.authority}/chat?...")
@@ -317,7 +319,7 @@ def test_a_dpop_proof_for_get_rides_on_the_upgrade_and_a_nonce_challenge_is_met_
     upgrades = origin.since(seen)
     assert [u["status"] for u in upgrades] == [401, 101]
     assert upgrades[1]["proof_nonce"] == origin.dpop.current_nonce(origin.authority)
-    line = upgrade_lines(dpop_deployment, mark, 1)[0]
+    line = upgrade_lines(dpop_deployment, mark, f"https://{origin.authority}/nonce ", 1)[0]
     assert "attempts=2" in line and "nonce_retry=1" in line, line
 
 
@@ -355,7 +357,7 @@ def test_a_websocket_over_http2_extended_connect(deployment, wss):
     upgrades = wss.since(seen)
     assert len(upgrades) == 1 and upgrades[0]["status"] == 101 and upgrades[0]["sub"], upgrades
     assert upgrades[0]["path"] == "/over-h2?x=1"
-    line = upgrade_lines(deployment, mark, 1)[0]
+    line = upgrade_lines(deployment, mark, f"https://{wss.authority}/over-h2?", 1)[0]
     assert f"GET https://{wss.authority}/over-h2?... status=101" in line, line
 
 
