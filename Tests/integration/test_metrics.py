@@ -5,7 +5,6 @@ with what the test did; no label may carry a path, a query, a host the client as
 
 from __future__ import annotations
 
-import re
 import socket
 import urllib.request
 from pathlib import Path
@@ -25,9 +24,8 @@ API, NOLOGIN = "api.test", "nologin.test"
 
 
 def admin_url(proxy) -> str:
-    found = re.search(r"health and metrics on (http://\S+) ", proxy.log())
-    assert found, proxy.log()
-    return found.group(1)
+    # The line after the listening one that Proxy.start waits for, in a write of its own: waited for too.
+    return proxy.wait_log(r"health and metrics on (http://\S+) ")[0].group(1)
 
 
 def get(url: str) -> tuple[int, str, str]:

@@ -132,7 +132,8 @@ def test_start_script_makes_the_ca_exports_the_bundle_and_serves(tmp_path):
         assert (tmp_path / "volume" / "ca" / "ca.pem").exists()
         exported = export.read_text()
         assert exported.rstrip().endswith((tmp_path / "volume" / "ca" / "ca.pem").read_text().strip())
-        assert "protected origin https://api.example.test: not signed in to corp" in started.text()
+        # Written after the listening line (a write of its own): waited for, not looked for.
+        started.line(r"protected origin https://api\.example\.test: not signed in to corp")
     finally:
         assert started.stop() == 0
     # A second start keeps the CA (the app containers trust it already).
@@ -154,10 +155,12 @@ def test_start_script_makes_the_ca_exports_the_bundle_and_serves(tmp_path):
 def test_device_login_puts_the_code_on_stdout_and_to_the_hook(tmp_path):
     hook_out = tmp_path / "hook.json"
     hook = tmp_path / "hook.py"
-    # Written whole, then renamed: the test reads the file as soon as it exists.
+    # Written whole and closed, then renamed: the test reads the file as soon as it exists. (The file is closed
+    # by `with`, not by whenever the interpreter collects it, which CPython does at once and others need not.)
     hook.write_text("import json, os, sys\n"
-                    f"json.dump({{k: v for k, v in os.environ.items() if k.startswith('PROXYCTL_')}} | "
-                    f"{{'argv': sys.argv[1:]}}, open({str(hook_out) + '.part'!r}, 'w'))\n"
+                    f"with open({str(hook_out) + '.part'!r}, 'w') as part:\n"
+                    f"    json.dump({{k: v for k, v in os.environ.items() if k.startswith('PROXYCTL_')}} | "
+                    f"{{'argv': sys.argv[1:]}}, part)\n"
                     f"os.replace({str(hook_out) + '.part'!r}, {str(hook_out)!r})\n")
     with FakeIdP(access_token_format="jwt", expires_in=3600) as fake:
         text = (config.proxy(state_dir=tmp_path / "volume", notify_command=f"{sys.executable} {hook}")
