@@ -130,6 +130,9 @@ def test_glewlwyd_refresh_rotates(ws, glewlwyd_factory):
     assert expired.returncode == 0, "a refresh token is held: still signed in"
     assert re.search(r"access token:\s+expired", expired.stdout), str(expired)
 
+    # The refreshed token must outlive the userinfo call below: a 1 s glewlwyd token dies at the next whole
+    # second, 0.3 to 0.7 s after it was made.
+    idp.set_access_token_duration(3600)
     token = ws.run("token")
     assert token.returncode == 0, str(token)
     after = ws.tokens("glew")

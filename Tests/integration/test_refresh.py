@@ -59,6 +59,9 @@ def test_concurrent_token_processes_glewlwyd(ws, glewlwyd_factory):
     assert after["refresh_token"] != first["refresh_token"]
     # No lost rotation: once the access token has expired again, the refresh token on disk still works.
     wait_expired(ws, "glew")
+    # The last refresh's token must outlive the userinfo call below: a 1 s glewlwyd token dies at the next whole
+    # second, 0.3 to 0.7 s after it was made.
+    idp.set_access_token_duration(3600)
     again = ws.run("token")
     assert again.returncode == 0, str(again)
     final = ws.tokens("glew")
