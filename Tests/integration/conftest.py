@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import resource
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -157,6 +158,16 @@ def proxy_factory(tmp_path):
 def proxy(proxy_factory) -> Proxy:
     """A proxyctl with the default test configuration on 127.0.0.1 and a free port."""
     return proxy_factory()
+
+
+@pytest.fixture
+def refusing_port():
+    """A port that refuses connections: bound (so that no other worker's bind to port 0 gets it while the test
+    runs) but not listening."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    yield sock.getsockname()[1]
+    sock.close()
 
 
 @pytest.fixture(scope="session")

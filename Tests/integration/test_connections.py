@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import time
 import uuid
 
@@ -189,13 +188,10 @@ def test_keepalive_get_then_connect_on_one_connection(proxy_factory, http_origin
     _proxy_still_serves(proxy, http_origin)
 
 
-def test_keepalive_get_then_connect_that_fails(proxy_factory, http_origin):
+def test_keepalive_get_then_connect_that_fails(proxy_factory, http_origin, refusing_port):
     proxy = proxy_factory(keepalive_timeout="1s")
     mark = proxy.mark()
-    closed = socket.socket()
-    closed.bind(("127.0.0.1", 0))
-    port = closed.getsockname()[1]
-    closed.close()  # nothing listens there: the CONNECT is refused
+    port = refusing_port  # nothing listens there: the CONNECT is refused
     with proxy.connect() as sock:
         reader = Reader(sock)
         _keepalive_get(sock, reader, http_origin, f"/before-refused/{token()}")

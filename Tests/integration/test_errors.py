@@ -133,15 +133,6 @@ def test_unknown_host_is_502_dns_error(form, proxy):
     assert 'next-hop="no-such-host.invalid:80"' in response.header("proxy-status")
 
 
-@pytest.fixture
-def refusing_port():
-    """A port that refuses connections: bound (so nobody else gets it) but not listening."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    yield sock.getsockname()[1]
-    sock.close()
-
-
 @pytest.mark.parametrize("form", ["absolute", "connect"])
 def test_refused_connection_is_502_connection_refused(form, proxy, refusing_port):
     target = f"127.0.0.1:{refusing_port}"

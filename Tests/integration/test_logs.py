@@ -80,14 +80,6 @@ def test_exactly_one_line_per_request_and_per_tunnel(proxy, echo_origin):
     assert len(lines) == 7, lines
 
 
-@pytest.fixture
-def refusing_port():
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    yield sock.getsockname()[1]
-    sock.close()
-
-
 def test_queries_are_cut_in_every_kind_of_line(proxy, refusing_port):
     secret = "code=TOPSECRETCODE"
     raws = [
