@@ -70,10 +70,13 @@ def test_sighup_with_a_missing_configuration_file_keeps_serving(proxy, http_orig
 
 class Download(threading.Thread):
     """Reads one response in the background, through the proxy (plain or tunnel), and remembers the result.
-    The connection stays open after the response, as a keep-alive client's would."""
+    The connection stays open after the response, as a keep-alive client's would, until the client is done
+    with it (`end`)."""
 
     def __init__(self, proxy, mode, http_origin, https_origin, cert, path: str):
         super().__init__(daemon=True)
+        self.mode = mode
+        self.closed_by_proxy: bool | None = None
         if mode == "tunnel":
             raw, _, answer = open_tunnel(proxy.port, f"localhost:{https_origin.port}")
             assert answer.status == 200
@@ -90,8 +93,8 @@ class Download(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self):
+        length = int(self.head.header("content-length"))
         try:
-            length = int(self.head.header("content-length"))
             while len(self.body) < length:
                 data = self.reader.read_some(length - len(self.body))
                 if not data:
@@ -100,6 +103,17 @@ class Download(threading.Thread):
         except OSError as error:
             self.error = error
         self.finished_at = time.monotonic()
+        if self.error is None and len(self.body) == length:
+            self.end()
+
+    def end(self):
+        """What a client with its whole answer and nothing more to ask does, at once (the proxy's exit waits
+        for it, so it must not wait for the test's main thread): a drained keep-alive connection, which the
+        proxy ends by itself while shutting down, is closed on seeing the proxy's end (the proxy lingers up to
+        2 s for the client's); a tunnel, in use until the client closes it, is closed."""
+        if self.mode == "plain":
+            self.closed_by_proxy = self.reader.closed_by_peer(10)
+        self.sock.close()
 
 
 def refuses_connections(port: int) -> bool:
@@ -131,9 +145,10 @@ def test_sigterm_lets_a_slow_download_finish_then_exits_0(mode, proxy_factory, h
     download.join(30)
     assert download.error is None
     assert hashlib.sha256(download.body).hexdigest() == expected_sha256(size)
-    if mode == "tunnel":
-        # A tunnel is in use until the client closes it; a drained keep-alive HTTP connection is not.
-        download.sock.close()
+    if mode == "plain":
+        # A tunnel is in use until the client closes it; a drained keep-alive HTTP connection is not: the proxy
+        # ended it without waiting for the client.
+        assert download.closed_by_proxy, "the proxy kept the drained keep-alive connection open"
     code = proxy.wait(grace + 5)
     exited = time.monotonic()
     assert code == 0, proxy.log()
