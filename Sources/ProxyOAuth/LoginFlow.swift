@@ -219,9 +219,10 @@ public struct LoginFlow: Sendable {
     var provider: ProviderConfig { client.config }
 
     /// Authorization Code + PKCE in the browser. `openBrowser` returns why no browser could be started, or nil
-    /// when one was (the URL is printed either way).
+    /// when one was (the URL is printed either way); without it (`--no-browser`, no display) the URL is for the
+    /// user to open, and nothing says a browser opens.
     public func browserLogin(
-        options: LoginOptions, receiver: any RedirectReceiver, openBrowser: @Sendable (String) -> String?
+        options: LoginOptions, receiver: any RedirectReceiver, openBrowser: (@Sendable (String) -> String?)?
     ) async throws -> TokenSet {
         let metadata = try await client.discover()
         guard let authorizationEndpoint = metadata.authorizationEndpoint else {
@@ -240,13 +241,20 @@ public struct LoginFlow: Sendable {
                 dpopThumbprint: await client.dpopKey?.thumbprint)
             let url = try await authorizationURL(request, endpoint: authorizationEndpoint, metadata: metadata)
             await receiver.expect(state: request.state)
-            console.say("Opening the browser to sign in to \(provider.name). If it does not open, visit:")
-            console.say("")
-            console.say("    \(url)")
-            console.say("")
-            if let reason = openBrowser(url) {
-                console.say(
-                    "No browser could be started (\(reason)); open the URL above in a browser on this machine.")
+            if let openBrowser {
+                console.say("Opening the browser to sign in to \(provider.name). If it does not open, visit:")
+                console.say("")
+                console.say("    \(url)")
+                console.say("")
+                if let reason = openBrowser(url) {
+                    console.say(
+                        "No browser could be started (\(reason)); open the URL above in a browser on this machine.")
+                }
+            } else {
+                console.say("To sign in to \(provider.name), open this URL in a browser:")
+                console.say("")
+                console.say("    \(url)")
+                console.say("")
             }
             console.say(
                 "Waiting for the provider to send the browser back to \(receiver.redirectURI)"

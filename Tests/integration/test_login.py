@@ -437,8 +437,10 @@ def test_non_interactive_without_browser_prints_url_and_opens_nothing(ws, fake):
     complete_in_browser(fake, url)
     result = running.finish(20)
     assert result.returncode == 0, str(result)
-    assert "not an interactive terminal" in result.stderr and "$BROWSER is not set" in result.stderr, str(result)
-    assert "proxyctl login --device fake" in result.stderr, "the device flow is offered"
+    assert ("No browser can be opened here: this is not an interactive terminal and $BROWSER is not set.\n"
+            "Open the URL below in a browser yourself; or sign in with a code instead: proxyctl login --device fake.\n"
+            "To sign in to fake, open this URL in a browser:\n") in result.stderr, str(result)
+    assert "Opening the browser" not in result.stderr, str(result)
     assert ws.opener_calls() == [], "xdg-open must not be started"
     assert ws.tokens("fake")["access_token"]
 
@@ -450,7 +452,11 @@ def test_no_browser_flag(ws, fake):
     complete_in_browser(fake, url)
     result = running.finish(20)
     assert result.returncode == 0, str(result)
-    assert "--no-browser" in result.stderr, str(result)
+    # It says what to do with the URL, and never that a browser opens or cannot be opened.
+    assert ("--no-browser: open the URL below in a browser yourself (from another machine, forward the port first: "
+            "ssh -L PORT:127.0.0.1:PORT ...); or sign in with a code instead: proxyctl login --device fake.\n"
+            "To sign in to fake, open this URL in a browser:\n") in result.stderr, str(result)
+    assert "Opening the browser" not in result.stderr and "No browser" not in result.stderr, str(result)
     assert ws.browser_urls() == [] and ws.opener_calls() == []
     assert printed_url(result.stderr, "/authorize?") == url
 
@@ -539,6 +545,16 @@ def test_config_missing_client_id(ws, fake):
     assert fake.counts() == {}, "nothing is sent to the provider"
 
 
+def test_config_key_typo_names_the_key_meant(ws, fake):
+    text = config.proxy(state_dir=ws.state_dir) + config.provider("fake", fake.issuer, client_id=None) + \
+        "clientid = proxyctl\n"
+    path, result = config_error(ws, text)
+    assert result.returncode == 1, str(result)
+    assert f"{path}:{line_of(text, 'clientid =')}: [provider fake] clientid: unknown key; did you mean client_id?" \
+        in result.stderr, str(result)
+    assert "expected one of" not in result.stderr, str(result)
+
+
 def test_config_http_issuer_not_loopback(ws):
     text = config.proxy(state_dir=ws.state_dir) + config.provider("corp", "http://login.example.com/realms/dev")
     path, result = config_error(ws, text)
@@ -597,3 +613,4 @@ def test_hygiene_check_catches_leaks(tmp_path):
     assert len(problems) == 2, problems
     assert "proxyctl status` stdout contains a secret" in problems[0]
     assert "proxyctl login` stderr contains an unexplained secret-like string" in problems[1]
+
