@@ -11,6 +11,7 @@ import re
 import stat
 import time
 import urllib.parse
+from pathlib import Path
 
 import pytest
 import requests
@@ -614,3 +615,124 @@ def test_hygiene_check_catches_leaks(tmp_path):
     assert "proxyctl status` stdout contains a secret" in problems[0]
     assert "proxyctl login` stderr contains an unexplained secret-like string" in problems[1]
 
+
+# ============================================================================================ the browser's pages
+
+
+def test_the_browser_is_sent_to_a_clean_page_that_says_how_the_sign_in_ended(ws, fake):
+    """The callback is answered with a 303 to /done (no code in the address bar or the history); /done says
+    signed in, naming the provider and the account, only once the tokens are stored; a refusal's page gives the
+    reason and the command to try again."""
+    fake_workspace(ws, fake)
+    running = ws.start("login", display=":0")
+    url = running.wait_for_line(r"^\s+(http://\S+/authorize\?\S+)\s*$").group(1)
+    callback = fake.login_browser(url)
+    port = urllib.parse.urlsplit(callback).port
+    answer = requests.get(callback, timeout=10)
+    assert [r.status_code for r in answer.history] == [303], answer.history
+    assert answer.history[0].headers["Location"] == "/done" and answer.url == f"http://127.0.0.1:{port}/done"
+    assert answer.headers["Cache-Control"] == "no-store"
+    assert ws.token_path("fake").exists(), "the page says signed in only once the tokens are stored"
+    assert "<h1>Signed in to fake</h1>" in answer.text, answer.text
+    assert ("<p>You are signed in to fake as Alice Liddell &lt;alice@example.test&gt;, and proxyctl has stored the "
+            "tokens. Go back to the terminal; you can close this tab.</p>") in answer.text, answer.text
+    assert running.finish(20).returncode == 0
+
+    fake.fail("authorize", Fault.authorize_error("access_denied", "The user said no"))
+    running = ws.start("login", display=":0")
+    url = running.wait_for_line(r"^\s+(http://\S+/authorize\?\S+)\s*$").group(1)
+    refused = requests.get(fake.login_browser(url), timeout=10)
+    assert refused.url.endswith("/done") and [r.status_code for r in refused.history] == [303]
+    assert "<h1>Sign-in to fake failed</h1>" in refused.text, refused.text
+    assert ("<p>proxyctl could not sign you in: The sign-in was declined (access_denied: The user said no). Nothing "
+            "was stored. To try again, run in the terminal: proxyctl login fake</p>") in refused.text, refused.text
+    result = running.finish(20)
+    assert result.returncode == 1 and "declined" in result.stderr, str(result)
+
+
+def chromium_driver(download_dir: Path):
+    """Headless Chromium (Debian's chromium and chromium-driver) under Selenium, without any proxy."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                     "--no-first-run", "--no-default-browser-check", "--no-proxy-server",
+                     "--window-size=1200,900", f"--user-data-dir={download_dir / 'profile'}"):
+        options.add_argument(argument)
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+
+
+def chromium_available() -> bool:
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return False
+    return os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)
+
+
+@pytest.mark.skipif(not chromium_available(),
+                    reason="chromium, chromium-driver or selenium missing (scripts/bootstrap test)")
+def test_a_person_signs_in_with_chromium_on_glewlwyds_own_pages(ws, glewlwyd_factory):
+    """`proxyctl login` as a person does it: the browser opens the sign-in URL, glewlwyd's own login page asks
+    for the user name and password, its consent page for the scopes, then glewlwyd sends the browser back to
+    proxyctl, which moves it on to /done and shows there whom it signed in. Screenshots and the page source of
+    every step are kept in the test's directory when something fails."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ready
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    idp = glewlwyd_workspace(ws, glewlwyd_factory, idp_options=dict(webapp=True), login_timeout="90s")
+    port = idp.redirect_ports[0]
+    # $BROWSER: hands the URL to the browser this test drives (proxyctl cannot start a WebDriver session).
+    handoff = ws.root / "browser-url"
+    opener = ws.root / "open-in-chromium"
+    opener.write_text(f'#!/bin/sh\nprintf "%s" "$1" > "{handoff}.tmp" && mv "{handoff}.tmp" "{handoff}"\n')
+    opener.chmod(0o755)
+    running = ws.start("login", env=ws.env(BROWSER=str(opener)))
+    url = poll(lambda: handoff.exists() and handoff.read_text(), 20, message="proxyctl to open the browser")
+
+    driver = chromium_driver(ws.root)
+    shots = ws.root / "browser"
+    shots.mkdir()
+    step = "start"
+    try:
+        wait = WebDriverWait(driver, 20)
+        step = "glewlwyd's login page"
+        driver.get(url)
+        wait.until(ready.visibility_of_element_located((By.ID, "username"))).send_keys(idp.username)
+        driver.find_element(By.ID, "password").send_keys(idp.password)
+        driver.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+        step = "glewlwyd's consent page"
+        for scope in ("profile", "email"):
+            wait.until(ready.element_to_be_clickable((By.ID, f"grant-{scope}"))).click()
+        driver.find_element(By.XPATH, "//button[normalize-space()='Grant access']").click()
+        step = "glewlwyd's continue button"
+        wait.until(ready.element_to_be_clickable(
+            (By.CSS_SELECTOR, "button[title='Continue to client application']"))).click()
+        step = "proxyctl's page"
+        wait.until(lambda d: d.current_url == f"http://127.0.0.1:{port}/done"
+                   and d.find_elements(By.TAG_NAME, "h1"))
+        assert driver.find_element(By.TAG_NAME, "h1").text == "Signed in to glew"
+        assert driver.find_element(By.TAG_NAME, "p").text == (
+            "You are signed in to glew as Alice Liddell <alice@example.test>, and proxyctl has stored the tokens. "
+            "Go back to the terminal; you can close this tab.")
+        assert ws.tokens("glew")["refresh_token"], "the page came after the tokens were stored"
+        # No code in the address bar, nor one step back in the history.
+        assert "code=" not in driver.current_url
+        driver.back()
+        assert "code=" not in driver.current_url and "state=" not in driver.current_url, driver.current_url
+    except Exception as error:
+        driver.save_screenshot(str(shots / "failure.png"))
+        (shots / "failure.html").write_text(driver.page_source)
+        raise AssertionError(f"at {step} ({driver.current_url}): {error}; screenshot {shots / 'failure.png'}, page "
+                             f"{shots / 'failure.html'}, glewlwyd log {idp.log_path}") from error
+    finally:
+        driver.quit()
+    result = running.finish(30)
+    assert result.returncode == 0, str(result)
+    assert "Signed in to glew as Alice Liddell <alice@example.test>" in result.stderr, str(result)
