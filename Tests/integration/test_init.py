@@ -141,6 +141,22 @@ def test_init_writes_a_redirect_port_and_prints_the_redirect_uri_to_register(tmp
             assert given.returncode == 0, given.stderr
             assert (f"sign-in redirect: http://127.0.0.1:{port}/callback (redirect_port = {port}; something listens "
                     "there now, and a login needs it free)") in given.stderr, given.stderr
+        # listen: 127.0.0.1:8080 unless something listens there (another configuration's serve, say): then a free
+        # port near it, so that both can be served.
+        with socket.socket() as held:
+            held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                held.bind(("127.0.0.1", 8080))
+                held.listen()
+            except OSError:
+                pass  # something else listens on 8080 already: the same case
+            moved = run(home, "init", "--config", str(tmp_path / "listen.conf"), "--issuer", fake.issuer,
+                        "--client-id", "proxyctl-test")
+            assert moved.returncode == 0, moved.stderr
+            listen = re.search(r"^listen = 127\.0\.0\.1:(\d+)$", (tmp_path / "listen.conf").read_text(), re.M)
+            assert listen and 8080 < int(listen.group(1)) < 8180, moved.stderr
+            assert (f"  proxyctl serve listens on 127.0.0.1:{listen.group(1)}; another program listens on 8080\n"
+                    in moved.stderr), moved.stderr
         for bad in ("0", "65536", "http"):
             refused = run(home, "init", "--config", str(tmp_path / "bad.conf"), "--issuer", fake.issuer,
                           "--client-id", "proxyctl-test", "--redirect-port", bad)

@@ -390,8 +390,11 @@ def test_fake_device_flow_denied(ws, fake):
 
 def test_login_options_reach_the_authorization_request(ws, fake):
     fake_workspace(ws, fake, resource="https://api.example.test", param_audience="https://api.example.test")
-    login_ok(ws, "--create", "--acr-values", "urn:example:loa:2", "--max-age", "600", "--login-hint",
-             "alice@example.test", "--scope", "openid api", browser="fake")
+    login = login_ok(ws, "--create", "--acr-values", "urn:example:loa:2", "--max-age", "600", "--login-hint",
+                     "alice@example.test", "--scope", "openid api", browser="fake")
+    # The fake's discovery has no prompt_values_supported: --create is sent, with a word that it may do nothing.
+    assert ("Note: the provider does not list create in prompt_values_supported, so it may show its usual sign-in "
+            "page and create no account.\n") in login.stderr, str(login)
     [url] = ws.browser_urls()
     query = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)
     assert query["scope"] == ["openid api"] and query["prompt"] == ["create"]
