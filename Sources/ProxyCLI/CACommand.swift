@@ -149,8 +149,10 @@ enum CACommand {
         } catch {
             throw CommandFailure(message: "cannot make the local CA: \(error)")
         }
-        let serves = ServeState.allRunning(stateDirectory: stateDirectory).map { "pid \($0.pid)" }
+        let pids = ServeState.allRunning(stateDirectory: stateDirectory).map { String($0.pid) }
+        let serves = pids.map { "pid \($0)" }
         let running = serves.isEmpty ? "" : " (running: \(serves.joined(separator: ", ")))"
+        let hup = "kill -HUP \(pids.isEmpty ? "PID" : pids.joined(separator: " "))"
         let until = existing.map { HumanTime.describe($0.certificate.notAfter, now: now) } ?? ""
         let kept =
             "the CA before it stays trusted (in \(files.bundle)) until it expires, \(until), so a proxyctl serve running with it\(running) and the tools that trust it keep working"
@@ -175,7 +177,7 @@ enum CACommand {
             say(style == .report ? kept : kept + ".")
             if !serves.isEmpty {
                 say(
-                    "a running proxyctl serve\(running) keeps the CA it started with; one whose proxy.conf protects \(list(added)) moves to the new one at its next SIGHUP (kill -HUP PID) or restart"
+                    "a running proxyctl serve\(running) keeps the CA it started with; one whose proxy.conf protects \(list(added)) moves to the new one at its next SIGHUP (\(hup)); no restart is needed"
                         + (style == .report ? "" : "."))
             }
         case .renew(_, let added):
@@ -193,7 +195,7 @@ enum CACommand {
             )
             if !serves.isEmpty {
                 say(
-                    "Send SIGHUP to each running proxyctl serve\(running), or restart it: until then it signs with a CA nobody trusts."
+                    "Send SIGHUP to each running proxyctl serve\(running): \(hup) (no restart is needed); until then it signs with a CA nobody trusts."
                 )
             }
         }

@@ -158,12 +158,16 @@ struct ConfigLoader {
     /// Applies `--listen` and checks what depends on the final listener.
     func finish(_ configuration: inout Configuration, listen: String?) throws {
         if let listen {
-            guard let address = ListenAddress.parse(listen) else {
+            switch ListenAddress.check(listen) {
+            case .success(let address): configuration.proxy.listen = address
+            case .failure(let error) where error.message.hasPrefix("port "):
+                throw UsageError(
+                    message: "--listen: \(error.message), got '\(listen)'", command: ["proxyctl", "serve"])
+            case .failure:
                 throw UsageError(
                     message: "--listen expects HOST:PORT with an IP address, such as 127.0.0.1:8080, got '\(listen)'",
                     command: ["proxyctl", "serve"])
             }
-            configuration.proxy.listen = address
         }
         if let admin = configuration.proxy.adminListen, admin.port != 0, admin.port == configuration.proxy.listen.port {
             throw CommandFailure(

@@ -9,7 +9,13 @@ enum DoctorCommand {
     static let spec = CommandSpec(
         name: "doctor",
         abstract: "Check the configuration, sign-ins, the local CA, the running proxy and this shell's variables.",
-        discussion: "Each problem comes with the command that fixes it. Exit code 0 when everything is fine.",
+        discussion: """
+            Each problem comes with the command that fixes it. Exit code 0 when everything is fine. When this \
+            shell sets no proxy variable (HTTPS_PROXY), it is taken as a set-up that runs commands with proxyctl \
+            exec, which sets every variable itself: the runtimes are checked with the variables exec gives its \
+            command, and what only eval "$(proxyctl env)" would need is a note. Once HTTPS_PROXY is set, this \
+            shell's own variables are checked, and a wrong one is a problem.
+            """,
         options: [AuthEnvironment.configOption],
         run: run
     )
@@ -152,8 +158,18 @@ enum DoctorCommand {
         }
 
         context.out("This shell")
-        let proxyValue = context.environment["HTTPS_PROXY"] ?? context.environment["https_proxy"]
-        if let proxyValue, let address = ClientEnvironment.proxyAddress(proxyValue) {
+        let proxyValue = (context.environment["HTTPS_PROXY"] ?? context.environment["https_proxy"]).flatMap {
+            $0.isEmpty ? nil : $0
+        }
+        // No proxy variable at all: this shell uses proxyctl exec (or nothing yet), which sets the variables for
+        // its command. Its runtimes are checked with what exec gives them; the shell's own are not a problem.
+        let viaExec = proxyValue == nil
+        let caReady = !hosts.isEmpty && (try? LocalCA.load(files)) != nil
+        if viaExec {
+            note(
+                "HTTPS_PROXY is not set here: proxyctl exec -- COMMAND sets it and each runtime's variables for its command; only tools run directly in this shell need eval \"$(proxyctl env)\""
+            )
+        } else if let proxyValue, let address = ClientEnvironment.proxyAddress(proxyValue) {
             // What counts is that something answers where HTTPS_PROXY points (a serve may have stopped).
             if canConnect(host: address.host, port: address.port) {
                 ok("HTTPS_PROXY points at a proxy that answers (\(address.host):\(address.port))")
@@ -167,7 +183,7 @@ enum DoctorCommand {
                 "HTTPS_PROXY is \(proxyValue.map { "set to \(ClientEnvironment.redacted($0))" } ?? "not set")",
                 fix: "eval \"$(proxyctl env)\" (or run each command with proxyctl exec -- COMMAND)")
         }
-        if !hosts.isEmpty {
+        if !hosts.isEmpty && !viaExec {
             let trust = context.environment["SSL_CERT_FILE"] ?? context.environment["CURL_CA_BUNDLE"]
             if trust == files.bundle {
                 ok("the CA bundle variables point at \(files.bundle)")
@@ -177,9 +193,20 @@ enum DoctorCommand {
                     fix: "eval \"$(proxyctl env)\"")
             }
         }
-        context.out("Runtimes on this machine")
+        var runtimeEnvironment = context.environment
+        if viaExec {
+            context.out("Runtimes on this machine, with the variables proxyctl exec sets for its command")
+            // The variables exec gives its command (the proxy's address aside, which exec picks at each run).
+            let (variables, _) = ClientEnvironment.variables(
+                configuration, stateDirectory: stateDirectory, proxyURL: "http://127.0.0.1:1",
+                inherited: context.environment)
+            for (name, value) in variables { runtimeEnvironment[name] = value }
+        } else {
+            context.out("Runtimes on this machine")
+        }
+        // Without a CA yet, the Local CA section has said so already: the runtimes are not blamed for it.
         let found = RuntimeCheck.run(
-            environment: context.environment, bundle: hosts.isEmpty ? nil : files.bundle,
+            environment: runtimeEnvironment, bundle: hosts.isEmpty || (viaExec && !caReady) ? nil : files.bundle,
             trustStore: files.trustStore, clientFiles: ClientEnvironment.Files(stateDirectory: stateDirectory))
         if found.isEmpty { note("none of the runtimes proxyctl knows is on PATH") }
         for finding in found {

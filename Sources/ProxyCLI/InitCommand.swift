@@ -4,7 +4,7 @@ import ProxyIO
 import ProxyOAuth
 import ProxyTLS
 
-/// `proxyctl init --issuer URL --client-id ID [--origin URL ...] [--dpop]`: a first proxy.conf without
+/// `proxyctl init --issuer URL --client-id ID [--origin URL ...] [--origin-ca-file FILE] [--dpop]`: a first proxy.conf without
 /// reading the example file. The provider's discovery document is checked first, so a mistake shows now and
 /// not at the first login.
 enum InitCommand {
@@ -15,12 +15,17 @@ enum InitCommand {
             Example: proxyctl init --issuer https://login.example.com/realms/dev --client-id proxyctl \
             --origin https://api.example.com. The provider's discovery document must name exactly this issuer; \
             PKCE with S256, the device flow and DPoP are checked and reported. The file is written where \
-            proxyctl looks for it (--config, else $PROXYCTL_CONFIG, else ~/.config/proxyctl/proxy.conf) and an \
+            proxyctl looks for it (--config, else $PROXYCTL_CONFIG, else $XDG_CONFIG_HOME/proxyctl/proxy.conf, \
+            ~/.config/proxyctl/proxy.conf when XDG_CONFIG_HOME is not set) and an \
             existing one is never replaced without --force. It writes redirect_port (--redirect-port, else \
             \(RedirectPort.preferred), the same on every machine, or a free port near it when that one is busy; \
             --force keeps the port of the file replaced) and prints the redirect URI to register for the client \
             at the provider, http://127.0.0.1:PORT/callback, exactly as printed: many providers compare it \
-            character for character. With origins, the local CA is made too. Then run the command it prints.
+            character for character. The provider is named after the issuer's domain (login.example.com: \
+            example; an IP address or localhost: default) unless --name says otherwise. listen is 127.0.0.1:8080, \
+            or a free port near it when something (another proxyctl serve) listens there. With origins, the \
+            local CA is made too; --origin-ca-file names the CA of origins whose certificates come from a private \
+            CA (written as ca_file in each [origin]). Then run the command it prints.
             """,
         options: [
             AuthEnvironment.configOption,
@@ -30,7 +35,11 @@ enum InitCommand {
             OptionSpec(
                 name: "origin", short: nil, valueName: "url",
                 help: "A protected origin, https://HOST[:PORT] (repeatable).", repeatable: true),
-            .option("name", value: "name", help: "The provider's name in proxy.conf (default: the issuer's host)."),
+            .option(
+                "name", value: "name",
+                help:
+                    "The provider's name in proxy.conf and on the command line (default: the issuer's domain, such as example for login.example.com; default for an IP address)."
+            ),
             .option(
                 "scopes", value: "scopes", help: "Scopes to ask for (default: openid profile email offline_access)."),
             .option(
@@ -42,6 +51,11 @@ enum InitCommand {
             .flag("force", help: "Replace an existing configuration file."),
             .option("resolve", value: "pairs", help: "HOST=ADDRESS pairs for [proxy] resolve (development set-ups)."),
             .option("ca-file", value: "file", help: "A PEM file of CA certificates to trust for the provider."),
+            .option(
+                "origin-ca-file", value: "file",
+                help:
+                    "A PEM file of CA certificates to trust for the origins (ca_file in each [origin]), for APIs whose certificates come from a private CA."
+            ),
         ],
         run: run
     )
@@ -60,7 +74,8 @@ enum InitCommand {
         guard case .success(let issuerURL) = AbsoluteURL.parse(issuer) else {
             throw UsageError(message: "--issuer: expected an https:// URL", command: path)
         }
-        let name = arguments.value("name") ?? issuerURL.authority.host
+        let derivedName = ProviderConfig.defaultName(issuerHost: issuerURL.authority.host)
+        let name = arguments.value("name") ?? derivedName.name
         var origins: [String] = []
         for text in arguments.all("origin") {
             switch OriginConfig.parseURL(text) {
@@ -74,6 +89,13 @@ enum InitCommand {
                 throw UsageError(message: "--redirect-port expects a port from 1 to 65535", command: path)
             }
             redirectPort = port
+        }
+        let providerCA = try arguments.value("ca-file").map { try absoluteFile($0, flag: "--ca-file", path: path) }
+        let originCA = try arguments.value("origin-ca-file").map {
+            try absoluteFile($0, flag: "--origin-ca-file", path: path)
+        }
+        if originCA != nil && origins.isEmpty {
+            throw UsageError(message: "--origin-ca-file is for the origins: give --origin too", command: path)
         }
         let scopes = arguments.value("scopes") ?? "openid profile email offline_access"
         let dpop = arguments.flag("dpop")
@@ -100,7 +122,7 @@ enum InitCommand {
         provider.issuer = issuer
         provider.clientID = clientID
         provider.scopes = scopes.split(separator: " ").map(String.init)
-        provider.caFile = arguments.value("ca-file")
+        provider.caFile = providerCA
         provider.redirectPort = redirect.port
         var proxySettings = ProxySettings()
         if let resolve = arguments.value("resolve") {
@@ -116,20 +138,16 @@ enum InitCommand {
         let transport = CurlTransport(
             loop: loopThread.loop, upstreamProxy: nil, bypass: BypassList(), resolve: proxySettings.resolve)
         let client = ProviderClient(config: provider, transport: transport)
-        let metadata: ProviderMetadata
-        do {
-            metadata = try runBlocking { try await client.discover() }
-        } catch let error as AuthError {
-            throw CommandFailure(message: "cannot use \(issuer) as a provider: \(error.description)")
-        }
+        let (metadata, spelled) = try discover(client, issuer: issuer)
+        provider.issuer = metadata.issuer
         var report: [String] = []
-        guard metadata.issuer == issuer else {
-            throw CommandFailure(
-                message:
-                    "the discovery document names the issuer \(metadata.issuer), not \(issuer): give --issuer exactly as the provider names itself"
-            )
+        report.append(spelled ?? "issuer matches the discovery document")
+        if arguments.value("name") == nil {
+            report.append(
+                derivedName.isAddress
+                    ? "provider name: \(name) (the issuer's host is an address; --name NAME gives it a name of your choice)"
+                    : "provider name: \(name), from the issuer's domain (--name NAME for another)")
         }
-        report.append("issuer matches the discovery document")
         guard metadata.supportsS256 else {
             throw CommandFailure(
                 message:
@@ -155,8 +173,10 @@ enum InitCommand {
             report.append("DPoP with ES256: offered (add --dpop to bind tokens to a key)")
         }
 
+        let listen = chooseListen(replacing: file, context: context)
         let text = configurationText(
-            provider: provider, origins: origins, dpop: dpop, resolve: arguments.value("resolve"), issuer: issuer)
+            provider: provider, origins: origins, dpop: dpop, resolve: arguments.value("resolve"),
+            issuer: metadata.issuer, listen: listen.address, originCAFile: originCA)
         // Check what is written with the parser that will read it.
         let directory = (file as NSString).deletingLastPathComponent
         let parser = ConfigParser(
@@ -177,7 +197,11 @@ enum InitCommand {
         context.err("Wrote \(file):")
         for line in report { context.err("  \(line)") }
         context.err("  sign-in redirect: \(redirect.uri) (redirect_port = \(redirect.port)\(redirect.note))")
-        for origin in origins { context.err("  protected origin \(origin)") }
+        context.err("  proxyctl serve listens on \(listen.address)\(listen.note)")
+        for origin in origins {
+            context.err(
+                "  protected origin \(origin)" + (originCA.map { ", its certificate checked against \($0)" } ?? ""))
+        }
         if !configuration.origins.tlsHosts.isEmpty {
             guard
                 let stateDirectory = configuration.proxy.stateDir
@@ -243,15 +267,17 @@ enum InitCommand {
 
     /// A commented proxy.conf for one provider and its origins.
     static func configurationText(
-        provider: ProviderConfig, origins: [String], dpop: Bool, resolve: String?, issuer: String
+        provider: ProviderConfig, origins: [String], dpop: Bool, resolve: String?, issuer: String,
+        listen: String = "127.0.0.1:8080", originCAFile: String? = nil
     ) -> String {
         var text = """
             # proxy.conf written by proxyctl init. Every key is explained in proxy.conf.example; check the file
             # with proxyctl serve --check or proxyctl doctor.
 
             [proxy]
-            # Where the proxy listens (loopback: only this machine can use it).
-            listen = 127.0.0.1:8080
+            # Where proxyctl serve listens (loopback: only this machine can use it). proxyctl exec needs no
+            # serve: without one it runs a proxy of its own on a free port.
+            listen = \(listen)
 
             """
         if let resolve { text += "# Host names answered without DNS (development set-ups).\nresolve = \(resolve)\n" }
@@ -278,6 +304,11 @@ enum InitCommand {
                 provider = \(provider.name)
 
                 """
+            if let originCAFile {
+                text +=
+                    "# Its certificate comes from a private CA: trusted from this file instead of the system's roots.\n"
+                text += "ca_file = \(originCAFile)\n"
+            }
         }
         if origins.isEmpty {
             text += """
@@ -290,5 +321,90 @@ enum InitCommand {
                 """
         }
         return text
+    }
+
+    /// A file given on the command line, as an absolute path (proxy.conf resolves relative paths against its own
+    /// directory, not the one init ran in); it must exist.
+    static func absoluteFile(_ given: String, flag: String, path: [String]) throws -> String {
+        let absolute =
+            given.hasPrefix("/") || given.hasPrefix("~")
+            ? given : FileManager.default.currentDirectoryPath + "/" + given
+        guard FileManager.default.isReadableFile(atPath: (absolute as NSString).expandingTildeInPath) else {
+            throw UsageError(message: "\(flag) \(given): no such readable file", command: path)
+        }
+        return absolute
+    }
+
+    /// The provider's metadata for `issuer` as given by --issuer, and a report line when the provider spells its
+    /// issuer with or without a trailing slash where --issuer did not (the provider's spelling is written: an
+    /// issuer must match exactly, and a slash is nobody's intent). A wrong issuer is named with the URLs tried
+    /// and, when one of its parents has a discovery document, the issuer meant.
+    static func discover(_ client: ProviderClient, issuer: String) throws -> (ProviderMetadata, String?) {
+        let cannot = "cannot use \(issuer) as a provider"
+        let probe: ProviderClient.DiscoveryProbe
+        do {
+            probe = try runBlocking { try await client.probe(issuer: issuer) }
+        } catch let error as AuthError {
+            throw CommandFailure(message: "\(cannot): \(error.description)")
+        }
+        switch probe {
+        case .found(let url, let document):
+            guard let named = document["issuer"]?.string else {
+                throw CommandFailure(message: "\(cannot): the discovery document at \(url) names no issuer")
+            }
+            var note: String? = nil
+            if named != issuer {
+                let trimmed = { (text: String) in text.hasSuffix("/") ? String(text.dropLast()) : text }
+                guard trimmed(named) == trimmed(issuer) else {
+                    throw CommandFailure(
+                        message:
+                            "the discovery document at \(url) names the issuer \(named), not \(issuer) (--issuer): give --issuer \(named), exactly as the provider names itself"
+                    )
+                }
+                note =
+                    "issuer: \(named), as the provider names itself (--issuer \(issuer.hasSuffix("/") ? "had a trailing slash" : "lacked the trailing slash"); an issuer must match exactly)"
+            }
+            switch ProviderMetadata.parse(document, expectedIssuer: named) {
+            case .success(let metadata): return (metadata, note)
+            case .failure(let error): throw CommandFailure(message: "\(cannot): \(error.description)")
+            }
+        case .missing(let tried):
+            var hint =
+                "; check --issuer: it is the issuer URL your provider documents (its discovery document's issuer)"
+            for candidate in ProviderMetadata.issuerCandidates(for: issuer) {
+                guard case .found(_, let document)? = try? runBlocking({ try await client.probe(issuer: candidate) }),
+                    let named = document["issuer"]?.string
+                else { continue }
+                hint = "; \(named) has one: did you mean --issuer \(named)?"
+                break
+            }
+            throw CommandFailure(
+                message: "\(cannot): no discovery document (\(ProviderMetadata.describeTried(tried)))\(hint)")
+        }
+    }
+
+    /// Where the new file's serve listens: 127.0.0.1:8080, the `listen` of the file replaced (init --force), or,
+    /// when something listens on 8080 already (typically the serve of another configuration), the next free
+    /// port, so that both configurations can be served at once. The note says why.
+    static func chooseListen(replacing file: String, context: CommandContext) -> (address: String, note: String) {
+        if let text = try? String(contentsOfFile: file, encoding: .utf8),
+            case .success(let old) = ConfigParser(homeDirectory: nil, baseDirectory: nil).parse(text, file: file),
+            text.contains("\nlisten = ")
+        {
+            return (old.proxy.listen.description, ", as in the file replaced")
+        }
+        let preferred = ListenAddress.default.port
+        if LoopbackReceiver.canListen(port: preferred) { return ("127.0.0.1:\(preferred)", "") }
+        let serves = TokenStore.defaultStateDirectory(environment: context.environment).map {
+            ServeState.allRunning(stateDirectory: $0)
+        }
+        let holder = serves?.first { ListenAddress.parse($0.listen)?.port == preferred }
+        let who =
+            holder.map { "proxyctl serve (pid \($0.pid)\($0.configuration.map { ", config \($0)" } ?? ""))" }
+            ?? "another program"
+        for port in (preferred + 1)...(preferred + 99) where LoopbackReceiver.canListen(port: port) {
+            return ("127.0.0.1:\(port)", "; \(who) listens on \(preferred)")
+        }
+        return ("127.0.0.1:\(preferred)", "; \(who) listens there now: change listen before proxyctl serve")
     }
 }

@@ -105,32 +105,35 @@ enum LoginCommand {
                     provider, client: environment.client, stateDirectory: stateDirectory, newKey: newKey,
                     console: console)
                 if useDeviceFlag { return try await flow.deviceLogin(options: loginOptions) }
-                var browserReason = launcher.unavailableReason(noBrowserFlag: noBrowser)
+                let browserReason = launcher.unavailableReason(noBrowserFlag: noBrowser)
                 if let reason = browserReason {
                     let metadata = try await environment.client.discover()
-                    if metadata.deviceAuthorizationEndpoint != nil {
+                    let device =
+                        metadata.deviceAuthorizationEndpoint != nil
+                        ? "; or sign in with a code instead: proxyctl login --device \(provider.name)" : ""
+                    if noBrowser {
+                        // Asked for: nothing to offer but the URL, and where it must lead back to.
+                        let port = provider.redirectPort == 0 ? "PORT" : String(provider.redirectPort)
+                        console.say(
+                            "--no-browser: open the URL below in a browser yourself (from another machine, forward the port first: ssh -L \(port):127.0.0.1:\(port) ...)\(device)."
+                        )
+                    } else {
                         console.say("No browser can be opened here: \(reason).")
-                        if interactive
+                        if !device.isEmpty && interactive
                             && Prompt.yesNo("Sign in with a code on another device instead? [Y/n] ", default: true)
                         {
                             return try await flow.deviceLogin(options: loginOptions)
                         }
-                        console.say(
-                            "Continuing with the browser flow; or run: proxyctl login --device \(provider.name)")
-                    } else {
-                        console.say("No browser can be opened here: \(reason). Open the URL below yourself.")
+                        console.say("Open the URL below in a browser yourself\(device).")
                     }
-                    browserReason = reason
                 }
                 let receiver = try await LoopbackReceiver.start(
                     loop: environment.loopThread.loop, port: provider.redirectPort, path: provider.redirectPath)
                 defer { receiver.close() }
-                let openBrowser = browserReason == nil
-                return try await flow.browserLogin(options: loginOptions, receiver: receiver) { url in
-                    guard openBrowser else { return nil }
+                let opener: (@Sendable (String) -> String?)? = { url in
                     // A browser command that fails is said at once: the login keeps waiting for the URL opened
                     // by hand.
-                    return launcher.launch(url) { problem in
+                    launcher.launch(url) { problem in
                         console.say("The browser did not open the sign-in page: \(problem).")
                         console.say("Open this URL in a browser yourself; the login keeps waiting:")
                         console.say("")
@@ -138,6 +141,8 @@ enum LoginCommand {
                         console.say("")
                     }
                 }
+                return try await flow.browserLogin(
+                    options: loginOptions, receiver: receiver, openBrowser: browserReason == nil ? opener : nil)
             }
         } catch let error as AuthError {
             throw error.commandFailure

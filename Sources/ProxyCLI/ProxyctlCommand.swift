@@ -12,8 +12,11 @@ public enum ProxyctlCommand {
         name: "proxyctl",
         abstract: "An authenticating HTTP forward proxy for APIs behind OAuth 2.0 and OpenID Connect.",
         discussion: """
-            Sign in once with `proxyctl login`, run `proxyctl serve`, and point your tools at it with HTTPS_PROXY \
-            and HTTP_PROXY. Everything that is not a protected origin passes through untouched.
+            Start with `proxyctl init --issuer URL --client-id ID --origin URL`: it checks the provider, writes \
+            proxy.conf and prints the next commands. Sign in once with `proxyctl login`, then run a command \
+            through the proxy with `proxyctl exec -- COMMAND`, or run `proxyctl serve` and point your tools at it \
+            with `eval "$(proxyctl env)"`. Everything that is not a protected origin passes through untouched; \
+            `proxyctl doctor` checks the set-up.
             """,
         subcommands: [
             InitCommand.spec,

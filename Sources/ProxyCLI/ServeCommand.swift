@@ -14,7 +14,7 @@ enum ServeCommand {
             The configuration comes from --config, else $PROXYCTL_CONFIG, else \
             $XDG_CONFIG_HOME/proxyctl/proxy.conf; with no file at all proxyctl is a pure passthrough proxy \
             on 127.0.0.1:8080. SIGHUP reloads the configuration; SIGTERM and SIGINT let open transfers \
-            finish, and a token refresh in flight get its answer stored (shutdown_grace), and exit.
+            finish and a token refresh in flight store its answer (within shutdown_grace), then exit.
             """,
         options: [
             .option("config", short: "c", value: "file", help: "The configuration file (proxy.conf)."),
@@ -79,7 +79,8 @@ enum ServeCommand {
                     settings: fresh.proxy, credentials: credentials, origins: before.origins, interception: nil)
                 let restart = ServeCommand.restartNeeded(before: before.proxy, after: fresh.proxy)
                 for key in restart {
-                    reloaded.notes.append("\(key) changed; restart proxyctl serve to apply it (the rest is applied)")
+                    reloaded.notes.append("\(key) changed; restart proxyctl serve to apply it")
+                    reloaded.notApplied.append("\(key) (needs a restart)")
                 }
                 // Keys that need a restart keep their old values meanwhile.
                 reloaded.settings.stateDir = before.proxy.stateDir
@@ -112,8 +113,9 @@ enum ServeCommand {
                         current.value.proxy = reloaded.settings
                     } catch let failure as CommandFailure {
                         reloaded.notes.append(
-                            "[origin] and [provider] changes not applied, the protected origins are unchanged: \(failure.message); then send SIGHUP again"
+                            "[origin] and [provider] changes not applied: \(failure.message); then send SIGHUP again (kill -HUP \(getpid()))"
                         )
+                        reloaded.notApplied.append("[origin] and [provider] changes")
                         current.value.proxy = reloaded.settings
                     }
                 } else {
@@ -141,6 +143,13 @@ enum ServeCommand {
         let bound: ListenAddress
         do {
             bound = try server.start()
+        } catch let error as ServerError where error.addressInUse {
+            admin?.stop()
+            throw CommandFailure(
+                message: addressInUse(
+                    configuration.proxy.listen, source: configuration.source, stateDirectory: stateDirectory,
+                    flag: arguments.value("listen") != nil,
+                    variable: !(context.environment["PROXYCTL_LISTEN"] ?? "").isEmpty))
         } catch {
             admin?.stop()
             throw CommandFailure(message: "\(error)")
@@ -162,6 +171,40 @@ enum ServeCommand {
         server.removeServeState()
         admin?.stop()
         return ExitCode.success
+    }
+
+    /// Why `address` cannot be listened on, and the fix: the proxyctl serve that listens there (its record in the
+    /// state directory says its pid and configuration), else another program; then a free port to use instead,
+    /// in the file's `listen` or with --listen.
+    static func addressInUse(
+        _ address: ListenAddress, source: String?, stateDirectory: String?, flag: Bool, variable: Bool
+    ) -> String {
+        let serve = stateDirectory.flatMap { directory in
+            ServeState.allRunning(stateDirectory: directory).first { ListenAddress.parse($0.listen) == address }
+        }
+        let holder: String
+        if let serve {
+            let config = serve.configuration.map { ", config \($0)" } ?? ""
+            holder =
+                "proxyctl serve (pid \(serve.pid)\(config)) already listens on \(address); stop it (kill \(serve.pid))"
+        } else {
+            holder =
+                "another program already listens on \(address) (ss -ltnp 'sport = :\(address.port)' shows which); stop it"
+        }
+        let free = (address.port + 1...min(address.port + 100, 65535)).first { LoopbackReceiver.canListen(port: $0) }
+        let port = free.map(String.init) ?? "PORT"
+        let host = address.isIPv6 ? "[\(address.host)]" : address.host
+        let fix: String
+        if flag {
+            fix = "give another port: --listen \(host):\(port)"
+        } else if variable {
+            fix = "set PROXYCTL_LISTEN=\(host):\(port)"
+        } else if let source, !source.hasPrefix("$") {
+            fix = "set listen = \(host):\(port) in [proxy] of \(source) (or give --listen \(host):\(port))"
+        } else {
+            fix = "give another port: --listen \(host):\(port) (or a [proxy] listen in proxy.conf)"
+        }
+        return "\(holder), or \(fix)"
     }
 
     /// `[proxy]` keys whose change a running serve cannot apply.

@@ -7,7 +7,15 @@ enum StatusCommand {
     static let spec = CommandSpec(
         name: "status",
         abstract: "Show whether you are signed in, as whom, and the state of the tokens.",
-        discussion: "Exit code 0 when signed in with a usable access token or a refresh token, 1 otherwise.",
+        discussion: """
+            Exit code 0 when every provider shown is usable: a refresh token is held (proxyctl renews the access \
+            token), a machine grant is configured, or an access token is still valid where the provider gave no \
+            refresh token. 1 when a sign-in is needed: no tokens, an expired access token without a refresh token, \
+            or a refresh token the provider refused; the last even while the access token has time left, since \
+            origins may refuse it already and every request will once it expires (status says until when). \
+            Scripts can test `proxyctl status NAME >/dev/null || proxyctl login NAME`; --json has the details \
+            (signed_in, access_token_expires_at, refresh_refused).
+            """,
         arguments: [ArgumentSpec(name: "provider", help: "Show only this provider (default: all configured).")],
         options: [AuthEnvironment.configOption, .flag("json", help: "Print JSON for scripts.")],
         run: run
@@ -130,15 +138,23 @@ enum StatusCommand {
             let matches = tokens.map { $0.issuer == provider.issuer && $0.clientID == provider.clientID } ?? false
             // A machine grant needs nobody: it is usable whenever its client can authenticate.
             let machine = !provider.needsSignIn
+            // The provider refused the refresh token (and proxyctl dropped it): the access token may still look
+            // valid, but nothing can renew it, and origins may refuse it already.
+            let refused =
+                tokens.map {
+                    $0.refreshToken == nil && !$0.refreshTokenInSecretService
+                        && $0.lastRefresh?.outcome == AuthError.reauthenticate(reason: "").category
+                } ?? false
             let usable =
                 machine
-                || (matches && tokens.map { !$0.isExpired(at: now) || $0.refreshToken != nil } ?? false)
+                || (matches && !refused && tokens.map { !$0.isExpired(at: now) || $0.refreshToken != nil } ?? false)
             allUsable = allUsable && usable
             var object = JSONObject()
             object["provider"] = .string(provider.name)
             object["issuer"] = .string(provider.issuer)
             object["grant"] = .string(provider.grant.rawValue)
             object["signed_in"] = .bool(usable)
+            if !machine { object["refresh_refused"] = .bool(refused) }
             let served = configuration.origins.origins.filter { $0.provider == provider.name }
             object["origins"] = .array(served.map { .string($0.url) })
             guard let tokens, !(machine && !matches) else {
@@ -156,16 +172,19 @@ enum StatusCommand {
                 reports.append(.object(object))
                 continue
             }
+            let dropped =
+                tokens.lastRefresh?.reason?.contains("refused the refresh token") == true
+                ? "the provider refused the refresh token" : "the refresh token was dropped after the last refresh"
+            let state = usable ? "signed in" : refused ? "sign-in needed (\(dropped))" : "sign-in needed"
             if let identity = tokens.identity {
-                text.append(
-                    "\(provider.name): \(usable ? "signed in" : "sign-in needed") as \(describeIdentity(identity))")
+                text.append("\(provider.name): \(state) as \(describeIdentity(identity))")
                 var who = JSONObject()
                 who["sub"] = .string(identity.subject)
                 if let name = identity.name { who["name"] = .string(name) }
                 if let email = identity.email { who["email"] = .string(email) }
                 object["identity"] = .object(who)
             } else {
-                text.append("\(provider.name): \(usable ? "signed in" : "sign-in needed")")
+                text.append("\(provider.name): \(state)")
             }
             if !matches {
                 text.append(
@@ -185,8 +204,16 @@ enum StatusCommand {
                 object["dpop_jkt"] = .string(thumbprint)
             }
             if let expiresAt = tokens.expiresAt {
-                let state = tokens.isExpired(at: now) ? "expired" : "valid until"
-                text.append("  access token:  \(state) \(HumanTime.describe(expiresAt, now: now))")
+                let expired = tokens.isExpired(at: now)
+                var line =
+                    "  access token:  \(expired ? "expired" : "valid until") \(HumanTime.describe(expiresAt, now: now))"
+                if !expired && !machine && tokens.refreshToken == nil && !tokens.refreshTokenInSecretService {
+                    line +=
+                        refused
+                        ? "; nothing can renew it: origins may refuse it already, and every request will after that"
+                        : "; there is no refresh token, so sign in again then"
+                }
+                text.append(line)
                 object["access_token_expires_at"] = .int(expiresAt)
             } else {
                 text.append("  access token:  no expiry given")

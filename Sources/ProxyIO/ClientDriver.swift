@@ -520,7 +520,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
             if what & Int32(BEV_EVENT_CONNECTED) != 0 {
                 handle(.upstreamTLSEstablished)
             } else if let ssl = upstreamSSL, let reason = tlsVerifyFailure(ssl) {
-                handle(.upstreamTLSFailed(.certificate, detail: "the certificate does not verify: \(reason)"))
+                handle(.upstreamTLSFailed(.certificate, detail: reason))
             } else {
                 handle(.upstreamTLSFailed(.tls, detail: "TLS handshake failed: \(Self.tlsErrors(upstream))"))
             }

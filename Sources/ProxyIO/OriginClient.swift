@@ -498,7 +498,7 @@ final class OriginConnection {
             event_add(writeEvent, nil)
         default:
             if let reason = tlsVerifyFailure(ssl) {
-                failed(.certificate, "the certificate does not verify: \(reason)")
+                failed(.certificate, reason)
             } else {
                 failed(.tls, "TLS handshake failed: \(tlsFailureText())")
             }
@@ -988,7 +988,8 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
         if made === connection, startingTLS {
             startingTLS = false
             connection = nil
-            return handle(.connectFailed(failure, detail: "\(key.authority): \(detail)"))
+            // The answer names the origin already (UpstreamFailure.describe).
+            return handle(.connectFailed(failure, detail: detail))
         }
         guard made === dialing else { return }
         dialing = nil
@@ -996,7 +997,10 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
             addressIndex += 1
             return dial()
         }
-        handle(.connectFailed(hopFailure(failure), detail: "\(hopName): \(detail)"))
+        // A TLS failure is the origin's (the answer names it already); others name the hop, which may be the
+        // upstream proxy.
+        let named = failure == .certificate || failure == .tls ? detail : "\(hopName): \(detail)"
+        handle(.connectFailed(hopFailure(failure), detail: named))
     }
 
     func connectionBroke(_ used: OriginConnection, detail: String) {

@@ -7,6 +7,8 @@ import ProxyTLS
 /// Why the server could not start.
 public struct ServerError: Error, CustomStringConvertible {
     public let message: String
+    /// The address to listen on is taken (EADDRINUSE): the command says by whom.
+    public var addressInUse = false
     public var description: String { message }
 }
 
@@ -43,6 +45,9 @@ public struct Reloaded: Sendable {
     public var interception: Interception?
     /// What could not be applied, and why (logged as warnings).
     public var notes: [String]
+    /// What was not applied, in a few words each (`state_dir`, `[origin] and [provider] changes`): the reload's
+    /// last line names them instead of saying the configuration was reloaded.
+    public var notApplied: [String] = []
 
     public init(
         settings: ProxySettings, credentials: ProxyCredentials?, origins: OriginTable, interception: Interception?,
@@ -184,8 +189,9 @@ public final class ProxyServer: ConnectionOwner {
         }
         guard let made else {
             let code = proxyctl_errno()
-            let hint = code == EADDRINUSE ? " (another program is using the port; choose another with --listen)" : ""
-            throw ServerError(message: "cannot listen on \(address): \(String(cString: strerror(code)))\(hint)")
+            throw ServerError(
+                message: "cannot listen on \(address): \(String(cString: strerror(code)))",
+                addressInUse: code == EADDRINUSE)
         }
         if let listener { evconnlistener_free(listener) }
         listener = made
@@ -613,9 +619,16 @@ public final class ProxyServer: ConnectionOwner {
                 serveState = state
                 writeServeState()
             }
-            logger.info(
-                "SIGHUP: configuration reloaded\(reloaded.interception != nil ? " (protected origins: \(origins.origins.map(\.url).joined(separator: ", ")))" : "")"
-            )
+            let protected = origins.origins.map(\.url).joined(separator: ", ")
+            if reloaded.notApplied.isEmpty {
+                logger.info(
+                    "SIGHUP: configuration reloaded\(reloaded.interception != nil ? " (protected origins: \(protected))" : "")"
+                )
+            } else {
+                logger.warn(
+                    "SIGHUP: applied the rest of the configuration; not applied: \(reloaded.notApplied.joined(separator: ", ")) (see above)"
+                        + (protected.isEmpty ? "" : "; protected origins: \(protected)"))
+            }
         }
     }
 }

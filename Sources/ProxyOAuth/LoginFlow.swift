@@ -12,7 +12,54 @@ public protocol RedirectReceiver: Sendable {
     /// Waits for the browser's request to the redirect path that carries the expected state, and returns
     /// its query. Throws `AuthError.cancelled` after `timeout` milliseconds.
     func waitForResponse(timeout: Int) async throws -> [(String, String)]
+    /// How the sign-in the browser came back from ended, once it has (the tokens stored, or why not): the page
+    /// the browser is shown says so. Returns when the browser has it, or after a short while without it.
+    func finish(_ end: SignInEnd) async
     func close()
+}
+
+extension RedirectReceiver {
+    public func finish(_ end: SignInEnd) async {}
+}
+
+/// What the browser is told when a sign-in it came back from has ended: the same as the terminal, in a page.
+public enum SignInEnd: Sendable, Equatable {
+    /// The tokens are stored.
+    case signedIn(provider: String, account: String?)
+    /// Nothing was stored: why, and the command to try again.
+    case failed(provider: String, reason: String, retry: String)
+    /// The login goes on with another page of the provider (an enrolment).
+    case continuing(provider: String, reason: String)
+
+    public var title: String {
+        switch self {
+        case .signedIn(let provider, _): "Signed in to \(provider)"
+        case .failed(let provider, _, _): "Sign-in to \(provider) failed"
+        case .continuing(let provider, _): "Sign-in to \(provider) continues"
+        }
+    }
+
+    /// Sentences for a person, plain text.
+    public var message: String {
+        switch self {
+        case .signedIn(let provider, let account):
+            "You are signed in to \(provider)\(account.map { " as \($0)" } ?? ""), and proxyctl has stored the tokens. Go back to the terminal; you can close this tab."
+        case .failed(_, let reason, let retry):
+            "proxyctl could not sign you in: \(reason.prefix(1).uppercased() + reason.dropFirst()). Nothing was stored. To try again, run in the terminal: \(retry)"
+        case .continuing(_, let reason):
+            "\(reason) Go back to the terminal: it says what comes next."
+        }
+    }
+
+    /// "Alice Liddell <alice@example.test>", else the e-mail, the name or the subject.
+    public static func account(_ identity: Identity) -> String {
+        switch (identity.name, identity.email) {
+        case (let name?, let email?): "\(name) <\(email)>"
+        case (let name?, nil): name
+        case (nil, let email?): email
+        case (nil, nil): identity.subject
+        }
+    }
 }
 
 /// Where a login talks to the person: progress and the URL to open.
@@ -196,6 +243,8 @@ public struct LoginFlow: Sendable {
     public var now: @Sendable () -> Int64 = { Int64(Date().timeIntervalSince1970) }
     /// The configuration file the provider comes from, named by the hint about a redirect that does not come.
     public var configurationFile: String? = nil
+    /// The command the browser's failure page names to try again (default: proxyctl login NAME).
+    public var retryCommand: String? = nil
 
     /// How long a browser sign-in waits for the redirect before saying what usually keeps it away (milliseconds):
     /// long enough for a person to type a password and pass a second factor, short enough that nobody gives up
@@ -219,9 +268,10 @@ public struct LoginFlow: Sendable {
     var provider: ProviderConfig { client.config }
 
     /// Authorization Code + PKCE in the browser. `openBrowser` returns why no browser could be started, or nil
-    /// when one was (the URL is printed either way).
+    /// when one was (the URL is printed either way); without it (`--no-browser`, no display) the URL is for the
+    /// user to open, and nothing says a browser opens.
     public func browserLogin(
-        options: LoginOptions, receiver: any RedirectReceiver, openBrowser: @Sendable (String) -> String?
+        options: LoginOptions, receiver: any RedirectReceiver, openBrowser: (@Sendable (String) -> String?)?
     ) async throws -> TokenSet {
         let metadata = try await client.discover()
         guard let authorizationEndpoint = metadata.authorizationEndpoint else {
@@ -234,19 +284,33 @@ public struct LoginFlow: Sendable {
         }
         var currentOptions = options
         var enrolmentTried = options.create
+        if options.create && metadata.promptValues?.contains("create") != true {
+            // OpenID Connect Prompt Create 1.0 §4: a provider that supports it says so; others ignore the value.
+            console.say(
+                "Note: the provider does not list create in prompt_values_supported, so it may show its usual sign-in page and create no account."
+            )
+        }
+        let retry = retryCommand ?? "proxyctl login \(provider.name)"
         while true {
             let request = AuthorizationRequest(
                 provider: provider, options: currentOptions, redirectURI: receiver.redirectURI,
                 dpopThumbprint: await client.dpopKey?.thumbprint)
             let url = try await authorizationURL(request, endpoint: authorizationEndpoint, metadata: metadata)
             await receiver.expect(state: request.state)
-            console.say("Opening the browser to sign in to \(provider.name). If it does not open, visit:")
-            console.say("")
-            console.say("    \(url)")
-            console.say("")
-            if let reason = openBrowser(url) {
-                console.say(
-                    "No browser could be started (\(reason)); open the URL above in a browser on this machine.")
+            if let openBrowser {
+                console.say("Opening the browser to sign in to \(provider.name). If it does not open, visit:")
+                console.say("")
+                console.say("    \(url)")
+                console.say("")
+                if let reason = openBrowser(url) {
+                    console.say(
+                        "No browser could be started (\(reason)); open the URL above in a browser on this machine.")
+                }
+            } else {
+                console.say("To sign in to \(provider.name), open this URL in a browser:")
+                console.say("")
+                console.say("    \(url)")
+                console.say("")
             }
             console.say(
                 "Waiting for the provider to send the browser back to \(receiver.redirectURI)"
@@ -276,6 +340,7 @@ public struct LoginFlow: Sendable {
             }
             switch request.check(query, metadata: metadata) {
             case .failure(let error):
+                await receiver.finish(.failed(provider: provider.name, reason: error.description, retry: retry))
                 throw error
             case .success(.error(let error)):
                 // OpenID Connect Prompt Create 1.0: a user who is not registered can enrol, once.
@@ -286,18 +351,35 @@ public struct LoginFlow: Sendable {
                     enrolmentTried = true
                     currentOptions.create = true
                     console.say("The provider says you are not registered yet; starting enrolment (prompt=create).")
+                    await receiver.finish(
+                        .continuing(
+                            provider: provider.name,
+                            reason: "The provider says you are not registered yet: proxyctl opens its enrolment page."
+                        ))
                     continue
                 }
-                throw Self.describe(error, provider: provider)
+                let failure = Self.describe(error, provider: provider)
+                await receiver.finish(.failed(provider: provider.name, reason: failure.description, retry: retry))
+                throw failure
             case .success(.code(let code)):
                 console.say("Received the authorization code; exchanging it for tokens.")
                 let parameters: [(String, String)] = [
                     ("grant_type", "authorization_code"), ("code", code), ("redirect_uri", request.redirectURI),
                     ("client_id", provider.clientID), ("code_verifier", request.pkce.verifier),
                 ]
-                let response = try await exchange(parameters, what: "the authorization code")
-                return try await store(
-                    response, nonce: request.nonce, maxAge: currentOptions.maxAge, scopes: request.scopes)
+                // The browser's page waits for this: it says signed in only once the tokens are stored.
+                do {
+                    let response = try await exchange(parameters, what: "the authorization code")
+                    let tokens = try await store(
+                        response, nonce: request.nonce, maxAge: currentOptions.maxAge, scopes: request.scopes)
+                    await receiver.finish(
+                        .signedIn(provider: provider.name, account: tokens.identity.map(SignInEnd.account)))
+                    return tokens
+                } catch {
+                    let reason = (error as? AuthError)?.description ?? "\(error)"
+                    await receiver.finish(.failed(provider: provider.name, reason: reason, retry: retry))
+                    throw error
+                }
             }
         }
     }

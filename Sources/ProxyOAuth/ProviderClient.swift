@@ -38,17 +38,44 @@ public actor ProviderClient {
     /// The provider's metadata, fetched once (OpenID Connect Discovery, then RFC 8414).
     public func discover() async throws -> ProviderMetadata {
         if let metadata { return metadata }
-        var lastProblem = "no discovery document"
-        for url in ProviderMetadata.discoveryURLs(issuer: config.issuer) {
+        switch try await probe(issuer: config.issuer) {
+        case .found(_, let document):
+            switch ProviderMetadata.parse(document, expectedIssuer: config.issuer) {
+            case .failure(let error): throw error
+            case .success(let parsed):
+                metadata = parsed
+                return parsed
+            }
+        case .missing(let tried):
+            throw AuthError.configuration(
+                reason:
+                    "\(config.issuer) has no discovery document (\(ProviderMetadata.describeTried(tried))); check issuer in [provider \(config.name)]"
+            )
+        }
+    }
+
+    /// What discovery finds for `issuer`, its issuer not checked yet: `proxyctl init` tells a person what to give.
+    public enum DiscoveryProbe: Sendable {
+        /// The document, and the URL that answered it.
+        case found(url: String, document: JSONObject)
+        /// Every URL tried (OpenID Connect Discovery, then RFC 8414) and the status it answered.
+        case missing(tried: [(url: String, status: Int)])
+    }
+
+    /// Fetches the first discovery document of `issuer`'s discovery URLs that answers; 404 and 405 go on to the
+    /// next. A provider that cannot be reached, a 5xx or 429, or another status is thrown.
+    public func probe(issuer: String) async throws -> DiscoveryProbe {
+        var tried: [(url: String, status: Int)] = []
+        for url in ProviderMetadata.discoveryURLs(issuer: issuer) {
             let response: HTTPResponse
             do {
                 response = try await transport.send(
                     HTTPRequest(url: url, headers: [("Accept", "application/json")], caFile: config.caFile))
             } catch let error as TransportError {
-                throw Self.unreachable(error, what: "the provider \(config.issuer)")
+                throw Self.unreachable(error, what: "the provider \(issuer)")
             }
             if response.status == 404 || response.status == 405 {
-                lastProblem = "\(url) answered \(response.status)"
+                tried.append((url, response.status))
                 continue
             }
             guard response.status == 200, let document = response.jsonObject else {
@@ -59,17 +86,9 @@ public actor ProviderClient {
                 }
                 throw AuthError.configuration(reason: "\(url) answered \(response.status) without a discovery document")
             }
-            switch ProviderMetadata.parse(document, expectedIssuer: config.issuer) {
-            case .failure(let error): throw error
-            case .success(let parsed):
-                metadata = parsed
-                return parsed
-            }
+            return .found(url: url, document: document)
         }
-        throw AuthError.configuration(
-            reason:
-                "\(config.issuer) has no discovery document (\(lastProblem)); check issuer in [provider \(config.name)]"
-        )
+        return .missing(tried: tried)
     }
 
     /// The provider's key set; `refresh` fetches it again (after an unknown kid).

@@ -42,6 +42,39 @@ public struct ProviderMetadata: Sendable, Equatable {
         return urls
     }
 
+    /// Issuers a person may have meant when `issuer` has no discovery document, most likely first: the part
+    /// before `/.well-known/` (a discovery URL given as the issuer), then the path's ancestors up to the origin
+    /// (`https://login.example.com/realms/dev/extra` → `.../realms/dev`, `.../realms`, `https://login.example.com`).
+    /// Each is only a guess until its own discovery document names it.
+    public static func issuerCandidates(for issuer: String, limit: Int = 4) -> [String] {
+        guard case .success(let url) = AbsoluteURL.parse(issuer) else { return [] }
+        let origin = "\(url.scheme)://\(url.hostFieldValue)"
+        var path = url.pathAndQuery
+        if let query = path.firstIndex(where: { $0 == "?" || $0 == "#" }) { path = String(path[..<query]) }
+        var found: [String] = []
+        if let wellKnown = path.range(of: "/.well-known/") {
+            found.append(origin + path[..<wellKnown.lowerBound])
+            path = String(path[..<wellKnown.lowerBound])
+        }
+        var segments = path.split(separator: "/", omittingEmptySubsequences: true)
+        while !segments.isEmpty {
+            segments.removeLast()
+            found.append(origin + segments.map { "/" + $0 }.joined())
+        }
+        var unique: [String] = []
+        for candidate in found where candidate != issuer && !unique.contains(candidate) { unique.append(candidate) }
+        return Array(unique.prefix(limit))
+    }
+
+    /// "URL answered 404 (OpenID Connect Discovery), URL answered 404 (RFC 8414)": the URLs of `discoveryURLs`
+    /// tried, in its order.
+    public static func describeTried(_ tried: [(url: String, status: Int)]) -> String {
+        let kinds = ["OpenID Connect Discovery", "RFC 8414"]
+        return tried.enumerated().map { index, attempt in
+            "\(attempt.url) answered \(attempt.status)" + (index < kinds.count ? " (\(kinds[index]))" : "")
+        }.joined(separator: ", ")
+    }
+
     /// Parses and checks a discovery document for `expectedIssuer`.
     public static func parse(_ document: JSONObject, expectedIssuer: String) -> Result<ProviderMetadata, AuthError> {
         guard let issuer = document["issuer"]?.string else {

@@ -600,10 +600,14 @@ public actor TokenManager {
         case .oauth(let error, let status, _):
             switch error.error {
             case "invalid_grant", "http_400", "http_401", "invalid_token":
-                // glewlwyd answers a bad or reused refresh token with an empty 400.
+                // glewlwyd answers a bad or reused refresh token with an empty 400: no code, but the same meaning.
+                let why =
+                    error.error.hasPrefix("http_")
+                    ? "HTTP \(status) without an error code: it has expired, was revoked, or was used already"
+                    : error.summary
                 return .reauthenticate(
                     reason:
-                        "the provider no longer accepts the refresh token (\(error.summary)); run: proxyctl login \(provider.name)"
+                        "the provider refused the refresh token (\(why)); sign in again: proxyctl login \(provider.name)"
                 )
             case "invalid_client", "unauthorized_client", "unsupported_grant_type", "http_403":
                 return .configuration(

@@ -226,6 +226,24 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         let found = errors("[proxy]\nlisten_addr = 127.0.0.1:80\n")
         #expect(found == [error(line: 2, section: "proxy", key: "listen_addr")])
         #expect(found[0].message.contains("listen"))
+        #expect(errors("[proxy]\nlistne = 127.0.0.1:80\n").first?.message == "unknown key; did you mean listen?")
+    }
+
+    @Test func aPortOutOfRangeIsNamedAsSuch() {
+        #expect(
+            errors("[proxy]\nlisten = 127.0.0.1:80800\n").first?.description
+                == "proxy.conf:2: [proxy] listen: port 80800 out of range (1-65535, or 0 for any free port), got \"127.0.0.1:80800\""
+        )
+        #expect(
+            errors("[proxy]\nadmin_listen = 70000\n").first?.message
+                == "port 70000 out of range (1-65535, or 0 for any free port), got \"70000\"")
+        #expect(
+            errors("[proxy]\nlisten = 127.0.0.1:8o80\n").first?.message
+                == "expected HOST:PORT with an IP address, such as 127.0.0.1:8080 or [::1]:8080, got \"127.0.0.1:8o80\""
+        )
+        #expect(
+            ListenAddress.check("[::1]:65536") == .failure("port 65536 out of range (1-65535, or 0 for any free port)"))
+        #expect(ListenAddress.check("[::1]:65535") == .success(ListenAddress(host: "::1", port: 65535, isIPv6: true)))
     }
 
     @Test func keysAreCaseSensitive() {

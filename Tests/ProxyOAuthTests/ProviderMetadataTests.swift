@@ -192,4 +192,26 @@ private func configurationError(
                 "https://idp.example.com:8443/.well-known/oauth-authorization-server",
             ])
     }
+
+    @Test func aWrongIssuerGetsItsLikelyIssuers() {
+        #expect(
+            ProviderMetadata.issuerCandidates(for: "https://login.example.com/realms/dev/extra") == [
+                "https://login.example.com/realms/dev", "https://login.example.com/realms", "https://login.example.com",
+            ])
+        // A discovery URL given as the issuer: the issuer before /.well-known/ first.
+        #expect(
+            ProviderMetadata.issuerCandidates(
+                for: "http://127.0.0.1:5556/api/oidc/.well-known/openid-configuration") == [
+                    "http://127.0.0.1:5556/api/oidc", "http://127.0.0.1:5556/api", "http://127.0.0.1:5556",
+                ])
+        #expect(ProviderMetadata.issuerCandidates(for: "https://idp.example.com") == [])
+        #expect(ProviderMetadata.issuerCandidates(for: "https://idp.example.com/a/b/c/d/e").count == 4)
+        #expect(
+            ProviderMetadata.describeTried([
+                ("https://x.test/a/.well-known/openid-configuration", 404),
+                ("https://x.test/.well-known/oauth-authorization-server/a", 404),
+            ])
+                == "https://x.test/a/.well-known/openid-configuration answered 404 (OpenID Connect Discovery), https://x.test/.well-known/oauth-authorization-server/a answered 404 (RFC 8414)"
+        )
+    }
 }

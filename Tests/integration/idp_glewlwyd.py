@@ -16,7 +16,8 @@ Each `Glewlwyd()` gets a fresh temp dir, SQLite database, signing keys and a fre
 - a public client `proxyctl-test` with `http://127.0.0.1:PORT/callback` and `http://localhost:PORT/callback`
   for each port given (glewlwyd matches redirect URIs exactly: register every port a test uses, or call
   `add_redirect_ports`);
-- a user `alice` with a name, an e-mail and an HOTP registration (for `mfa`; `next_otp()` gives codes).
+- a user `alice` with a name, an e-mail and an HOTP registration (for `mfa`; `next_otp()` gives codes);
+- with `webapp=True` also glewlwyd's own web app (login.html, the consent page) for a real browser.
 
     with Glewlwyd(redirect_ports=[cb_port], access_token_duration=5) as idp:
         url = build_authorization_url(idp.issuer(), ...)      # your own client code
@@ -273,8 +274,11 @@ class Glewlwyd:
                  name: str = "Alice Liddell",
                  email: str = "alice@example.test",
                  log_level: str = "WARNING",
-                 start_timeout: float = 10.0):
+                 start_timeout: float = 10.0,
+                 webapp: bool = False):
         self.redirect_ports = list(redirect_ports)
+        # Serve glewlwyd's own web app (login.html, the consent page) for a real browser: see _webapp.
+        self.webapp = webapp
         self.access_token_duration = access_token_duration
         self.refresh_token_duration = refresh_token_duration
         self.code_duration = code_duration
@@ -437,8 +441,30 @@ log_mode="console"
 log_level="{self.log_level}"
 database = {{ type = "sqlite3"; path = "{os.path.join(self.workdir, 'glewlwyd.db')}"; }};
 """
+        if self.webapp:
+            conf += self._webapp()
         with open(os.path.join(self.workdir, "glewlwyd.conf"), "w") as f:
             f.write(conf)
+
+    def _webapp(self) -> str:
+        """The settings that make glewlwyd serve its web app at the root of external_url (login.html, where
+        /auth sends a browser to sign in and consent). The package's webapp/config.json is a link to
+        /etc/glewlwyd/config-2.7.json, which Debian installs as a directory holding config.json: the app
+        cannot load its configuration from it. So the app is copied (about 3 MB; glewlwyd does not serve
+        files through symbolic links) with that config.json itself."""
+        source = "/usr/share/glewlwyd/webapp"
+        webapp = os.path.join(self.workdir, "webapp")
+        if not os.path.isdir(webapp):
+            shutil.copytree(source, webapp, symlinks=False, ignore=lambda _d, names: ["config.json"])
+            linked = os.path.realpath(os.path.join(source, "config.json"))
+            if os.path.isdir(linked):
+                linked = os.path.join(linked, "config.json")
+            shutil.copyfile(linked, os.path.join(webapp, "config.json"))
+        types = {".html": "text/html", ".css": "text/css", ".js": "application/javascript",
+                 ".json": "application/json", ".png": "image/png", ".jpg": "image/jpeg", ".ico": "image/x-icon",
+                 ".ttf": "font/ttf", ".woff": "font/woff", ".woff2": "font/woff2", ".svg": "image/svg+xml"}
+        mime = ",\n".join(f'  {{ extension = "{ext}"; mime_type = "{kind}"; }}' for ext, kind in types.items())
+        return f'static_files_path="{webapp}/"\nstatic_files_mime_types = (\n{mime}\n);\n'
 
     def _spawn(self) -> None:
         if self._log_file is not None:

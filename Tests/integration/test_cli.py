@@ -30,6 +30,26 @@ def test_help_has_the_usual_shape(tmp_path):
     assert nested.returncode == 0 and "USAGE: proxyctl ca init" in nested.stdout
 
 
+def words(text: str) -> str:
+    """Help text with its line wrapping undone."""
+    return " ".join(text.split())
+
+
+def test_help_says_where_to_start_and_where_files_go(tmp_path):
+    top = words(run("--help", home=tmp_path).stdout)
+    assert ("Start with `proxyctl init --issuer URL --client-id ID --origin URL`: it checks the provider, writes "
+            "proxy.conf and prints the next commands.") in top, top
+    init = words(run("help", "init", home=tmp_path).stdout)
+    assert ("(--config, else $PROXYCTL_CONFIG, else $XDG_CONFIG_HOME/proxyctl/proxy.conf, "
+            "~/.config/proxyctl/proxy.conf when XDG_CONFIG_HOME is not set)") in init, init
+    assert "--origin-ca-file <file>" in init, init
+    serve = words(run("help", "serve", home=tmp_path).stdout)
+    assert ("SIGTERM and SIGINT let open transfers finish and a token refresh in flight store its answer (within "
+            "shutdown_grace), then exit.") in serve, serve
+    status = words(run("help", "status", home=tmp_path).stdout)
+    assert "1 when a sign-in is needed" in status and "a refresh token the provider refused" in status, status
+
+
 def test_version_and_usage_errors(tmp_path):
     version = run("--version", home=tmp_path)
     assert version.returncode == 0 and version.stdout.strip().count(".") == 2
@@ -93,6 +113,13 @@ def test_doctor_names_every_fix(tmp_path):
     assert "nothing listens on 127.0.0.1:18767" in result.stdout
     assert "HTTPS_PROXY is not set" in result.stdout and 'eval "$(proxyctl env)"' in result.stdout
     broken = tmp_path / "broken.conf"
+    broken.write_text("[proxy]\nlisten = 127.0.0.1:80800\n")
+    port = run("serve", "--check", "--config", str(broken), home=tmp_path)
+    assert port.returncode == 1 and (f"{broken}:2: [proxy] listen: port 80800 out of range (1-65535, or 0 for any "
+                                     'free port), got "127.0.0.1:80800"') in port.stderr, port.stderr
+    flag = run("serve", "--listen", "127.0.0.1:80800", home=tmp_path)
+    assert flag.returncode == 64 and ("--listen: port 80800 out of range (1-65535, or 0 for any free port), got "
+                                      "'127.0.0.1:80800'") in flag.stderr, flag.stderr
     broken.write_text("[proxy]\nlisten = here\n")
     bad = run("doctor", "--config", str(broken), home=tmp_path)
     assert bad.returncode == 1 and "broken.conf:2" in bad.stdout

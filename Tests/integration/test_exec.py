@@ -158,3 +158,46 @@ def test_exec_uses_a_running_serve_and_several_serves_keep_their_own_records(tmp
     finally:
         first.stop()
         second.stop()
+
+
+def test_doctor_for_someone_who_only_uses_exec(tmp_path):
+    """Signed in, the CA made, no serve and nothing set in the shell: `exec` works, so doctor finds nothing to
+    fix; it checks the runtimes with the variables exec gives its command and notes what only `eval "$(proxyctl
+    env)"` needs. Once HTTPS_PROXY is set in the shell, the shell's own variables are checked again, and a wrong
+    set-up is a problem."""
+    from fixtures.deployment import Workspace
+    from idp_fake import FakeIdP
+    from resource_server import ResourceServer
+
+    api = "api.test"
+    rs = ResourceServer(tmp_path / "rs", [api])
+    try:
+        with FakeIdP(access_token_format="jwt", expires_in=3600) as fake:
+            rs.trust(fake.issuer, fake.url("jwks"))
+            ws = Workspace(tmp_path / "ws", config.provider("fake", fake.issuer, redirect_port=0)
+                           + config.origin(f"https://{api}:{rs.port}", "fake", ca_file=rs.ca_pem), f"{api}=127.0.0.1")
+            ws.ca_init()
+            ws.login_fake("fake")
+            home = tmp_path / "home"
+            home.mkdir()
+            used = run_exec(ws.config_path, clean_env(HOME=str(home)), "curl", "-sS", "-o", "/dev/null", "-w",
+                            "%{http_code}", rs.url("/me", api))
+            assert used.returncode == 0 and used.stdout == "200", used.stderr
+
+            doctor = ws.cli("doctor")
+            assert doctor.returncode == 0, doctor.stdout
+            assert "FIX" not in doctor.stdout and doctor.stdout.endswith("\nEverything looks right.\n"), doctor.stdout
+            assert ("  note  HTTPS_PROXY is not set here: proxyctl exec -- COMMAND sets it and each runtime's variables "
+                    "for its command; only tools run directly in this shell need eval \"$(proxyctl env)\"\n"
+                    "Runtimes on this machine, with the variables proxyctl exec sets for its command\n"
+                    "  ok    curl: HTTPS_PROXY and CURL_CA_BUNDLE are set\n") in doctor.stdout, doctor.stdout
+
+            # A shell pointed at a proxy that is not there, without the CA variables: real problems, named.
+            shell = ws.cli("doctor", HTTPS_PROXY="http://127.0.0.1:9")
+            assert shell.returncode == 1, shell.stdout
+            assert ("  FIX   HTTPS_PROXY is http://127.0.0.1:9, and nothing listens there\n        -> start proxyctl "
+                    "serve, then eval \"$(proxyctl env)\" again (or use proxyctl exec -- COMMAND)") in shell.stdout
+            assert "  FIX   tools do not trust the local CA (SSL_CERT_FILE is " in shell.stdout, shell.stdout
+            assert "  FIX   curl: does not trust the local CA (CURL_CA_BUNDLE is " in shell.stdout, shell.stdout
+    finally:
+        rs.close()

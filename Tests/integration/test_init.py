@@ -49,6 +49,12 @@ def test_init_checks_the_provider_and_writes_a_working_configuration(tmp_path):
         text = conf.read_text()
         assert f"issuer = {fake.issuer}" in text and "token_binding = dpop" in text
         assert "[origin https://git.example.test:8443]" in text
+        # The issuer's host is an address: the provider is "default", and init says how to name it.
+        assert "[provider default]" in text and "provider = default" in text, text
+        assert ("  provider name: default (the issuer's host is an address; --name NAME gives it a name of your "
+                "choice)\n") in done.stderr, done.stderr
+        listen = re.search(r"^listen = (127\.0\.0\.1:\d+)$", text, re.M).group(1)
+        assert f"  proxyctl serve listens on {listen}" in done.stderr, done.stderr
         assert "PKCE with S256: offered" in done.stderr and "device flow: offered" in done.stderr, done.stderr
         assert "made the local CA for api.example.test, git.example.test" in done.stderr, done.stderr
         assert done.stdout.startswith("proxyctl login"), done.stdout
@@ -61,6 +67,33 @@ def test_init_checks_the_provider_and_writes_a_working_configuration(tmp_path):
         assert forced.returncode == 0 and "client_id = other" in conf.read_text()
     down = run(home, "init", "--issuer", fake.issuer, "--client-id", "x", "--force")
     assert down.returncode == 1 and "cannot use" in down.stderr, down
+
+
+def test_init_takes_the_issuer_as_the_provider_spells_it_and_names_the_one_meant(tmp_path):
+    """A trailing slash the provider's issuer does not have is the provider's spelling once init has seen its
+    discovery document (and said so, naming --issuer, not a proxy.conf that does not exist yet); a wrong path is
+    named with both discovery URLs tried and the issuer the user probably meant."""
+    home = tmp_path / "home"
+    home.mkdir()
+    with FakeIdP(issuer_path="realms/dev") as fake:
+        slash = run(home, "init", "--issuer", fake.issuer + "/", "--client-id", "proxyctl-test")
+        assert slash.returncode == 0, slash.stderr
+        assert (f"  issuer: {fake.issuer}, as the provider names itself (--issuer had a trailing slash; an issuer "
+                "must match exactly)\n") in slash.stderr, slash.stderr
+        assert "proxy.conf has" not in slash.stderr
+        conf = home / "xdg" / "proxyctl" / "proxy.conf"
+        assert f"issuer = {fake.issuer}\n" in conf.read_text()
+
+        wrong = run(home, "init", "--config", str(tmp_path / "wrong.conf"), "--issuer", fake.issuer + "/extra",
+                    "--client-id", "proxyctl-test")
+        assert wrong.returncode == 1, wrong
+        assert wrong.stderr == (
+            f"Checking {fake.issuer}/extra ...\n"
+            f"proxyctl: cannot use {fake.issuer}/extra as a provider: no discovery document ("
+            f"{fake.issuer}/extra/.well-known/openid-configuration answered 404 (OpenID Connect Discovery), "
+            f"{fake.base_url}/.well-known/oauth-authorization-server/realms/dev/extra answered 404 (RFC 8414)); "
+            f"{fake.issuer} has one: did you mean --issuer {fake.issuer}?\n"), wrong.stderr
+        assert not (tmp_path / "wrong.conf").exists()
 
 
 def ephemeral_range() -> range:
@@ -108,6 +141,22 @@ def test_init_writes_a_redirect_port_and_prints_the_redirect_uri_to_register(tmp
             assert given.returncode == 0, given.stderr
             assert (f"sign-in redirect: http://127.0.0.1:{port}/callback (redirect_port = {port}; something listens "
                     "there now, and a login needs it free)") in given.stderr, given.stderr
+        # listen: 127.0.0.1:8080 unless something listens there (another configuration's serve, say): then a free
+        # port near it, so that both can be served.
+        with socket.socket() as held:
+            held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                held.bind(("127.0.0.1", 8080))
+                held.listen()
+            except OSError:
+                pass  # something else listens on 8080 already: the same case
+            moved = run(home, "init", "--config", str(tmp_path / "listen.conf"), "--issuer", fake.issuer,
+                        "--client-id", "proxyctl-test")
+            assert moved.returncode == 0, moved.stderr
+            listen = re.search(r"^listen = 127\.0\.0\.1:(\d+)$", (tmp_path / "listen.conf").read_text(), re.M)
+            assert listen and 8080 < int(listen.group(1)) < 8180, moved.stderr
+            assert (f"  proxyctl serve listens on 127.0.0.1:{listen.group(1)}; another program listens on 8080\n"
+                    in moved.stderr), moved.stderr
         for bad in ("0", "65536", "http"):
             refused = run(home, "init", "--config", str(tmp_path / "bad.conf"), "--issuer", fake.issuer,
                           "--client-id", "proxyctl-test", "--redirect-port", bad)
@@ -120,7 +169,7 @@ def test_readme_use_it_against_a_provider_that_matches_redirect_uris_exactly(tmp
     with no redirect port, the redirect URI it prints registered at the provider, the `proxyctl login` it prints
     (the scripted browser signs in), then the `proxyctl exec -- curl` it prints gets the API's answer, which
     needs a token the API accepts. Two things the README's reader does not do: `--resolve` (api.test is not in
-    DNS) and `ca_file` for the test API, whose certificate comes from a test CA."""
+    DNS) and `--origin-ca-file` for the test API, whose certificate comes from a test CA."""
     idp = glewlwyd_factory()
     rs = ResourceServer(tmp_path / "rs", [API])
     try:
@@ -129,15 +178,16 @@ def test_readme_use_it_against_a_provider_that_matches_redirect_uris_exactly(tmp
         home.mkdir()
         origin = f"https://{API}:{rs.port}"
         init = run(home, "init", "--issuer", idp.issuer(), "--client-id", idp.client_id, "--origin", origin,
-                   "--resolve", f"{API}=127.0.0.1")
+                   "--resolve", f"{API}=127.0.0.1", "--origin-ca-file", str(rs.ca_pem))
         assert init.returncode == 0, init.stderr
+        assert f"  protected origin {origin}, its certificate checked against {rs.ca_pem}\n" in init.stderr
         uri = re.search(r"^Register this redirect URI for client \S+ at the provider.*\n    (\S+)$", init.stderr,
                         re.M).group(1)
         registered = re.fullmatch(r"http://127\.0\.0\.1:(\d+)/callback", uri)
         assert registered, uri
         idp.add_redirect_ports([int(registered.group(1))])
         conf = home / "xdg" / "proxyctl" / "proxy.conf"
-        conf.write_text(conf.read_text().replace(f"[origin {origin}]\n", f"[origin {origin}]\nca_file = {rs.ca_pem}\n"))
+        assert f"[origin {origin}]\nprovider = " in conf.read_text() and f"ca_file = {rs.ca_pem}\n" in conf.read_text()
 
         # The commands as init printed them, run by a shell that finds proxyctl on PATH.
         login, use = init.stdout.splitlines()
@@ -224,8 +274,8 @@ def test_init_of_a_second_configuration_keeps_a_running_serve_working(tmp_path):
                                  rf"it expires, \d{{4}}-.*, so a proxyctl serve running with it \(running: pid "
                                  rf"{deployment.proxy.pid}\) and the tools that trust it keep working\n", init.stderr)
                 assert (f"  a running proxyctl serve (running: pid {deployment.proxy.pid}) keeps the CA it started with; "
-                        f"one whose proxy.conf protects {MORE} moves to the new one at its next SIGHUP (kill -HUP PID) "
-                        "or restart\n") in init.stderr, init.stderr
+                        f"one whose proxy.conf protects {MORE} moves to the new one at its next SIGHUP (kill -HUP "
+                        f"{deployment.proxy.pid}); no restart is needed\n") in init.stderr, init.stderr
                 # A serve of the first configuration starts with the wider CA: it covers its hosts.
                 checked = ws.cli("serve", "--check")
                 assert checked.returncode == 0, checked.stderr
@@ -240,13 +290,19 @@ def test_init_of_a_second_configuration_keeps_a_running_serve_working(tmp_path):
                                 env=deployment.client_env(CURL_CA_BUNDLE=str(loaded)), scratch=tmp_path / "curl")
                 assert kept.status == 200, kept
 
-                # The second configuration works with the commands init printed (its test API's CA added).
-                other.write_text(other.read_text().replace(f"[origin https://{MORE}:{rs.port}]\n",
-                                                           f"[origin https://{MORE}:{rs.port}]\nca_file = {rs.ca_pem}\n"))
+                # The second configuration works with the commands init printed, once its test API's CA is
+                # trusted: the proxy's answer before that names the fix.
                 login, use = init.stdout.splitlines()
                 assert use == f"proxyctl exec --config '{other}' -- curl https://{MORE}:{rs.port}/", init.stdout
                 signed_in = sh(login, env)
                 assert signed_in.returncode == 0, signed_in.stderr
+                untrusted = sh(use, env)
+                assert untrusted.stdout == (
+                    f"proxyctl: the certificate of {MORE}:{rs.port} does not verify: unable to get local issuer "
+                    "certificate; if the origin's certificate comes from a private CA, set ca_file = FILE "
+                    f"(that CA's PEM) in [origin https://{MORE}:{rs.port}] of {other}\n"), untrusted
+                other.write_text(other.read_text().replace(f"[origin https://{MORE}:{rs.port}]\n",
+                                                           f"[origin https://{MORE}:{rs.port}]\nca_file = {rs.ca_pem}\n"))
                 answer = sh(use, env)
                 assert answer.returncode == 0 and json.loads(answer.stdout)["sub"], answer.stderr + answer.stdout
                 assert rs.since(0, MORE)[-1].status == 200
@@ -277,8 +333,9 @@ def test_init_of_a_second_configuration_keeps_a_running_serve_working(tmp_path):
                         f"It drops {MORE}: a proxyctl serve or exec of another configuration sharing {state} that "
                         f"protects it fails until proxyctl ca init --config ITS_FILE makes a CA that covers it "
                         "again.") in forced.stderr, forced.stderr
-                assert (f"Send SIGHUP to each running proxyctl serve (running: pid {deployment.proxy.pid}), or "
-                        "restart it: until then it signs with a CA nobody trusts.") in forced.stderr
+                assert (f"Send SIGHUP to each running proxyctl serve (running: pid {deployment.proxy.pid}): kill -HUP "
+                        f"{deployment.proxy.pid} (no restart is needed); until then it signs with a CA nobody "
+                        "trusts.") in forced.stderr, forced.stderr
                 assert deployment.curl(rs.url("/untrusted", API)).returncode == 60
                 mark = deployment.proxy.mark()
                 deployment.proxy.signal(signal.SIGHUP)
@@ -308,8 +365,17 @@ def test_sighup_applies_a_new_origin(tmp_path):
                 ws.write_config(ws.port)
                 mark = deployment.proxy.mark()
                 deployment.proxy.signal(signal.SIGHUP)
-                deployment.proxy.wait_log(r"changes not applied.*run proxyctl ca init to reissue it.*SIGHUP again",
-                                          since=mark)
+                pid = deployment.proxy.pid
+                # The warning says what was not applied and why; the last line says exactly that, not "reloaded".
+                deployment.proxy.wait_log(re.escape(
+                    f"SIGHUP: [origin] and [provider] changes not applied: the protected hosts changed since the local "
+                    f"CA was made (added {MORE}); its name constraints must name every protected host: run proxyctl "
+                    "ca init to reissue it (the CA before it stays trusted until it expires); then send SIGHUP again "
+                    f"(kill -HUP {pid})"), since=mark)
+                deployment.proxy.wait_log(re.escape(
+                    "SIGHUP: applied the rest of the configuration; not applied: [origin] and [provider] changes (see "
+                    f"above); protected origins: https://{API}:{rs.port}"), since=mark)
+                assert "configuration reloaded" not in deployment.proxy.log_since(mark)
                 ws.ca_init()
                 deployment.exports = ws.env()
                 mark = deployment.proxy.mark()

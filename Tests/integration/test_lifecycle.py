@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import signal
 import socket
 import threading
@@ -12,7 +13,7 @@ import pytest
 
 from fixtures import config
 from fixtures.content import MiB, expected_sha256
-from fixtures.http import Reader, Response, open_tunnel
+from fixtures.http import Reader, Response, free_port, open_tunnel
 from fixtures.proxy import Proxy, poll, run_proxyctl
 
 
@@ -238,3 +239,42 @@ def test_without_config_flag_only_the_private_xdg_directory_is_looked_at(tmp_pat
         assert get(proxy, http_origin, "/bare").status == 200
     finally:
         assert proxy.stop() == 0
+
+
+def test_a_second_serve_on_a_taken_port_names_who_listens_and_a_free_port(tmp_path):
+    """`serve` of a second configuration on the port of a running one: the message names that serve (its pid
+    and file, from its record in the shared state directory) and a free port for the second file's `listen`;
+    another program on the port is named as such."""
+    port = free_port()
+    state = tmp_path / "state"
+    first = Proxy(tmp_path / "first", config.proxy(listen=f"127.0.0.1:{port}", state_dir=state, shutdown_grace="3s"),
+                  listen=None).start()
+    try:
+        second = tmp_path / "second.conf"
+        second.write_text(config.proxy(listen=f"127.0.0.1:{port}", state_dir=state))
+        taken = run_proxyctl(tmp_path, "serve", "--config", str(second))
+        assert taken.returncode == 1, taken
+        found = re.search(
+            "^" + re.escape(f"proxyctl: proxyctl serve (pid {first.pid}, config {first.config_path}) already listens on "
+                      f"127.0.0.1:{port}; stop it (kill {first.pid}), or set listen = 127.0.0.1:") + r"(\d+)"
+            + re.escape(f" in [proxy] of {second} (or give --listen 127.0.0.1:") + r"(\d+)\)$", taken.stderr, re.M)
+        assert found and found.group(1) == found.group(2), taken.stderr
+        # The port it names is free: the second configuration serves there.
+        second.write_text(config.proxy(listen=f"127.0.0.1:{found.group(1)}", state_dir=state, shutdown_grace="3s"))
+        moved = Proxy(tmp_path / "moved", None, listen=None, args=("--config", str(second))).start()
+        assert moved.port == int(found.group(1))
+        assert moved.stop() == 0
+
+        # With --listen, the fix is another --listen; another program is not called proxyctl.
+        with socket.socket() as other:
+            other.bind(("127.0.0.1", 0))
+            other.listen()
+            busy = other.getsockname()[1]
+            flag = run_proxyctl(tmp_path, "serve", "--config", str(second), "--listen", f"127.0.0.1:{busy}")
+            assert flag.returncode == 1, flag
+            assert re.search(
+                "^" + re.escape(f"proxyctl: another program already listens on 127.0.0.1:{busy} (ss -ltnp 'sport = :{busy}' "
+                          "shows which); stop it, or give another port: --listen 127.0.0.1:") + r"\d+$",
+                flag.stderr, re.M), flag.stderr
+    finally:
+        assert first.stop() == 0

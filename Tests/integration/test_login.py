@@ -11,6 +11,7 @@ import re
 import stat
 import time
 import urllib.parse
+from pathlib import Path
 
 import pytest
 import requests
@@ -394,8 +395,11 @@ def test_fake_device_flow_denied(ws, fake):
 
 def test_login_options_reach_the_authorization_request(ws, fake):
     fake_workspace(ws, fake, resource="https://api.example.test", param_audience="https://api.example.test")
-    login_ok(ws, "--create", "--acr-values", "urn:example:loa:2", "--max-age", "600", "--login-hint",
-             "alice@example.test", "--scope", "openid api", browser="fake")
+    login = login_ok(ws, "--create", "--acr-values", "urn:example:loa:2", "--max-age", "600", "--login-hint",
+                     "alice@example.test", "--scope", "openid api", browser="fake")
+    # The fake's discovery has no prompt_values_supported: --create is sent, with a word that it may do nothing.
+    assert ("Note: the provider does not list create in prompt_values_supported, so it may show its usual sign-in "
+            "page and create no account.\n") in login.stderr, str(login)
     [url] = ws.browser_urls()
     query = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)
     assert query["scope"] == ["openid api"] and query["prompt"] == ["create"]
@@ -442,8 +446,10 @@ def test_non_interactive_without_browser_prints_url_and_opens_nothing(ws, fake):
     complete_in_browser(fake, url)
     result = running.finish(20)
     assert result.returncode == 0, str(result)
-    assert "not an interactive terminal" in result.stderr and "$BROWSER is not set" in result.stderr, str(result)
-    assert "proxyctl login --device fake" in result.stderr, "the device flow is offered"
+    assert ("No browser can be opened here: this is not an interactive terminal and $BROWSER is not set.\n"
+            "Open the URL below in a browser yourself; or sign in with a code instead: proxyctl login --device fake.\n"
+            "To sign in to fake, open this URL in a browser:\n") in result.stderr, str(result)
+    assert "Opening the browser" not in result.stderr, str(result)
     assert ws.opener_calls() == [], "xdg-open must not be started"
     assert ws.tokens("fake")["access_token"]
 
@@ -455,7 +461,11 @@ def test_no_browser_flag(ws, fake):
     complete_in_browser(fake, url)
     result = running.finish(20)
     assert result.returncode == 0, str(result)
-    assert "--no-browser" in result.stderr, str(result)
+    # It says what to do with the URL, and never that a browser opens or cannot be opened.
+    assert ("--no-browser: open the URL below in a browser yourself (from another machine, forward the port first: "
+            "ssh -L PORT:127.0.0.1:PORT ...); or sign in with a code instead: proxyctl login --device fake.\n"
+            "To sign in to fake, open this URL in a browser:\n") in result.stderr, str(result)
+    assert "Opening the browser" not in result.stderr and "No browser" not in result.stderr, str(result)
     assert ws.browser_urls() == [] and ws.opener_calls() == []
     assert printed_url(result.stderr, "/authorize?") == url
 
@@ -544,6 +554,16 @@ def test_config_missing_client_id(ws, fake):
     assert fake.counts() == {}, "nothing is sent to the provider"
 
 
+def test_config_key_typo_names_the_key_meant(ws, fake):
+    text = config.proxy(state_dir=ws.state_dir) + config.provider("fake", fake.issuer, client_id=None) + \
+        "clientid = proxyctl\n"
+    path, result = config_error(ws, text)
+    assert result.returncode == 1, str(result)
+    assert f"{path}:{line_of(text, 'clientid =')}: [provider fake] clientid: unknown key; did you mean client_id?" \
+        in result.stderr, str(result)
+    assert "expected one of" not in result.stderr, str(result)
+
+
 def test_config_http_issuer_not_loopback(ws):
     text = config.proxy(state_dir=ws.state_dir) + config.provider("corp", "http://login.example.com/realms/dev")
     path, result = config_error(ws, text)
@@ -602,3 +622,125 @@ def test_hygiene_check_catches_leaks(tmp_path):
     assert len(problems) == 2, problems
     assert "proxyctl status` stdout contains a secret" in problems[0]
     assert "proxyctl login` stderr contains an unexplained secret-like string" in problems[1]
+
+
+# ============================================================================================ the browser's pages
+
+
+def test_the_browser_is_sent_to_a_clean_page_that_says_how_the_sign_in_ended(ws, fake):
+    """The callback is answered with a 303 to /done (no code in the address bar or the history); /done says
+    signed in, naming the provider and the account, only once the tokens are stored; a refusal's page gives the
+    reason and the command to try again."""
+    fake_workspace(ws, fake)
+    running = ws.start("login", display=":0")
+    url = running.wait_for_line(r"^\s+(http://\S+/authorize\?\S+)\s*$").group(1)
+    callback = fake.login_browser(url)
+    port = urllib.parse.urlsplit(callback).port
+    answer = requests.get(callback, timeout=10)
+    assert [r.status_code for r in answer.history] == [303], answer.history
+    assert answer.history[0].headers["Location"] == "/done" and answer.url == f"http://127.0.0.1:{port}/done"
+    assert answer.headers["Cache-Control"] == "no-store"
+    assert ws.token_path("fake").exists(), "the page says signed in only once the tokens are stored"
+    assert "<h1>Signed in to fake</h1>" in answer.text, answer.text
+    assert ("<p>You are signed in to fake as Alice Liddell &lt;alice@example.test&gt;, and proxyctl has stored the "
+            "tokens. Go back to the terminal; you can close this tab.</p>") in answer.text, answer.text
+    assert running.finish(20).returncode == 0
+
+    fake.fail("authorize", Fault.authorize_error("access_denied", "The user said no"))
+    running = ws.start("login", display=":0")
+    url = running.wait_for_line(r"^\s+(http://\S+/authorize\?\S+)\s*$").group(1)
+    refused = requests.get(fake.login_browser(url), timeout=10)
+    assert refused.url.endswith("/done") and [r.status_code for r in refused.history] == [303]
+    assert "<h1>Sign-in to fake failed</h1>" in refused.text, refused.text
+    assert ("<p>proxyctl could not sign you in: The sign-in was declined (access_denied: The user said no). Nothing "
+            "was stored. To try again, run in the terminal: proxyctl login fake</p>") in refused.text, refused.text
+    result = running.finish(20)
+    assert result.returncode == 1 and "declined" in result.stderr, str(result)
+
+
+def chromium_driver(download_dir: Path):
+    """Headless Chromium (Debian's chromium and chromium-driver) under Selenium, without any proxy."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                     "--no-first-run", "--no-default-browser-check", "--no-proxy-server",
+                     "--window-size=1200,900", f"--user-data-dir={download_dir / 'profile'}"):
+        options.add_argument(argument)
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+
+
+def chromium_available() -> bool:
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return False
+    return os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)
+
+
+@pytest.mark.skipif(not chromium_available(),
+                    reason="chromium, chromium-driver or selenium missing (scripts/bootstrap test)")
+def test_a_person_signs_in_with_chromium_on_glewlwyds_own_pages(ws, glewlwyd_factory):
+    """`proxyctl login` as a person does it: the browser opens the sign-in URL, glewlwyd's own login page asks
+    for the user name and password, its consent page for the scopes, then glewlwyd sends the browser back to
+    proxyctl, which moves it on to /done and shows there whom it signed in. Screenshots and the page source of
+    every step are kept in the test's directory when something fails."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ready
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    idp = glewlwyd_workspace(ws, glewlwyd_factory, idp_options=dict(webapp=True), login_timeout="90s")
+    port = idp.redirect_ports[0]
+    # $BROWSER: hands the URL to the browser this test drives (proxyctl cannot start a WebDriver session).
+    handoff = ws.root / "browser-url"
+    opener = ws.root / "open-in-chromium"
+    opener.write_text(f'#!/bin/sh\nprintf "%s" "$1" > "{handoff}.tmp" && mv "{handoff}.tmp" "{handoff}"\n')
+    opener.chmod(0o755)
+    running = ws.start("login", env=ws.env(BROWSER=str(opener)))
+    url = poll(lambda: handoff.exists() and handoff.read_text(), 20, message="proxyctl to open the browser")
+
+    driver = chromium_driver(ws.root)
+    shots = ws.root / "browser"
+    shots.mkdir()
+    step = "start"
+    try:
+        wait = WebDriverWait(driver, 20)
+        step = "glewlwyd's login page"
+        driver.get(url)
+        wait.until(ready.visibility_of_element_located((By.ID, "username"))).send_keys(idp.username)
+        driver.find_element(By.ID, "password").send_keys(idp.password)
+        driver.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+        step = "glewlwyd's consent page"
+        for scope in ("profile", "email"):
+            wait.until(ready.element_to_be_clickable((By.ID, f"grant-{scope}"))).click()
+        driver.find_element(By.XPATH, "//button[normalize-space()='Grant access']").click()
+        step = "glewlwyd's continue button"
+        wait.until(ready.element_to_be_clickable(
+            (By.CSS_SELECTOR, "button[title='Continue to client application']"))).click()
+        step = "proxyctl's page"
+        wait.until(lambda d: d.current_url == f"http://127.0.0.1:{port}/done"
+                   and d.find_elements(By.TAG_NAME, "h1"))
+        assert driver.find_element(By.TAG_NAME, "h1").text == "Signed in to glew"
+        assert driver.find_element(By.TAG_NAME, "p").text == (
+            "You are signed in to glew as Alice Liddell <alice@example.test>, and proxyctl has stored the tokens. "
+            "Go back to the terminal; you can close this tab.")
+        assert ws.tokens("glew")["refresh_token"], "the page came after the tokens were stored"
+        # No code in the address bar, nor one step back in the history.
+        assert "code=" not in driver.current_url
+        driver.back()
+        assert "code=" not in driver.current_url and "state=" not in driver.current_url, driver.current_url
+    except Exception as error:
+        driver.save_screenshot(str(shots / "failure.png"))
+        (shots / "failure.html").write_text(driver.page_source)
+        raise AssertionError(f"at {step} ({driver.current_url}): {error}; screenshot {shots / 'failure.png'}, page "
+                             f"{shots / 'failure.html'}, glewlwyd log {idp.log_path}") from error
+    finally:
+        driver.quit()
+    result = running.finish(30)
+    assert result.returncode == 0, str(result)
+    assert "Signed in to glew as Alice Liddell <alice@example.test>" in result.stderr, str(result)

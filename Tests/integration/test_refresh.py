@@ -141,6 +141,36 @@ def test_refresh_empty_400(ws, fake):
     assert_reauthentication_needed(ws, fake, token)
 
 
+def test_a_refused_refresh_token_while_the_access_token_is_valid(ws, fake):
+    """The newcomer's case: the provider refuses the refresh token (glewlwyd's empty 400) while the access
+    token still has time left. The message says what happened and what to run; status does not say "signed in"
+    with exit 0, but when the access token stops and that a sign-in is needed (exit 1, help status)."""
+    fake_workspace(ws, fake)
+    login = ws.run("login", browser="fake")
+    assert login.returncode == 0, str(login)
+    # The access token is in its last minute (proxyctl refreshes 60 s before expiry) but not expired.
+    path = ws.token_path("fake")
+    tokens = json.loads(path.read_text())
+    now = int(time.time())
+    tokens["issued_at"], tokens["expires_at"] = now - 3000, now + 50
+    path.write_text(json.dumps(tokens))
+    fake.fail("token", Fault.empty_400())
+    token = ws.run("token")
+    assert ("the provider refused the refresh token (HTTP 400 without an error code: it has expired, was revoked, or "
+            "was used already); sign in again: proxyctl login fake") in token.stderr, str(token)
+    assert "no error details" not in token.stderr
+    status = ws.run("status")
+    assert status.returncode == 1, str(status)
+    assert re.search(r"^fake: sign-in needed \(the provider refused the refresh token\) as ", status.stdout, re.M), \
+        status.stdout
+    assert re.search(r"^  access token:  valid until .*\(in \d+s\); nothing can renew it: origins may refuse it "
+                     r"already, and every request will after that$", status.stdout, re.M), status.stdout
+    assert re.search(r"^  next step:     proxyctl login fake$", status.stdout, re.M), status.stdout
+    report = json.loads(ws.run("status", "--json").stdout)["providers"][0]
+    assert report["signed_in"] is False and report["refresh_refused"] is True
+    assert report["access_token_expired"] is False and report["access_token_expires_at"] == now + 50
+
+
 def test_refresh_malformed_json_is_recoverable(ws, fake):
     before = login_expired_fake(ws, fake)
     fake.fail("token", Fault.malformed_json())

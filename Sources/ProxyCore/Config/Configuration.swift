@@ -158,6 +158,7 @@ public struct ConfigParser: Sendable {
                     origin = parsed
                 }
                 origin.line = section.line
+                origin.file = file
                 let key = OriginTable.key(origin.scheme, origin.authority)
                 if let first = seenOrigins[key] {
                     errors.append(
@@ -313,10 +314,10 @@ public struct ConfigParser: Sendable {
             }
             switch entry.key {
             case "listen":
-                guard let address = ListenAddress.parse(entry.value) else {
-                    return fail("expected HOST:PORT with an IP address, such as 127.0.0.1:8080 or [::1]:8080, \(got())")
+                switch ListenAddress.check(entry.value) {
+                case .success(let address): settings.listen = address
+                case .failure(let error): fail("\(error.message), \(got())")
                 }
-                settings.listen = address
             case "upstream_proxy":
                 if entry.value.isEmpty || entry.value.lowercased() == "none" {
                     settings.upstreamProxy = nil
@@ -401,10 +402,12 @@ public struct ConfigParser: Sendable {
                 }
                 // A bare port is a loopback port.
                 let text = ConfigValue.digits(entry.value) != nil ? "127.0.0.1:\(entry.value)" : entry.value
-                guard let address = ListenAddress.parse(text) else {
-                    return fail("expected HOST:PORT with an IP address, or a port for 127.0.0.1, \(got())")
+                switch ListenAddress.check(text) {
+                case .success(let address): settings.adminListen = address
+                case .failure(let error) where error.message.hasPrefix("port "): fail("\(error.message), \(got())")
+                case .failure:
+                    fail("expected HOST:PORT with an IP address, or a port for 127.0.0.1, \(got())")
                 }
-                settings.adminListen = address
             case "state_dir":
                 guard !entry.value.isEmpty else { return fail("expected a directory path") }
                 settings.stateDir = resolvePath(entry.value)
@@ -415,7 +418,7 @@ public struct ConfigParser: Sendable {
                 }
                 settings.tokenStore = kind
             default:
-                fail("unknown key; expected one of \(Self.proxyKeys.joined(separator: ", "))")
+                fail(KeySuggestion.message(for: entry.key, among: Self.proxyKeys))
             }
         }
     }

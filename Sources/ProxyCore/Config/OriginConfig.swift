@@ -22,6 +22,7 @@ public struct OriginConfig: Sendable, Equatable {
         var scopes: [String]? = nil
         var tokenType = OriginTokenKind.accessToken
         var line = 0
+        var file = ""
     }
 
     @Boxed private var fields: Fields
@@ -61,6 +62,11 @@ public struct OriginConfig: Sendable, Equatable {
     public var line: Int {
         get { fields.line }
         _modify { yield &fields.line }
+    }
+    /// The configuration file the section is in (for messages that name the fix).
+    public var file: String {
+        get { fields.file }
+        _modify { yield &fields.file }
     }
 
     /// `https://api.example.com` or `http://127.0.0.1:8000`: the default port is left out. Made once: every
@@ -209,7 +215,7 @@ extension ConfigParser {
                 }
                 origin.tokenType = kind
             default:
-                fail("unknown key; expected one of \(OriginConfig.keys.joined(separator: ", "))")
+                fail(KeySuggestion.message(for: entry.key, among: OriginConfig.keys))
             }
         }
         if origin.provider.isEmpty && !section.entries.contains(where: { $0.key == "provider" }) {

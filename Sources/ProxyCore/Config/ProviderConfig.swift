@@ -130,6 +130,23 @@ public struct ProviderConfig: Sendable, Equatable {
         "code_challenge_method", "request_uri", "dpop_jkt", "client_secret",
     ]
 
+    /// The name `proxyctl init` gives a provider without `--name`: the registrable label of the issuer's host
+    /// (`example` for login.example.com, `corp` for sso.corp.co.uk), which says whose sign-in it is and reads
+    /// well in `proxyctl login example`; `default` for an IP address or a one-label host (`localhost`), whose
+    /// digits say nothing. `isAddress` says which it was, so that init can suggest --name.
+    public static func defaultName(issuerHost host: String) -> (name: String, isAddress: Bool) {
+        var labels = host.lowercased().split(separator: ".").map(String.init)
+        if IPAddress.parse(host) != nil || host.hasPrefix("[") || labels.count < 2 { return ("default", true) }
+        labels.removeLast()  // the top-level domain
+        // A two-letter country code with a second-level domain of its own (example.co.uk, example.com.au).
+        let secondLevel: Set<String> = ["co", "com", "net", "org", "ac", "gov", "edu", "or", "ne", "go"]
+        if labels.count >= 2, host.split(separator: ".").last?.count == 2, secondLevel.contains(labels.last ?? "") {
+            labels.removeLast()
+        }
+        guard let label = labels.last, isValidName(label) else { return ("default", true) }
+        return (label, false)
+    }
+
     /// Whether a provider name is usable on the command line and as a file name.
     static func isValidName(_ name: String) -> Bool {
         !name.isEmpty && name.count <= 64
@@ -298,7 +315,7 @@ extension ConfigParser {
             case "audience":
                 provider.audience = entry.value.isEmpty ? nil : entry.value
             default:
-                fail("unknown key; expected one of \(ProviderConfig.keys.joined(separator: ", "))")
+                fail(KeySuggestion.message(for: entry.key, among: ProviderConfig.keys))
             }
         }
         for (key, present) in [("issuer", !provider.issuer.isEmpty), ("client_id", !provider.clientID.isEmpty)]

@@ -75,31 +75,41 @@ public struct ListenAddress: Sendable, Equatable, CustomStringConvertible {
 
     /// Parses `HOST:PORT` where HOST is an IPv4 or bracketed IPv6 literal, or `localhost`.
     public static func parse(_ text: String) -> ListenAddress? {
+        if case .success(let address) = check(text) { return address }
+        return nil
+    }
+
+    /// `parse`, with what is wrong: a port out of range is named as such (`127.0.0.1:80800`), anything else is
+    /// not `HOST:PORT` with an IP address.
+    public static func check(_ text: String) -> Result<ListenAddress, ValueError> {
+        let shape: ValueError = "expected HOST:PORT with an IP address, such as 127.0.0.1:8080 or [::1]:8080"
         var host: Substring
         var portText: Substring
         var isIPv6 = false
         if text.hasPrefix("[") {
             guard let close = text.firstIndex(of: "]"), text[text.index(after: close)...].hasPrefix(":") else {
-                return nil
+                return .failure(shape)
             }
             host = text[text.index(after: text.startIndex)..<close]
             portText = text[text.index(close, offsetBy: 2)...]
             isIPv6 = true
         } else {
-            guard let colon = text.lastIndex(of: ":") else { return nil }
+            guard let colon = text.lastIndex(of: ":") else { return .failure(shape) }
             host = text[..<colon]
             portText = text[text.index(after: colon)...]
         }
         if host == "localhost" { host = "127.0.0.1" }
-        guard let address = IPAddress.parse(host) else { return nil }
+        guard let address = IPAddress.parse(host) else { return .failure(shape) }
         switch address {
-        case .v4: if isIPv6 { return nil }
-        case .v6: if !isIPv6 { return nil }
+        case .v4: if isIPv6 { return .failure(shape) }
+        case .v6: if !isIPv6 { return .failure(shape) }
         }
+        guard !portText.isEmpty, portText.utf8.allSatisfy({ $0 >= UInt8(ascii: "0") && $0 <= UInt8(ascii: "9") })
+        else { return .failure(shape) }
         guard let port = ConfigValue.digits(portText), (0...65535).contains(port) else {
-            return nil
+            return .failure("port \(portText) out of range (1-65535, or 0 for any free port)")
         }
-        return ListenAddress(host: String(host), port: port, isIPv6: isIPv6)
+        return .success(ListenAddress(host: String(host), port: port, isIPv6: isIPv6))
     }
 }
 

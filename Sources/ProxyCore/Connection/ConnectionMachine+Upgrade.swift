@@ -134,7 +134,10 @@ extension ConnectionMachine {
         out.append(.disarm(.connect))
         out.append(.closeUpstream)
         state = .awaitingUpgradeTokens(upgrade)
-        answerUpgrade(upgrade, .upstreamFailed(failure, hop: upgrade.origin.authority, detail: detail), &out)
+        answerUpgrade(
+            upgrade,
+            .upstreamFailed(
+                failure, hop: upgrade.origin.authority, detail: detail, origin: OriginTrust(upgrade.origin)), &out)
     }
 
     private mutating func sendUpgrade(_ upgrade: ProtectedUpgrade, _ out: inout [Action]) {

@@ -453,7 +453,10 @@ public struct ProtectedExchange: Sendable {
             }
         case .sending:
             let (kind, detail) = failure ?? (.incomplete, "no response")
-            fail(kind.answer(hop: origin.authority, proxy: settings.upstreamProxy, detail: detail), &out)
+            fail(
+                kind.answer(
+                    hop: origin.authority, proxy: settings.upstreamProxy, detail: detail, origin: OriginTrust(origin)),
+                &out)
         case .starting, .gettingTokens, .refreshing, .awaitingBody, .done:
             break
         }

@@ -53,8 +53,9 @@ public enum ProxyAnswer: Sendable, Equatable {
     case invalidResponse(HostPort, reason: String)
     /// A response head larger than the proxy reads.
     case responseHeadTooLarge(HostPort)
-    /// A libcurl transfer to a protected origin that failed before its response head.
-    case upstreamFailed(UpstreamFailure, hop: HostPort, detail: String)
+    /// A transfer to a protected origin that failed before its response head; `origin` names the section whose
+    /// `ca_file` decides whether its certificate verifies.
+    case upstreamFailed(UpstreamFailure, hop: HostPort, detail: String, origin: OriginTrust? = nil)
 
     // MARK: Protected origins
 
@@ -212,9 +213,10 @@ public enum ProxyAnswer: Sendable, Equatable {
             return Self.nextHop(
                 502, .httpResponseHeaderSectionSize, hop, false,
                 "\(hop) sent a response head larger than the proxy accepts")
-        case .upstreamFailed(let failure, let hop, let detail):
+        case .upstreamFailed(let failure, let hop, let detail, let origin):
             let (status, type, what) = failure.describe(hop)
-            let text = detail.isEmpty ? what : "\(what): \(detail)"
+            var text = detail.isEmpty ? what : "\(what): \(detail)"
+            if failure == .certificate, let origin, let fix = origin.fix(detail) { text += "; \(fix)" }
             return ProxyResponse(
                 status: status, proxyStatus: ProxyStatus(error: type, details: text, nextHop: hop.description),
                 message: "proxyctl: \(text)", close: true)
@@ -331,16 +333,19 @@ public enum UpstreamFailure: Sendable, Equatable {
     case proxyTimeout
 
     /// The proxy's own answer for this failure of a request to `hop` (through `proxy`, when one applies): the
-    /// upstream proxy's own answers for the CONNECT failures, else `.upstreamFailed`.
-    public func answer(hop: HostPort, proxy: UpstreamProxy?, detail: String) -> ProxyAnswer {
-        guard let proxy else { return .upstreamFailed(self, hop: hop, detail: detail) }
+    /// upstream proxy's own answers for the CONNECT failures, else `.upstreamFailed` (naming `origin`'s
+    /// `ca_file` when the certificate does not verify).
+    public func answer(
+        hop: HostPort, proxy: UpstreamProxy?, detail: String, origin: OriginTrust? = nil
+    ) -> ProxyAnswer {
+        let failed = ProxyAnswer.upstreamFailed(self, hop: hop, detail: detail, origin: origin)
+        guard let proxy else { return failed }
         switch self {
-        case .proxyRefused(let status):
-            return proxy.connectRefusal(status: status) ?? .upstreamFailed(self, hop: hop, detail: detail)
+        case .proxyRefused(let status): return proxy.connectRefusal(status: status) ?? failed
         case .proxyClosed: return .upstreamProxyClosed(proxy.address)
         case .proxyMalformed: return .upstreamProxyMalformedAnswer(proxy.address)
         case .proxyTimeout: return .upstreamProxyTimeout(proxy.address)
-        default: return .upstreamFailed(self, hop: hop, detail: detail)
+        default: return failed
         }
     }
 
@@ -361,5 +366,38 @@ public enum UpstreamFailure: Sendable, Equatable {
         case .protocolError: (502, .httpProtocolError, "\(hop) sent a response that is not valid HTTP/1.1")
         case .other: (502, .proxyInternalError, "the request to \(hop) failed")
         }
+    }
+}
+
+/// A protected origin's section and the CA file it trusts (`ca_file`, else the system's roots): what a person
+/// changes when the origin's certificate does not verify.
+public struct OriginTrust: Sendable, Equatable {
+    /// The section's URL, `https://api.example.com:8443`.
+    public let url: String
+    public let caFile: String?
+    /// The configuration file of the section ("" when unknown: proxy.conf is named).
+    public let file: String
+
+    public init(url: String, caFile: String?, file: String = "") {
+        self.url = url
+        self.caFile = caFile
+        self.file = file
+    }
+
+    public init(_ origin: OriginConfig) { self.init(url: origin.url, caFile: origin.caFile, file: origin.file) }
+
+    /// OpenSSL's verification errors (`X509_verify_cert_error_string`) that mean the issuer is not trusted: a
+    /// private CA, which `ca_file` fixes. An expired certificate or another host's is not fixed by a CA.
+    static let untrustedIssuer = [
+        "self-signed certificate", "self signed certificate", "unable to get local issuer certificate",
+        "unable to get issuer certificate", "unable to verify the first certificate",
+    ]
+
+    /// The fix for a certificate that failed verification with `detail`, or nil when a CA is not the fix.
+    func fix(_ detail: String) -> String? {
+        guard Self.untrustedIssuer.contains(where: { detail.contains($0) }) else { return nil }
+        let section = "[origin \(url)] of \(file.isEmpty ? "proxy.conf" : file)"
+        if let caFile { return "the CA that issued it is not in ca_file = \(caFile) of \(section): add it there" }
+        return "if the origin's certificate comes from a private CA, set ca_file = FILE (that CA's PEM) in \(section)"
     }
 }
