@@ -18,7 +18,7 @@ import ProxyTLS
 /// Owned by the server's connection table from accept to close; libevent and libcurl reach it through
 /// unretained context pointers, which `close()` disconnects (freeing the bufferevents, cancelling the
 /// transfer) before the table lets it go.
-final class ClientDriver: ServerConnection, TransferOwner {
+final class ClientDriver: ServerConnection, ExchangeDriver {
     let context: ConnectionContext
     let id: UInt64
     let peer: String
@@ -58,15 +58,12 @@ final class ClientDriver: ServerConnection, TransferOwner {
     /// Reading from the upstream (or the transfer) is paused because the client's output is full.
     private var upstreamThrottled = false
 
-    // The exchange with a protected origin in flight.
-    private var transfer: (any UpstreamTransfer)?
-    private var body: RequestBody?
-    private var tokens: TokenSet?
+    /// The exchange with a protected origin in flight (its body, tokens and transfer), and how many this
+    /// connection has had (each one's generation).
+    private var exchangeIO: ExchangeIO?
+    private var exchanges: UInt64 = 0
+    /// The response bytes of the transfer's current callback (`.writeResponseBody` writes them).
     private var transferData: UnsafeRawBufferPointer?
-    private var uploadPaused = false
-    private var exchangeUp = 0
-    private var exchangeDown = 0
-    private var exchangeStarted: Int64 = 0
 
     // Events raised while actions run wait until they have all run (the views the machine saw stay valid).
     private var handling = false
@@ -166,7 +163,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
         bufferevent_set_max_single_write(bev, 256 * 1024)
     }
 
-    var isIdle: Bool { machine.isIdle && transfer == nil }
+    var isIdle: Bool { machine.isIdle && exchangeIO?.hasTransfer != true }
 
     // MARK: - Events into the machine
 
@@ -220,7 +217,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
             evbuffer_drain(clientInput, count)
         case .writeClient(let bytes):
             Buffers.append(bytes, to: clientOutput)
-            if body != nil { exchangeDown += bytes.count }
+            exchangeIO?.down += bytes.count
             throttleUpstreamIfNeeded()
         case .readClient(let on):
             machineWantsClient = on
@@ -283,18 +280,11 @@ final class ClientDriver: ServerConnection, TransferOwner {
         case .keepBody(let count):
             keepBody(count)
         case .exchange(let output, let origin):
-            exchange(output, origin: origin)
-        case .writeResponseBody(let chunked):
+            exchange(for: origin).perform(output)
+        case .writeResponseBody:
             guard let data = transferData, !data.isEmpty else { return }
-            let output = clientOutput
-            if chunked {
-                Buffers.append(Array((String(data.count, radix: 16) + "\r\n").utf8), to: output)
-                evbuffer_add(output, data.baseAddress, data.count)
-                evbuffer_add(output, "\r\n", 2)
-            } else {
-                evbuffer_add(output, data.baseAddress, data.count)
-            }
-            exchangeDown += data.count
+            evbuffer_add(clientOutput, data.baseAddress, data.count)
+            exchangeIO?.down += data.count
         case .exchangeFinished(let record):
             exchangeFinished(record)
         case .log(let line):
@@ -348,7 +338,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
     /// The buffer toward the next hop (or the transfer's body queue) is full: stop reading the client until
     /// it drains below half.
     private func throttleClientIfNeeded() {
-        let queued = upstream.map { Buffers.length(bufferevent_get_output($0)) } ?? (body?.queued ?? 0)
+        let queued = upstream.map { Buffers.length(bufferevent_get_output($0)) } ?? (exchangeIO?.body.queued ?? 0)
         guard queued >= context.highWater, !clientThrottled else { return }
         clientThrottled = true
         if let upstream { bufferevent_setwatermark(upstream, Int16(EV_WRITE), context.highWater / 2, 0) }
@@ -375,10 +365,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
         upstreamThrottled = false
         setClientWriteLowWater(0)
         if let upstream { bufferevent_enable(upstream, Int16(EV_READ)) }
-        if let transfer, transfer.paused, !transfer.cancelled {
-            transfer.paused = false
-            transfer.resume()
-        }
+        exchangeIO?.resumeResponse()
     }
 
     // MARK: - Client callbacks
@@ -411,7 +398,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
             guard let client, LingeringClose.shutWrite(client) else { return close() }
         }
         lingering = true
-        stopTransfer()
+        endExchange()
         if let upstream {
             bufferevent_free(upstream)
             self.upstream = nil
@@ -691,173 +678,43 @@ final class ClientDriver: ServerConnection, TransferOwner {
 
     // MARK: - The exchange with a protected origin
 
-    private func requestBody() -> RequestBody {
-        if let body { return body }
-        let made = RequestBody(
-            memoryLimit: context.settings.replayMemory, spoolDirectory: context.spoolDirectory)
-        body = made
-        exchangeStarted = EventLoop.monotonicMilliseconds()
-        exchangeUp = 0
-        exchangeDown = 0
+    /// The exchange's I/O for `origin`: the one in flight, or a new one (the exchange's first output).
+    private func exchange(for origin: OriginConfig) -> ExchangeIO {
+        if let exchangeIO { return exchangeIO }
+        exchanges += 1
+        let made = ExchangeIO(
+            driver: self, context: context, origin: origin, connectionID: id, generation: exchanges)
+        exchangeIO = made
         return made
     }
 
+    /// Keeps `count` bytes of the client's input as request body (the exchange's first outputs made its I/O).
     private func keepBody(_ count: Int) {
-        let body = requestBody()
+        guard let io = exchangeIO else { preconditionFailure("request body without an exchange") }
         var remaining = count
-        var failed = false
         Buffers.forEachSegment(clientInput) { segment in
             let piece = UnsafeRawBufferPointer(rebasing: segment.prefix(remaining))
-            do { try body.append(piece) } catch {
-                failed = true
-                return false
-            }
+            guard io.keep(piece) else { return false }
             remaining -= piece.count
             return remaining > 0
         }
         evbuffer_drain(clientInput, count)
-        if failed {
-            queued.append(.bodyNotKept(directory: context.spoolDirectory))
-            return
-        }
         throttleClientIfNeeded()
-        resumeUploadLater()
     }
 
-    private func resumeUploadLater() {
-        guard uploadPaused else { return }
-        afterHandling.append { [unowned self] in
-            guard uploadPaused, let transfer else { return }
-            uploadPaused = false
-            transfer.resume()
-        }
-    }
-
-    /// The origin of the exchange in flight (for the nonce a token grant carries).
-    private var exchangeOrigin: OriginConfig?
-
-    private func exchange(_ output: ProtectedExchange.Output, origin: OriginConfig) {
-        exchangeOrigin = origin
-        switch output {
-        case .streamBody:
-            requestBody().startStreaming()
-        case .bodyEnded:
-            requestBody().finish()
-            resumeUploadLater()
-        case .getTokens(let key):
-            _ = requestBody()
-            context.tokens.tokens(key) { [weak self] result in self?.tokensArrived(result, refreshed: false) }
-        case .refreshTokens(let key, let generation):
-            context.tokens.refresh(key, replacing: generation) { [weak self] result in
-                self?.tokensArrived(result, refreshed: true)
-            }
-        case .send(let request):
-            send(request, origin: origin)
-        case .cancelTransfer:
-            stopTransfer()
-        case .rememberNonce(let nonce):
-            context.nonces.remember(nonce, for: origin.url)
-        case .recordStepUp(let challenge):
-            context.owner.stepUpRequired(origin: origin, challenge: challenge)
-        case .signInNeeded(let reason):
-            context.owner.signInNeeded(provider: origin.provider, origin: origin.url, reason: reason)
-        case .deliverHead, .deliverBody, .endBody, .respond, .finished:
-            // The machine frames these for the client itself.
-            break
-        }
-    }
-
-    private func tokensArrived(_ result: Result<TokenSet, AuthError>, refreshed: Bool) {
-        guard !closed else { return }
-        let grant: Result<TokenGrant, TokenFailure>
-        switch result {
-        case .success(let fresh):
-            tokens = fresh
-            grant = .success(
-                TokenGrant(
-                    generation: fresh.generation,
-                    dpopNonce: context.dpopNonce(for: fresh, origin: exchangeOrigin)))
-        case .failure(let error):
-            grant = .failure(error.tokenFailure)
-        }
-        handle(refreshed ? .refreshed(grant) : .tokens(grant))
-    }
-
-    /// Starts the transfer for `request` (on the client the machine chose for it), with the token of its
-    /// generation attached.
-    private func send(_ request: UpstreamRequest, origin: OriginConfig) {
-        credentialFields(request.credential, method: request.method, url: request.url, origin: origin) {
-            [unowned self] authorization in
-            _ = requestBody()
-            let made = makeUpstreamTransfer(
-                owner: self, request: request, origin: origin, authorization: authorization, context: context,
-                connectionID: id)
-            transfer = made
-            uploadPaused = false
-            made.start()
-        }
-    }
-
-    /// The `Authorization` (and with DPoP a fresh `DPoP` proof for `method` and `url`) fields of the token of
-    /// `credential`, given to `use`; none without a credential. A key that was replaced is read off the loop
-    /// first; a key that is missing or a proof that cannot be signed ends in `.credentialFailed`.
-    private func credentialFields(
-        _ credential: UpstreamRequest.Credential?, method: String, url: String, origin: OriginConfig,
-        _ use: @escaping ([(name: String, value: [UInt8])]) -> Void
-    ) {
-        var authorization: [(name: String, value: [UInt8])] = []
-        if credential != nil, let tokens {
-            authorization.append(("Authorization", context.tokens.authorizationValue(tokens)))
-            if tokens.tokenType == "DPoP" {
-                guard let key = context.keys.cached(provider: origin.provider, thumbprint: tokens.dpopThumbprint) else {
-                    // The key was replaced (`proxyctl login --new-key`): read it off the loop, then send.
-                    context.keys.load(provider: origin.provider, thumbprint: tokens.dpopThumbprint) { [weak self] key in
-                        guard let self, !self.closed else { return }
-                        if key == nil {
-                            self.handle(.credentialFailed(.dpopKeyMissing(provider: origin.provider)))
-                        } else {
-                            self.credentialFields(credential, method: method, url: url, origin: origin, use)
-                        }
-                    }
-                    return
-                }
-                do {
-                    // RFC 9449 §7: a fresh proof for every request, replays included, bound to the token (ath).
-                    let proof = try key.proof(
-                        method: method, url: url, accessToken: tokens.accessToken, nonce: credential?.dpopNonce,
-                        now: Int64(time(nil)))
-                    authorization.append(("DPoP", Array(proof.utf8)))
-                } catch {
-                    queued.append(.credentialFailed(.dpopProofFailed(reason: "\(error)")))
-                    return
-                }
-            }
-        }
-        use(authorization)
-    }
-
-    /// An upgrade request head to the origin, its credential's fields added before the empty line.
+    /// An upgrade request head to the origin with its credential's fields (`HTTPHead.withFields`, ProxyCore's).
     private func writeUpstreamHead(
         _ head: [UInt8], credential: UpstreamRequest.Credential?, method: String, url: String
     ) {
-        guard credential != nil else {
+        guard credential != nil, let io = exchangeIO else {
             Buffers.append(head, to: upstreamOutput)
             return
         }
-        guard let origin = exchangeOrigin else {
-            preconditionFailure("an upgrade credential without the exchange that got its token")
-        }
-        exchangeStarted = exchangeStarted == 0 ? EventLoop.monotonicMilliseconds() : exchangeStarted
         let upstreamAtStart = upstream
-        credentialFields(credential, method: method, url: url, origin: origin) { [unowned self] fields in
+        io.credentialFields(credential, method: method, url: url) { [weak self] fields in
             // A key read off the loop may come back after the connection went.
-            guard upstream != nil, upstream == upstreamAtStart else { return }
-            var bytes = Array(head.dropLast(2))
-            for (name, value) in fields {
-                bytes += Array(name.utf8) + Array(": ".utf8) + value + Array("\r\n".utf8)
-            }
-            bytes += Array("\r\n".utf8)
-            Buffers.append(bytes, to: upstreamOutput)
+            guard let self, !closed, upstream != nil, upstream == upstreamAtStart else { return }
+            Buffers.append(HTTPHead.withFields(head, fields), to: upstreamOutput)
         }
     }
 
@@ -893,24 +750,28 @@ final class ClientDriver: ServerConnection, TransferOwner {
         bufferevent_enable(filter, Int16(EV_READ | EV_WRITE))
     }
 
-    // TransferOwner: libcurl's callbacks, at the top of the loop (never inside `handle`). A transfer that is
-    // no longer the current one (stopped from inside a callback) is not listened to.
+    // MARK: - ExchangeDriver (at the top of the loop, never inside `handle`; only the current exchange's)
 
-    func transferHeader(_ from: any UpstreamTransfer, _ lines: UnsafeRawBufferPointer) {
-        transferEvent(from) { machine, now, out in machine.transferHeaderLines(lines, now: now, &out) }
-    }
-
-    func transferResponseHead(_ from: any UpstreamTransfer, _ received: ReceivedHead) {
-        transferEvent(from) { machine, now, out in machine.transferResponseHead(received, now: now, &out) }
-    }
-
-    private func transferEvent(
-        _ from: any UpstreamTransfer,
-        _ event: (inout ConnectionMachine, Int64, inout [ConnectionMachine.Action]) -> Void
-    ) {
-        guard !closed, from === transfer else { return }
-        precondition(!handling, "a libcurl callback inside an event of the same connection")
+    func exchange(_ io: ExchangeIO, event: ExchangeIO.Event) {
+        guard !closed, io === exchangeIO else { return }
         lastActivity = EventLoop.monotonicMilliseconds()
+        switch event {
+        case .tokens(let grant): handle(.tokens(grant))
+        case .refreshed(let grant): handle(.refreshed(grant))
+        case .credentialFailed(let answer): handle(.credentialFailed(answer))
+        case .bodyNotKept(let directory): handle(.bodyNotKept(directory: directory))
+        case .transferFinished(let failure, let detail): handle(.transferFinished(failure, detail: detail))
+        case .responseHead(let received):
+            transferEvent { machine, now, out in machine.transferResponseHead(received, now: now, &out) }
+        case .responseTrailers(let lines):
+            lines.withUnsafeBytes { lines in
+                transferEvent { machine, now, out in machine.transferHeaderLines(lines, now: now, &out) }
+            }
+        }
+    }
+
+    private func transferEvent(_ event: (inout ConnectionMachine, Int64, inout [ConnectionMachine.Action]) -> Void) {
+        precondition(!handling, "a transfer callback inside an event of the same connection")
         // The driver's action array: nothing else uses it outside `handling`.
         actions.removeAll(keepingCapacity: true)
         event(&machine, lastActivity, &actions)
@@ -923,76 +784,46 @@ final class ClientDriver: ServerConnection, TransferOwner {
         }
     }
 
-    func transferBody(_ from: any UpstreamTransfer, _ data: UnsafeRawBufferPointer) -> Int {
-        guard !closed, from === transfer else { return data.count }
-        precondition(!handling, "a libcurl callback inside an event of the same connection")
+    func exchange(_ io: ExchangeIO, responseBody data: UnsafeRawBufferPointer) -> Bool {
+        guard !closed, io === exchangeIO else { return true }
+        precondition(!handling, "a transfer callback inside an event of the same connection")
         lastActivity = EventLoop.monotonicMilliseconds()
         if Buffers.length(clientOutput) >= context.highWater, hasClient {
             // A slow client pauses the transfer; the client's write callback resumes it.
-            from.paused = true
             upstreamThrottled = true
             setClientWriteLowWater(context.highWater / 2)
-            return proxyctl_writefunc_pause()
+            return false
         }
         transferData = data
         handle(.transferBody(count: data.count))
         transferData = nil
-        return data.count
-    }
-
-    func transferRead(_ from: any UpstreamTransfer, _ buffer: UnsafeMutableRawBufferPointer) -> Int {
-        guard from === transfer, let body else { return 0 }
-        let count = body.read(at: from.uploadOffset, into: buffer)
-        if count > 0 {
-            from.uploadOffset += count
-            exchangeUp += count
-            lastActivity = EventLoop.monotonicMilliseconds()
-            if body.streaming && body.queued < context.highWater / 2 { clientMayReadAgain() }
-            return count
-        }
-        if body.complete { return 0 }
-        uploadPaused = true
-        clientMayReadAgain()
-        return proxyctl_readfunc_pause()
-    }
-
-    func transferSeek(_ from: any UpstreamTransfer, _ offset: Int) -> Bool {
-        guard from === transfer, let body, body.replayable, offset <= body.stored else { return false }
-        from.uploadOffset = offset
         return true
     }
 
-    /// An HTTP/1.1 client's trailers end with its chunked body's framing (not kept).
-    func transferTrailers(_ from: any UpstreamTransfer) -> [H2Field] { [] }
-
-    func transferFinished(_ from: any UpstreamTransfer, _ failure: UpstreamFailure?, detail: String) {
-        guard from === transfer else { return }
-        transfer = nil
-        guard !closed else { return }
-        handle(.transferFinished(failure, detail: detail))
+    func exchange(_ io: ExchangeIO, bodyTaken count: Int) {
+        guard !closed, io === exchangeIO else { return }
+        lastActivity = EventLoop.monotonicMilliseconds()
+        // The transfer took what the client sent (or waits for more): the client may send more.
+        if count == 0 || (io.body.streaming && io.body.queued < context.highWater / 2) { clientMayReadAgain() }
     }
 
-    /// Stops the current transfer (from inside its own callback too: libcurl then fails it at once and it is
-    /// removed when libcurl returned).
-    private func stopTransfer() {
-        guard let transfer else { return }
-        transfer.cancel()
-        self.transfer = nil
-    }
-
+    /// The exchange ended: its line in the log and its counts; its transfer stops.
     private func exchangeFinished(_ record: ExchangeRecord) {
-        let duration = EventLoop.monotonicMilliseconds() - (exchangeStarted == 0 ? started : exchangeStarted)
-        context.owner.record(record, up: exchangeUp, down: exchangeDown, milliseconds: duration)
-        if context.logger.enabled(.info) {
-            context.logger.connection(
-                id, peer: peer,
-                LogLine(.info, record.logLineBuilder(up: exchangeUp, down: exchangeDown, milliseconds: duration)))
+        if let io = exchangeIO {
+            io.finish(record, peer: peer)
+        } else {
+            // Answered before any I/O of the exchange.
+            ExchangeIO.report(
+                record, up: 0, down: 0, milliseconds: EventLoop.monotonicMilliseconds() - started, context: context,
+                connectionID: id, peer: peer)
         }
-        stopTransfer()
-        body = nil
-        tokens = nil
-        exchangeOrigin = nil
-        exchangeStarted = 0
+        exchangeIO = nil
+    }
+
+    /// Stops the exchange in flight, if any (the connection ends).
+    private func endExchange() {
+        exchangeIO?.cancel()
+        exchangeIO = nil
     }
 
     // MARK: - Ending
@@ -1008,7 +839,7 @@ final class ClientDriver: ServerConnection, TransferOwner {
     func close() {
         guard !closed else { return }
         closed = true
-        stopTransfer()
+        endExchange()
         timers.removeAll()
         lingerTimer = nil
         if let upstream {

@@ -16,7 +16,7 @@ import ProxyTLS
 /// once the transfer took it, so a slow origin slows the client instead of filling memory); each stream's
 /// response buffer (a slow client stream pauses its transfer); and writing to the socket only while its
 /// buffer is below the high-water mark.
-final class H2Driver: ServerConnection, TransferOwner {
+final class H2Driver: ServerConnection, ExchangeDriver {
     let context: ConnectionContext
     let id: UInt64
     let peer: String
@@ -52,10 +52,8 @@ final class H2Driver: ServerConnection, TransferOwner {
         var fieldBytes = 0
         /// Why the header block being received is over the limits (its further fields are not kept).
         var overLimit: String?
-        var body: RequestBody?
-        var transfer: (any UpstreamTransfer)?
-        var tokens: TokenSet?
-        var uploadPaused = false
+        /// The stream's exchange with the origin (its body, tokens and transfer): from its request head on.
+        var exchange: ExchangeIO?
         /// Bytes of the request body received but not yet acknowledged to the client (flow control).
         var unacknowledged = 0
         /// Response bytes waiting for the client's window: a chain of blocks, so what the client took is freed
@@ -65,11 +63,6 @@ final class H2Driver: ServerConnection, TransferOwner {
         var trailers: [H2Field] = []
         /// The data provider returned NGHTTP2_ERR_DEFERRED: resume it when bytes come.
         var deferred = false
-        var requestTrailers: [H2Field] = []
-        var origin: OriginConfig?
-        var started = EventLoop.monotonicMilliseconds()
-        var up = 0
-        var down = 0
         /// nghttp2 closed the stream.
         var closed = false
         /// An exchange runs for the stream (from its first action to `exchangeFinished`).
@@ -364,7 +357,7 @@ final class H2Driver: ServerConnection, TransferOwner {
         case .writeBody(let stream):
             guard let data = transferData, let io = streams[stream] else { return }
             evbuffer_add(io.pending, data.baseAddress, data.count)
-            io.down += data.count
+            io.exchange?.down += data.count
             resumeData(io)
         case .endStream(let stream, let trailers):
             guard let io = streams[stream] else { return }
@@ -382,9 +375,11 @@ final class H2Driver: ServerConnection, TransferOwner {
                 io.unacknowledged = 0
             }
         case .requestTrailers(let stream, let fields):
-            streams[stream]?.requestTrailers = fields
-        case .exchange(let stream, let output, let origin):
-            exchange(stream, output, origin: origin)
+            streams[stream]?.exchange?.requestTrailers = fields
+        case .exchange(let stream, let output, _):
+            guard let io = streams[stream] else { return }
+            io.inExchange = true
+            io.exchange?.perform(output)
         case .exchangeFinished(let stream, let record):
             exchangeFinished(stream, record)
         case .goaway(let code):
@@ -413,8 +408,7 @@ final class H2Driver: ServerConnection, TransferOwner {
             evbuffer_drain(bufferevent_get_input(end.bev), count)
         case .tunnelToStream(let stream, let count):
             guard let io = streams[stream], let end = io.tunnel else { return }
-            let taken = evbuffer_remove_buffer(bufferevent_get_input(end.bev), io.pending, count)
-            io.down += max(0, Int(taken))
+            _ = evbuffer_remove_buffer(bufferevent_get_input(end.bev), io.pending, count)
             if io.pendingCount >= context.highWater {
                 // The client's stream window is full: stop reading the tunnel until it drained.
                 bufferevent_disable(end.bev, Int16(EV_READ))
@@ -535,11 +529,7 @@ final class H2Driver: ServerConnection, TransferOwner {
                 bufferevent_enable(end.bev, Int16(EV_READ))
             }
             // The client caught up: let the transfer go on.
-            if io.pendingCount < context.highWater / 2, let transfer = io.transfer, transfer.paused, !transfer.cancelled
-            {
-                transfer.paused = false
-                afterHandling.append { transfer.resume() }
-            }
+            if io.pendingCount < context.highWater / 2 { io.exchange?.resumeResponse() }
         }
         if io.pendingCount == 0 {
             if io.responseEnded {
@@ -622,8 +612,9 @@ final class H2Driver: ServerConnection, TransferOwner {
             let fields = io.fields
             io.fields = []
             if frame.pointee.headers.cat == NGHTTP2_HCAT_REQUEST {
-                io.body = RequestBody(
-                    memoryLimit: context.settings.replayMemory, spoolDirectory: context.spoolDirectory)
+                io.exchange = ExchangeIO(
+                    driver: self, context: context, origin: machine.origin, connectionID: id,
+                    generation: UInt64(header.stream_id), tag: header.stream_id)
                 if let reason = io.overLimit {
                     queued.append(.requestHeadTooLarge(header.stream_id, fields, reason: reason))
                 } else {
@@ -645,7 +636,6 @@ final class H2Driver: ServerConnection, TransferOwner {
             // A WebSocket stream's bytes go to its HTTP/1.1 side; acknowledged once that side took them.
             let output = bufferevent_get_output(end.bev)
             evbuffer_add(output, data.baseAddress, data.count)
-            io.up += data.count
             if Buffers.length(output) < context.highWater {
                 nghttp2_session_consume(session, stream, data.count)
             } else {
@@ -653,26 +643,20 @@ final class H2Driver: ServerConnection, TransferOwner {
             }
             return
         }
-        guard let io = streams[stream], let body = io.body, !io.bodyUnwanted else {
+        guard let io = streams[stream], let exchange = io.exchange, !io.bodyUnwanted else {
             nghttp2_session_consume(session, stream, data.count)
             return
         }
-        do {
-            try body.append(data)
-        } catch {
-            queued.append(.bodyNotKept(stream, directory: context.spoolDirectory))
-        }
-        if body.streaming {
+        // Kept (or, once streaming, queued for the transfer); a spool that cannot be written is the exchange's
+        // event at the top of the loop. A paused transfer goes on.
+        exchange.keep(data)
+        if exchange.body.streaming {
             // Streaming on unkept: acknowledged when the transfer takes it.
             io.unacknowledged += data.count
         } else {
             nghttp2_session_consume(session, stream, data.count)
         }
         queued.append(.requestData(stream, count: data.count, endStream: false))
-        if io.uploadPaused, let transfer = io.transfer {
-            io.uploadPaused = false
-            afterHandling.append { transfer.resume() }
-        }
     }
 
     /// nghttp2 closed the stream: its I/O state goes once no exchange needs it (the machine decides whether
@@ -689,204 +673,81 @@ final class H2Driver: ServerConnection, TransferOwner {
 
     // MARK: - Exchanges
 
-    private func exchange(_ stream: Int32, _ output: ProtectedExchange.Output, origin: OriginConfig) {
-        guard let io = streams[stream] else { return }
-        io.origin = origin
-        io.inExchange = true
-        switch output {
-        case .streamBody:
-            io.body?.startStreaming()
-        case .bodyEnded:
-            io.body?.finish()
-            if io.uploadPaused, let transfer = io.transfer {
-                io.uploadPaused = false
-                afterHandling.append { transfer.resume() }
-            }
-        case .getTokens(let key):
-            context.tokens.tokens(key) { [weak self] result in
-                self?.tokensArrived(stream, result, refreshed: false)
-            }
-        case .refreshTokens(let key, let generation):
-            context.tokens.refresh(key, replacing: generation) { [weak self] result in
-                self?.tokensArrived(stream, result, refreshed: true)
-            }
-        case .send(let request):
-            send(io, request, origin: origin)
-        case .cancelTransfer:
-            if let transfer = io.transfer { stopTransfer(io, transfer) }
-        case .rememberNonce(let nonce):
-            context.nonces.remember(nonce, for: origin.url)
-        case .recordStepUp(let challenge):
-            context.owner.stepUpRequired(origin: origin, challenge: challenge)
-        case .signInNeeded(let reason):
-            context.owner.signInNeeded(provider: origin.provider, origin: origin.url, reason: reason)
-        case .deliverHead, .deliverBody, .endBody, .respond, .finished:
-            break
-        }
-    }
-
-    private func tokensArrived(_ stream: Int32, _ result: Result<TokenSet, AuthError>, refreshed: Bool) {
-        guard !closed, let io = streams[stream] else { return }
-        let grant: Result<TokenGrant, TokenFailure>
-        switch result {
-        case .success(let fresh):
-            io.tokens = fresh
-            grant = .success(
-                TokenGrant(
-                    generation: fresh.generation, dpopNonce: context.dpopNonce(for: fresh, origin: io.origin)))
-        case .failure(let error):
-            grant = .failure(error.tokenFailure)
-        }
-        handle(refreshed ? .refreshed(stream, grant) : .tokens(stream, grant))
-    }
-
-    private func send(_ io: StreamIO, _ request: UpstreamRequest, origin: OriginConfig) {
-        let stream = io.id
-        var authorization: [(name: String, value: [UInt8])] = []
-        if request.credential != nil, let tokens = io.tokens {
-            authorization.append(("Authorization", context.tokens.authorizationValue(tokens)))
-            if tokens.tokenType == "DPoP" {
-                guard let key = context.keys.cached(provider: origin.provider, thumbprint: tokens.dpopThumbprint) else {
-                    context.keys.load(provider: origin.provider, thumbprint: tokens.dpopThumbprint) { [weak self] key in
-                        guard let self, !self.closed, let io = self.streams[stream] else { return }
-                        if key == nil {
-                            self.handle(.credentialFailed(stream, .dpopKeyMissing(provider: origin.provider)))
-                        } else {
-                            self.send(io, request, origin: origin)
-                        }
-                    }
-                    return
-                }
-                do {
-                    let proof = try key.proof(
-                        method: request.method, url: request.url, accessToken: tokens.accessToken,
-                        nonce: request.credential?.dpopNonce, now: Int64(time(nil)))
-                    authorization.append(("DPoP", Array(proof.utf8)))
-                } catch {
-                    queued.append(.credentialFailed(stream, .dpopProofFailed(reason: "\(error)")))
-                    return
-                }
-            }
-        }
-        let made = makeUpstreamTransfer(
-            owner: self, request: request, origin: origin, authorization: authorization, context: context,
-            connectionID: id)
-        made.tag = stream
-        io.transfer = made
-        io.uploadPaused = false
-        made.start()
-    }
-
     private func exchangeFinished(_ stream: Int32, _ record: ExchangeRecord) {
-        guard let io = streams[stream] else {
-            context.owner.record(record, up: 0, down: 0, milliseconds: 0)
+        guard let io = streams[stream], let exchange = io.exchange else {
+            ExchangeIO.report(
+                record, up: 0, down: 0, milliseconds: 0, context: context, connectionID: id, peer: peer)
             return
         }
-        let duration = EventLoop.monotonicMilliseconds() - io.started
-        context.owner.record(record, up: io.up, down: io.down, milliseconds: duration)
-        if context.logger.enabled(.info) {
-            var line = record.logLineBuilder(up: io.up, down: io.down, milliseconds: duration)
+        exchange.finish(record, peer: peer) { line in
             line.append(" h2=")
             line.append(stream)
-            context.logger.connection(id, peer: peer, LogLine(.info, line))
         }
-        if let transfer = io.transfer { stopTransfer(io, transfer) }
-        io.tokens = nil
+        io.exchange = nil
         io.inExchange = false
         // The response bytes still pending stay until nghttp2 has sent them and closed the stream.
         if io.closed { streams.removeValue(forKey: stream) }
     }
 
-    /// Stops a stream's transfer (safe inside libcurl's callbacks: `CurlMulti` removes it once libcurl
-    /// returned).
-    private func stopTransfer(_ io: StreamIO, _ transfer: any UpstreamTransfer) {
-        transfer.cancel()
-        if io.transfer === transfer { io.transfer = nil }
-    }
+    // MARK: - ExchangeDriver (at the top of the loop; only a stream's current exchange)
 
-    // MARK: - TransferOwner (libcurl's callbacks, at the top of the loop)
-
+    /// The response bytes of the transfer's current callback (`.writeBody` takes them).
     private var transferData: UnsafeRawBufferPointer?
 
-    private func current(_ transfer: any UpstreamTransfer) -> StreamIO? {
-        guard !closed, let io = streams[transfer.tag], io.transfer === transfer else { return nil }
+    private func current(_ exchange: ExchangeIO) -> StreamIO? {
+        guard !closed, let io = streams[exchange.tag], io.exchange === exchange else { return nil }
         return io
     }
 
-    func transferHeader(_ from: any UpstreamTransfer, _ lines: UnsafeRawBufferPointer) {
-        transferEvent(from) { machine, stream, now, out in machine.transferHeaderLines(stream, lines, now: now, &out) }
-    }
-
-    func transferResponseHead(_ from: any UpstreamTransfer, _ received: ReceivedHead) {
-        transferEvent(from) { machine, stream, now, out in
-            machine.transferResponseHead(stream, received, now: now, &out)
+    func exchange(_ exchange: ExchangeIO, event: ExchangeIO.Event) {
+        guard let io = current(exchange) else { return }
+        let stream = io.id
+        lastActivity = EventLoop.monotonicMilliseconds()
+        switch event {
+        case .tokens(let grant): handle(.tokens(stream, grant))
+        case .refreshed(let grant): handle(.refreshed(stream, grant))
+        case .credentialFailed(let answer): handle(.credentialFailed(stream, answer))
+        case .bodyNotKept(let directory): handle(.bodyNotKept(stream, directory: directory))
+        case .transferFinished(let failure, let detail): handle(.transferFinished(stream, failure, detail: detail))
+        case .responseHead(let received):
+            transferEvent { machine, now, out in machine.transferResponseHead(stream, received, now: now, &out) }
+        case .responseTrailers(let lines):
+            lines.withUnsafeBytes { lines in
+                transferEvent { machine, now, out in machine.transferHeaderLines(stream, lines, now: now, &out) }
+            }
         }
     }
 
-    /// One event of the stream's transfer into the session, then its actions.
-    private func transferEvent(
-        _ from: any UpstreamTransfer,
-        _ event: (inout H2Session, Int32, Int64, inout [H2Session.Action]) -> Void
-    ) {
-        guard let io = current(from) else { return }
-        lastActivity = EventLoop.monotonicMilliseconds()
+    /// One event of a stream's transfer into the session, then its actions.
+    private func transferEvent(_ event: (inout H2Session, Int64, inout [H2Session.Action]) -> Void) {
         actions.removeAll(keepingCapacity: true)
-        event(&machine, io.id, lastActivity, &actions)
+        event(&machine, lastActivity, &actions)
         handling = true
         run(actions)
         handling = false
         processQueued()
     }
 
-    func transferBody(_ from: any UpstreamTransfer, _ data: UnsafeRawBufferPointer) -> Int {
-        guard let io = current(from) else { return data.count }
+    func exchange(_ exchange: ExchangeIO, responseBody data: UnsafeRawBufferPointer) -> Bool {
+        guard let io = current(exchange) else { return true }
         lastActivity = EventLoop.monotonicMilliseconds()
-        if io.pendingCount >= context.highWater {
-            // The client's stream window is full: pause the transfer until the data source drained it.
-            from.paused = true
-            return proxyctl_writefunc_pause()
-        }
+        // The client's stream window is full: the transfer pauses until the data source drained it.
+        if io.pendingCount >= context.highWater { return false }
         transferData = data
         handle(.transferBody(io.id, count: data.count))
         transferData = nil
-        return data.count
-    }
-
-    func transferRead(_ from: any UpstreamTransfer, _ buffer: UnsafeMutableRawBufferPointer) -> Int {
-        guard let io = current(from), let body = io.body else { return 0 }
-        let count = body.read(at: from.uploadOffset, into: buffer)
-        if count > 0 {
-            from.uploadOffset += count
-            io.up += count
-            lastActivity = EventLoop.monotonicMilliseconds()
-            if io.unacknowledged > 0 {
-                // Streamed bytes the transfer took: the client may send more.
-                let acknowledged = min(io.unacknowledged, count)
-                io.unacknowledged -= acknowledged
-                nghttp2_session_consume(session, io.id, acknowledged)
-                flush()
-            }
-            return count
-        }
-        if body.complete { return 0 }
-        io.uploadPaused = true
-        return proxyctl_readfunc_pause()
-    }
-
-    func transferSeek(_ from: any UpstreamTransfer, _ offset: Int) -> Bool {
-        guard let io = current(from), let body = io.body, body.replayable, offset <= body.stored else { return false }
-        from.uploadOffset = offset
         return true
     }
 
-    func transferTrailers(_ from: any UpstreamTransfer) -> [H2Field] {
-        current(from)?.requestTrailers ?? []
-    }
-
-    func transferFinished(_ from: any UpstreamTransfer, _ failure: UpstreamFailure?, detail: String) {
-        guard let io = current(from) else { return }
-        io.transfer = nil
-        handle(.transferFinished(io.id, failure, detail: detail))
+    func exchange(_ exchange: ExchangeIO, bodyTaken count: Int) {
+        guard let io = current(exchange), count > 0 else { return }
+        lastActivity = EventLoop.monotonicMilliseconds()
+        guard io.unacknowledged > 0 else { return }
+        // Streamed bytes the transfer took: the client may send more.
+        let acknowledged = min(io.unacknowledged, count)
+        io.unacknowledged -= acknowledged
+        nghttp2_session_consume(session, io.id, acknowledged)
+        flush()
     }
 
     // MARK: - Ending
@@ -908,7 +769,7 @@ final class H2Driver: ServerConnection, TransferOwner {
         guard !closed else { return }
         closed = true
         for io in streams.values {
-            if let transfer = io.transfer { stopTransfer(io, transfer) }
+            io.exchange?.cancel()
             io.tunnel?.close()
             io.tunnel = nil
         }

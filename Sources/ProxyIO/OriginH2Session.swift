@@ -54,6 +54,8 @@ final class OriginH2Session: OriginConnectionUser {
         var overLimit: String?
         /// END_STREAM came from the origin (its close that follows is no failure).
         var ended = false
+        /// nghttp2 closed the stream (both sides ended it, or a reset): no frame may go on it any more.
+        var closed = false
 
         init(user: any OriginStreamUser) { self.user = user }
     }
@@ -137,7 +139,7 @@ final class OriginH2Session: OriginConnectionUser {
     func release(_ stream: Int32) {
         guard let state = streams[stream] else { return }
         state.user = nil
-        if !closed, nghttp2_session_find_stream(session, stream) != nil {
+        if !closed, !state.closed {
             // Still open in nghttp2: the response is not wanted (cancelled), or the request body is still going
             // out after the whole response came (RFC 9113 §8.1: the client may stop sending it).
             nghttp2_submit_rst_stream(
@@ -349,8 +351,12 @@ final class OriginH2Session: OriginConnectionUser {
     }
 
     fileprivate func streamClosed(_ stream: Int32, errorCode: UInt32) {
+        guard let state = streams[stream] else { return }
+        // RFC 9113 §5.1: nothing but PRIORITY may be sent on a closed stream (a RST_STREAM there is a protocol
+        // error to strict peers).
+        state.closed = true
         // A stream that ended whole closes with NO_ERROR; its user already has the end.
-        guard let state = streams[stream], !state.ended else { return }
+        guard !state.ended else { return }
         // RFC 9113 §8.7: REFUSED_STREAM (which nghttp2 also gives the streams a GOAWAY left out) says the origin
         // did nothing with the request.
         let refused = errorCode == NGHTTP2_REFUSED_STREAM.rawValue

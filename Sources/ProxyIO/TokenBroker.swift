@@ -29,18 +29,18 @@ final class TokenBroker {
     /// The last `Authorization` field value made, and of which token.
     private var lastAuthorization: (type: String, token: String, value: [UInt8])?
 
-    /// The `Authorization` field value of `tokens` ("Bearer <token>", "DPoP <token>"), made once per token
-    /// rather than once per request (a provider's token is often a kilobyte).
-    func authorizationValue(_ tokens: TokenSet) -> [UInt8] {
-        if let last = lastAuthorization, last.token == tokens.accessToken, last.type == tokens.tokenType {
+    /// The `Authorization` field value of `tokens` in `scheme` ("Bearer <token>", "DPoP <token>": the exchange
+    /// chose it), made once per token rather than once per request (a provider's token is often a kilobyte).
+    func authorizationValue(_ tokens: TokenSet, scheme: String) -> [UInt8] {
+        if let last = lastAuthorization, last.token == tokens.accessToken, last.type == scheme {
             return last.value
         }
         var value: [UInt8] = []
-        value.reserveCapacity(tokens.tokenType.utf8.count + 1 + tokens.accessToken.utf8.count)
-        value += tokens.tokenType.utf8
+        value.reserveCapacity(scheme.utf8.count + 1 + tokens.accessToken.utf8.count)
+        value += scheme.utf8
         value.append(UInt8(ascii: " "))
         value += tokens.accessToken.utf8
-        lastAuthorization = (tokens.tokenType, tokens.accessToken, value)
+        lastAuthorization = (scheme, tokens.accessToken, value)
         return value
     }
 

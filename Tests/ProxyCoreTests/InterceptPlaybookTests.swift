@@ -40,7 +40,7 @@ import Testing
         p.transferHead("HTTP/2 200 \r\ncontent-type: text/plain\r\ncontent-length: 5\r\n\r\n")
         #expect(p.clientGot() == "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\nContent-Length: 5\r\n\r\n")
         p.event(.transferBody(count: 5))
-        #expect(p.next() == [.writeResponseBody(chunked: false)])
+        #expect(p.next() == [.writeResponseBody])
         p.event(.transferFinished(nil, detail: ""))
         guard case .exchangeFinished(let record) = p.next().first else {
             Issue.record("the exchange did not finish")

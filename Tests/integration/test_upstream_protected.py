@@ -125,7 +125,7 @@ def test_an_http2_origin_behind_the_proxy_gets_http2_inside_the_tunnel(deploymen
     tls, reader = tunnelled(deployment, h2.authority)
     with tls:
         answer = exchange(tls, reader, h2.authority, "PUT", f"/file/{tag}", b"x" * 1000)
-    assert answer.status == 200, answer
+    assert answer.status == 200, (answer, h2.failures)
     seen = h2.since(mark)
     assert [(s.method, s.path, s.body_size) for s in seen] == [("PUT", f"/file/{tag}", 1000)]
     assert seen[0].header("authorization") == "Bearer " + deployment.ws.tokens("fake")["access_token"]

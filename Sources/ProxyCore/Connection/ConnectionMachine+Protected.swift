@@ -127,7 +127,16 @@ extension ConnectionMachine {
             return
         }
         guard let framing, framing != .none else { return }
-        out.append(.writeResponseBody(chunked: framing == .chunked))
+        Self.writeResponseBody(count, chunked: framing == .chunked, &out)
+    }
+
+    /// `count` bytes of the transfer's response for the client, in a chunk when the response is chunked.
+    static func writeResponseBody(_ count: Int, chunked: Bool, _ out: inout [Action]) {
+        guard chunked else { return out.append(.writeResponseBody) }
+        // RFC 9112 §7.1: the chunk-size line, the data, CRLF.
+        out.append(.writeClient(ChunkedFraming.header(count)))
+        out.append(.writeResponseBody)
+        out.append(.writeClient(ChunkedFraming.dataEnd))
     }
 
     /// Carries the exchange's outputs over to this HTTP/1.1 connection.
@@ -155,9 +164,9 @@ extension ConnectionMachine {
                 response, requestMethod: intercepting.exchange.request.method, close: close)
             intercepting.framing = framing
             out.append(.writeClient(head))
-        case .deliverBody:
-            if let framing = intercepting.framing, framing != .none {
-                out.append(.writeResponseBody(chunked: framing == .chunked))
+        case .deliverBody(let count):
+            if let framing = intercepting.framing, framing != .none, count > 0 {
+                writeResponseBody(count, chunked: framing == .chunked, &out)
             }
         case .endBody(let trailers):
             guard intercepting.framing == .chunked else { break }

@@ -16,6 +16,8 @@ extension ConnectionMachine {
         /// Deciding the token's fate; nil when the client's own Authorization travels instead.
         var auth: AuthExchange?
         var credential: UpstreamRequest.Credential?
+        /// The tokens last granted are bound to a key (they go with a DPoP proof).
+        var boundToKey = false
         let proxy: UpstreamProxy?
         var attempts = 0
         let started: Int64
@@ -81,7 +83,8 @@ extension ConnectionMachine {
             state = .awaitingUpgradeTokens(upgrade)
             out.append(.exchange(.refreshTokens(key: origin.tokenKey, replacing: replacing), origin))
         case .send(let generation, let nonce):
-            upgrade.credential = UpstreamRequest.Credential(generation: generation, dpopNonce: nonce)
+            upgrade.credential = UpstreamRequest.Credential(
+                generation: generation, dpopNonce: nonce, boundToKey: upgrade.boundToKey)
             connectUpgrade(upgrade, &out)
         case .respond(let answer):
             if case .signInNeeded(_, let reason) = answer {
@@ -100,6 +103,7 @@ extension ConnectionMachine {
         switch result {
         case .success(let grant):
             if let nonce = grant.dpopNonce { auth.learnNonce(nonce) }
+            upgrade.boundToKey = grant.boundToKey
             event = refreshed ? .refreshed(generation: grant.generation) : .tokens(generation: grant.generation)
         case .failure(let failure):
             event = refreshed ? .refreshFailed(failure) : .tokensFailed(failure)

@@ -118,8 +118,9 @@ public struct ConnectionMachine: Sendable {
         /// An action of the exchange with `origin` the I/O layer carries out as it is (tokens, the transfer,
         /// notices).
         indirect case exchange(ProtectedExchange.Output, OriginConfig)
-        /// Write the body bytes of the current transfer callback to the client (chunked: in a chunk).
-        case writeResponseBody(chunked: Bool)
+        /// Write the body bytes of the current transfer callback to the client, as they are (a chunk's framing,
+        /// when the response is chunked, comes as `.writeClient` around it).
+        case writeResponseBody
         /// The exchange ended: log it and count it.
         case exchangeFinished(ExchangeRecord)
 

@@ -47,7 +47,7 @@ public struct ProtectedExchange: Sendable {
         /// Send the client the origin's response head.
         indirect case deliverHead(UpstreamResponse)
         /// Pass the body bytes of the current upstream callback to the client.
-        case deliverBody
+        case deliverBody(count: Int)
         /// The response body is complete; the origin's trailer fields follow it (gRPC's status, say).
         case endBody(trailers: [H2Field])
         /// Answer the client ourselves; nothing of a response has reached it.
@@ -99,6 +99,8 @@ public struct ProtectedExchange: Sendable {
     private var bodyComplete = false
     private var streaming = false
     private var generation: Int64 = 0
+    /// The tokens of `generation` are bound to a key (they go with a DPoP proof).
+    private var boundToKey = false
     private var responseHead: HTTPHeadParser
     private var attempts = 0
     private var delivered: UpstreamResponse?
@@ -196,6 +198,7 @@ public struct ProtectedExchange: Sendable {
         switch result {
         case .success(let grant):
             generation = grant.generation
+            boundToKey = grant.boundToKey
             if let nonce = grant.dpopNonce { auth?.learnNonce(nonce) }
             handle(.tokens(generation: grant.generation), &out)
         case .failure(let failure):
@@ -209,6 +212,7 @@ public struct ProtectedExchange: Sendable {
         switch result {
         case .success(let grant):
             generation = grant.generation
+            boundToKey = grant.boundToKey
             if let nonce = grant.dpopNonce { auth?.learnNonce(nonce) }
             handle(.refreshed(generation: grant.generation), &out)
         case .failure(let failure):
@@ -238,7 +242,10 @@ public struct ProtectedExchange: Sendable {
             phase = .refreshing
             out.append(.refreshTokens(key: origin.tokenKey, replacing: replacing))
         case .send(let generation, let nonce):
-            send(credential: UpstreamRequest.Credential(generation: generation, dpopNonce: nonce), &out)
+            send(
+                credential: UpstreamRequest.Credential(
+                    generation: generation, dpopNonce: nonce, boundToKey: boundToKey),
+                &out)
         case .deliver:
             // Only an origin's response leads to a delivery, and `responseComplete` handles that itself.
             preconditionFailure("ProtectedExchange: a delivery without a response")
@@ -409,7 +416,7 @@ public struct ProtectedExchange: Sendable {
     public mutating func upstreamBody(_ count: Int, _ out: inout [Output]) {
         switch phase {
         case .delivering:
-            out.append(.deliverBody)
+            out.append(.deliverBody(count: count))
         case .discarding:
             discarded += count
             if discarded > Self.discardLimit {
@@ -522,20 +529,35 @@ public struct ProtectedExchange: Sendable {
 public struct TokenGrant: Sendable, Equatable {
     public let generation: Int64
     public let dpopNonce: String?
+    /// The token is bound to a key (RFC 9449, `token_type` DPoP): it goes with a proof.
+    public let boundToKey: Bool
 
-    public init(generation: Int64, dpopNonce: String? = nil) {
+    public init(generation: Int64, dpopNonce: String? = nil, boundToKey: Bool = false) {
         self.generation = generation
         self.dpopNonce = dpopNonce
+        self.boundToKey = boundToKey
     }
 }
 
 /// A request to send upstream for a protected origin: everything the transfer needs, decided here; the
 /// I/O layer maps it onto libcurl. No secret is in it: the token is named by its generation.
 public struct UpstreamRequest: Sendable, Equatable {
-    /// Attach the tokens of `generation` (`Authorization`, and with DPoP a fresh proof carrying `dpopNonce`).
+    /// Attach the tokens of `generation`: `Authorization: Bearer <token>` (RFC 6750 §2.1), or for a token bound to
+    /// a key `Authorization: DPoP <token>` and a fresh `DPoP` proof carrying `dpopNonce` (RFC 9449 §7). The I/O
+    /// layer writes the fields; which ones is decided here.
     public struct Credential: Sendable, Equatable {
         public let generation: Int64
         public let dpopNonce: String?
+        public let boundToKey: Bool
+
+        public init(generation: Int64, dpopNonce: String?, boundToKey: Bool = false) {
+            self.generation = generation
+            self.dpopNonce = dpopNonce
+            self.boundToKey = boundToKey
+        }
+
+        /// The `Authorization` scheme.
+        public var scheme: String { boundToKey ? "DPoP" : "Bearer" }
     }
 
     public enum Body: Sendable, Equatable {

@@ -245,3 +245,20 @@ extension StringProtocol {
         return String(text[start..<end])
     }
 }
+
+extension HTTPHead {
+    /// `head` (the bytes of a head, ending with its empty line) with `fields` added before that end: the one place
+    /// field lines are added to a head the proxy forwards as it is (an upgrade request's credential).
+    public static func withFields(_ head: [UInt8], _ fields: [(name: String, value: [UInt8])]) -> [UInt8] {
+        guard !fields.isEmpty else { return head }
+        precondition(head.count >= 2 && head.suffix(2) == [ASCII.cr, ASCII.lf], "a head without its end")
+        var size = head.count
+        for field in fields { size += ByteWriter.fieldSize(field.name, field.value) }
+        return ByteWriter.bytes(count: size) { bytes in
+            head.withUnsafeBufferPointer { bytes.write(UnsafeBufferPointer(rebasing: $0[..<(head.count - 2)])) }
+            for field in fields { bytes.writeField(field.name, field.value) }
+            bytes.write(ASCII.cr)
+            bytes.write(ASCII.lf)
+        }
+    }
+}
