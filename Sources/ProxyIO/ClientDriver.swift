@@ -39,6 +39,10 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
     private var upstreamSSL: OpaquePointer?
     private var upstreamTLSConnecting = false
     private var addresses: [SocketAddress] = []
+    /// Counts the resolves asked for: an answer is taken only while it is for the latest.
+    private var resolving = 0
+    /// What this connection's request bodies keep for replays, of the process's budget.
+    private lazy var replay = ReplayAccount(context.replayBudget)
     private var timers = TimerSlots()
     /// When a byte last moved on this connection (either side, the transfer included).
     private var lastActivity: Int64
@@ -234,8 +238,13 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
             close()
 
         case .resolve(let hop):
+            // Each connect the machine starts asks anew; an answer for an earlier one (a request answered or
+            // abandoned meanwhile) is for nobody, and must not give its addresses to the next.
+            resolving += 1
             let bound = LoopBound(self, loop: context.loop)
+            let asked = resolving
             context.resolver.resolve(hop, loop: context.loop) { result in
+                guard bound.value.resolving == asked else { return }
                 bound.value.resolved(result)
             }
         case .connect(let index):
@@ -267,8 +276,8 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
             throttleUpstreamIfNeeded()
         case .startTunnel(let label, let status):
             startTunnel(label: label, status: status)
-        case .startInterception(let origin):
-            startInterception(origin)
+        case .startInterception(let origin, let answer):
+            startInterception(origin, answer: answer)
         case .startHTTP2(let origin, let misdirected):
             startHTTP2(origin, misdirected: misdirected)
 
@@ -464,11 +473,11 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
 
     private func connect(to index: Int) {
         precondition(upstream == nil, "a connect started while an upstream connection was still open")
-        guard index < addresses.count,
-            let bev = bufferevent_socket_new(context.loop.base, -1, Int32(BEV_OPT_CLOSE_ON_FREE.rawValue))
-        else {
-            queued.append(.upstreamConnectFailed(.other(reason: "cannot make a socket")))
-            return
+        guard index < addresses.count else {
+            return queued.append(.upstreamConnectFailed(.noSocket(reason: "no address to connect to")))
+        }
+        guard let bev = bufferevent_socket_new(context.loop.base, -1, Int32(BEV_OPT_CLOSE_ON_FREE.rawValue)) else {
+            return queued.append(.upstreamConnectFailed(.noSocket(reason: "cannot make a socket")))
         }
         upstream = bev
         upstreamConnecting = true
@@ -595,10 +604,23 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
         return bytes
     }
 
-    private static let connectEstablished = Array("HTTP/1.1 200 Connection established\r\n\r\n".utf8)
+    /// How TLS for an intercepted CONNECT starts, once `send` took `sent` bytes of the machine's `answer` (-1 for
+    /// none: an error or a full socket) and the bufferevent held bytes either way (`buffered`, then nothing was
+    /// sent): on the socket itself when the whole answer went and nothing waits, else as a filter over the
+    /// bufferevent, which sends what is left of the answer first and keeps what the client sent early.
+    enum InterceptionStart: Equatable {
+        case onTheSocket
+        case overTheBufferevent(rest: ArraySlice<UInt8>)
+    }
 
-    /// CONNECT to a protected origin: answer 200, then let a TLS driver take the socket over.
-    private func startInterception(_ origin: OriginConfig) {
+    static func interceptionStart(answer: [UInt8], sent: Int, buffered: Bool) -> InterceptionStart {
+        if buffered { return .overTheBufferevent(rest: answer[...]) }
+        if sent >= answer.count { return .onTheSocket }
+        return .overTheBufferevent(rest: answer[max(0, sent)...])
+    }
+
+    /// CONNECT to a protected origin: the machine's 200, then a TLS driver takes the socket over.
+    private func startInterception(_ origin: OriginConfig, answer: [UInt8]) {
         guard let contexts = context.tlsContexts, let bev = client else {
             queued.append(.interceptionFailed(origin, reason: "no local CA"))
             return
@@ -611,10 +633,13 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
             return
         }
         let fd = bufferevent_getfd(bev)
+        let buffered =
+            Buffers.length(bufferevent_get_input(bev)) != 0 || Buffers.length(bufferevent_get_output(bev)) != 0
+        let sent =
+            buffered ? 0 : answer.withUnsafeBytes { Glibc.send(fd, $0.baseAddress, $0.count, proxyctl_msg_nosignal()) }
         let session: ClientDriver
-        if Buffers.length(bufferevent_get_input(bev)) == 0 && Buffers.length(bufferevent_get_output(bev)) == 0
-            && Self.sendAll(fd, Self.connectEstablished)
-        {
+        switch Self.interceptionStart(answer: answer, sent: sent, buffered: buffered) {
+        case .onTheSocket:
             // The usual case: TLS directly on the socket. The bufferevent lets go of the descriptor.
             bufferevent_setfd(bev, -1)
             bufferevent_free(bev)
@@ -622,10 +647,10 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
             session = ClientDriver(
                 context: context, id: id, peer: peer, client: clientAddress, origin: origin, ssl: ssl, fd: fd,
                 underlying: nil)
-        } else {
-            // The client sent bytes before our answer: TLS as a filter over the existing bufferevent, which
-            // keeps them (and sends the 200 first).
-            Buffers.append(Self.connectEstablished, to: bufferevent_get_output(bev))
+        case .overTheBufferevent(let rest):
+            // The client sent bytes before our answer, or the socket took part of it: TLS as a filter over the
+            // existing bufferevent, which keeps those bytes and sends the rest of the 200 first.
+            Buffers.append(Array(rest), to: bufferevent_get_output(bev))
             bufferevent_setcb(bev, nil, nil, nil, nil)
             client = nil
             session = ClientDriver(
@@ -662,13 +687,6 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
     }
 
     /// Writes a short answer straight to a fresh socket; false if it did not all go out at once.
-    private static func sendAll(_ fd: Int32, _ bytes: [UInt8]) -> Bool {
-        bytes.withUnsafeBytes { raw in
-            let sent = Glibc.send(fd, raw.baseAddress, raw.count, proxyctl_msg_nosignal())
-            return sent == raw.count
-        }
-    }
-
     /// Another connection took the sockets: this one is done without closing them.
     private func finishHandOff() {
         closed = true
@@ -683,7 +701,8 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
         if let exchangeIO { return exchangeIO }
         exchanges += 1
         let made = ExchangeIO(
-            driver: self, context: context, origin: origin, connectionID: id, generation: exchanges)
+            driver: self, context: context, origin: origin, connectionID: id, generation: exchanges,
+            replay: replay)
         exchangeIO = made
         return made
     }
@@ -760,6 +779,7 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
         case .refreshed(let grant): handle(.refreshed(grant))
         case .credentialFailed(let answer): handle(.credentialFailed(answer))
         case .bodyNotKept(let directory): handle(.bodyNotKept(directory: directory))
+        case .bodyBeyondBudget: handle(.bodyBeyondBudget)
         case .transferFinished(let failure, let detail): handle(.transferFinished(failure, detail: detail))
         case .responseHead(let received):
             transferEvent { machine, now, out in machine.transferResponseHead(received, now: now, &out) }

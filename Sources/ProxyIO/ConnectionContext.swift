@@ -21,6 +21,8 @@ final class ConnectionContext {
     /// TLS client contexts for the connections the proxy makes to origins itself (upgrades).
     let tlsClients: TLSClientContexts
     let spoolDirectory: String
+    /// What request bodies kept for replays may hold in the whole process (one for the server's life).
+    let replayBudget: ReplayBudget
     /// The latest DPoP nonce of each protected origin, from every response (RFC 9449 §9).
     let nonces: DPoPNonces
     let keys: DPoPKeyring
@@ -57,7 +59,7 @@ final class ConnectionContext {
     init(
         loop: EventLoop, logger: Logger, frontDoor: FrontDoor, resolver: Resolver,
         tokens: TokenBroker, tlsContexts: TLSServerContexts?, tlsClients: TLSClientContexts, spoolDirectory: String,
-        nonces: DPoPNonces,
+        replayBudget: ReplayBudget, nonces: DPoPNonces,
         keys: DPoPKeyring, pipes: PipePool, tunnelBuffer: TunnelBuffer, peers: PeerLookup, owner: any ConnectionOwner
     ) {
         self.loop = loop
@@ -68,6 +70,7 @@ final class ConnectionContext {
         self.tlsContexts = tlsContexts
         self.tlsClients = tlsClients
         self.spoolDirectory = spoolDirectory
+        self.replayBudget = replayBudget
         self.nonces = nonces
         self.keys = keys
         self.pipes = pipes

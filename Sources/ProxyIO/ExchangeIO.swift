@@ -36,6 +36,8 @@ final class ExchangeIO: TransferOwner {
         case credentialFailed(ProxyAnswer)
         /// The request body could not be kept (the spool file could not be written).
         case bodyNotKept(directory: String)
+        /// The connection's or the process's replay budget is spent: the body's rest streams, once.
+        case bodyBeyondBudget
         /// The transfer's response head, parsed once.
         case responseHead(ReceivedHead)
         /// The response's trailer section (field lines and the blank line).
@@ -71,7 +73,7 @@ final class ExchangeIO: TransferOwner {
 
     init(
         driver: any ExchangeDriver, context: ConnectionContext, origin: OriginConfig, connectionID: UInt64,
-        generation: UInt64, tag: Int32 = 0
+        generation: UInt64, tag: Int32 = 0, replay: ReplayAccount
     ) {
         self.generation = generation
         self.tag = tag
@@ -79,7 +81,8 @@ final class ExchangeIO: TransferOwner {
         self.context = context
         self.origin = origin
         self.connectionID = connectionID
-        body = RequestBody(memoryLimit: context.settings.replayMemory, spoolDirectory: context.spoolDirectory)
+        body = RequestBody(
+            memoryLimit: context.settings.replayMemory, spoolDirectory: context.spoolDirectory, account: replay)
     }
 
     deinit {
@@ -211,7 +214,7 @@ final class ExchangeIO: TransferOwner {
     @discardableResult
     func keep(_ bytes: UnsafeRawBufferPointer) -> Bool {
         do {
-            try body.append(bytes)
+            if try !body.append(bytes) { later(.bodyBeyondBudget) }
         } catch {
             later(.bodyNotKept(directory: context.spoolDirectory))
             return false

@@ -38,6 +38,8 @@ final class H2Driver: ServerConnection, ExchangeDriver {
     private var flushDeadline: LoopTimer?
     /// Events raised inside nghttp2's callbacks (or while actions run) wait until the current call returned.
     private var queued: [H2Session.Event] = []
+    /// What this connection's request bodies keep for replays, of the process's budget.
+    private lazy var replay = ReplayAccount(context.replayBudget)
     private var handling = false
     private var actions: [H2Session.Action] = []
     private var afterHandling: [() -> Void] = []
@@ -614,7 +616,7 @@ final class H2Driver: ServerConnection, ExchangeDriver {
             if frame.pointee.headers.cat == NGHTTP2_HCAT_REQUEST {
                 io.exchange = ExchangeIO(
                     driver: self, context: context, origin: machine.origin, connectionID: id,
-                    generation: UInt64(header.stream_id), tag: header.stream_id)
+                    generation: UInt64(header.stream_id), tag: header.stream_id, replay: replay)
                 if let reason = io.overLimit {
                     queued.append(.requestHeadTooLarge(header.stream_id, fields, reason: reason))
                 } else {
@@ -708,6 +710,7 @@ final class H2Driver: ServerConnection, ExchangeDriver {
         case .refreshed(let grant): handle(.refreshed(stream, grant))
         case .credentialFailed(let answer): handle(.credentialFailed(stream, answer))
         case .bodyNotKept(let directory): handle(.bodyNotKept(stream, directory: directory))
+        case .bodyBeyondBudget: handle(.bodyBeyondBudget(stream))
         case .transferFinished(let failure, let detail): handle(.transferFinished(stream, failure, detail: detail))
         case .responseHead(let received):
             transferEvent { machine, now, out in machine.transferResponseHead(stream, received, now: now, &out) }

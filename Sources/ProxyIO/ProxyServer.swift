@@ -93,6 +93,8 @@ public final class ProxyServer: ConnectionOwner {
     private let pipes = PipePool()
     /// A buffer for tunnels that copy (where splice is not available).
     private let tunnelBuffer = TunnelBuffer()
+    /// What request bodies kept for replays hold in the whole process (`replay_memory_total`, `replay_spool_total`).
+    private let replayBudget: ReplayBudget
     /// Peer lookups for the "owner" rules.
     private let peers = PeerLookup()
     /// The latest DPoP nonce of each protected origin, from every response (RFC 9449 §9).
@@ -133,6 +135,7 @@ public final class ProxyServer: ConnectionOwner {
         self.loop = loop
         self.logger = logger
         self.settings = settings
+        self.replayBudget = ReplayBudget(Self.replayLimits(settings))
         self.boundAddress = settings.listen
         self.frontDoor = FrontDoor(
             settings: settings, credentials: credentials, boundAddress: settings.listen, origins: origins)
@@ -146,13 +149,18 @@ public final class ProxyServer: ConnectionOwner {
         self.stateDirectory = stateDirectory ?? interception?.stateDirectory
     }
 
+    private static func replayLimits(_ settings: ProxySettings) -> ReplayBudget.Limits {
+        ReplayBudget.Limits(memory: settings.replayMemoryTotal, spool: settings.replaySpoolTotal)
+    }
+
     /// The context for connections accepted from now on: the current settings, front door and resolver.
     private func currentContext() -> ConnectionContext {
         if let context { return context }
         let made = ConnectionContext(
             loop: loop, logger: logger, frontDoor: frontDoor, resolver: resolver,
             tokens: tokens,
-            tlsContexts: tlsContexts, tlsClients: tlsClients, spoolDirectory: spoolDirectory, nonces: resourceNonces,
+            tlsContexts: tlsContexts, tlsClients: tlsClients, spoolDirectory: spoolDirectory,
+            replayBudget: replayBudget, nonces: resourceNonces,
             keys: keys, pipes: pipes, tunnelBuffer: tunnelBuffer, peers: peers, owner: self)
         context = made
         return made
@@ -578,6 +586,7 @@ public final class ProxyServer: ConnectionOwner {
                 logger.info("listening on http://\(boundAddress)")
             }
             settings = newSettings
+            replayBudget.limits = Self.replayLimits(newSettings)
             admission = Admission(settings: newSettings, fileLimit: fileLimit)
             resolver = Resolver(overrides: newSettings.resolve)
             var origins = frontDoor.origins

@@ -70,6 +70,8 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
             passthrough_users = Owner
             replay_memory = 2MiB
             replay_spool = 16MiB
+            replay_memory_total = 32MiB
+            replay_spool_total = 2GiB
             http2 = off
             upstream_client = Builtin
             resolve = api.test=127.0.0.1, Git.Test.=::1
@@ -86,6 +88,7 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(proxy.tokenStore == .secretService)
         #expect(proxy.replayMemory == 2 << 20)
         #expect(proxy.replaySpool == 16 << 20)
+        #expect(proxy.replayMemoryTotal == 32 << 20 && proxy.replaySpoolTotal == 2 << 30)
         #expect(proxy.http2 == false)
         #expect(proxy.resolve == ["api.test": "127.0.0.1", "git.test": "::1"])
         #expect(proxy.notifyCommand == ["notify-send", "proxyctl"])
@@ -108,7 +111,7 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(proxy.protectedUsers == .any && proxy.passthroughUsers == .owner)
         #expect(proxy.logLevel == .debug)
         #expect(proxy.stateDir == "/home/ada/state")
-        #expect(ConfigParser.proxyKeys.count == 27)
+        #expect(ConfigParser.proxyKeys.count == 29)
         for key in ConfigParser.proxyKeys {
             #expect(text.contains("\n\(key) = "), "\(key) is not covered")
         }

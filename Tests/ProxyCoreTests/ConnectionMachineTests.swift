@@ -343,6 +343,20 @@ import Testing
         #expect(p.lastLog.hasPrefix("CONNECT b.test:443 status=502 error=connection_refused"))
     }
 
+    @Test func anAttemptWithoutASocketHasNothingToCloseAndTheNextAddressIsTried() {
+        var p = Playbook.frontDoor()
+        p.client("CONNECT b.test:443 HTTP/1.1\nHost: b.test:443\n\n".crlf)
+        p.event(.resolved(.addresses(Playbook.addresses(2))))
+        p.event(.upstreamConnectFailed(.noSocket(reason: "Too many open files")))
+        #expect(!p.next().contains(.closeUpstream), "no socket was made: nothing to close")
+        #expect(p.connects == [0, 1])
+        p.event(.upstreamConnectFailed(.noSocket(reason: "Too many open files")))
+        #expect(!p.next().contains(.closeUpstream))
+        let answer = p.clientGot()
+        #expect(answer.hasPrefix("HTTP/1.1 502 Bad Gateway\r\nProxy-Status: proxyctl; error=destination_unavailable"))
+        #expect(answer.contains("cannot connect to b.test:443: Too many open files"))
+    }
+
     @Test func noSuchHostIs502DnsError() {
         var p = Playbook.frontDoor()
         p.client("CONNECT nx.test:443 HTTP/1.1\nHost: nx.test:443\n\n".crlf)
@@ -503,7 +517,10 @@ import Testing
     @Test func connectToAProtectedOriginStartsInterception() {
         var p = Playbook.frontDoor(origins: [Origins.https])
         p.client("CONNECT api.test:443 HTTP/1.1\r\nHost: api.test:443\r\n\r\n")
-        #expect(p.next() == [.startInterception(Origins.https)])
+        #expect(
+            p.next() == [
+                .startInterception(Origins.https, answer: Array("HTTP/1.1 200 Connection established\r\n\r\n".utf8))
+            ])
         #expect(p.timers.isEmpty)
         var failed = Playbook.frontDoor(origins: [Origins.https])
         failed.client("CONNECT api.test:443 HTTP/1.1\r\nHost: api.test:443\r\n\r\n")

@@ -21,6 +21,8 @@ struct Playbook {
     /// The request body kept for replay.
     var keptBody: [UInt8] = []
     var upstreamOpen = false
+    /// A `.getTokens` is out and unanswered (the I/O layer answers each ask once, and only an ask).
+    var tokensAsked = false
     var reading = false
     var clientClosed: Action?
     var now: Int64 = 1_000
@@ -80,6 +82,9 @@ struct Playbook {
     // MARK: - Events
 
     mutating func event(_ event: ConnectionMachine.Event) {
+        if case .tokens = event { tokensAsked = false }
+        // An attempt that never had a socket leaves no upstream connection for the machine to close.
+        if case .upstreamConnectFailed(.noSocket) = event { upstreamOpen = false }
         var actions: [Action] = []
         machine.handle(event, client: clientIn, upstream: upstreamIn, now: now, &actions)
         apply(actions)
@@ -220,6 +225,9 @@ struct Playbook {
             case .startTunnel, .startInterception, .startHTTP2:
                 #expect(!upstreamOpen || { if case .startTunnel = action { true } else { false } }())
                 clientClosed = action
+                notable.append(action)
+            case .exchange(.getTokens, _):
+                tokensAsked = true
                 notable.append(action)
             case .resolve, .exchange, .writeResponseBody, .exchangeFinished:
                 notable.append(action)

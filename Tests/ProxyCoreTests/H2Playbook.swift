@@ -138,7 +138,7 @@ struct H2Playbook {
         case .transferFinished(let stream, _, _):
             streams[stream]?.transfer = nil
             lastActivity = now
-        case .bodyNotKept, .timerFired, .shutdown, .clientGone, .tunnelEnded, .requestHeadTooLarge:
+        case .bodyNotKept, .bodyBeyondBudget, .timerFired, .shutdown, .clientGone, .tunnelEnded, .requestHeadTooLarge:
             break
         }
         current = event

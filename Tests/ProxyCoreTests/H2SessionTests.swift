@@ -205,9 +205,6 @@ import Testing
         #expect(p.next() == [], "the 401 is not the client's business")
         p.event(.transferFinished(1, nil, detail: ""))
         #expect(p.next() == [Self.exchange(1, .refreshTokens(key: Self.key, replacing: 1))])
-        // A late answer of the wrong kind changes nothing.
-        p.event(.tokens(1, .success(TokenGrant(generation: 9))))
-        #expect(p.next() == [])
         p.refreshed(1)
         let replay = Self.upstream(
             "POST", "/items", [("content-type", "application/json")], generation: 2, body: .length(4), attempt: 2)
@@ -558,6 +555,28 @@ import Testing
                             "proxyctl; received-status=401; details=\"the request body was too large to keep, so the request was not sent again after a token refresh; retry it\""
                         ), ("content-length", "0")), endStream: true)
             ])
+    }
+
+    @Test func aBodyPastTheReplayBudgetStreamsOnAndIsNotReplayed() {
+        var p = H2Playbook()
+        p.request(1, H2Playbook.request("PUT", "/u", [("content-type", "text/plain")]), endStream: false)
+        #expect(p.next() == [Self.exchange(1, .getTokens(key: Self.key))])
+        p.event(.requestData(1, count: 100, endStream: false))
+        #expect(p.next() == [], "kept: well within replay_spool")
+        p.event(.bodyBeyondBudget(1))
+        #expect(p.next() == [Self.exchange(1, .streamBody)], "the I/O layer could keep no more: it streams on")
+        p.event(.bodyBeyondBudget(1))
+        #expect(p.next() == [], "said once")
+        p.tokens(1)
+        _ = p.next()
+        p.event(.requestData(1, count: 0, endStream: true))
+        #expect(p.next() == [Self.exchange(1, .bodyEnded)])
+        p.transferHead(1, "HTTP/2 401 \r\nwww-authenticate: Bearer\r\ncontent-length: 0\r\n\r\n")
+        let answer = p.next()
+        #expect(!answer.contains { if case .exchange(_, .refreshTokens, _) = $0 { true } else { false } })
+        #expect(
+            answer.first.map { "\($0)" }?.contains("so the request was not sent again after a token refresh") == true,
+            "\(answer)")
     }
 
     @Test func aContentLengthTooLargeToKeepStreamsFromTheStart() {

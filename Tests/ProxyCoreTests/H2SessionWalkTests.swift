@@ -216,7 +216,8 @@ import Testing
             let closedOK = log.map { $0.requestEnded && $0.responseEnded } == true && random.next() % 2 == 0
             p.event(.streamClosed(stream, errorCode: closedOK ? 0 : random.pick([0, 1, 8])))
         case 6, 7:
-            guard !p.gone else { return }
+            // The I/O layer answers a stream's `.getTokens` once, and nothing else gets tokens (ExchangeIO).
+            guard !p.gone, log?.awaitingTokens == true else { return }
             if random.next() % 4 == 0 {
                 p.event(
                     .tokens(

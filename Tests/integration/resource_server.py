@@ -155,6 +155,8 @@ class _Handler(QuietHandler):
         if seen.proof is not None:
             info.update({"token_type": "DPoP", "dpop_jkt": seen.proof.jkt, "proof_jti": seen.proof.jti})
         parts = url.path.strip("/").split("/")
+        if parts[0] == "held":
+            rs.held.wait(60)
         if is_git:
             seen.status = rs._git(self, url, bytes(received.data))
         elif parts[0] == "download" and len(parts) == 2:
@@ -242,6 +244,8 @@ class ResourceServer:
         self._hung_up: set[str] = set()
         # What /events sends next (see _Handler._events).
         self.events: queue.Queue[str | None] = queue.Queue()
+        # /held/... answers once this is set (at most after 60 s): a slow origin that has read the requests.
+        self.held = threading.Event()
         self.server = TLSHTTPServer(_Handler, self.identity.server_context(), io_timeout=120, owner=self).start()
         self.port = self.server.port
 

@@ -549,6 +549,50 @@ def test_reset_uploads_give_the_connection_window_back(deployment, rs):
         assert b'"body_sha256": "%s"' % hashlib.sha256(body).hexdigest().encode() in answer.body
 
 
+def test_a_hundred_uploads_to_a_slow_origin_keep_memory_within_the_replay_budget(budget, rs, record_property):
+    """A hundred streams on two connections each upload 1 MiB to an origin that answers only later: the copies
+    kept for replays stay within the replay budget's memory (replay_memory_total 8 MiB here, a connection a
+    quarter of it), the rest of them in the spool; every upload then gets its 200 with its own bytes, and the
+    spool is empty again. Without the budget each copy kept replay_memory (1 MiB) in memory: 4 connections of
+    100 such uploads took the proxy from 170 MB to 547 MB."""
+    rs.held.clear()
+    bodies = {}
+    try:
+        with Rss(budget, record_property) as rss, \
+                RawH2(budget, rs.authority()) as one, RawH2(budget, rs.authority()) as two:
+            for client in (one, two):
+                client.handshake()
+                for index in range(50):
+                    body = os.urandom(MiB)
+                    stream = client.open(f"/held/{id(client)}-{index}", method="POST", end_stream=False,
+                                         extra=literal(28, str(MiB).encode()))  # content-length
+                    client.send_body(stream, body, end_stream=True, timeout=60)
+                    bodies[(client, stream)] = body
+            poll(lambda: spooled_bytes(budget) > 50 * MiB, 30, message="the copies past the budget to be spooled")
+            spooled = spooled_bytes(budget)
+            rs.held.set()
+            for (client, stream), body in bodies.items():
+                answer = client.response(stream, timeout=60)
+                assert answer.status == 200, answer
+                assert b'"body_sha256": "%s"' % hashlib.sha256(body).hexdigest().encode() in answer.body
+        record_property("replay_spooled_mib", round(spooled / MiB, 1))
+        rss.assert_flat(48 * 1024)
+        poll(lambda: spooled_bytes(budget) == 0, 10, message="the spool to be empty again")
+    finally:
+        rs.held.set()
+
+
+@pytest.fixture
+def budget(deployment, tmp_path):
+    """A proxy of the deployment's origins with a small replay budget."""
+    ws = Workspace(tmp_path / "budget", deployment.ws.sections, deployment.ws.resolve, state=deployment.ws.state,
+                   replay_memory_total="8MiB")
+    own = Deployment(ws, ws.start_proxy())
+    yield own
+    failure = own.stop()
+    assert failure is None, failure
+
+
 def spooled_bytes(deployment: Deployment) -> int:
     """Bytes in the proxy's unlinked request-body spool files."""
     total = 0

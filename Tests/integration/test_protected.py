@@ -275,6 +275,58 @@ def test_upload_beyond_replay_spool_is_not_replayed(main, rs):
     assert failure is None, failure
 
 
+def test_uploads_beyond_the_replay_budget_stream_unkept(main, rs):
+    """What all bodies kept for replays may hold is bounded (replay_memory_total, replay_spool_total; a connection
+    a quarter of each): a body that would go past its connection's share streams on unkept, arrives intact and
+    once, and a 401 to it reaches the client saying it was not sent again. Under the budget the same body is
+    replayed. Without a budget every body kept up to replay_memory in memory: 4 HTTP/2 connections of 100
+    streams uploading 1 MiB each to a slow origin held 547 MB."""
+    ws = Workspace(main.ws.root.parent / "small-budget", main.ws.sections, MAIN_RESOLVE,
+                   state=main.ws.state,  # the same tokens and CA as the shared proxy
+                   replay_memory="256KiB", replay_spool="64MiB", replay_memory_total="1MiB",
+                   replay_spool_total="8MiB")
+    small = Deployment(ws, ws.start_proxy())
+    try:
+        # Within the connection's share (256 KiB of memory, 2 MiB of spool): kept, and replayed after a 401.
+        size = 2 * MiB - 5
+        body = ws.root / "fits.bin"
+        write_generated(body, size)
+        path = unique("/upload")
+        seen_mark = rs.mark()
+        rs.reject_next(1)
+        answer = small.curl(rs.url(path), "--data-binary", f"@{body}")
+        assert answer.status == 200 and answer.json()["body_sha256"] == expected_sha256(size), answer
+        assert [s.status for s in rs.since(seen_mark)] == [401, 200]
+
+        # Past the share: it streams on, reaches the origin whole and once, and the 401 is the client's.
+        size = 3 * MiB + 7
+        body = ws.root / "past.bin"
+        write_generated(body, size)
+        path = unique("/upload")
+        mark, seen_mark = small.proxy.mark(), rs.mark()
+        rs.reject_next(1)
+        answer = small.curl(rs.url(path), "--data-binary", f"@{body}")
+        assert answer.status == 401, answer
+        proxy_status = answer.header("Proxy-Status") or ""
+        assert "received-status=401" in proxy_status and "not sent again" in proxy_status, proxy_status
+        [seen] = rs.since(seen_mark)
+        assert seen.status == 401 and seen.body_size == size and seen.body_sha256 == expected_sha256(size)
+        line = assert_one_intercepted(small, mark, f"POST https://{API}:{rs.port}{path}", "status=401")
+        assert "refreshed=1" not in line
+
+        # The budget came back when those exchanges ended: the first body is kept and replayed again.
+        size = 2 * MiB - 5
+        path = unique("/upload")
+        seen_mark = rs.mark()
+        rs.reject_next(1)
+        answer = small.curl(rs.url(path), "--data-binary", f"@{ws.root / 'fits.bin'}")
+        assert answer.status == 200, answer
+        assert [s.status for s in rs.since(seen_mark)] == [401, 200]
+    finally:
+        failure = small.stop()
+    assert failure is None, failure
+
+
 def test_a_trickled_upload_reaches_the_origin_as_it_is_sent(main, rs):
     """The body goes upstream as it arrives (a copy is kept for a replay): the origin has the request while
     the client still holds back the rest of its body. It once waited for the whole body first."""

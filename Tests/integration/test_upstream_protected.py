@@ -119,13 +119,16 @@ def test_requests_to_a_protected_origin_go_through_one_tunnel_with_the_token(dep
     assert tiny.log()[log_start:].count(f"CONNECT {HOST}:{rs.port}") == 1, tiny.log()[log_start:]
 
 
-def test_an_http2_origin_behind_the_proxy_gets_http2_inside_the_tunnel(deployment, h2):
+def test_an_http2_origin_behind_the_proxy_gets_http2_inside_the_tunnel(deployment, h2, tiny):
     tag = uuid.uuid4().hex[:8]
     mark = h2.mark()
     tls, reader = tunnelled(deployment, h2.authority)
     with tls:
         answer = exchange(tls, reader, h2.authority, "PUT", f"/file/{tag}", b"x" * 1000)
-    assert answer.status == 200, (answer, h2.failures)
+    if answer.status != 200:
+        print("h2 origin connections:", h2.endings, "failures:", h2.failures)
+        print("tinyproxy:", *tiny.log().splitlines()[-20:], sep="\n  ")
+    assert answer.status == 200, (answer, h2.endings)
     seen = h2.since(mark)
     assert [(s.method, s.path, s.body_size) for s in seen] == [("PUT", f"/file/{tag}", 1000)]
     assert seen[0].header("authorization") == "Bearer " + deployment.ws.tokens("fake")["access_token"]

@@ -89,6 +89,12 @@ public struct ProxySettings: Sendable, Equatable {
     /// Beyond `replayMemory`, bodies are spooled to a 0600 file up to this size; larger ones are forwarded
     /// without the possibility of a replay.
     public var replaySpool = 64 << 20
+    /// What all bodies kept for replays may hold in memory at once, in the whole process; past it they go to the
+    /// spool. A connection may take a quarter of it.
+    public var replayMemoryTotal = 64 << 20
+    /// What all spooled bodies may hold at once; past it (or a connection's quarter of it) a body streams on
+    /// without being kept, and cannot be replayed.
+    public var replaySpoolTotal = 1 << 30
     /// Offer HTTP/2 (ALPN h2) to clients of protected origins; off keeps them on HTTP/1.1.
     public var http2 = true
     /// Host names answered without DNS (`resolve = api.test=127.0.0.1`), like curl's --resolve: for
@@ -357,6 +363,8 @@ public struct ConfigParser: Sendable {
             case "max_connections_per_client": count(1, 1_000_000) { settings.maxConnectionsPerClient = $0 }
             case "replay_memory": size(0, 1 << 30) { settings.replayMemory = $0 }
             case "replay_spool": size(0, 1 << 40) { settings.replaySpool = $0 }
+            case "replay_memory_total": size(0, 1 << 40) { settings.replayMemoryTotal = $0 }
+            case "replay_spool_total": size(0, 1 << 50) { settings.replaySpoolTotal = $0 }
             case "http2":
                 guard let flag = ConfigValue.bool(entry.value) else { return fail("expected on or off, \(got())") }
                 settings.http2 = flag
@@ -428,7 +436,8 @@ public struct ConfigParser: Sendable {
         "listen", "upstream_proxy", "no_upstream_proxy", "proxy_auth_file", "protected_users", "passthrough_users",
         "connect_timeout", "idle_timeout",
         "keepalive_timeout", "header_timeout", "shutdown_grace", "max_request_line", "max_header_bytes",
-        "max_headers", "max_connections", "max_connections_per_client", "replay_memory", "replay_spool", "http2",
+        "max_headers", "max_connections", "max_connections_per_client", "replay_memory", "replay_spool",
+        "replay_memory_total", "replay_spool_total", "http2",
         "upstream_client", "resolve", "notify_command", "log_level", "log_format", "admin_listen",
         "state_dir", "token_store",
     ]

@@ -55,7 +55,8 @@ extension ConnectionMachine {
         case .timedOut:
             answer = .connectTimeout(hop, milliseconds: settings.connectTimeout, viaProxy: connecting.viaProxy)
         case .refused: answer = .connectRefused(hop, viaProxy: connecting.viaProxy)
-        case .other(let reason): answer = .connectFailed(hop, reason: reason, viaProxy: connecting.viaProxy)
+        case .other(let reason), .noSocket(let reason):
+            answer = .connectFailed(hop, reason: reason, viaProxy: connecting.viaProxy)
         case nil: answer = .connectFailed(hop, reason: "unreachable", viaProxy: connecting.viaProxy)
         }
         answerConnectFailure(answer, log: connecting.logTarget, &out)
@@ -63,7 +64,7 @@ extension ConnectionMachine {
 
     mutating func connectFailed(_ failure: ConnectFailure, _ out: inout [Action]) {
         guard case .connecting(var connecting) = state, connecting.attempting else { return }
-        out.append(.closeUpstream)
+        if case .noSocket = failure {} else { out.append(.closeUpstream) }
         connecting.attempting = false
         connecting.lastFailure = failure
         state = .connecting(connecting)
@@ -204,7 +205,7 @@ extension ConnectionMachine {
         }
         // The payload is moved out (see `changeIntercepting`): its boxes are changed in place, not copied, and
         // it is put back on every way out.
-        state = .closed
+        state = .modifying
         spans.removeAll(keepingCapacity: true)
         if let error = forwarding.request.take(from: client, at: clientOffset, into: &spans) {
             state = .forwarding(forwarding)
@@ -236,7 +237,7 @@ extension ConnectionMachine {
         guard case .forwarding(var forwarding) = state else { return }
         // Moved out so that its boxes (the head parser, the body's progress) change in place; every way out
         // puts it back (or leaves the state).
-        state = .closed
+        state = .modifying
         while forwarding.response == nil {
             guard upstream.count > upstreamOffset else {
                 state = .forwarding(forwarding)

@@ -36,7 +36,7 @@ extension ConnectionMachine {
             if client.count - clientOffset > settings.headLimits.maxHeadBytes { out.append(.readClient(false)) }
             return
         }
-        state = .closed  // moved out while it changes (see `changeIntercepting`); put back below
+        state = .modifying  // moved out while it changes (see `changeIntercepting`); put back below
         var kept = 0
         var failure: HTTPParseError?
         while !intercepting.body.done && client.count > clientOffset {
@@ -108,7 +108,7 @@ extension ConnectionMachine {
         guard case .intercepting = state else { return }
         // Swapped out, then taken apart: a move, where binding the payload of `state` would copy it (a retain
         // of each reference in it) and the placeholder's assignment would then release them all again.
-        var taken = State.closed
+        var taken = State.modifying
         swap(&taken, &state)
         guard case .intercepting(var intercepting) = consume taken else { preconditionFailure("checked above") }
         change(&intercepting)

@@ -57,6 +57,8 @@ public struct ConnectionMachine: Sendable {
         case credentialFailed(ProxyAnswer)
         /// The body could not be kept for replay.
         case bodyNotKept(directory: String)
+        /// The request body outgrew what the I/O layer may keep for replays: the rest streams, once.
+        case bodyBeyondBudget
         /// `count` body bytes of the upstream transfer's response are there (one libcurl write callback).
         case transferBody(count: Int)
         /// The upstream transfer ended (`failure` nil: complete).
@@ -103,7 +105,7 @@ public struct ConnectionMachine: Sendable {
         /// in the log line written when it ends.
         case startTunnel(label: TunnelLabel, status: Int)
         /// Answer `200 Connection established`, then terminate TLS for the protected origin on the socket.
-        case startInterception(OriginConfig)
+        case startInterception(OriginConfig, answer: [UInt8])
         /// The client chose HTTP/2 (ALPN h2): an `H2Session` runs the connection from here (`misdirected`:
         /// the SNI named another host).
         case startHTTP2(OriginConfig, misdirected: String?)
@@ -157,6 +159,10 @@ public struct ConnectionMachine: Sendable {
         /// A tunnel or a TLS session took the connection over. Terminal.
         case handedOff
         case closed
+        /// The placeholder while a state's payload is moved out to change in place (`changeIntercepting`): never
+        /// seen by an event (every entry traps on it), so a way out that forgot to put the state back is a crash
+        /// in the tests, not a connection hung in a terminal state (async-http-client's `.modifying`).
+        case modifying
     }
 
     struct ReadingHead: Sendable {
@@ -310,11 +316,17 @@ public struct ConnectionMachine: Sendable {
 
     // MARK: - Events
 
+    /// Traps on the placeholder of a state being changed: a way out of a change that did not put the state back.
+    private func checkNotModifying() {
+        if case .modifying = state { preconditionFailure("ConnectionMachine: a state was not put back after a change") }
+    }
+
     /// Handles `event` at monotonic time `now` (milliseconds). `client` and `upstream` are the bytes waiting
     /// in the two input buffers (an empty view where there is no upstream).
     public mutating func handle(
         _ event: Event, client: some ByteView, upstream: some ByteView, now: Int64, _ out: inout [Action]
     ) {
+        checkNotModifying()
         self.now = now
         clientOffset = 0
         upstreamOffset = 0
@@ -369,6 +381,8 @@ public struct ConnectionMachine: Sendable {
             upstreamTLSFailed(failure, detail: detail, &out)
         case .bodyNotKept(let directory):
             exchangeEvent(&out) { exchange, outputs in exchange.bodyNotKept(directory: directory, &outputs) }
+        case .bodyBeyondBudget:
+            exchangeEvent(&out) { exchange, outputs in exchange.bodyBeyondBudget(&outputs) }
         case .transferBody(let count):
             transferBody(count, &out)
         case .transferFinished(let failure, let detail):
@@ -382,6 +396,7 @@ public struct ConnectionMachine: Sendable {
     /// Lines of the upstream transfer's response head or trailers (libcurl's header callback), terminators
     /// included: one line or several (a whole head in one event costs one state change instead of one a line).
     public mutating func transferHeaderLines(_ lines: UnsafeRawBufferPointer, now: Int64, _ out: inout [Action]) {
+        checkNotModifying()
         self.now = now
         exchangeEvent(&out) { exchange, outputs in
             ASCII.forEachLine(lines) { exchange.upstreamHeaderLine($0, &outputs) }
@@ -390,6 +405,7 @@ public struct ConnectionMachine: Sendable {
 
     /// A response head the proxy's own client read and parsed (`OriginExchange`): not parsed again.
     public mutating func transferResponseHead(_ received: ReceivedHead, now: Int64, _ out: inout [Action]) {
+        checkNotModifying()
         self.now = now
         exchangeEvent(&out) { exchange, outputs in exchange.upstreamResponseHead(received, &outputs) }
     }
@@ -431,6 +447,8 @@ public struct ConnectionMachine: Sendable {
             if !forwarding.request.isComplete { abort(reason: "client closed during the request body", &out) }
         case .intercepting(let intercepting):
             if !intercepting.exchange.isBodyComplete { abort(reason: "client closed during the request body", &out) }
+        case .modifying:
+            preconditionFailure("ConnectionMachine: a state was not put back after a change")
         case .connecting, .proxyHandshake, .closing, .handedOff, .closed, .awaitingUpgradeTokens, .upstreamTLS:
             // The answer can still be delivered when the client only half-closed.
             break
@@ -466,6 +484,8 @@ public struct ConnectionMachine: Sendable {
                     out.append(.consumeClient(client.count - clientOffset))
                     clientOffset = client.count
                 }
+            case .modifying:
+                preconditionFailure("ConnectionMachine: a state was not put back after a change")
             case .handshaking, .connecting, .handedOff, .closed, .awaitingUpgradeTokens, .upstreamTLS:
                 break
             }
@@ -487,6 +507,7 @@ public struct ConnectionMachine: Sendable {
         case .closed: 8
         case .awaitingUpgradeTokens: 9
         case .upstreamTLS: 10
+        case .modifying: preconditionFailure("ConnectionMachine: a state was not put back after a change")
         }
     }
 
@@ -495,7 +516,7 @@ public struct ConnectionMachine: Sendable {
         // Moved out while the parser changes (no copy on write), as `changeIntercepting` does: swapped out and
         // taken apart, where binding the payload of `state` copied it (a retain of each reference in the
         // parser). Every branch puts it back.
-        var moved = State.closed
+        var moved = State.modifying
         swap(&moved, &state)
         guard case .readingHead(var reading) = consume moved else { preconditionFailure("checked above") }
         let (outcome, taken) = client.parseHead(&reading.parser, from: clientOffset)
@@ -560,7 +581,7 @@ public struct ConnectionMachine: Sendable {
             state = .handedOff
             out.append(.disarm(.head))
             out.append(.disarm(.keepAlive))
-            out.append(.startInterception(origin))
+            out.append(.startInterception(origin, answer: Self.connectEstablished))
         case .interceptRequest(let origin, let request):
             beginProtected(request, origin: origin, kept: kept, head: head, &out)
         case .forward(let forward):
@@ -688,6 +709,7 @@ public struct ConnectionMachine: Sendable {
         case .connecting(let connecting): connecting.attempting
         case .proxyHandshake, .forwarding, .upstreamTLS: true
         case .handshaking, .closing, .handedOff, .closed, .awaitingUpgradeTokens: false
+        case .modifying: preconditionFailure("ConnectionMachine: a state was not put back after a change")
         }
     }
 

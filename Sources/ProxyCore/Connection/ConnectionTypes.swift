@@ -26,6 +26,9 @@ public enum ConnectFailure: Sendable, Equatable {
     case refused
     case timedOut
     case other(reason: String)
+    /// The attempt never had a socket (no descriptor left, no memory, an address the I/O layer lacks): there is
+    /// no upstream connection to close.
+    case noSocket(reason: String)
 }
 
 /// A line for the log, without the `conn= client=` prefix the I/O layer adds. Kept as its UTF-8 bytes: the

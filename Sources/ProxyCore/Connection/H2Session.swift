@@ -25,6 +25,8 @@ public struct H2Session: Sendable {
         case refreshed(Stream, Result<TokenGrant, TokenFailure>)
         case credentialFailed(Stream, ProxyAnswer)
         case bodyNotKept(Stream, directory: String)
+        /// The stream's request body outgrew what the I/O layer may keep for replays: the rest streams, once.
+        case bodyBeyondBudget(Stream)
         case transferBody(Stream, count: Int)
         case transferFinished(Stream, UpstreamFailure?, detail: String)
         case timerFired(ConnectionTimer, lastActivity: Int64)
@@ -180,6 +182,8 @@ public struct H2Session: Sendable {
             exchange(stream, &out) { exchange, outputs in exchange.credentialFailed(answer, &outputs) }
         case .bodyNotKept(let stream, let directory):
             exchange(stream, &out) { exchange, outputs in exchange.bodyNotKept(directory: directory, &outputs) }
+        case .bodyBeyondBudget(let stream):
+            exchange(stream, &out) { exchange, outputs in exchange.bodyBeyondBudget(&outputs) }
         case .transferBody(let stream, let count):
             guard let state = streams[stream] else { return }
             if state.exchange.isDelivering {

@@ -147,12 +147,21 @@ public struct ProtectedExchange: Sendable {
     /// The I/O layer kept `count` more body bytes (after `.streamBody`, queued them for the transfer).
     public mutating func bodyReceived(_ count: Int, _ out: inout [Output]) {
         bodyReceived += count
-        if !streaming && bodyReceived > settings.replaySpool {
-            streaming = true
-            auth?.bodyNotKept()
-            out.append(.streamBody)
-            if case .awaitingBody(_, let held) = phase { deliverUnsent(held, &out) }
-        }
+        if bodyReceived > settings.replaySpool { stopKeeping(&out) }
+    }
+
+    /// The bodies kept for a replay hold all the I/O layer may keep (its connection's or the process's budget of
+    /// memory and spool): the rest of this one streams, and it cannot be sent again.
+    public mutating func bodyBeyondBudget(_ out: inout [Output]) {
+        stopKeeping(&out)
+    }
+
+    private mutating func stopKeeping(_ out: inout [Output]) {
+        guard !streaming else { return }
+        streaming = true
+        auth?.bodyNotKept()
+        out.append(.streamBody)
+        if case .awaitingBody(_, let held) = phase { deliverUnsent(held, &out) }
     }
 
     /// The request body is complete.
@@ -194,6 +203,8 @@ public struct ProtectedExchange: Sendable {
 
     /// The answer to `.getTokens`.
     public mutating func tokens(_ result: Result<TokenGrant, TokenFailure>, _ out: inout [Output]) {
+        // The I/O layer answers each `.getTokens` once (ExchangeIO): anything else is a bug, found in debug builds.
+        assert(phase == .gettingTokens, "ProtectedExchange: tokens nobody asked for")
         guard phase == .gettingTokens else { return }
         switch result {
         case .success(let grant):
@@ -208,6 +219,7 @@ public struct ProtectedExchange: Sendable {
 
     /// The answer to `.refreshTokens`.
     public mutating func refreshed(_ result: Result<TokenGrant, TokenFailure>, _ out: inout [Output]) {
+        // Not only while waiting: a gRPC refusal on an open request stream refreshes with nobody waiting.
         guard phase == .refreshing else { return }
         switch result {
         case .success(let grant):
@@ -223,6 +235,7 @@ public struct ProtectedExchange: Sendable {
     /// The token could not be attached: no DPoP key for it, or the proof could not be signed.
     /// Only right after `.send`: the I/O layer then started no transfer.
     public mutating func credentialFailed(_ answer: ProxyAnswer, _ out: inout [Output]) {
+        assert(phase == .sending, "ProtectedExchange: a credential failure without a .send")
         guard phase == .sending, !responseHead.hasPartialHead else { return }
         transferRunning = false
         fail(answer, &out)

@@ -111,6 +111,8 @@ struct ConnectionHarness {
     /// `.send` was issued and the transfer has delivered nothing yet (when the driver could still fail to
     /// attach the credential instead of starting it).
     var transferFresh = false
+    /// `.getTokens` was issued and not answered (the I/O layer answers each ask once, and only an ask).
+    var tokensAsked = false
     /// Request heads written upstream since the last response head came back, to spot resends.
     var lastHeadWritten: [UInt8]?
     var responseSinceLastHead = false
@@ -160,7 +162,13 @@ struct ConnectionHarness {
                 opcode & 1 == 0
                 ? .success(TokenGrant(generation: Int64(opcode & 0x0F) + 1, dpopNonce: opcode & 2 == 0 ? nil : "n"))
                 : .failure(opcode & 2 == 0 ? .signInNeeded(reason: "x") : .unavailable(reason: "y", retryAfter: 3))
-            event(opcode & 4 == 0 ? .tokens(grant) : .refreshed(grant))
+            if opcode & 4 == 0 {
+                guard tokensAsked else { return }
+                tokensAsked = false
+                event(.tokens(grant))
+            } else {
+                event(.refreshed(grant))
+            }
         case 10 where transferRunning:
             let text = transferTemplates[Int(reader.byte() ?? 0) % transferTemplates.count]
             transferHead(Array(text.utf8))
@@ -287,6 +295,8 @@ struct ConnectionHarness {
             invariant(origin == tunnel, "an exchange with \(origin.url) inside the tunnel to \(tunnel.url)")
         }
         switch output {
+        case .getTokens:
+            tokensAsked = true
         case .send(let request):
             invariant(!transferRunning, "a second transfer while one runs")
             transferRunning = true

@@ -268,7 +268,13 @@ struct H2Harness {
             } else {
                 result = .failure(tokenFailures[Int(low - 10) % tokenFailures.count])
             }
-            event(opcode >> 4 == 5 ? .tokens(stream, result) : .refreshed(stream, result))
+            // The I/O layer answers a stream's `.getTokens` once, and nothing else gets tokens.
+            if opcode >> 4 == 5 {
+                guard streams[stream]?.awaitingTokens == true else { return }
+                event(.tokens(stream, result))
+            } else {
+                event(.refreshed(stream, result))
+            }
         case 7:
             guard let stream = pick(reader.byte()), let log = streams[stream] else { return }
             if low & 1 != 0 {
