@@ -455,6 +455,8 @@ final class OriginConnection {
     /// when it is up.
     func startTLS() {
         guard phase == .open, ssl == nil, tls != nil else { return failed(.tls, "TLS cannot start on this connection") }
+        // What the upstream proxy sent is read and gone: bytes left here would be taken for the origin's.
+        guard evbuffer_get_length(input) == 0 else { return failed(.tls, "bytes before TLS on this connection") }
         stopReading()
         beginTLS()
     }
@@ -1104,8 +1106,17 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
             defer { out.returnScratch(to: &context.originActions) }
             _ = machine.received(bytes, &out)
             // The bytes are handed over first (the ranges point into them), then drained, then the connection is
-            // released: back to the pool with nothing of this response left in it.
-            let split = out.firstIndex { if case .release = $0 { true } else { false } } ?? out.count
+            // released (back to the pool with nothing of this response left in it) or its TLS starts: a handshake
+            // can finish within `startTLS` (the origin's whole flight already there when the process was
+            // preempted between sending its hello and reading), and the HTTP/2 session made then must not find the
+            // upstream proxy's answer in the input as its first bytes.
+            let split =
+                out.firstIndex {
+                    switch $0 {
+                    case .release, .startTLS: true
+                    default: false
+                    }
+                } ?? out.count
             run(out, 0..<split, input: bytes)
             // The owner may have cancelled meanwhile: the connection is then gone.
             if connection === used { evbuffer_drain(input, length) }

@@ -37,6 +37,9 @@ final class OriginH2Session: OriginConnectionUser {
     /// No new stream goes on this connection: the origin sent GOAWAY, or the connection ended.
     private(set) var goingAway = false
     private var closed = false
+    /// Why nghttp2 ended the connection itself (a GOAWAY it sent for the origin's protocol error): the reason
+    /// the streams fail with when the origin then closes, instead of the close alone.
+    fileprivate var protocolError: String?
     /// The last stream id the origin's GOAWAY said it may process.
     private var goawayLastStream: Int32 = .max
     weak var pool: OriginPool?
@@ -85,6 +88,7 @@ final class OriginH2Session: OriginConnectionUser {
         nghttp2_session_callbacks_set_on_frame_recv_callback(callbacks, originFrameReceived)
         nghttp2_session_callbacks_set_on_data_chunk_recv_callback(callbacks, originDataChunk)
         nghttp2_session_callbacks_set_on_stream_close_callback(callbacks, originStreamClosed)
+        nghttp2_session_callbacks_set_error_callback2(callbacks, originSessionError)
         var option: OpaquePointer?
         nghttp2_option_new(&option)
         defer { nghttp2_option_del(option) }
@@ -200,7 +204,13 @@ final class OriginH2Session: OriginConnectionUser {
             switch fill {
             case .wouldBlock: break reading
             case .limit: continue
-            case .ended: ended = "the origin closed the connection"
+            case .ended:
+                // nghttp2 stops reading once it has ended the connection itself for an error of the origin's.
+                if let protocolError, let session, nghttp2_session_want_read(session) == 0 {
+                    ended = "the origin broke HTTP/2 (\(protocolError))"
+                } else {
+                    ended = "the origin closed the connection"
+                }
             case .failed(let detail): ended = detail
             }
             break
@@ -454,6 +464,17 @@ private let originStreamClosed: @convention(c) (OpaquePointer?, Int32, UInt32, U
     originSession(user).streamClosed(stream, errorCode: errorCode)
     return 0
 }
+
+private let originSessionError:
+    @convention(c) (OpaquePointer?, Int32, UnsafePointer<CChar>?, Int, UnsafeMutableRawPointer?) -> Int32 = {
+        _, code, message, length, user in
+        let session = originSession(user)
+        if session.protocolError == nil, let message {
+            let bytes = UnsafeRawBufferPointer(start: message, count: length)
+            session.protocolError = String(decoding: bytes, as: UTF8.self)
+        }
+        return 0
+    }
 
 private let originReadRequestBody:
     @convention(c) (

@@ -48,9 +48,18 @@ def origin(module_dir):
 
 
 @pytest.fixture(scope="module")
-def deployment(module_dir, fake, origin):
+def broken(module_dir):
+    """An origin that chooses h2 and then sends a PING before its SETTINGS (RFC 9113 §3.4: SETTINGS first)."""
+    server = H2Origin(module_dir / "broken", HOST, first_bytes=bytes.fromhex("000008060000000000") + b"12345678")
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def deployment(module_dir, fake, origin, broken):
     sections = (config.provider("fake", fake.issuer, scopes=SCOPES, redirect_port=0)
-                + config.origin(f"https://{origin.authority}", "fake", ca_file=origin.ca_pem))
+                + config.origin(f"https://{origin.authority}", "fake", ca_file=origin.ca_pem)
+                + config.origin(f"https://{broken.authority}", "fake", ca_file=broken.ca_pem))
     ws = Workspace(module_dir / "main", sections, f"{HOST}=127.0.0.1")
     ws.ca_init()
     ws.login_fake("fake")
@@ -235,3 +244,18 @@ def test_request_trailers_and_response_trailers_cross_in_http2(deployment, origi
     assert info["body_size"] == 13 and info["trailers"] == {"x-request-sum": "abc"}, info
     assert response.status == 200 and response.trailers.get("grpc-status") == "0", response
     assert response.trailers["x-checksum"] == hashlib.sha256(response.body).hexdigest()
+
+
+@pytest.mark.parametrize("side", CLIENTS)
+def test_an_origin_that_breaks_http2_is_named_for_it(deployment, broken, side):
+    """The proxy's HTTP/2 client ends a connection whose first frame is not SETTINGS (GOAWAY PROTOCOL_ERROR) and
+    the client's 502 says so, in nghttp2's words, instead of only that the origin closed the connection."""
+    client = CLIENTS[side](deployment, broken)
+    try:
+        answer = client.request("GET", f"/broken/{uuid.uuid4().hex[:8]}")
+    finally:
+        client.close()
+    assert status(answer) == 502, answer
+    assert "broke HTTP/2" in proxy_status(answer) and "SETTINGS" in proxy_status(answer), proxy_status(answer)
+    ended = [why for _, why in broken.endings]
+    assert ended and all("PROTOCOL_ERROR" in why and "SETTINGS expected" in why for why in ended), ended
