@@ -498,10 +498,35 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(providers[1].subjectTokenType == "urn:ietf:params:oauth:token-type:id_token")
     }
 
+    /// Issue 32 item 6: a secret file says what the user means; RFC 7591 §2's default method for a client with a
+    /// secret is client_secret_basic. An explicit method or a key file keeps its meaning.
+    @Test func aClientSecretFileAloneMeansClientSecretBasic() throws {
+        let base = "[provider ci]\nissuer = https://login.example.com\nclient_id = ci-bot\n"
+        for grant in ["client_credentials", "token_exchange\nsubject_token_file = /t", "authorization_code"] {
+            let provider = try #require(
+                try parse(base + "grant = \(grant)\nclient_secret_file = /s\n").get().providers.first)
+            #expect(provider.effectiveClientAuth == .clientSecretBasic, "\(grant)")
+        }
+        let explicit = "token_endpoint_auth_method = client_secret_post\n"
+        let post = try parse(base + "grant = client_credentials\nclient_secret_file = /s\n" + explicit).get()
+        #expect(post.providers[0].effectiveClientAuth == .clientSecretPost)
+        let key = try parse(base + "grant = client_credentials\nclient_key_file = /k\n").get()
+        #expect(key.providers[0].effectiveClientAuth == .privateKeyJWT)
+        let plain = try parse(base + "grant = client_credentials\n").get()
+        #expect(plain.providers[0].effectiveClientAuth == .privateKeyJWT)
+        let bothFiles = base + "grant = client_credentials\nclient_secret_file = /s\nclient_key_file = /k\n"
+        guard case .failure(let both) = parse(bothFiles) else {
+            Issue.record("accepted a key file and a secret file without a method")
+            return
+        }
+        #expect(both.description.contains("token_endpoint_auth_method = private_key_jwt or client_secret_basic"))
+    }
+
     @Test(arguments: [
         ("grant = client_credentials\ntoken_endpoint_auth_method = none", "token_endpoint_auth_method"),
         ("token_endpoint_auth_method = client_secret_post", "token_endpoint_auth_method"),
-        ("client_secret_file = s", "client_secret_file"),
+        ("client_secret_file = s\nclient_key_file = k", "client_secret_file"),
+        ("token_endpoint_auth_method = private_key_jwt\nclient_secret_file = s", "client_secret_file"),
         ("grant = token_exchange", "grant"),
         ("grant = token_exchange\nsubject_token_file = a\nsubject_token_command = b", "grant"),
         ("subject_token_file = a", "subject_token_file"),

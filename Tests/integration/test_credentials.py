@@ -294,6 +294,27 @@ def test_client_secret_file_open_to_others_is_refused(tmp_path, sws):
         fake.stop()
 
 
+def test_a_client_secret_file_alone_means_client_secret_basic(tmp_path, sws):
+    """Issue 32 item 6: `grant = client_credentials` with `client_secret_file` and no
+    `token_endpoint_auth_method` is what RFC 7591 calls the default, client_secret_basic (it was refused)."""
+    secret = "client-secret-" + os.urandom(8).hex()
+    fake = FakeIdP(client_secret=secret).start()
+    sws.fakes.append(fake)
+    sws.secrets.add(secret)
+    try:
+        secret_file = write_secret(tmp_path / "client.secret", secret)
+        sws.write_config(config.provider("cc", fake.issuer, grant="client_credentials", client_secret_file=secret_file))
+        checked = sws.run("serve", "--check")
+        assert checked.returncode == 0, checked.stderr
+        done = sws.run("token", "cc")
+        assert done.returncode == 0, done.stderr
+        assert fake.client_auth_methods[-1] == "client_secret_basic"
+        request = fake.requests("token")[-1]
+        assert request.form["grant_type"] == "client_credentials" and "client_secret" not in request.form
+    finally:
+        fake.stop()
+
+
 # MARK: - A provider that ignores resource (the fake)
 
 

@@ -73,8 +73,7 @@ public struct ProviderConfig: Sendable, Equatable {
     public var tokenTimeout: Int = 30_000
     /// How tokens are obtained: a person's sign-in, or a grant that needs nobody.
     public var grant: ProviderGrant = .authorizationCode
-    /// Client authentication at the token endpoint; nil means the default for the grant (`none` for sign-in,
-    /// `private_key_jwt` for the machine grants).
+    /// Client authentication at the token endpoint; nil means the default (`effectiveClientAuth`).
     public var clientAuthMethod: ClientAuthMethod? = nil
     /// The client's private key for `private_key_jwt` (default `<state_dir>/keys/NAME.client.pem`).
     public var clientKeyFile: String? = nil
@@ -93,9 +92,14 @@ public struct ProviderConfig: Sendable, Equatable {
 
     public init(name: String) { self.name = name }
 
-    /// The client authentication in force.
+    /// The client authentication in force: `token_endpoint_auth_method`, else what the other keys say. A
+    /// `client_secret_file` without a `client_key_file` means `client_secret_basic` (RFC 7591 §2's default for
+    /// a client with a secret); otherwise `none` for a person's sign-in and `private_key_jwt` for the machine
+    /// grants.
     public var effectiveClientAuth: ClientAuthMethod {
-        clientAuthMethod ?? (grant == .authorizationCode ? .none : .privateKeyJWT)
+        if let clientAuthMethod { return clientAuthMethod }
+        if clientSecretFile != nil && clientKeyFile == nil { return .clientSecretBasic }
+        return grant == .authorizationCode ? .none : .privateKeyJWT
     }
 
     /// Whether tokens come from a person signing in (`proxyctl login`) rather than from a grant that needs nobody.
@@ -339,7 +343,9 @@ extension ConfigParser {
         if provider.clientSecretFile != nil && !method.usesSecret {
             crossError(
                 "client_secret_file",
-                "only used with token_endpoint_auth_method = client_secret_basic, client_secret_post or client_secret_jwt"
+                provider.clientAuthMethod == nil
+                    ? "client_key_file and client_secret_file are both given: say which one the client uses with token_endpoint_auth_method = private_key_jwt or client_secret_basic (client_secret_post, client_secret_jwt)"
+                    : "only used with token_endpoint_auth_method = client_secret_basic, client_secret_post or client_secret_jwt"
             )
         }
         if provider.grant == .clientCredentials && method == .none {
