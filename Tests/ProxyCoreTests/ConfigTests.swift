@@ -496,6 +496,13 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(providers[1].grant == .tokenExchange && providers[1].effectiveClientAuth == .clientSecretBasic)
         #expect(providers[1].clientSecretFile == "/home/ada/ci.secret" && providers[1].audience == "api")
         #expect(providers[1].subjectTokenType == "urn:ietf:params:oauth:token-type:id_token")
+        // A client assertion names the issuer unless told otherwise (draft-ietf-oauth-rfc7523bis).
+        #expect(providers[0].clientAssertionAudience == .issuer && providers[0].file == "proxy.conf")
+        let glewlwyd = try parse(
+            "[provider g]\nissuer = https://login.example.com\nclient_id = c\ngrant = client_credentials\n"
+                + "client_assertion_audience = token_endpoint\n"
+        ).get()
+        #expect(glewlwyd.providers[0].clientAssertionAudience == .tokenEndpoint)
     }
 
     /// Issue 32 item 6: a secret file says what the user means; RFC 7591 §2's default method for a client with a
@@ -531,6 +538,9 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         ("grant = token_exchange\nsubject_token_file = a\nsubject_token_command = b", "grant"),
         ("subject_token_file = a", "subject_token_file"),
         ("grant = password", "grant"),
+        ("client_assertion_audience = token_endpoint", "client_assertion_audience"),
+        ("grant = client_credentials\nclient_assertion_audience = endpoint", "client_assertion_audience"),
+        ("client_secret_file = s\nclient_assertion_audience = issuer", "client_assertion_audience"),
     ])
     func inconsistentProviderKeysAreNamed(lines: String, key: String) {
         let text = "[provider ci]\nissuer = https://login.example.com\nclient_id = c\n\(lines)\n"

@@ -190,6 +190,7 @@ public struct ConfigParser: Sendable {
                 seenProviders[name] = section.line
                 var provider = ProviderConfig(name: name)
                 provider.line = section.line
+                provider.file = file
                 applyProvider(section, file: file, into: &provider, errors: &errors)
                 config.providers.append(provider)
             case "proxy":
