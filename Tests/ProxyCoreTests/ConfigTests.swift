@@ -71,6 +71,7 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
             replay_memory = 2MiB
             replay_spool = 16MiB
             http2 = off
+            browser_requests = Allow
             upstream_client = Builtin
             resolve = api.test=127.0.0.1, Git.Test.=::1
             notify_command = notify-send  proxyctl
@@ -87,6 +88,7 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(proxy.replayMemory == 2 << 20)
         #expect(proxy.replaySpool == 16 << 20)
         #expect(proxy.http2 == false)
+        #expect(proxy.browserRequests == .allow)
         #expect(proxy.resolve == ["api.test": "127.0.0.1", "git.test": "::1"])
         #expect(proxy.notifyCommand == ["notify-send", "proxyctl"])
         #expect(proxy.listen == ListenAddress(host: "127.0.0.1", port: 3128, isIPv6: false))
@@ -108,7 +110,7 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(proxy.protectedUsers == .any && proxy.passthroughUsers == .owner)
         #expect(proxy.logLevel == .debug)
         #expect(proxy.stateDir == "/home/ada/state")
-        #expect(ConfigParser.proxyKeys.count == 27)
+        #expect(ConfigParser.proxyKeys.count == 28)
         for key in ConfigParser.proxyKeys {
             #expect(text.contains("\n\(key) = "), "\(key) is not covered")
         }

@@ -91,6 +91,9 @@ public struct ProxySettings: Sendable, Equatable {
     public var replaySpool = 64 << 20
     /// Offer HTTP/2 (ALPN h2) to clients of protected origins; off keeps them on HTTP/1.1.
     public var http2 = true
+    /// What a request made by a web page of another origin gets at a protected origin, unless its section says
+    /// otherwise (`browser_requests`; `BrowserRequests`).
+    public var browserRequests = BrowserRequestsPolicy.refuse
     /// Host names answered without DNS (`resolve = api.test=127.0.0.1`), like curl's --resolve: for
     /// development setups and sidecars.
     public var resolve: [String: String] = [:]
@@ -236,6 +239,10 @@ public struct ConfigParser: Sendable {
                     ))
             }
         }
+        // `browser_requests` of [proxy] is the default of every [origin] that does not set its own.
+        for index in origins.indices where !origins[index].setsBrowserRequests {
+            origins[index].browserRequests = config.proxy.browserRequests
+        }
         config.origins = OriginTable(origins)
         // Cross-key checks.
         if !config.proxy.listen.isLoopback && config.proxy.proxyAuthFile == nil {
@@ -361,6 +368,11 @@ public struct ConfigParser: Sendable {
             case "http2":
                 guard let flag = ConfigValue.bool(entry.value) else { return fail("expected on or off, \(got())") }
                 settings.http2 = flag
+            case "browser_requests":
+                guard let policy = BrowserRequestsPolicy(rawValue: entry.value.lowercased()) else {
+                    return fail("expected refuse or allow, \(got())")
+                }
+                settings.browserRequests = policy
             case "upstream_client":
                 // Obsolete: the proxy's own client carries every request to protected origins. `builtin`, what
                 // files written from the old example say, is what happens anyway.
@@ -430,7 +442,7 @@ public struct ConfigParser: Sendable {
         "connect_timeout", "idle_timeout",
         "keepalive_timeout", "header_timeout", "shutdown_grace", "max_request_line", "max_header_bytes",
         "max_headers", "max_connections", "max_connections_per_client", "replay_memory", "replay_spool", "http2",
-        "upstream_client", "resolve", "notify_command", "log_level", "log_format", "admin_listen",
+        "browser_requests", "upstream_client", "resolve", "notify_command", "log_level", "log_format", "admin_listen",
         "state_dir", "token_store",
     ]
 }
