@@ -85,6 +85,7 @@ enum ServeCommand {
                 // Keys that need a restart keep their old values meanwhile.
                 reloaded.settings.stateDir = before.proxy.stateDir
                 reloaded.settings.adminListen = before.proxy.adminListen
+                reloaded.settings.adminHosts = before.proxy.adminHosts
                 let originsChanged = fresh.origins != before.origins || fresh.providers != before.providers
                 let transportChanged =
                     fresh.proxy.upstreamProxy != before.proxy.upstreamProxy
@@ -212,6 +213,7 @@ enum ServeCommand {
         var keys: [String] = []
         if before.stateDir != after.stateDir { keys.append("state_dir") }
         if before.adminListen != after.adminListen { keys.append("admin_listen") }
+        if before.adminHosts != after.adminHosts { keys.append("admin_hosts") }
         return keys
     }
 

@@ -78,6 +78,7 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
             log_level = debug
             log_format = JSON
             admin_listen = 9464
+            admin_hosts = proxyctl, Metrics.Internal.
             state_dir = ~/state
             token_store = secret-service
             """
@@ -85,6 +86,7 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(proxy.logFormat == .json)
         #expect(proxy.adminListen == ListenAddress(host: "127.0.0.1", port: 9464, isIPv6: false))
         #expect(proxy.tokenStore == .secretService)
+        #expect(proxy.adminHosts == ["proxyctl", "metrics.internal"])
         #expect(proxy.replayMemory == 2 << 20)
         #expect(proxy.replaySpool == 16 << 20)
         #expect(proxy.http2 == false)
@@ -110,7 +112,7 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(proxy.protectedUsers == .any && proxy.passthroughUsers == .owner)
         #expect(proxy.logLevel == .debug)
         #expect(proxy.stateDir == "/home/ada/state")
-        #expect(ConfigParser.proxyKeys.count == 28)
+        #expect(ConfigParser.proxyKeys.count == 29)
         for key in ConfigParser.proxyKeys {
             #expect(text.contains("\n\(key) = "), "\(key) is not covered")
         }

@@ -81,6 +81,9 @@ public struct ProxySettings: Sendable, Equatable {
     public var logFormat = LogFormat.text
     /// Where `/healthz`, `/readyz` and `/metrics` are served; nil: nowhere.
     public var adminListen: ListenAddress? = nil
+    /// Host names the admin listener answers besides its own address and `localhost` (a scraper that names it,
+    /// such as a Compose service name): lower case, no port (`AdminDoor`).
+    public var adminHosts: [String] = []
     /// Not a configuration key: `proxyctl exec`'s own proxy admits processes of its user without the run's
     /// credential (which it still hands to the command).
     public var ownerNeedsNoCredentials = false
@@ -421,6 +424,19 @@ public struct ConfigParser: Sendable {
                 case .failure:
                     fail("expected HOST:PORT with an IP address, or a port for 127.0.0.1, \(got())")
                 }
+            case "admin_hosts":
+                var names: [String] = []
+                for item in entry.value.split(whereSeparator: { $0 == "," || $0 == " " }) {
+                    guard case .success(let parsed) = HostPort.parse(item, defaultPort: 1), parsed.kind == .name,
+                        !item.contains(":")
+                    else {
+                        return fail(
+                            "expected host names without ports, separated by commas, such as proxyctl, metrics.internal, \(got())"
+                        )
+                    }
+                    if !names.contains(parsed.host) { names.append(parsed.host) }
+                }
+                settings.adminHosts = names
             case "state_dir":
                 guard !entry.value.isEmpty else { return fail("expected a directory path") }
                 settings.stateDir = resolvePath(entry.value)
@@ -443,6 +459,6 @@ public struct ConfigParser: Sendable {
         "keepalive_timeout", "header_timeout", "shutdown_grace", "max_request_line", "max_header_bytes",
         "max_headers", "max_connections", "max_connections_per_client", "replay_memory", "replay_spool", "http2",
         "browser_requests", "upstream_client", "resolve", "notify_command", "log_level", "log_format", "admin_listen",
-        "state_dir", "token_store",
+        "admin_hosts", "state_dir", "token_store",
     ]
 }
