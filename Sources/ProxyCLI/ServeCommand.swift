@@ -55,6 +55,11 @@ enum ServeCommand {
         default:
             break
         }
+        if let ca, ca.isLegacy {
+            logger.warn(
+                "the local CA's name constraints are on its root, which Java ignores (for Java programs it could vouch for any name): run proxyctl ca init to replace it with one whose intermediate carries them, then restart this serve (until then it keeps signing with this CA, which the bundle keeps trusting)"
+            )
+        }
         let fileLimit = raiseFileLimit(logger: logger, settings: configuration.proxy)
 
         EventLoop.initializeLibraries()
