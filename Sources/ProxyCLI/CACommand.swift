@@ -209,7 +209,7 @@ enum CACommand {
             )
             if !serves.isEmpty {
                 say(
-                    "Send SIGHUP to each running proxyctl serve\(running): \(hup) (no restart is needed); until then it signs with a CA nobody trusts."
+                    "A running proxyctl serve\(running) moves to it by itself within a few seconds (no restart or SIGHUP is needed); connections it opened before keep the CA they started with."
                 )
             }
         }

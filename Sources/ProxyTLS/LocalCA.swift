@@ -65,6 +65,15 @@ public final class LocalCA: @unchecked Sendable {
     /// Whether this CA may sign for every one of `hosts`.
     public func covers(_ wanted: [String]) -> Bool { Set(wanted).isSubset(of: hosts) }
 
+    /// Whether a running proxy goes on signing with this CA rather than the one in its directory now: while it
+    /// covers the protected `hosts`, is more than `margin` from its end, and clients that use the bundle trust it
+    /// (`trusted`: it is the CA there, or a retired one that has not expired). A CA replaced by a wider one thus
+    /// stays in use (the clients that loaded the bundle before trust only it); one that `ca init --force` stopped
+    /// trusting, or that nears its end, gives way.
+    public func keepsSigning(hosts: [String], trusted: Bool, now: Int64, margin: Int64 = 7 * 86400) -> Bool {
+        covers(hosts) && certificate.notAfter >= now + margin && trusted
+    }
+
     /// Whether the constraints of every certificate of the CA permit `host`.
     public func permits(_ host: String) -> Bool { constraints.allSatisfy { $0.permits(dnsName: host) } }
 

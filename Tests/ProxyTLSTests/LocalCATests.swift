@@ -223,6 +223,23 @@ import Testing
         #expect(LocalCA.retired(files).count == 1)
     }
 
+    /// What a running proxy does when the directory's CA changes (`LocalCAWatch`, a SIGHUP): it keeps a retired CA
+    /// the bundle still trusts, and gives way when the CA is trusted no more, nears its end, or lacks a host.
+    @Test func aRunningProxyKeepsItsCAWhileTheBundleTrustsIt() throws {
+        let first = try LocalCA.create(hosts: ["a.test"], label: "test")
+        try first.save(files, systemRoots: nil)
+        let now = Int64(time(nil))
+        #expect(first.keepsSigning(hosts: ["a.test"], trusted: first.isTrusted(files), now: now))
+        try LocalCA.create(hosts: ["a.test", "b.test"], label: "test").save(files, systemRoots: nil)
+        #expect(first.keepsSigning(hosts: ["a.test"], trusted: first.isTrusted(files), now: now), "retired, trusted")
+        #expect(!first.keepsSigning(hosts: ["a.test", "b.test"], trusted: true, now: now), "lacks a host")
+        #expect(
+            !first.keepsSigning(hosts: ["a.test"], trusted: true, now: first.certificate.notAfter - 86400),
+            "within a week of its end")
+        try LocalCA.create(hosts: ["a.test"], label: "test").save(files, systemRoots: nil, retainPrevious: false)
+        #expect(!first.keepsSigning(hosts: ["a.test"], trusted: first.isTrusted(files), now: now), "--force")
+    }
+
     @Test func replacingWithoutRetainingTrustsTheOldOnesNoMore() throws {
         let first = try LocalCA.create(hosts: ["a.test"], label: "test")
         try first.save(files, systemRoots: nil)
