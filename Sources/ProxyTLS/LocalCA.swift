@@ -229,7 +229,8 @@ public final class LocalCA: @unchecked Sendable {
             guard let intermediatePEM = FileManager.default.contents(atPath: files.intermediate) else {
                 guard let keyPEM = FileManager.default.contents(atPath: files.key) else {
                     throw CryptoError(
-                        "\(files.intermediateKey) is missing; run proxyctl ca init --force to make a new CA")
+                        "\(files.intermediate) and \(files.key) are missing; run proxyctl ca init --force to make a new CA"
+                    )
                 }
                 let key = try PrivateKey.fromPEM(Array(keyPEM))
                 guard root.matches(key) else {
