@@ -61,6 +61,10 @@ static inline long proxyctl_SSL_CTX_set_session_cache_mode(SSL_CTX *ctx, long mo
 }
 static inline long proxyctl_SSL_CTX_set_mode(SSL_CTX *ctx, long mode) { return SSL_CTX_set_mode(ctx, mode); }
 static inline long proxyctl_SSL_set_mode(SSL *ssl, long mode) { return SSL_set_mode(ssl, mode); }
+// SSL_CTX_add1_chain_cert is a macro over SSL_CTX_ctrl: the local CA's intermediate sent after each leaf.
+static inline int proxyctl_SSL_CTX_add1_chain_cert(SSL_CTX *ctx, X509 *x509) {
+    return (int)SSL_CTX_add1_chain_cert(ctx, x509);
+}
 
 // EVP_PKEY_PUBLIC_KEY and EVP_PKEY_KEYPAIR are macro expressions.
 static inline int proxyctl_EVP_PKEY_PUBLIC_KEY(void) { return EVP_PKEY_PUBLIC_KEY; }

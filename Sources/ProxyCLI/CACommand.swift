@@ -83,8 +83,11 @@ enum CACommand {
             context.err("CA certificate: \(files.certificate)")
             return ExitCode.success
         }
-        context.err("  certificate: \(files.certificate)  (SHA-256 \(ca.certificate.fingerprint))")
-        context.err("  key:         \(files.key)  (readable by you alone)")
+        context.err(
+            "  certificate: \(files.certificate)  (SHA-256 \(ca.certificate.fingerprint); the root clients trust)")
+        context.err(
+            "  signs:       \(files.intermediate)  (the name-constrained intermediate; the root's key is not kept)")
+        context.err("  key:         \(files.intermediateKey)  (readable by you alone)")
         context.err("  bundle:      \(files.bundle)  (the system roots plus the local CA)")
         context.err("Make your tools trust it and use the proxy:  eval \"$(proxyctl env)\"")
         return ExitCode.success
@@ -115,7 +118,8 @@ enum CACommand {
             existing = nil
         }
         let plan = LocalCA.Plan.decide(
-            existing: existing.map { ($0.hosts, $0.certificate.notAfter) }, wanted: hosts, force: force, now: now)
+            existing: existing.map { ($0.hosts, $0.certificate.notAfter, $0.isLegacy) }, wanted: hosts, force: force,
+            now: now)
         // ca init speaks in sentences, init's report in indented lines that start in lower case.
         let say = { (line: String) in
             context.err(style == .report ? "  \(line)" : line.prefix(1).uppercased() + line.dropFirst())
@@ -137,7 +141,8 @@ enum CACommand {
         let newHosts: [String]
         switch plan {
         case .keep: newHosts = hosts
-        case .create(let made), .widen(let made, _), .renew(let made, _), .replace(let made, _): newHosts = made
+        case .create(let made), .widen(let made, _), .renew(let made, _), .upgrade(let made, _), .replace(let made, _):
+            newHosts = made
         }
         let user = context.environment["USER"] ?? "user"
         let ca: LocalCA
@@ -186,6 +191,15 @@ enum CACommand {
                     + " for \(list(newHosts)) (the old one expires \(until))"
                     + (added.isEmpty ? "" : ", adding \(list(added))") + (style == .report ? "" : "."))
             say(style == .report ? kept : kept + ".")
+        case .upgrade(_, let added):
+            say(
+                (style == .report ? "made a new local CA" : "Made a new local CA")
+                    + " for \(list(newHosts))" + (added.isEmpty ? "" : ", adding \(list(added))")
+                    + ": its name constraints are on an intermediate, which every client enforces (Java ignores them on the root of the CA before it), and its root's key was never stored"
+                    + (style == .report ? "" : "."))
+            say(
+                "the key of the CA before it is deleted; "
+                    + (style == .report ? kept : kept + "."))
         case .replace(_, let dropped):
             say(
                 "Made a new local CA for exactly: \(list(newHosts)) (--force); the CAs before it are trusted no more."
@@ -195,7 +209,7 @@ enum CACommand {
             )
             if !serves.isEmpty {
                 say(
-                    "Send SIGHUP to each running proxyctl serve\(running): \(hup) (no restart is needed); until then it signs with a CA nobody trusts."
+                    "A running proxyctl serve\(running) moves to it by itself within a few seconds (no restart or SIGHUP is needed); connections it opened before keep the CA they started with."
                 )
             }
         }
@@ -214,6 +228,13 @@ enum CACommand {
         context.out("  valid until: \(HumanTime.describe(ca.certificate.notAfter, now: now))")
         context.out("  SHA-256:     \(ca.certificate.fingerprint)")
         context.out("  certificate: \(files.certificate)")
+        if ca.isLegacy {
+            context.out(
+                "  signs with:  the root itself (\(files.key)): Java ignores name constraints on a root, so for Java programs this CA could vouch for any name; run proxyctl ca init to replace it with one whose constraints sit on an intermediate"
+            )
+        } else {
+            context.out("  signs with:  \(files.intermediate) (name-constrained; the root's key was never stored)")
+        }
         context.out("  bundle:      \(files.bundle)")
         for retired in LocalCA.retired(files, now: now) {
             context.out(

@@ -45,6 +45,7 @@ struct ConfigLoader {
         ("PROXYCTL_STATE_DIR", "state_dir"), ("PROXYCTL_ADMIN_LISTEN", "admin_listen"),
         ("PROXYCTL_LOG_FORMAT", "log_format"), ("PROXYCTL_LOG_LEVEL", "log_level"),
         ("PROXYCTL_UPSTREAM_PROXY", "upstream_proxy"), ("PROXYCTL_PROTECTED_USERS", "protected_users"),
+        ("PROXYCTL_ADMIN_HOSTS", "admin_hosts"),
     ]
 
     /// Where the configuration comes from: `--config FILE`, else `$PROXYCTL_CONFIG_TEXT`, else

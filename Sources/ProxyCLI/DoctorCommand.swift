@@ -126,6 +126,10 @@ enum DoctorCommand {
                     fix: "proxyctl ca init")
             } else if ca.certificate.notAfter < now + 7 * 86400 {
                 bad("the CA expires \(HumanTime.describe(ca.certificate.notAfter, now: now))", fix: "proxyctl ca init")
+            } else if ca.isLegacy {
+                bad(
+                    "the CA's name constraints are on its root, which Java ignores (for Java programs it could vouch for any name)",
+                    fix: "proxyctl ca init (a new CA whose intermediate carries them; then restart proxyctl serve)")
             } else {
                 let extra = Set(ca.hosts).subtracting(hosts).sorted()
                 ok(

@@ -138,8 +138,8 @@ enum ProxyRuntime {
         }
         do {
             return try AdminServer(
-                address: address, version: Version.string, metrics: metrics, providerFacts: facts,
-                readiness: readiness)
+                address: address, settings: settings, version: Version.string, metrics: metrics,
+                providerFacts: facts, readiness: readiness)
         } catch {
             throw CommandFailure(message: "\(error)")
         }

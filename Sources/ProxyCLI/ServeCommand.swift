@@ -55,6 +55,11 @@ enum ServeCommand {
         default:
             break
         }
+        if let ca, ca.isLegacy {
+            logger.warn(
+                "the local CA's name constraints are on its root, which Java ignores (for Java programs it could vouch for any name): run proxyctl ca init to replace it with one whose intermediate carries them, then restart this serve (until then it keeps signing with this CA, which the bundle keeps trusting)"
+            )
+        }
         let fileLimit = raiseFileLimit(logger: logger, settings: configuration.proxy)
 
         EventLoop.initializeLibraries()
@@ -85,6 +90,7 @@ enum ServeCommand {
                 // Keys that need a restart keep their old values meanwhile.
                 reloaded.settings.stateDir = before.proxy.stateDir
                 reloaded.settings.adminListen = before.proxy.adminListen
+                reloaded.settings.adminHosts = before.proxy.adminHosts
                 let originsChanged = fresh.origins != before.origins || fresh.providers != before.providers
                 let transportChanged =
                     fresh.proxy.upstreamProxy != before.proxy.upstreamProxy
@@ -165,8 +171,29 @@ enum ServeCommand {
             logger.always(line)
         }
         logger.always("use it: eval \"$(proxyctl env)\", or proxyctl exec -- COMMAND")
+        // A CA `proxyctl ca init` makes meanwhile is picked up by itself, as a SIGHUP would pick it up.
+        let caWatch = stateDirectory.map { directory in
+            LocalCAWatch(
+                loop: loop, files: LocalCA.Files(stateDirectory: directory), logger: logger,
+                check: {
+                    guard signing.value != nil else { return .success(nil) }
+                    do {
+                        let fresh = try loadLocalCA(current.value, stateDirectory: directory, inUse: signing.value)
+                        guard let fresh, fresh !== signing.value else { return .success(nil) }
+                        return .success(fresh)
+                    } catch {
+                        return .failure(error)
+                    }
+                },
+                apply: { ca in
+                    guard server.signWith(ca) else { return false }
+                    signing.value = ca
+                    return true
+                })
+        }
         logger.holdAccessLines(on: loop)
         loop.run()
+        caWatch?.stop()
         logger.flush()
         server.removeServeState()
         admin?.stop()
@@ -212,6 +239,7 @@ enum ServeCommand {
         var keys: [String] = []
         if before.stateDir != after.stateDir { keys.append("state_dir") }
         if before.adminListen != after.adminListen { keys.append("admin_listen") }
+        if before.adminHosts != after.adminHosts { keys.append("admin_hosts") }
         return keys
     }
 
@@ -229,9 +257,7 @@ enum ServeCommand {
             throw CommandFailure(message: "no state directory for the local CA: set HOME, XDG_STATE_HOME or state_dir")
         }
         let files = LocalCA.Files(stateDirectory: stateDirectory)
-        if let inUse, inUse.covers(hosts), inUse.certificate.notAfter >= Int64(time(nil)) + 7 * 86400,
-            inUse.isTrusted(files)
-        {
+        if let inUse, inUse.keepsSigning(hosts: hosts, trusted: inUse.isTrusted(files), now: Int64(time(nil))) {
             return inUse
         }
         let ca: LocalCA

@@ -49,15 +49,18 @@ public typealias ProviderFactsSource = @Sendable () -> [String: ProviderFacts]
 /// readiness check (which reads token files) never runs on the proxy's loop.
 ///
 /// Each connection reads one request head (the one parser, `HTTPHeadParser`), gets one answer and is closed.
-/// Nothing it answers carries a path, a query, a token or a user.
+/// Who gets a connection and what a request gets are `AdminAdmission`'s and `AdminDoor`'s decisions (ProxyCore):
+/// a total head deadline, limits per client and in all with the oldest unfinished head making room, and only
+/// Host values naming the listener's own address. Nothing it answers carries a path, a query, a token or a user.
 public final class AdminServer: Sendable {
     private let thread: LoopThread
     private let listener: LoopBound<AdminListener>
     public let boundAddress: ListenAddress
 
-    /// Binds `address`; `metrics` renders `/metrics`, `readiness` decides `/readyz`.
+    /// Binds `address`; `metrics` renders `/metrics`, `readiness` decides `/readyz`; `settings` give the head
+    /// deadline (`AdminAdmission.limits`).
     public init(
-        address: ListenAddress, version: String, metrics: ProxyMetrics,
+        address: ListenAddress, settings: ProxySettings, version: String, metrics: ProxyMetrics,
         providerFacts: @escaping ProviderFactsSource, readiness: @escaping ReadinessCheck
     ) throws {
         let thread = LoopThread()
@@ -66,9 +69,8 @@ public final class AdminServer: Sendable {
         thread.loop.post {
             do {
                 let listener = try AdminListener(
-                    loop: thread.loop, address: address, version: version, metrics: metrics,
-                    providerFacts: providerFacts,
-                    readiness: readiness)
+                    loop: thread.loop, address: address, settings: settings, version: version, metrics: metrics,
+                    providerFacts: providerFacts, readiness: readiness)
                 made.withLock { $0 = .success((LoopBound(listener, loop: thread.loop), listener.port)) }
             } catch {
                 made.withLock { $0 = .failure(error) }
@@ -109,11 +111,13 @@ final class AdminListener {
     let providerFacts: ProviderFactsSource
     let readiness: ReadinessCheck
     private(set) var port = 0
+    private(set) var door: AdminDoor
+    private var admission: AdminAdmission
     private var listener: OpaquePointer?
-    private var connections: [ObjectIdentifier: AdminConnection] = [:]
+    private var connections: [UInt64: AdminConnection] = [:]
 
     init(
-        loop: EventLoop, address: ListenAddress, version: String, metrics: ProxyMetrics,
+        loop: EventLoop, address: ListenAddress, settings: ProxySettings, version: String, metrics: ProxyMetrics,
         providerFacts: @escaping ProviderFactsSource, readiness: @escaping ReadinessCheck
     ) throws {
         self.loop = loop
@@ -121,12 +125,16 @@ final class AdminListener {
         self.metrics = metrics
         self.providerFacts = providerFacts
         self.readiness = readiness
+        let (limits, headDeadline) = AdminAdmission.limits(settings: settings)
+        admission = AdminAdmission(limits: limits, headDeadline: headDeadline)
+        door = AdminDoor(bound: address, names: settings.adminHosts)
         guard let socketAddress = SocketAddress(ip: address.host, port: address.port) else {
             throw ServerError(message: "cannot listen on \(address) (admin_listen): not an IP address")
         }
         let flags = LEV_OPT_CLOSE_ON_FREE | LEV_OPT_REUSEABLE | LEV_OPT_CLOSE_ON_EXEC
+        // A backlog as deep as the proxy's: a burst of connections must not make a probe's SYN wait for a retry.
         listener = socketAddress.withSockaddr { pointer, length in
-            evconnlistener_new_bind(loop.base, nil, nil, UInt32(flags), 64, pointer, Int32(length))
+            evconnlistener_new_bind(loop.base, nil, nil, UInt32(flags), 1024, pointer, Int32(length))
         }
         guard let listener else {
             let code = proxyctl_errno()
@@ -144,10 +152,18 @@ final class AdminListener {
                 return SocketAddress(raw, length: length).port
             }
         }
+        door = AdminDoor(
+            bound: ListenAddress(host: address.host, port: port, isIPv6: address.isIPv6), names: settings.adminHosts)
+        // TCP_DEFER_ACCEPT (tcp(7)): the kernel hands over a connection once its first bytes arrived (nginx's
+        // `deferred`). A probe's whole head then comes with its accept and is answered at once, before any later
+        // accept could close it to make room; a connection that sends nothing never takes a slot or a descriptor.
+        var seconds = Int32(max(1, headDeadline / 1000))
+        _ = setsockopt(fd, Int32(IPPROTO_TCP), TCP_DEFER_ACCEPT, &seconds, socklen_t(MemoryLayout<Int32>.size))
         evconnlistener_set_cb(
             listener,
-            { _, fd, _, _, context in
-                Unmanaged<AdminListener>.fromOpaque(context!).takeUnretainedValue().accepted(fd)
+            { _, fd, address, length, context in
+                let client = address.map { SocketAddress($0, length: socklen_t(length)).ipString } ?? "-"
+                Unmanaged<AdminListener>.fromOpaque(context!).takeUnretainedValue().accepted(fd, client: client)
             }, Unmanaged.passUnretained(self).toOpaque())
     }
 
@@ -156,19 +172,32 @@ final class AdminListener {
         connections.removeAll()
     }
 
-    func accepted(_ fd: Int32) {
-        // A handful of probes and scrapers at a time; beyond that, close at once.
-        guard connections.count < 64 else {
-            Glibc.close(fd)
-            return
-        }
+    func accepted(_ fd: Int32, client: String) {
         _ = evutil_make_socket_nonblocking(fd)
-        let connection = AdminConnection(listener: self, fd: fd)
-        connections[ObjectIdentifier(connection)] = connection
+        // Before a connection is closed to make room, what it sent meanwhile is read: a head that is complete
+        // now is answered instead (a probe accepted just before a burst of the flood's connections).
+        while let candidate = admission.nextVictim(client: client), let connection = connections[candidate],
+            connection.readWaiting()
+        {}
+        switch admission.accepted(client: client) {
+        case .turnAway(let answer):
+            // One write to a fresh socket, never a wait (as the proxy's own listener does).
+            let bytes = answer.response.serialized()
+            _ = bytes.withUnsafeBytes { Glibc.send(fd, $0.baseAddress, $0.count, proxyctl_msg_nosignal()) }
+            Glibc.close(fd)
+        case .admit(let id, let evicting):
+            for victim in evicting { connections.removeValue(forKey: victim)?.close(admitted: false) }
+            let connection = AdminConnection(listener: self, id: id, fd: fd, headDeadline: admission.headDeadline)
+            connections[id] = connection
+            connection.start()
+        }
     }
 
-    func closed(_ connection: AdminConnection) {
-        connections.removeValue(forKey: ObjectIdentifier(connection))
+    func headComplete(_ id: UInt64) { admission.headComplete(id) }
+
+    func closed(_ id: UInt64) {
+        admission.closed(id)
+        connections.removeValue(forKey: id)
     }
 
     func shutdown() {
@@ -179,19 +208,17 @@ final class AdminListener {
 
     /// The answer to one request: status, content type, body.
     func handle(_ head: HTTPHead) -> (Int, String, String) {
-        guard head.method == "GET" || head.method == "HEAD" else {
-            return (405, "text/plain; charset=utf-8", "only GET and HEAD\n")
-        }
-        // The path alone: a query is neither needed nor echoed.
-        let path = head.target.split(separator: "?", maxSplits: 1, omittingEmptySubsequences: false).first ?? ""
-        switch path {
-        case "/healthz":
-            return (200, "text/plain; charset=utf-8", "ok\n")
-        case "/readyz":
+        let text = "text/plain; charset=utf-8"
+        switch door.route(head) {
+        case .answer(let status, let body):
+            return (status, text, body)
+        case .health:
+            return (200, text, "ok\n")
+        case .readiness:
             let reasons = readiness()
-            if reasons.isEmpty { return (200, "text/plain; charset=utf-8", "ready\n") }
-            return (503, "text/plain; charset=utf-8", "not ready:\n" + reasons.map { "- \($0)\n" }.joined())
-        case "/metrics":
+            if reasons.isEmpty { return (200, text, "ready\n") }
+            return (503, text, "not ready:\n" + reasons.map { "- \($0)\n" }.joined())
+        case .metrics:
             var registry = metrics.snapshot
             for (provider, facts) in providerFacts() {
                 var counts = registry.providers[provider, default: MetricsRegistry.ProviderCounts()]
@@ -201,22 +228,27 @@ final class AdminListener {
                 registry.providers[provider] = counts
             }
             return (200, "text/plain; version=0.0.4; charset=utf-8", registry.render(version: version))
-        default:
-            return (404, "text/plain; charset=utf-8", "not found; try /healthz, /readyz or /metrics\n")
         }
     }
 }
 
-/// One admin connection: read a head, answer, close.
+/// One admin connection: read a head within the deadline, answer, close.
 final class AdminConnection {
     unowned let listener: AdminListener
+    let id: UInt64
     private var bev: OpaquePointer?
-    private var parser = HTTPHeadParser(
-        kind: .request, limits: HTTPHeadLimits(maxStartLine: 2048, maxHeadBytes: 16384, maxFields: 50))
+    private var parser = HTTPHeadParser(kind: .request, limits: AdminDoor.headLimits)
     private var answered = false
+    private let fd: Int32
+    /// The total head deadline, from the accept (a head trickled in byte by byte does not extend it).
+    private var deadline: LoopTimer?
+    private let headDeadline: Int
 
-    init(listener: AdminListener, fd: Int32) {
+    init(listener: AdminListener, id: UInt64, fd: Int32, headDeadline: Int) {
         self.listener = listener
+        self.id = id
+        self.fd = fd
+        self.headDeadline = headDeadline
         bev = bufferevent_socket_new(listener.loop.base, fd, Int32(BEV_OPT_CLOSE_ON_FREE.rawValue))
         let context = Unmanaged.passUnretained(self).toOpaque()
         bufferevent_setcb(
@@ -225,13 +257,34 @@ final class AdminConnection {
             { _, context in Unmanaged<AdminConnection>.fromOpaque(context!).takeUnretainedValue().writable() },
             { _, _, context in Unmanaged<AdminConnection>.fromOpaque(context!).takeUnretainedValue().close() },
             context)
+        // The answer must be taken within 10 s (a scraper that does not read).
         var timeout = timeval(milliseconds: 10_000)
-        bufferevent_set_timeouts(bev, &timeout, &timeout)
+        bufferevent_set_timeouts(bev, nil, &timeout)
         bufferevent_enable(bev, Int16(EV_READ | EV_WRITE))
+        let timer = LoopTimer(loop: listener.loop) { [unowned self] in headTimedOut() }
+        timer.schedule(milliseconds: headDeadline)
+        deadline = timer
+    }
+
+    /// Reads what the socket holds already: a probe's head is usually there at the accept, and answering it now
+    /// means no later accept can make room at its expense.
+    func start() {
+        var buffer = [UInt8](repeating: 0, count: 4096)
+        let count = buffer.withUnsafeMutableBytes { Glibc.recv(fd, $0.baseAddress, $0.count, Int32(MSG_DONTWAIT)) }
+        guard count > 0 else { return }
+        buffer.withUnsafeBytes { handle(parser.parse(UnsafeRawBufferPointer(rebasing: $0[..<count]))) }
+    }
+
+    /// Reads what arrived since the loop last looked (the bufferevent's input, then the socket); true when the
+    /// head is complete now and the connection is being answered.
+    func readWaiting() -> Bool {
+        readable()
+        if !answered { start() }
+        return answered
     }
 
     func readable() {
-        guard !answered else { return }
+        guard !answered, let bev else { return }
         let input = bufferevent_get_input(bev)
         var outcome = HTTPHeadParser.Outcome.needMore
         Buffers.forEachSegment(input) { segment in
@@ -240,6 +293,11 @@ final class AdminConnection {
             return false
         }
         evbuffer_drain(input, Buffers.length(input))
+        handle(outcome)
+    }
+
+    private func handle(_ outcome: HTTPHeadParser.Outcome) {
+        guard !answered else { return }
         switch outcome {
         case .needMore:
             return
@@ -251,8 +309,19 @@ final class AdminConnection {
         }
     }
 
+    private func headTimedOut() {
+        guard !answered else { return }
+        let response = ProxyAnswer.requestHeadTimeout(milliseconds: headDeadline).response
+        answered = true
+        listener.headComplete(id)
+        Buffers.append(response.serialized(), to: bufferevent_get_output(bev))
+        bufferevent_disable(bev, Int16(EV_READ))
+    }
+
     private func answer(_ status: Int, _ type: String, _ body: String, headRequest: Bool) {
         answered = true
+        deadline?.cancel()
+        listener.headComplete(id)
         let bytes = Array(body.utf8)
         let head =
             "HTTP/1.1 \(status) \(ProxyResponse.reasonPhrase(status))\r\nContent-Type: \(type)\r\n"
@@ -262,14 +331,20 @@ final class AdminConnection {
     }
 
     func writable() {
-        if answered && Buffers.length(bufferevent_get_output(bev)) == 0 { close() }
+        if answered, let bev, Buffers.length(bufferevent_get_output(bev)) == 0 { close() }
     }
 
-    deinit { if let bev { bufferevent_free(bev) } }
+    deinit {
+        deadline?.cancel()
+        if let bev { bufferevent_free(bev) }
+    }
 
-    func close() {
+    /// Frees the socket; `admitted` false: the listener already let the connection go (it made room for another).
+    func close(admitted: Bool = true) {
+        deadline?.cancel()
+        deadline = nil
         if let bev { bufferevent_free(bev) }
         bev = nil
-        listener.closed(self)
+        if admitted { listener.closed(id) }
     }
 }

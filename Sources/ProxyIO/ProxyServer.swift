@@ -566,6 +566,20 @@ public final class ProxyServer: ConnectionOwner {
         graceTimer = timer
     }
 
+    /// Signs leaves with `ca` from now on (a CA `proxyctl ca init` made while the proxy runs, `LocalCAWatch`): new
+    /// connections get TLS contexts minting from it; connections already open keep theirs.
+    @discardableResult
+    public func signWith(_ ca: LocalCA) -> Bool {
+        do {
+            tlsContexts = try TLSServerContexts(ca: ca, http2: settings.http2)
+            context = nil
+            return true
+        } catch {
+            logger.error("cannot set up TLS with the new local CA: \(error); the CA before it stays in use")
+            return false
+        }
+    }
+
     private func reloadConfiguration() {
         guard let reload else {
             logger.warn("SIGHUP: no configuration file to reload")

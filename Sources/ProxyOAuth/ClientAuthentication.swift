@@ -90,14 +90,20 @@ public struct ClientAuthentication: Sendable {
     public let clientID: String
     private let secret: [UInt8]?
     private let key: ClientKey?
+    /// Whom a client assertion names as its audience (`client_assertion_audience`).
+    public let audience: AssertionAudience
 
     static let assertionType = "urn:ietf:params:oauth:client-assertion-type:jwt-bearer"
 
-    init(method: ClientAuthMethod, clientID: String, secret: [UInt8]?, key: ClientKey?) {
+    init(
+        method: ClientAuthMethod, clientID: String, secret: [UInt8]?, key: ClientKey?,
+        audience: AssertionAudience = .issuer
+    ) {
         self.method = method
         self.clientID = clientID
         self.secret = secret
         self.key = key
+        self.audience = audience
     }
 
     /// The provider's client authentication, reading its secret or key; nil for a public client.
@@ -113,21 +119,25 @@ public struct ClientAuthentication: Sendable {
                         "[provider \(provider.name)] authenticates with private_key_jwt, and there is no client key at \(path); run: proxyctl key init \(provider.name), then register the public key it prints with the provider"
                 )
             }
-            return ClientAuthentication(method: .privateKeyJWT, clientID: provider.clientID, secret: nil, key: key)
+            return ClientAuthentication(
+                method: .privateKeyJWT, clientID: provider.clientID, secret: nil, key: key,
+                audience: provider.clientAssertionAudience)
         case .clientSecretBasic, .clientSecretPost, .clientSecretJWT:
             guard let file = provider.clientSecretFile else {
                 throw AuthError.configuration(reason: "[provider \(provider.name)] has no client_secret_file")
             }
             let secret = try SecretFile.read(file, what: "the client secret file")
             return ClientAuthentication(
-                method: provider.effectiveClientAuth, clientID: provider.clientID, secret: secret, key: nil)
+                method: provider.effectiveClientAuth, clientID: provider.clientID, secret: secret, key: nil,
+                audience: provider.clientAssertionAudience)
         }
     }
 
     /// The form parameters and header fields of a token request authenticated this way. `parameters` carry
-    /// `client_id` as a public client would send it.
+    /// `client_id` as a public client would send it. `issuer` and `tokenEndpoint` are the provider's, from its
+    /// metadata: a client assertion names one of them as its audience.
     func apply(
-        to parameters: [(String, String)], tokenEndpoint: String, now: Int64
+        to parameters: [(String, String)], issuer: String, tokenEndpoint: String, now: Int64
     ) throws -> (parameters: [(String, String)], headers: [(name: String, value: String)]) {
         var form = parameters
         if !form.contains(where: { $0.0 == "client_id" }) { form.append(("client_id", clientID)) }
@@ -146,13 +156,15 @@ public struct ClientAuthentication: Sendable {
             return (form, [])
         case .clientSecretJWT, .privateKeyJWT:
             form.append(("client_assertion_type", Self.assertionType))
-            form.append(("client_assertion", try assertion(audience: tokenEndpoint, now: now)))
+            let aud = audience == .issuer ? issuer : tokenEndpoint
+            form.append(("client_assertion", try assertion(audience: aud, now: now)))
             return (form, [])
         }
     }
 
-    /// A client assertion (RFC 7523 §3): `iss` and `sub` the client, `aud` the token endpoint (OpenID Connect
-    /// Core §9), a fresh `jti`, `iat` and `exp` one minute later.
+    /// A client assertion (RFC 7523 §3): `iss` and `sub` the client, `aud` one string (the issuer by default,
+    /// as draft-ietf-oauth-rfc7523bis §3 requires; the token endpoint for providers that want OpenID Connect
+    /// Core §9's), a fresh `jti`, `iat` and `exp` one minute later.
     func assertion(audience: String, now: Int64) throws -> String {
         var claims = JSONObject()
         claims["iss"] = .string(clientID)

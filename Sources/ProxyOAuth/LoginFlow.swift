@@ -521,6 +521,11 @@ public struct LoginFlow: Sendable {
             return response
         case .failure(.oauth(let error, let status, _)):
             // glewlwyd answers a bad code or verifier with 403 invalid_code.
+            if case let hint = provider.clientRefusalHint(error.error), !hint.isEmpty {
+                throw AuthError.configuration(
+                    reason: "the provider refused client \(provider.clientID) (\(error.summary), HTTP \(status))\(hint)"
+                )
+            }
             throw AuthError.cancelled(
                 reason: "the provider did not accept \(what) (\(error.summary), HTTP \(status)); run the login again")
         case .failure(.unavailable(let status, let retryAfter)):
@@ -594,6 +599,7 @@ public struct LoginFlow: Sendable {
             return .configuration(
                 reason:
                     "the provider refused the request from client \(provider.clientID) (\(error.summary)); check the client's registration (redirect URIs, grant types, public client)"
+                    + provider.clientRefusalHint(error.error)
             )
         case "login_required", "interaction_required", "consent_required", "account_selection_required":
             return .cancelled(

@@ -143,10 +143,11 @@ public actor ProviderClient {
             }
             var form = parameters
             if let clientAuthentication {
-                // A new assertion for every attempt: providers refuse a jti they have seen.
+                // A new assertion for every attempt, a nonce retry included: providers refuse a jti they have seen.
                 do {
                     let applied = try clientAuthentication.apply(
-                        to: parameters, tokenEndpoint: metadata.tokenEndpoint, now: Int64(Date().timeIntervalSince1970))
+                        to: parameters, issuer: metadata.issuer, tokenEndpoint: metadata.tokenEndpoint,
+                        now: Int64(Date().timeIntervalSince1970))
                     form = applied.parameters
                     headers += applied.headers
                 } catch let error as AuthError {

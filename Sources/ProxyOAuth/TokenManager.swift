@@ -556,6 +556,7 @@ public actor TokenManager {
                 return .configuration(
                     reason:
                         "the provider refused the \(what) for client \(provider.clientID) (\(error.summary), HTTP \(status)); check its registration, the client key or secret, and the scopes and resource asked for"
+                        + provider.clientRefusalHint(error.error)
                 )
             default:
                 return .recoverable(reason: "the provider refused the \(what) (\(error.summary))", retryAfter: nil)
@@ -613,6 +614,7 @@ public actor TokenManager {
                 return .configuration(
                     reason:
                         "the provider refused the refresh for client \(provider.clientID) (\(error.summary), HTTP \(status)); check its registration"
+                        + provider.clientRefusalHint(error.error)
                 )
             case "invalid_scope":
                 return .reauthenticate(
@@ -673,5 +675,17 @@ private final class FirstOutcome<T: Sendable>: Sendable {
 
     func resume(with outcome: Result<T, any Error>) {
         continuation.withLock { $0.take() }?.resume(with: outcome)
+    }
+}
+
+extension ProviderConfig {
+    /// "; " and the client assertion's audience hint when the token endpoint refused the client itself
+    /// (`invalid_client`, RFC 6749 §5.2; or a 401 or 403 without an error code, glewlwyd's answer to an
+    /// assertion it does not accept) and the assertion named the issuer; "" otherwise.
+    func clientRefusalHint(_ code: String) -> String {
+        guard ["invalid_client", "http_401", "http_403"].contains(code), let hint = assertionAudienceHint else {
+            return ""
+        }
+        return "; " + hint
     }
 }

@@ -80,6 +80,57 @@ public final class Certificate: @unchecked Sendable {
     }
 
     public static let nameConstraintsNID = NID_name_constraints
+
+    /// Whether `key` is the private key of this certificate's public key.
+    func matches(_ key: PrivateKey) -> Bool { X509_check_private_key(x509, key.pkey) == 1 }
+
+    /// Whether `issuer`'s key signed this certificate.
+    func isSigned(by issuer: Certificate) -> Bool {
+        guard let key = X509_get0_pubkey(issuer.x509) else { return false }
+        return X509_verify(x509, key) == 1
+    }
+
+    /// The certificate's name constraints as they bear on DNS names (RFC 5280 §4.2.1.10), read from the extension
+    /// itself; nil when it has none. Address ranges count only as "every address excluded" or not.
+    public func nameConstraints() throws -> NameConstraints? {
+        var critical: Int32 = 0
+        guard let raw = X509_get_ext_d2i(x509, NID_name_constraints, &critical, nil) else {
+            if critical == -1 { return nil }
+            throw CryptoError("the name constraints of \(subject) cannot be read")
+        }
+        let constraints = raw.assumingMemoryBound(to: NAME_CONSTRAINTS.self)
+        defer { NAME_CONSTRAINTS_free(constraints) }
+        let permitted = try Self.subtrees(constraints.pointee.permittedSubtrees)
+        let excluded = try Self.subtrees(constraints.pointee.excludedSubtrees)
+        // Every IPv4 address (0.0.0.0/0) and every IPv6 address (::/0): an address and a mask of zeros.
+        let everyV4 = [UInt8](repeating: 0, count: 8)
+        let everyV6 = [UInt8](repeating: 0, count: 32)
+        return NameConstraints(
+            permittedDNS: permitted.dns, excludedDNS: excluded.dns,
+            excludesEveryAddress: excluded.addresses.contains(everyV4) && excluded.addresses.contains(everyV6))
+    }
+
+    /// The DNS names and address ranges (address then mask) of a STACK_OF(GENERAL_SUBTREE).
+    private static func subtrees(_ stack: OpaquePointer?) throws -> (dns: [String], addresses: [[UInt8]]) {
+        guard let stack else { return ([], []) }
+        var dns: [String] = []
+        var addresses: [[UInt8]] = []
+        for index in 0..<OPENSSL_sk_num(stack) {
+            guard let subtree = OPENSSL_sk_value(stack, index)?.assumingMemoryBound(to: GENERAL_SUBTREE.self),
+                let base = subtree.pointee.base
+            else { throw CryptoError("an empty name constraint") }
+            func bytes(_ string: UnsafeMutablePointer<ASN1_STRING>?) -> [UInt8] {
+                guard let string, let data = ASN1_STRING_get0_data(string) else { return [] }
+                return Array(UnsafeBufferPointer(start: data, count: Int(ASN1_STRING_length(string))))
+            }
+            switch base.pointee.type {
+            case GEN_DNS: dns.append(String(decoding: bytes(base.pointee.d.dNSName), as: UTF8.self))
+            case GEN_IPADD: addresses.append(bytes(base.pointee.d.iPAddress))
+            default: continue
+            }
+        }
+        return (dns, addresses)
+    }
 }
 
 /// Builds certificates: the local CA and the leaves it signs.

@@ -4,21 +4,38 @@ import ProxyCore
 
 /// The local certificate authority that signs the leaf certificates for protected origins.
 ///
-/// An EC P-256 key and a self-signed certificate whose name constraints (RFC 5280 §4.2.1.10) permit exactly
-/// the protected host names (subdomains excluded, every IPv4 and IPv6 address excluded), so that even a
-/// stolen CA key cannot impersonate any other site to a client that trusts it.
+/// Two certificates, both with name constraints (RFC 5280 §4.2.1.10) that permit exactly the protected host
+/// names (subdomains excluded, every IPv4 and IPv6 address excluded):
+/// - the root, self-signed, the one clients trust (`ca.pem`, in the bundle and Java's trust store). RFC 5280 lets
+///   a relying party ignore constraints on a trust anchor, and Java's PKIX does: a constrained root alone would
+///   vouch for any name to every Java program. Its key exists only while `create` runs: it signs the
+///   intermediate and is gone, never written anywhere, so nothing can ever be signed outside the constraints
+///   again;
+/// - the intermediate (`intermediate.pem`, its key `intermediate-key.pem`, 0600), which every client constrains
+///   (OpenSSL, curl, Go, Java, browsers) and which signs the leaves; a TLS server sends it after the leaf.
+///
+/// Before it signs a leaf the CA checks the name against the constraints of both certificates as they are
+/// written in them (`NameConstraints`). A CA made before the intermediate existed (a constrained root that signs
+/// leaves itself, `ca-key.pem`) still loads (`isLegacy`); `ca init` replaces it.
 ///
 /// One CA serves every configuration that shares a state directory, so its hosts are those of all of them: a
 /// CA is never replaced by one that drops a host (another configuration may protect it) unless asked
 /// (`ca init --force`). Adding hosts makes a new CA for all of them, and the one it replaces is retired: its
-/// key is deleted, and its certificate stays in the bundle until it expires, so that a proxy running with it
+/// key is deleted, and its root stays in the bundle until it expires, so that a proxy running with it
 /// (which holds the key in memory) and every client that trusted it keep working (`Plan`, `save`).
 public final class LocalCA: @unchecked Sendable {
     // @unchecked Sendable: immutable after creation.
+    /// The root: what clients trust, and what names this CA (its fingerprint, its validity).
     public let certificate: Certificate
+    /// The certificate that signs leaves: the intermediate (the root itself for a legacy CA).
+    public let issuer: Certificate
+    /// The key of `issuer`.
     let key: PrivateKey
     /// The permitted host names, sorted.
     public let hosts: [String]
+    /// The constraints of the root and of the intermediate, as their extensions say: a name is signed only
+    /// when every one permits it.
+    public let constraints: [NameConstraints]
 
     /// CA validity: one year; it is reissued whenever the protected hosts change anyway.
     public static let validity: Int64 = 365 * 86400
@@ -26,14 +43,39 @@ public final class LocalCA: @unchecked Sendable {
     public static let leafValidity: Int64 = 2 * 86400
     public static let backdate: Int64 = 3600
 
-    init(certificate: Certificate, key: PrivateKey, hosts: [String]) {
+    init(certificate: Certificate, issuer: Certificate, key: PrivateKey) throws {
         self.certificate = certificate
+        self.issuer = issuer
         self.key = key
-        self.hosts = hosts
+        var constraints: [NameConstraints] = []
+        for cert in issuer === certificate ? [certificate] : [certificate, issuer] {
+            guard let found = try cert.nameConstraints(), !found.permittedDNS.isEmpty else {
+                throw CryptoError("\(cert.subject) has no name constraints; run proxyctl ca init --force to replace it")
+            }
+            constraints.append(found)
+        }
+        self.constraints = constraints
+        // The hosts are what the signing certificate permits (not what a file beside it says).
+        hosts = Array(Set(constraints[constraints.count - 1].permittedDNS.filter { !$0.hasPrefix(".") })).sorted()
     }
+
+    /// A CA whose root signs leaves itself (made before the intermediate): Java ignores its constraints.
+    public var isLegacy: Bool { issuer === certificate }
 
     /// Whether this CA may sign for every one of `hosts`.
     public func covers(_ wanted: [String]) -> Bool { Set(wanted).isSubset(of: hosts) }
+
+    /// Whether a running proxy goes on signing with this CA rather than the one in its directory now: while it
+    /// covers the protected `hosts`, is more than `margin` from its end, and clients that use the bundle trust it
+    /// (`trusted`: it is the CA there, or a retired one that has not expired). A CA replaced by a wider one thus
+    /// stays in use (the clients that loaded the bundle before trust only it); one that `ca init --force` stopped
+    /// trusting, or that nears its end, gives way.
+    public func keepsSigning(hosts: [String], trusted: Bool, now: Int64, margin: Int64 = 7 * 86400) -> Bool {
+        covers(hosts) && certificate.notAfter >= now + margin && trusted
+    }
+
+    /// Whether the constraints of every certificate of the CA permit `host`.
+    public func permits(_ host: String) -> Bool { constraints.allSatisfy { $0.permits(dnsName: host) } }
 
     /// What `init` and `ca init` do with the CA of a state directory, given the hosts a configuration protects.
     public enum Plan: Equatable, Sendable {
@@ -46,6 +88,9 @@ public final class LocalCA: @unchecked Sendable {
         case widen(hosts: [String], added: [String])
         /// The old CA expires within `renewBefore`: a new one for its hosts and any `added`; the old one retired.
         case renew(hosts: [String], added: [String])
+        /// The old CA is a legacy one (a root that signs leaves, whose constraints Java ignores): a new one with an
+        /// intermediate for its hosts and any `added`; the old one retired (its key deleted).
+        case upgrade(hosts: [String], added: [String])
         /// Asked for (`--force`): a new CA for exactly the hosts asked for; the old one and every retired one
         /// are no longer trusted. `dropped`: the old CA's hosts that go.
         case replace(hosts: [String], dropped: [String])
@@ -53,10 +98,10 @@ public final class LocalCA: @unchecked Sendable {
         /// A CA this close to its end is renewed by `ca init` and `init` (seconds).
         public static let renewBefore: Int64 = 30 * 86400
 
-        /// The plan for a state directory whose CA (if any) covers `existing` until `notAfter`, when a
-        /// configuration protects `wanted`.
+        /// The plan for a state directory whose CA (if any) covers `existing` until `notAfter` (`legacy`: made
+        /// before the intermediate), when a configuration protects `wanted`.
         public static func decide(
-            existing: (hosts: [String], notAfter: Int64)?, wanted: [String], force: Bool, now: Int64
+            existing: (hosts: [String], notAfter: Int64, legacy: Bool)?, wanted: [String], force: Bool, now: Int64
         ) -> Plan {
             let wanted = Array(Set(wanted)).sorted()
             guard let existing else { return .create(hosts: wanted) }
@@ -64,6 +109,7 @@ public final class LocalCA: @unchecked Sendable {
             if force { return .replace(hosts: wanted, dropped: have.subtracting(wanted).sorted()) }
             let added = Set(wanted).subtracting(have).sorted()
             let union = have.union(wanted).sorted()
+            if existing.legacy { return .upgrade(hosts: union, added: added) }
             if existing.notAfter < now + renewBefore { return .renew(hosts: union, added: added) }
             if !added.isEmpty { return .widen(hosts: union, added: added) }
             return .keep(extra: have.subtracting(wanted).sorted())
@@ -81,30 +127,60 @@ public final class LocalCA: @unchecked Sendable {
         return parts.joined(separator: ",")
     }
 
-    /// A new CA for `hosts` (lower-case DNS names).
+    /// A new CA for `hosts` (lower-case DNS names): a root whose key signs the intermediate and is then gone.
     public static func create(hosts: [String], label: String, now: Int64 = Int64(time(nil))) throws -> LocalCA {
         let sorted = Array(Set(hosts)).sorted()
         precondition(!sorted.isEmpty, "a CA needs at least one host")
         for host in sorted where IPAddress.parse(host) != nil || host.isEmpty {
             throw CryptoError("\(host) cannot be a protected TLS host: the local CA never signs for IP addresses")
         }
-        let key = try PrivateKey.generateP256()
-        let certificate = try CertificateBuilder.build(
+        let intermediateKey = try PrivateKey.generateP256()
+        let (root, intermediate) = try rootAndIntermediate(
+            sorted, label: label, intermediateKey: intermediateKey, now: now)
+        return try LocalCA(certificate: root, issuer: intermediate, key: intermediateKey)
+    }
+
+    /// The root and the intermediate it signs. The root's key is made here and never leaves: when this returns,
+    /// the last reference to it goes and OpenSSL frees it (`EVP_PKEY_free` clears the private scalar).
+    private static func rootAndIntermediate(
+        _ hosts: [String], label: String, intermediateKey: PrivateKey, now: Int64
+    ) throws -> (root: Certificate, intermediate: Certificate) {
+        let constraints = nameConstraints(hosts)
+        let rootKey = try PrivateKey.generateP256()
+        let root = try CertificateBuilder.build(
             subject: .init(commonName: "proxyctl local CA (\(label))", organization: "proxyctl"),
-            subjectKey: key, issuer: nil, issuerKey: key, notBefore: now - backdate, notAfter: now + validity,
+            subjectKey: rootKey, issuer: nil, issuerKey: rootKey, notBefore: now - backdate, notAfter: now + validity,
+            extensions: [
+                // One intermediate below it, and the constraints on it too for the clients that honour a root's.
+                (NID_basic_constraints, "critical,CA:TRUE,pathlen:1"),
+                (NID_key_usage, "critical,keyCertSign,cRLSign"),
+                (NID_subject_key_identifier, "hash"),
+                (NID_name_constraints, constraints),
+            ])
+        let intermediate = try CertificateBuilder.build(
+            subject: .init(commonName: "proxyctl local CA intermediate (\(label))", organization: "proxyctl"),
+            subjectKey: intermediateKey, issuer: root, issuerKey: rootKey, notBefore: now - backdate,
+            notAfter: now + validity,
             extensions: [
                 (NID_basic_constraints, "critical,CA:TRUE,pathlen:0"),
                 (NID_key_usage, "critical,keyCertSign,cRLSign"),
                 (NID_subject_key_identifier, "hash"),
-                (NID_name_constraints, nameConstraints(sorted)),
+                (NID_authority_key_identifier, "keyid:always"),
+                (NID_name_constraints, constraints),
             ])
-        return LocalCA(certificate: certificate, key: key, hosts: sorted)
+        return (root, intermediate)
     }
 
-    /// A leaf certificate for `host`, carrying `leafKey`'s public key.
+    /// A leaf certificate for `host`, carrying `leafKey`'s public key, signed by the intermediate. A name the
+    /// constraints do not permit is refused before anything is signed.
     public func issueLeaf(host: String, leafKey: PrivateKey, now: Int64 = Int64(time(nil))) throws -> Certificate {
-        try CertificateBuilder.build(
-            subject: .init(commonName: host, organization: nil), subjectKey: leafKey, issuer: certificate,
+        guard permits(host) else {
+            throw CryptoError(
+                "\(host) is outside the local CA's name constraints (\(hosts.joined(separator: ", "))); nothing was signed. Run proxyctl ca init when a protected host is new"
+            )
+        }
+        return try CertificateBuilder.build(
+            subject: .init(commonName: host, organization: nil), subjectKey: leafKey, issuer: issuer,
             issuerKey: key,
             notBefore: now - Self.backdate, notAfter: now + Self.leafValidity,
             extensions: [
@@ -122,7 +198,12 @@ public final class LocalCA: @unchecked Sendable {
     /// The files of a CA under `<state_dir>/ca/`.
     public struct Files: Sendable {
         public let directory: String
+        /// The root: what clients trust.
         public var certificate: String { directory + "/ca.pem" }
+        /// The intermediate, which signs leaves, and its key (0600).
+        public var intermediate: String { directory + "/intermediate.pem" }
+        public var intermediateKey: String { directory + "/intermediate-key.pem" }
+        /// The key of a legacy CA's root (deleted when it is replaced).
         public var key: String { directory + "/ca-key.pem" }
         public var hosts: String { directory + "/hosts" }
         /// The system roots plus this CA: what `proxyctl env` points runtimes at.
@@ -137,24 +218,43 @@ public final class LocalCA: @unchecked Sendable {
         public init(stateDirectory: String) { directory = stateDirectory + "/ca" }
     }
 
-    /// Reads the CA, or nil when there is none.
+    /// Reads the CA, or nil when there is none; under the directory's lock, so that a CA another process is
+    /// replacing is never read half old and half new. The intermediate must be signed by the root and match its
+    /// key; a legacy CA (no intermediate) is its root and the root's key.
     public static func load(_ files: Files) throws -> LocalCA? {
-        guard let certificatePEM = FileManager.default.contents(atPath: files.certificate) else { return nil }
-        guard let keyPEM = FileManager.default.contents(atPath: files.key) else {
-            throw CryptoError("\(files.key) is missing; run proxyctl ca init to make a new CA")
+        guard FileManager.default.fileExists(atPath: files.certificate) else { return nil }
+        return try locked(files, shared: true) {
+            guard let rootPEM = FileManager.default.contents(atPath: files.certificate) else { return nil }
+            let root = try Certificate.fromPEM(Array(rootPEM))
+            guard let intermediatePEM = FileManager.default.contents(atPath: files.intermediate) else {
+                guard let keyPEM = FileManager.default.contents(atPath: files.key) else {
+                    throw CryptoError(
+                        "\(files.intermediate) and \(files.key) are missing; run proxyctl ca init --force to make a new CA"
+                    )
+                }
+                let key = try PrivateKey.fromPEM(Array(keyPEM))
+                guard root.matches(key) else {
+                    throw CryptoError("\(files.key) is not the key of \(files.certificate)")
+                }
+                return try LocalCA(certificate: root, issuer: root, key: key)
+            }
+            let intermediate = try Certificate.fromPEM(Array(intermediatePEM))
+            guard let keyPEM = FileManager.default.contents(atPath: files.intermediateKey) else {
+                throw CryptoError("\(files.intermediateKey) is missing; run proxyctl ca init --force to make a new CA")
+            }
+            let key = try PrivateKey.fromPEM(Array(keyPEM))
+            guard intermediate.isSigned(by: root), intermediate.matches(key) else {
+                throw CryptoError(
+                    "\(files.intermediate) and \(files.intermediateKey) do not belong to \(files.certificate); run proxyctl ca init --force to make a new CA"
+                )
+            }
+            return try LocalCA(certificate: root, issuer: intermediate, key: key)
         }
-        let hosts =
-            (try? String(contentsOfFile: files.hosts, encoding: .utf8))?
-            .split(separator: "\n").map(String.init).filter { !$0.isEmpty } ?? []
-        return LocalCA(
-            certificate: try Certificate.fromPEM(Array(certificatePEM)), key: try PrivateKey.fromPEM(Array(keyPEM)),
-            hosts: hosts.sorted())
     }
 
     /// Makes this the CA of `files` (the key 0600, everything replaced atomically, the directory 0700) and
-    /// writes the bundle. The CA there before is retired when `retainPrevious` (its certificate kept in
-    /// `retired/` and trusted until it expires, its key deleted); otherwise it and every retired one are
-    /// trusted no more.
+    /// writes the bundle. The CA there before is retired when `retainPrevious` (its root kept in `retired/` and
+    /// trusted until it expires, its key deleted); otherwise it and every retired one are trusted no more.
     public func save(_ files: Files, systemRoots: String?, retainPrevious: Bool = true) throws {
         try SecureFile.makePrivateDirectory(files.directory)
         try Self.locked(files) {
@@ -174,7 +274,16 @@ public final class LocalCA: @unchecked Sendable {
             } else {
                 for name in Self.retiredNames(files) { unlink(files.retired + "/" + name) }
             }
-            try SecureFile.write(try key.pem(), to: files.key, mode: 0o600)
+            if isLegacy {
+                try SecureFile.write(try key.pem(), to: files.key, mode: 0o600)
+                unlink(files.intermediate)
+                unlink(files.intermediateKey)
+            } else {
+                try SecureFile.write(try key.pem(), to: files.intermediateKey, mode: 0o600)
+                try SecureFile.write(try issuer.pem(), to: files.intermediate, mode: 0o644)
+                // The key of the CA before, a legacy root's, goes: a retired CA can sign nothing.
+                unlink(files.key)
+            }
             try SecureFile.write(try certificate.pem(), to: files.certificate, mode: 0o644)
             try SecureFile.write(Array((hosts.joined(separator: "\n") + "\n").utf8), to: files.hosts, mode: 0o644)
             try Self.writeBundle(files, systemRoots: systemRoots)
@@ -260,12 +369,14 @@ public final class LocalCA: @unchecked Sendable {
     }
 
     /// Runs `body` holding the CA directory's lock (`flock` on `.lock`), so that a bundle is never written
-    /// from a CA another process is replacing.
-    private static func locked<T>(_ files: Files, _ body: () throws -> T) throws -> T {
+    /// from a CA another process is replacing. `shared`: a reader's lock; where the lock file cannot be made (a
+    /// read-only state directory), a reader goes on without it.
+    private static func locked<T>(_ files: Files, shared: Bool = false, _ body: () throws -> T) throws -> T {
         let fd = open(files.lock, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0o600)
+        if fd < 0 && shared { return try body() }
         guard fd >= 0 else { throw CryptoError("\(files.lock) cannot be opened: \(String(cString: strerror(errno)))") }
         defer { close(fd) }
-        while flock(fd, LOCK_EX) != 0 {
+        while flock(fd, shared ? LOCK_SH : LOCK_EX) != 0 {
             guard errno == EINTR else {
                 throw CryptoError("\(files.lock) cannot be locked: \(String(cString: strerror(errno)))")
             }

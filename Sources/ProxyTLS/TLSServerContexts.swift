@@ -57,7 +57,7 @@ public final class TLSServerContexts {
 
     func context(for host: String, now: Int64) throws -> Entry {
         if let entry = cache[host], now < entry.renewAt { return entry }
-        guard ca.hosts.contains(host) else {
+        guard ca.covers([host]) else {
             throw CryptoError("\(host) is not covered by the local CA; run proxyctl ca init")
         }
         let leaf = try ca.issueLeaf(host: host, leafKey: leafKey, now: now)
@@ -67,7 +67,9 @@ public final class TLSServerContexts {
             context: context, leaf: leaf, renewAt: now - LocalCA.backdate + LocalCA.leafValidity * 3 / 4)
         guard proxyctl_SSL_CTX_set_min_proto_version(context, TLS1_2_VERSION) == 1,
             SSL_CTX_use_certificate(context, leaf.x509) == 1, SSL_CTX_use_PrivateKey(context, leafKey.pkey) == 1,
-            SSL_CTX_check_private_key(context) == 1
+            SSL_CTX_check_private_key(context) == 1,
+            // The intermediate goes after the leaf: clients trust the root only.
+            ca.isLegacy || proxyctl_SSL_CTX_add1_chain_cert(context, ca.issuer.x509) == 1
         else { throw CryptoError("setting up TLS for \(host)") }
         // Idle connections should not keep 34 KiB of TLS buffers each.
         _ = proxyctl_SSL_CTX_set_mode(context, Int(SSL_MODE_RELEASE_BUFFERS))

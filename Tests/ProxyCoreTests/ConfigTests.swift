@@ -73,12 +73,14 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
             replay_memory_total = 32MiB
             replay_spool_total = 2GiB
             http2 = off
+            browser_requests = Allow
             upstream_client = Builtin
             resolve = api.test=127.0.0.1, Git.Test.=::1
             notify_command = notify-send  proxyctl
             log_level = debug
             log_format = JSON
             admin_listen = 9464
+            admin_hosts = proxyctl, Metrics.Internal.
             state_dir = ~/state
             token_store = secret-service
             """
@@ -86,10 +88,12 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(proxy.logFormat == .json)
         #expect(proxy.adminListen == ListenAddress(host: "127.0.0.1", port: 9464, isIPv6: false))
         #expect(proxy.tokenStore == .secretService)
+        #expect(proxy.adminHosts == ["proxyctl", "metrics.internal"])
         #expect(proxy.replayMemory == 2 << 20)
         #expect(proxy.replaySpool == 16 << 20)
         #expect(proxy.replayMemoryTotal == 32 << 20 && proxy.replaySpoolTotal == 2 << 30)
         #expect(proxy.http2 == false)
+        #expect(proxy.browserRequests == .allow)
         #expect(proxy.resolve == ["api.test": "127.0.0.1", "git.test": "::1"])
         #expect(proxy.notifyCommand == ["notify-send", "proxyctl"])
         #expect(proxy.listen == ListenAddress(host: "127.0.0.1", port: 3128, isIPv6: false))
@@ -111,7 +115,7 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(proxy.protectedUsers == .any && proxy.passthroughUsers == .owner)
         #expect(proxy.logLevel == .debug)
         #expect(proxy.stateDir == "/home/ada/state")
-        #expect(ConfigParser.proxyKeys.count == 29)
+        #expect(ConfigParser.proxyKeys.count == 31)
         for key in ConfigParser.proxyKeys {
             #expect(text.contains("\n\(key) = "), "\(key) is not covered")
         }
@@ -499,16 +503,51 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(providers[1].grant == .tokenExchange && providers[1].effectiveClientAuth == .clientSecretBasic)
         #expect(providers[1].clientSecretFile == "/home/ada/ci.secret" && providers[1].audience == "api")
         #expect(providers[1].subjectTokenType == "urn:ietf:params:oauth:token-type:id_token")
+        // A client assertion names the issuer unless told otherwise (draft-ietf-oauth-rfc7523bis).
+        #expect(providers[0].clientAssertionAudience == .issuer && providers[0].file == "proxy.conf")
+        let glewlwyd = try parse(
+            "[provider g]\nissuer = https://login.example.com\nclient_id = c\ngrant = client_credentials\n"
+                + "client_assertion_audience = token_endpoint\n"
+        ).get()
+        #expect(glewlwyd.providers[0].clientAssertionAudience == .tokenEndpoint)
+    }
+
+    /// Issue 32 item 6: a secret file says what the user means; RFC 7591 §2's default method for a client with a
+    /// secret is client_secret_basic. An explicit method or a key file keeps its meaning.
+    @Test func aClientSecretFileAloneMeansClientSecretBasic() throws {
+        let base = "[provider ci]\nissuer = https://login.example.com\nclient_id = ci-bot\n"
+        for grant in ["client_credentials", "token_exchange\nsubject_token_file = /t", "authorization_code"] {
+            let provider = try #require(
+                try parse(base + "grant = \(grant)\nclient_secret_file = /s\n").get().providers.first)
+            #expect(provider.effectiveClientAuth == .clientSecretBasic, "\(grant)")
+        }
+        let explicit = "token_endpoint_auth_method = client_secret_post\n"
+        let post = try parse(base + "grant = client_credentials\nclient_secret_file = /s\n" + explicit).get()
+        #expect(post.providers[0].effectiveClientAuth == .clientSecretPost)
+        let key = try parse(base + "grant = client_credentials\nclient_key_file = /k\n").get()
+        #expect(key.providers[0].effectiveClientAuth == .privateKeyJWT)
+        let plain = try parse(base + "grant = client_credentials\n").get()
+        #expect(plain.providers[0].effectiveClientAuth == .privateKeyJWT)
+        let bothFiles = base + "grant = client_credentials\nclient_secret_file = /s\nclient_key_file = /k\n"
+        guard case .failure(let both) = parse(bothFiles) else {
+            Issue.record("accepted a key file and a secret file without a method")
+            return
+        }
+        #expect(both.description.contains("token_endpoint_auth_method = private_key_jwt or client_secret_basic"))
     }
 
     @Test(arguments: [
         ("grant = client_credentials\ntoken_endpoint_auth_method = none", "token_endpoint_auth_method"),
         ("token_endpoint_auth_method = client_secret_post", "token_endpoint_auth_method"),
-        ("client_secret_file = s", "client_secret_file"),
+        ("client_secret_file = s\nclient_key_file = k", "client_secret_file"),
+        ("token_endpoint_auth_method = private_key_jwt\nclient_secret_file = s", "client_secret_file"),
         ("grant = token_exchange", "grant"),
         ("grant = token_exchange\nsubject_token_file = a\nsubject_token_command = b", "grant"),
         ("subject_token_file = a", "subject_token_file"),
         ("grant = password", "grant"),
+        ("client_assertion_audience = token_endpoint", "client_assertion_audience"),
+        ("grant = client_credentials\nclient_assertion_audience = endpoint", "client_assertion_audience"),
+        ("client_secret_file = s\nclient_assertion_audience = issuer", "client_assertion_audience"),
     ])
     func inconsistentProviderKeysAreNamed(lines: String, key: String) {
         let text = "[provider ci]\nissuer = https://login.example.com\nclient_id = c\n\(lines)\n"

@@ -542,8 +542,9 @@ private func acceptedResponse(
         let value = "caf".bytes + [0xE9, 0x20, 0xFF, 0x80]
         let head = try parseHead(
             "GET /a HTTP/1.1\r\nHost: api.example.com\r\nX-Latin-1: ".bytes + value + "\r\n\r\n".bytes)
-        let origin = HostPort(host: "api.example.com", port: 443, kind: .name)
-        let request = try MessageSemantics.interceptedRequest(head, scheme: "https", origin: origin) { _ in true }.get()
+        var origin = OriginConfig(scheme: "https", authority: HostPort(host: "api.example.com", port: 443, kind: .name))
+        origin.clientAuthorization = .replace
+        let request = try MessageSemantics.interceptedRequest(head, for: origin).get()
         #expect(request.upstreamFields.map(\.name) == ["X-Latin-1"])
         #expect(request.upstreamFields.map(\.value) == [value])
     }

@@ -91,25 +91,29 @@ private struct Setup {
 }
 
 @Suite struct ClientAuthenticationTests {
-    @Test func privateKeyJWTAssertionIsSignedByTheClientKeyForTheTokenEndpoint() throws {
+    @Test func privateKeyJWTAssertionIsSignedByTheClientKeyForTheIssuer() throws {
         let directory = try TemporaryDirectory()
         let key = try ClientKey.create(path: directory.path + "/keys/ci.client.pem")
         #expect(mode(directory.path + "/keys/ci.client.pem") == 0o600)
         let authentication = ClientAuthentication(method: .privateKeyJWT, clientID: "ci-bot", secret: nil, key: key)
         let applied = try authentication.apply(
-            to: [("grant_type", "client_credentials")], tokenEndpoint: "https://idp.test/token", now: 1000)
+            to: [("grant_type", "client_credentials")], issuer: "https://idp.test",
+            tokenEndpoint: "https://idp.test/token",
+            now: 1000)
         let form = Dictionary(applied.parameters, uniquingKeysWith: { $1 })
         #expect(applied.headers.isEmpty)
         #expect(form["client_assertion_type"] == "urn:ietf:params:oauth:client-assertion-type:jwt-bearer")
         let jwt = try parsedJWT(try #require(form["client_assertion"]))
         #expect(jwt.algorithm == "ES256" && jwt.keyID == key.kid)
         #expect(jwt.claims["iss"]?.string == "ci-bot" && jwt.claims["sub"]?.string == "ci-bot")
-        #expect(jwt.claims["aud"]?.string == "https://idp.test/token")
+        // draft-ietf-oauth-rfc7523bis §3: the issuer identifier, as one string.
+        #expect(jwt.claims["aud"]?.string == "https://idp.test")
         #expect(jwt.claims["exp"]?.int == 1060 && jwt.claims["iat"]?.int == 1000)
         let verifier = try CryptoKey.publicKey(jwk: try key.publicJWK())
         #expect(verifier.verify(.es256, signature: jwt.signature, signingInput: jwt.signingInput))
         // Each assertion is new.
-        let again = try authentication.apply(to: [], tokenEndpoint: "https://idp.test/token", now: 1000)
+        let again = try authentication.apply(
+            to: [], issuer: "https://idp.test", tokenEndpoint: "https://idp.test/token", now: 1000)
         #expect(again.parameters.first { $0.0 == "client_assertion" }?.1 != form["client_assertion"])
         // The printed JWK is public only.
         let jwk = try key.publicJWK()
@@ -119,18 +123,91 @@ private struct Setup {
     @Test func clientSecretMethods() throws {
         let basic = ClientAuthentication(
             method: .clientSecretBasic, clientID: "ci:bot", secret: Array("s e/cret".utf8), key: nil)
-        let applied = try basic.apply(to: [("client_id", "ci:bot")], tokenEndpoint: "https://idp.test/token", now: 0)
+        let applied = try basic.apply(
+            to: [("client_id", "ci:bot")], issuer: "https://idp.test", tokenEndpoint: "https://idp.test/token", now: 0)
         #expect(applied.parameters.isEmpty, "client_id moves to the Authorization field")
         // RFC 6749 §2.3.1: form-encoded first, then base64.
         #expect(applied.headers.first?.value == "Basic " + Base64.encode(Array("ci%3Abot:s%20e%2Fcret".utf8)))
         let post = ClientAuthentication(method: .clientSecretPost, clientID: "ci", secret: Array("sec".utf8), key: nil)
-        let posted = try post.apply(to: [], tokenEndpoint: "https://idp.test/token", now: 0)
+        let posted = try post.apply(to: [], issuer: "https://idp.test", tokenEndpoint: "https://idp.test/token", now: 0)
         #expect(posted.parameters.map(\.0) == ["client_id", "client_secret"] && posted.headers.isEmpty)
         let hmac = ClientAuthentication(method: .clientSecretJWT, clientID: "ci", secret: Array("sec".utf8), key: nil)
         let assertion = try hmac.assertion(audience: "https://idp.test/token", now: 5)
         let jwt = try parsedJWT(assertion)
         #expect(jwt.algorithm == "HS256")
         #expect(jwt.signature == Crypto.hmacSHA256(key: Array("sec".utf8), message: jwt.signingInput))
+    }
+
+    /// `client_assertion_audience = token_endpoint`: OpenID Connect Core §9's audience, for providers that want it.
+    @Test(arguments: [ClientAuthMethod.privateKeyJWT, .clientSecretJWT])
+    func theAssertionNamesTheTokenEndpointWhenAsked(method: ClientAuthMethod) throws {
+        let directory = try TemporaryDirectory()
+        let key = method == .privateKeyJWT ? try ClientKey.create(path: directory.path + "/k.pem") : nil
+        let secret: [UInt8]? = method == .clientSecretJWT ? Array("sec".utf8) : nil
+        for (audience, expected) in [
+            (AssertionAudience.issuer, "https://idp.test"), (.tokenEndpoint, "https://idp.test/t"),
+        ] {
+            let authentication = ClientAuthentication(
+                method: method, clientID: "ci", secret: secret, key: key, audience: audience)
+            let applied = try authentication.apply(
+                to: [], issuer: "https://idp.test", tokenEndpoint: "https://idp.test/t", now: 0)
+            let assertion = try #require(applied.parameters.first { $0.0 == "client_assertion" }?.1)
+            #expect(try parsedJWT(assertion).claims["aud"]?.string == expected)
+        }
+    }
+
+    /// Every attempt at the token endpoint gets a new assertion, a DPoP nonce retry included (a provider refuses a
+    /// `jti` it has seen), and each names the issuer from the provider's metadata.
+    @Test func aNonceRetryCarriesAFreshAssertion() async throws {
+        let directory = try TemporaryDirectory()
+        let key = try ClientKey.create(path: directory.path + "/ci.pem")
+        var provider = MachineGrantTests.provider(.clientCredentials)
+        provider.tokenBinding = .dpop
+        let fake = FakeProvider { request in
+            request.index == 1
+                ? FakeProvider.json(400, ["error": "use_dpop_nonce"], headers: [("DPoP-Nonce", "n-1")])
+                : FakeProvider.tokens(access: "machine", expiresIn: 600)
+        }
+        let client = ProviderClient(config: provider, transport: fake)
+        await client.setDPoPKey(try DPoPKey(try PrivateKey.generateP256()))
+        await client.setClientAuthentication(
+            ClientAuthentication(method: .privateKeyJWT, clientID: "proxyctl-test", secret: nil, key: key))
+        guard case .success = try await client.postToken([("grant_type", "client_credentials")]) else {
+            Issue.record("the retry did not succeed")
+            return
+        }
+        let assertions = try fake.tokenRequests.map { try parsedJWT(try #require($0.form["client_assertion"])) }
+        #expect(assertions.count == 2)
+        #expect(Set(assertions.compactMap { $0.claims["jti"]?.string }).count == 2)
+        #expect(assertions.allSatisfy { $0.claims["aud"]?.string == JWSFixtures.issuer })
+    }
+
+    /// A provider that refuses the client while the assertion names the issuer: the message names the key to set.
+    @Test func aRefusedAssertionNamesClientAssertionAudience() async throws {
+        let directory = try TemporaryDirectory()
+        let key = try ClientKey.create(path: directory.path + "/ci.pem")
+        var provider = MachineGrantTests.provider(.clientCredentials)
+        provider.file = "/etc/proxyctl/ci.conf"
+        let setup = try await Setup(
+            provider: provider,
+            authentication: ClientAuthentication(
+                method: .privateKeyJWT, clientID: "proxyctl-test", secret: nil, key: key)
+        ) { _ in FakeProvider.json(401, ["error": "invalid_client"]) }
+        do {
+            _ = try await setup.manager.currentTokens()
+            Issue.record("succeeded")
+        } catch let error as AuthError {
+            #expect(
+                error.description.contains(
+                    "set client_assertion_audience = token_endpoint in [provider test] of /etc/proxyctl/ci.conf"),
+                "\(error)")
+        }
+        // Named already, or no assertion at all: no hint.
+        provider.clientAssertionAudience = .tokenEndpoint
+        #expect(provider.assertionAudienceHint == nil)
+        provider.clientAssertionAudience = .issuer
+        provider.clientAuthMethod = .clientSecretBasic
+        #expect(provider.assertionAudienceHint == nil)
     }
 
     @Test func hmacSHA256MatchesRFC4231TestCase2() {

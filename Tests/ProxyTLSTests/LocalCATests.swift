@@ -1,12 +1,14 @@
 import COpenSSL
 import Foundation
+import ProxyCore
 import Testing
 
 @testable import ProxyTLS
 
 /// The local CA's certificates, checked by the openssl command (an implementation this project did not
-/// write): leaves for protected hosts verify; any other name, a subdomain or an IP address is refused by
-/// the name constraints even though the CA signed it.
+/// write): leaves for protected hosts verify through the intermediate; any other name, a subdomain or an IP
+/// address is refused by the intermediate's name constraints even though its key signed it, and the CA itself
+/// refuses to sign them.
 @Suite struct LocalCATests {
     let directory: String = {
         let path = NSTemporaryDirectory() + "proxyctl-ca-\(UUID().uuidString)"
@@ -20,11 +22,17 @@ import Testing
         return path
     }
 
-    /// Runs `openssl verify` and returns its exit status and output.
-    func opensslVerify(ca: String, leaf: String, host: String? = nil) throws -> (Int32, String) {
+    /// Runs `openssl verify` (the root trusted, the intermediate as a chain certificate) and returns its exit
+    /// status and output.
+    func opensslVerify(
+        ca: String, intermediate: String? = nil, leaf: String, host: String? = nil
+    ) throws -> (
+        Int32, String
+    ) {
         let process = Process()
         process.executableURL = URL(fileURLWithPath: "/usr/bin/openssl")
         var arguments = ["verify", "-CAfile", ca, "-purpose", "sslserver"]
+        if let intermediate { arguments += ["-untrusted", intermediate] }
         if let host { arguments += ["-verify_hostname", host] }
         process.arguments = arguments + [leaf]
         let pipe = Pipe()
@@ -38,13 +46,20 @@ import Testing
 
     @Test func leavesForProtectedHostsVerify() throws {
         let ca = try LocalCA.create(hosts: ["api.test", "git.test"], label: "test")
+        #expect(!ca.isLegacy && ca.issuer.isSigned(by: ca.certificate))
         let caPath = try write(ca.certificate, "ca")
+        let intermediate = try write(ca.issuer, "intermediate")
         let leafKey = try PrivateKey.generateP256()
         for host in ["api.test", "git.test"] {
             let leaf = try ca.issueLeaf(host: host, leafKey: leafKey)
-            let (status, output) = try opensslVerify(ca: caPath, leaf: try write(leaf, host), host: host)
+            #expect(leaf.isSigned(by: ca.issuer) && !leaf.isSigned(by: ca.certificate))
+            let (status, output) = try opensslVerify(
+                ca: caPath, intermediate: intermediate, leaf: try write(leaf, host), host: host)
             #expect(status == 0, "\(host): \(output)")
         }
+        // Without the intermediate the root alone vouches for nothing.
+        let leaf = try write(try ca.issueLeaf(host: "api.test", leafKey: leafKey), "alone")
+        #expect(try opensslVerify(ca: caPath, leaf: leaf).0 != 0)
     }
 
     @Test(arguments: ["other.test", "sub.api.test", "api.test.evil.test", "127.0.0.1"])
@@ -52,16 +67,19 @@ import Testing
         let ca = try LocalCA.create(hosts: ["api.test"], label: "test")
         let caPath = try write(ca.certificate, "ca")
         let leafKey = try PrivateKey.generateP256()
-        // Sign the forbidden name directly, as a stolen CA key could.
+        // The CA checks the name before it signs.
+        #expect(throws: CryptoError.self) { try ca.issueLeaf(host: host, leafKey: leafKey) }
+        // Sign the forbidden name directly with the intermediate's key, as a stolen key could.
         let extensions: [(Int32, String)] = [
             (NID_basic_constraints, "critical,CA:FALSE"), (NID_ext_key_usage, "serverAuth"),
             (NID_subject_alt_name, host.first!.isNumber ? "IP:\(host)" : "DNS:\(host)"),
         ]
         let now = Int64(time(nil))
         let forged = try CertificateBuilder.build(
-            subject: .init(commonName: host, organization: nil), subjectKey: leafKey, issuer: ca.certificate,
+            subject: .init(commonName: host, organization: nil), subjectKey: leafKey, issuer: ca.issuer,
             issuerKey: ca.key, notBefore: now - 60, notAfter: now + 3600, extensions: extensions)
-        let (status, output) = try opensslVerify(ca: caPath, leaf: try write(forged, "forged"))
+        let (status, output) = try opensslVerify(
+            ca: caPath, intermediate: try write(ca.issuer, "intermediate"), leaf: try write(forged, "forged"))
         #expect(status != 0, "\(host) verified: \(output)")
         #expect(output.contains("subtree violation"), "\(output)")
     }
@@ -71,9 +89,14 @@ import Testing
         let leaf = try ca.issueLeaf(host: "api.test", leafKey: try PrivateKey.generateP256(), now: 1_800_000_000)
         #expect(leaf.notBefore == 1_800_000_000 - LocalCA.backdate)
         #expect(leaf.notAfter == 1_800_000_000 + LocalCA.leafValidity)
-        let constraints = try #require(ca.certificate.extensionText(nid: Certificate.nameConstraintsNID))
-        #expect(constraints.contains("DNS:api.test"))
-        #expect(constraints.contains("DNS:.api.test"))
+        for certificate in [ca.certificate, ca.issuer] {
+            let constraints = try #require(certificate.extensionText(nid: Certificate.nameConstraintsNID))
+            #expect(constraints.contains("DNS:api.test"))
+            #expect(constraints.contains("DNS:.api.test"))
+            #expect(try certificate.nameConstraints() == NameConstraints.exactly(["api.test"]))
+        }
+        #expect(ca.issuer.extensionText(nid: NID_basic_constraints)?.contains("pathlen:0") == true)
+        #expect(ca.certificate.extensionText(nid: NID_basic_constraints)?.contains("pathlen:1") == true)
     }
 
     @Test func refusesIPAddresses() {
@@ -85,11 +108,25 @@ import Testing
         let files = LocalCA.Files(stateDirectory: directory)
         try ca.save(files, systemRoots: LocalCA.systemRootsPath())
         var info = stat()
-        #expect(stat(files.key, &info) == 0 && info.st_mode & 0o777 == 0o600)
+        #expect(stat(files.intermediateKey, &info) == 0 && info.st_mode & 0o777 == 0o600)
         #expect(stat(files.directory, &info) == 0 && info.st_mode & 0o777 == 0o700)
+        #expect(stat(files.key, &info) != 0, "no root key is written")
         let loaded = try #require(try LocalCA.load(files))
-        #expect(loaded.hosts == ["api.test"])
+        #expect(loaded.hosts == ["api.test"] && !loaded.isLegacy)
         #expect(loaded.certificate.fingerprint == ca.certificate.fingerprint)
+        #expect(loaded.issuer.fingerprint == ca.issuer.fingerprint)
+        // No file of the directory holds the root's key: whatever loads as a key is the intermediate's.
+        for name in try FileManager.default.contentsOfDirectory(atPath: files.directory) {
+            guard let data = FileManager.default.contents(atPath: files.directory + "/" + name),
+                let key = try? PrivateKey.fromPEM(Array(data))
+            else { continue }
+            #expect(!ca.certificate.matches(key) && ca.issuer.matches(key), "\(name)")
+        }
+        // An intermediate that is not the root's is refused.
+        let other = try LocalCA.create(hosts: ["api.test"], label: "other")
+        try SecureFile.write(try other.issuer.pem(), to: files.intermediate, mode: 0o644)
+        try SecureFile.write(try other.key.pem(), to: files.intermediateKey, mode: 0o600)
+        #expect(throws: CryptoError.self) { try LocalCA.load(files) }
         let bundle = try String(contentsOfFile: files.bundle, encoding: .utf8)
         #expect(bundle.hasSuffix(String(decoding: try ca.certificate.pem(), as: UTF8.self)))
     }
@@ -109,32 +146,44 @@ import Testing
 
     @Test func aCAThatCoversTheHostsIsKeptWhateverElseItCovers() {
         #expect(
-            LocalCA.Plan.decide(existing: (["a.test"], valid), wanted: ["a.test"], force: false, now: now)
+            LocalCA.Plan.decide(existing: (["a.test"], valid, false), wanted: ["a.test"], force: false, now: now)
                 == .keep(extra: []))
         #expect(
-            LocalCA.Plan.decide(existing: (["a.test", "b.test"], valid), wanted: ["a.test"], force: false, now: now)
+            LocalCA.Plan.decide(
+                existing: (["a.test", "b.test"], valid, false), wanted: ["a.test"], force: false, now: now)
                 == .keep(extra: ["b.test"]))
     }
 
     @Test func aHostItLacksWidensItToTheUnion() {
         #expect(
-            LocalCA.Plan.decide(existing: (["a.test", "b.test"], valid), wanted: ["c.test"], force: false, now: now)
+            LocalCA.Plan.decide(
+                existing: (["a.test", "b.test"], valid, false), wanted: ["c.test"], force: false, now: now)
                 == .widen(hosts: ["a.test", "b.test", "c.test"], added: ["c.test"]))
     }
 
     @Test func aCAAboutToExpireIsRenewedForTheUnion() {
         let soon = now + LocalCA.Plan.renewBefore - 1
         #expect(
-            LocalCA.Plan.decide(existing: (["a.test"], soon), wanted: ["a.test"], force: false, now: now)
+            LocalCA.Plan.decide(existing: (["a.test"], soon, false), wanted: ["a.test"], force: false, now: now)
                 == .renew(hosts: ["a.test"], added: []))
         #expect(
-            LocalCA.Plan.decide(existing: (["a.test"], soon), wanted: ["b.test"], force: false, now: now)
+            LocalCA.Plan.decide(existing: (["a.test"], soon, false), wanted: ["b.test"], force: false, now: now)
                 == .renew(hosts: ["a.test", "b.test"], added: ["b.test"]))
+    }
+
+    @Test func aLegacyCAIsReplacedByOneWithAnIntermediate() {
+        #expect(
+            LocalCA.Plan.decide(existing: (["a.test"], valid, true), wanted: ["a.test"], force: false, now: now)
+                == .upgrade(hosts: ["a.test"], added: []))
+        #expect(
+            LocalCA.Plan.decide(existing: (["a.test"], valid, true), wanted: ["b.test"], force: false, now: now)
+                == .upgrade(hosts: ["a.test", "b.test"], added: ["b.test"]))
     }
 
     @Test func forceMakesOneForExactlyTheHostsAskedForAndNamesWhatItDrops() {
         #expect(
-            LocalCA.Plan.decide(existing: (["a.test", "b.test"], valid), wanted: ["a.test"], force: true, now: now)
+            LocalCA.Plan.decide(
+                existing: (["a.test", "b.test"], valid, false), wanted: ["a.test"], force: true, now: now)
                 == .replace(hosts: ["a.test"], dropped: ["b.test"]))
         #expect(
             LocalCA.Plan.decide(existing: nil, wanted: ["a.test"], force: true, now: now) == .create(hosts: ["a.test"]))
@@ -166,12 +215,29 @@ import Testing
         let text = try bundle()
         #expect(text.contains(String(decoding: try first.certificate.pem(), as: UTF8.self)))
         #expect(text.hasSuffix(String(decoding: try wider.certificate.pem(), as: UTF8.self)))
-        let key = try String(contentsOfFile: files.key, encoding: .utf8)
+        let key = try String(contentsOfFile: files.intermediateKey, encoding: .utf8)
         #expect(key == String(decoding: try wider.key.pem(), as: UTF8.self))
         // Saving the same CA again (proxyctl env rewrites the bundle) retires nothing.
         try LocalCA.refreshBundle(files, systemRoots: nil)
         try wider.save(files, systemRoots: nil)
         #expect(LocalCA.retired(files).count == 1)
+    }
+
+    /// What a running proxy does when the directory's CA changes (`LocalCAWatch`, a SIGHUP): it keeps a retired CA
+    /// the bundle still trusts, and gives way when the CA is trusted no more, nears its end, or lacks a host.
+    @Test func aRunningProxyKeepsItsCAWhileTheBundleTrustsIt() throws {
+        let first = try LocalCA.create(hosts: ["a.test"], label: "test")
+        try first.save(files, systemRoots: nil)
+        let now = Int64(time(nil))
+        #expect(first.keepsSigning(hosts: ["a.test"], trusted: first.isTrusted(files), now: now))
+        try LocalCA.create(hosts: ["a.test", "b.test"], label: "test").save(files, systemRoots: nil)
+        #expect(first.keepsSigning(hosts: ["a.test"], trusted: first.isTrusted(files), now: now), "retired, trusted")
+        #expect(!first.keepsSigning(hosts: ["a.test", "b.test"], trusted: true, now: now), "lacks a host")
+        #expect(
+            !first.keepsSigning(hosts: ["a.test"], trusted: true, now: first.certificate.notAfter - 86400),
+            "within a week of its end")
+        try LocalCA.create(hosts: ["a.test"], label: "test").save(files, systemRoots: nil, retainPrevious: false)
+        #expect(!first.keepsSigning(hosts: ["a.test"], trusted: first.isTrusted(files), now: now), "--force")
     }
 
     @Test func replacingWithoutRetainingTrustsTheOldOnesNoMore() throws {
@@ -192,5 +258,46 @@ import Testing
         #expect(LocalCA.retired(files).isEmpty && !old.isTrusted(files))
         #expect(try bundle().components(separatedBy: "BEGIN CERTIFICATE").count == 2)
         #expect(try FileManager.default.contentsOfDirectory(atPath: files.retired).isEmpty)
+    }
+}
+
+/// A CA made before the intermediate (a constrained root that signs leaves itself, `ca-key.pem`): it loads and
+/// keeps serving; `ca init` replaces it (`Plan.upgrade`), and its key goes with it.
+@Suite struct LegacyCATests {
+    let files = LocalCA.Files(stateDirectory: NSTemporaryDirectory() + "proxyctl-ca-legacy-\(UUID().uuidString)")
+
+    /// What `ca init` wrote before: the root, its key, its hosts.
+    func writeLegacy(hosts: [String]) throws -> Certificate {
+        let key = try PrivateKey.generateP256()
+        let now = Int64(time(nil))
+        let root = try CertificateBuilder.build(
+            subject: .init(commonName: "proxyctl local CA (legacy)", organization: "proxyctl"), subjectKey: key,
+            issuer: nil, issuerKey: key, notBefore: now - 60, notAfter: now + LocalCA.validity,
+            extensions: [
+                (NID_basic_constraints, "critical,CA:TRUE,pathlen:0"), (NID_key_usage, "critical,keyCertSign,cRLSign"),
+                (NID_subject_key_identifier, "hash"), (NID_name_constraints, LocalCA.nameConstraints(hosts)),
+            ])
+        try SecureFile.makePrivateDirectory(files.directory)
+        try SecureFile.write(try key.pem(), to: files.key, mode: 0o600)
+        try SecureFile.write(try root.pem(), to: files.certificate, mode: 0o644)
+        try SecureFile.write(Array((hosts.joined(separator: "\n") + "\n").utf8), to: files.hosts, mode: 0o644)
+        try LocalCA.refreshBundle(files, systemRoots: nil)
+        return root
+    }
+
+    @Test func aLegacyCALoadsSignsAndIsRetiredWithItsKeyDeleted() throws {
+        let root = try writeLegacy(hosts: ["a.test"])
+        let legacy = try #require(try LocalCA.load(files))
+        #expect(legacy.isLegacy && legacy.hosts == ["a.test"] && legacy.issuer === legacy.certificate)
+        let leaf = try legacy.issueLeaf(host: "a.test", leafKey: try PrivateKey.generateP256())
+        #expect(leaf.isSigned(by: root))
+        #expect(throws: CryptoError.self) {
+            try legacy.issueLeaf(host: "b.test", leafKey: try PrivateKey.generateP256())
+        }
+        let upgraded = try LocalCA.create(hosts: legacy.hosts, label: "test")
+        try upgraded.save(files, systemRoots: nil)
+        #expect(!FileManager.default.fileExists(atPath: files.key), "the legacy root's key is deleted")
+        #expect(legacy.isTrusted(files), "its root stays in the bundle until it expires")
+        #expect(try LocalCA.load(files)?.isLegacy == false)
     }
 }

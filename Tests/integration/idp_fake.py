@@ -26,7 +26,8 @@ Endpoints (relative to the issuer, which is `http://127.0.0.1:PORT` plus an opti
 Machine grants (for confidential clients): client_credentials and RFC 8693 token exchange
 (`subject_tokens`: the subject tokens it accepts), with client authentication checked when configured:
 `client_secret` (client_secret_basic, client_secret_post, client_secret_jwt) and `client_jwks` (public JWKs
-for private_key_jwt; the assertion's signature, iss, sub, aud = token endpoint, exp and jti are checked). A
+for private_key_jwt; the assertion's signature, iss, sub, exp, jti and aud are checked: the issuer as its one
+value, draft-ietf-oauth-rfc7523bis, or with `assertion_audience="token_endpoint"` the token endpoint). A
 `resource` parameter (RFC 8707) becomes the JWT access token's `aud` (unless `honour_resource` is False).
 
 Every request is counted per endpoint and recorded (method, path, query, form, headers, DPoP header) in
@@ -383,12 +384,17 @@ class FakeIdP:
                  client_secret: Optional[str] = None,
                  client_jwks: Optional[List[dict]] = None,
                  subject_tokens: Iterable[str] = (),
-                 honour_resource: bool = True):
+                 honour_resource: bool = True,
+                 assertion_audience: str = "issuer"):
         self.client_id = client_id
         self.client_secret = client_secret
         self.client_jwks = list(client_jwks or [])
         self.subject_tokens = set(subject_tokens)
         self.honour_resource = honour_resource
+        # The one `aud` a client assertion may carry: "issuer" (draft-ietf-oauth-rfc7523bis §3) or
+        # "token_endpoint" (OpenID Connect Core §9, what glewlwyd 2.7 wants).
+        self.assertion_audience = assertion_audience
+        self.assertion_audiences: List[Any] = []     # the `aud` of every client assertion received
         self.client_auth_methods: List[str] = []     # the method each token request authenticated with
         self._seen_jti: set = set()
         self.issuer_path = "/" + issuer_path.strip("/") if issuer_path.strip("/") else ""
@@ -1013,8 +1019,13 @@ class FakeIdP:
                     method, algorithms = "private_key_jwt", ["ES256", "RS256"]
                     jwk = next(k for k in self.client_jwks if k.get("kid") in (None, header.get("kid")))
                     key = pyjwt.PyJWK(jwk).key
-                claims = pyjwt.decode(assertion, key, algorithms=algorithms, audience=self.url("token"),
+                self.assertion_audiences.append(pyjwt.decode(assertion, options={"verify_signature": False}).get("aud"))
+                audience = self.issuer if self.assertion_audience == "issuer" else self.url("token")
+                claims = pyjwt.decode(assertion, key, algorithms=algorithms, audience=audience,
                                       options={"require": ["iss", "sub", "aud", "exp", "jti"]})
+                # rfc7523bis §3: the issuer as the sole audience value, a string.
+                if claims["aud"] != audience:
+                    raise ValueError("aud is not the one expected string")
             except Exception:  # noqa: BLE001 - any defect refuses the client
                 return None, "jwt"
             if claims["iss"] != claims["sub"] or claims["jti"] in self._seen_jti:

@@ -170,6 +170,16 @@ def test_client_credentials_with_private_key_jwt_need_no_login(module_dir, idp, 
                                   "redirect_uri": [], "authorization_type": ["client_credentials"],
                                   "scope": ["api"], "pubkey": made.stdout,
                                   "token_endpoint_auth_method": ["private_key_jwt"]})
+    # glewlwyd 2.7 wants its token endpoint as the assertion's audience (OpenID Connect Core §9), not the issuer
+    # that draft-ietf-oauth-rfc7523bis makes the default: the refusal names the key that fixes it.
+    refused = ws.cli("token", "ci")
+    assert refused.returncode == 1, refused.stdout
+    assert "set client_assertion_audience = token_endpoint in [provider ci]" in refused.stderr, refused.stderr
+    sections = (config.provider("ci", idp.issuer(), client_id="ci-bot", grant="client_credentials", scopes="api",
+                                client_assertion_audience="token_endpoint")
+                + origin_section(f"https://{CI}:{rs.port}", "ci", resource=CI_RES, ca_file=rs.ca_pem))
+    ws.sections = sections
+    ws.write_config(0)
     # proxyctl token needs no login: the grant runs, the provider verifies the assertion.
     token = ws.cli("token", "ci")
     assert token.returncode == 0, token.stderr
@@ -290,6 +300,60 @@ def test_client_secret_file_open_to_others_is_refused(tmp_path, sws):
         done = sws.run("token", "cc")
         assert done.returncode == 0, done.stderr
         assert fake.client_auth_methods[-1] == "client_secret_post"
+    finally:
+        fake.stop()
+
+
+def test_a_client_secret_file_alone_means_client_secret_basic(tmp_path, sws):
+    """Issue 32 item 6: `grant = client_credentials` with `client_secret_file` and no
+    `token_endpoint_auth_method` is what RFC 7591 calls the default, client_secret_basic (it was refused)."""
+    secret = "client-secret-" + os.urandom(8).hex()
+    fake = FakeIdP(client_secret=secret).start()
+    sws.fakes.append(fake)
+    sws.secrets.add(secret)
+    try:
+        secret_file = write_secret(tmp_path / "client.secret", secret)
+        sws.write_config(config.provider("cc", fake.issuer, grant="client_credentials", client_secret_file=secret_file))
+        checked = sws.run("serve", "--check")
+        assert checked.returncode == 0, checked.stderr
+        done = sws.run("token", "cc")
+        assert done.returncode == 0, done.stderr
+        assert fake.client_auth_methods[-1] == "client_secret_basic"
+        request = fake.requests("token")[-1]
+        assert request.form["grant_type"] == "client_credentials" and "client_secret" not in request.form
+    finally:
+        fake.stop()
+
+
+@pytest.mark.parametrize("provider_wants", ["issuer", "token_endpoint"])
+def test_the_client_assertion_names_the_issuer_unless_told_otherwise(tmp_path, sws, provider_wants):
+    """Issue 32 item 5 (draft-ietf-oauth-rfc7523bis): a private_key_jwt assertion's `aud` is the issuer by
+    default; a provider that wants its token endpoint there refuses it, and the error names
+    client_assertion_audience, after which `token_endpoint` works. The fake checks the one `aud` it is told."""
+    fake = FakeIdP(assertion_audience=provider_wants).start()
+    sws.fakes.append(fake)
+    try:
+        sws.write_config(config.provider("cc", fake.issuer, grant="client_credentials"))
+        made = sws.run("key", "init", "cc")
+        assert made.returncode == 0, made.stderr
+        fake.client_jwks.append(json.loads(sws.run("key", "show", "cc").stdout))
+        # The public JWK's x and y look like secrets to the hygiene check; they are public by design.
+        sws.results = [result for result in sws.results if result.argv[:1] != ["key"]]
+        first = sws.run("token", "cc")
+        assert fake.assertion_audiences[-1] == fake.issuer, "the default audience is the issuer, as one string"
+        if provider_wants == "issuer":
+            assert first.returncode == 0, first.stderr
+        else:
+            assert first.returncode == 1, first.stdout
+            assert "invalid_client" in first.stderr, first.stderr
+            assert (f"set client_assertion_audience = token_endpoint in [provider cc] of {sws.config_path}"
+                    in first.stderr), first.stderr
+            sws.write_config(config.provider("cc", fake.issuer, grant="client_credentials",
+                                             client_assertion_audience="token_endpoint"))
+            again = sws.run("token", "cc")
+            assert again.returncode == 0, again.stderr
+            assert fake.assertion_audiences[-1] == fake.url("token")
+        assert fake.client_auth_methods[-1] == "private_key_jwt"
     finally:
         fake.stop()
 

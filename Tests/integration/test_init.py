@@ -333,14 +333,15 @@ def test_init_of_a_second_configuration_keeps_a_running_serve_working(tmp_path):
                         f"It drops {MORE}: a proxyctl serve or exec of another configuration sharing {state} that "
                         f"protects it fails until proxyctl ca init --config ITS_FILE makes a CA that covers it "
                         "again.") in forced.stderr, forced.stderr
-                assert (f"Send SIGHUP to each running proxyctl serve (running: pid {deployment.proxy.pid}): kill -HUP "
-                        f"{deployment.proxy.pid} (no restart is needed); until then it signs with a CA nobody "
-                        "trusts.") in forced.stderr, forced.stderr
-                assert deployment.curl(rs.url("/untrusted", API)).returncode == 60
-                mark = deployment.proxy.mark()
-                deployment.proxy.signal(signal.SIGHUP)
-                deployment.proxy.wait_log(r"SIGHUP: configuration reloaded", since=mark)
-                assert deployment.curl(rs.url("/mended", API)).status == 200
+                assert (f"A running proxyctl serve (running: pid {deployment.proxy.pid}) moves to it by itself within "
+                        "a few seconds (no restart or SIGHUP is needed)") in forced.stderr, forced.stderr
+                # Issue 32 item 4: the serve picks the new CA up by itself (it signed with one nobody trusts, curl
+                # exit 60, until a SIGHUP): a client that reads the new bundle verifies it, no signal sent.
+                picked = poll(lambda: (lambda a: a if a.status == 200 else None)(
+                    deployment.curl(rs.url("/picked-up", API))), 15, message="the serve to move to the new CA")
+                assert picked.status == 200
+                deployment.proxy.wait_log(r"the local CA changed \(proxyctl ca init\): new connections get leaves "
+                                          rf"from the CA for {API} \(SHA-256 ", since=mark)
             finally:
                 assert deployment.stop() is None
     finally:

@@ -576,9 +576,13 @@ def ipv6_loopback() -> bool:
 ], ids=["other.test", "sub.api.test", "127.0.0.1", "::1", "api.test-control"])
 def test_local_ca_cannot_vouch_for_other_names(main, tmp_path, name, violation):
     ca_dir = main.ws.state / "ca"
-    leaf = CertificateAuthority.load(ca_dir / "ca.pem", ca_dir / "ca-key.pem").issue(tmp_path, [name], stem="leaf")
+    # The intermediate signs leaves (its key is in the state directory; the root's is nowhere): a leaf it signs
+    # for another name, sent with the intermediate, as a stolen key could make it.
+    leaf = CertificateAuthority.load(ca_dir / "intermediate.pem", ca_dir / "intermediate-key.pem").issue(
+        tmp_path, [name], stem="leaf", chain=True)
 
-    verify = subprocess.run(["openssl", "verify", "-CAfile", str(ca_dir / "ca.pem"), str(leaf.cert_pem)],
+    verify = subprocess.run(["openssl", "verify", "-CAfile", str(ca_dir / "ca.pem"), "-untrusted",
+                             str(ca_dir / "intermediate.pem"), str(leaf.cert_pem)],
                             capture_output=True, text=True, timeout=20)
     ipv6 = isinstance(name, ipaddress.IPv6Address)
     if ipv6 and not ipv6_loopback():
@@ -606,13 +610,16 @@ def test_local_ca_cannot_vouch_for_other_names(main, tmp_path, name, violation):
 
 def test_name_constraints_name_exactly_the_protected_hosts_and_the_real_leaf_verifies(main, rs, tmp_path):
     ca_pem = main.ws.state / "ca" / "ca.pem"
-    ca_cert = x509.load_pem_x509_certificate(ca_pem.read_bytes())
-    constraints = ca_cert.extensions.get_extension_for_class(x509.NameConstraints)
-    assert constraints.critical
+    intermediate_pem = main.ws.state / "ca" / "intermediate.pem"
     hosts = {API, REPLACE, SHORT, NOLOGIN}
-    assert {n.value for n in constraints.value.permitted_subtrees} == hosts
-    excluded = {str(n.value) for n in constraints.value.excluded_subtrees}
-    assert {"." + h for h in hosts} <= excluded and {"0.0.0.0/0", "::/0"} <= excluded, excluded
+    # The root (trusted) and the intermediate (which signs leaves, and whose constraints every client enforces).
+    for pem in (ca_pem, intermediate_pem):
+        constraints = x509.load_pem_x509_certificate(pem.read_bytes()).extensions \
+            .get_extension_for_class(x509.NameConstraints)
+        assert constraints.critical
+        assert {n.value for n in constraints.value.permitted_subtrees} == hosts
+        excluded = {str(n.value) for n in constraints.value.excluded_subtrees}
+        assert {"." + h for h in hosts} <= excluded and {"0.0.0.0/0", "::/0"} <= excluded, excluded
 
     sock, _, response = open_tunnel(main.proxy.port, rs.authority())
     assert response.status == 200
@@ -625,8 +632,8 @@ def test_name_constraints_name_exactly_the_protected_hosts_and_the_real_leaf_ver
     assert leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
         x509.DNSName) == [API]
     (tmp_path / "leaf.pem").write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
-    verify = subprocess.run(["openssl", "verify", "-CAfile", str(ca_pem), str(tmp_path / "leaf.pem")],
-                            capture_output=True, text=True, timeout=20)
+    verify = subprocess.run(["openssl", "verify", "-CAfile", str(ca_pem), "-untrusted", str(intermediate_pem),
+                             str(tmp_path / "leaf.pem")], capture_output=True, text=True, timeout=20)
     assert verify.returncode == 0 and verify.stdout.strip().endswith(": OK"), verify.stdout + verify.stderr
 
 
@@ -1030,7 +1037,8 @@ def test_serve_needs_a_ca_for_exactly_the_protected_hosts(tmp_path, rs):
 
     made = ws.ca_init()
     assert "Made the local CA for: api.test" in made.stderr, made.stderr
-    assert (ca_dir / "ca-key.pem").stat().st_mode & 0o777 == 0o600
+    assert (ca_dir / "intermediate-key.pem").stat().st_mode & 0o777 == 0o600
+    assert not (ca_dir / "ca-key.pem").exists(), "the root's key is never stored"
     shown = ws.cli("ca", "show")
     assert shown.returncode == 0, shown.stdout + shown.stderr
     fingerprint = re.search(r"SHA-256:\s+(\S+)", shown.stdout).group(1)
@@ -1058,7 +1066,7 @@ def test_serve_needs_a_ca_for_exactly_the_protected_hosts(tmp_path, rs):
     constraints = x509.load_pem_x509_certificate((ca_dir / "ca.pem").read_bytes()).extensions \
         .get_extension_for_class(x509.NameConstraints).value
     assert {n.value for n in constraints.permitted_subtrees} == {API, "second.test"}
-    assert (ca_dir / "ca-key.pem").stat().st_mode & 0o777 == 0o600
+    assert (ca_dir / "intermediate-key.pem").stat().st_mode & 0o777 == 0o600
     assert ws.cli("serve", "--check", timeout=20).returncode == 0
 
 

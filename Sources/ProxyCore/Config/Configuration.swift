@@ -81,6 +81,9 @@ public struct ProxySettings: Sendable, Equatable {
     public var logFormat = LogFormat.text
     /// Where `/healthz`, `/readyz` and `/metrics` are served; nil: nowhere.
     public var adminListen: ListenAddress? = nil
+    /// Host names the admin listener answers besides its own address and `localhost` (a scraper that names it,
+    /// such as a Compose service name): lower case, no port (`AdminDoor`).
+    public var adminHosts: [String] = []
     /// Not a configuration key: `proxyctl exec`'s own proxy admits processes of its user without the run's
     /// credential (which it still hands to the command).
     public var ownerNeedsNoCredentials = false
@@ -97,6 +100,9 @@ public struct ProxySettings: Sendable, Equatable {
     public var replaySpoolTotal = 1 << 30
     /// Offer HTTP/2 (ALPN h2) to clients of protected origins; off keeps them on HTTP/1.1.
     public var http2 = true
+    /// What a request made by a web page of another origin gets at a protected origin, unless its section says
+    /// otherwise (`browser_requests`; `BrowserRequests`).
+    public var browserRequests = BrowserRequestsPolicy.refuse
     /// Host names answered without DNS (`resolve = api.test=127.0.0.1`), like curl's --resolve: for
     /// development setups and sidecars.
     public var resolve: [String: String] = [:]
@@ -196,6 +202,7 @@ public struct ConfigParser: Sendable {
                 seenProviders[name] = section.line
                 var provider = ProviderConfig(name: name)
                 provider.line = section.line
+                provider.file = file
                 applyProvider(section, file: file, into: &provider, errors: &errors)
                 config.providers.append(provider)
             case "proxy":
@@ -240,6 +247,10 @@ public struct ConfigParser: Sendable {
                         "[provider \(provider.name)] uses grant = \(provider.grant.rawValue), which gives no ID token; only a person's sign-in does"
                     ))
             }
+        }
+        // `browser_requests` of [proxy] is the default of every [origin] that does not set its own.
+        for index in origins.indices where !origins[index].setsBrowserRequests {
+            origins[index].browserRequests = config.proxy.browserRequests
         }
         config.origins = OriginTable(origins)
         // Cross-key checks.
@@ -368,6 +379,11 @@ public struct ConfigParser: Sendable {
             case "http2":
                 guard let flag = ConfigValue.bool(entry.value) else { return fail("expected on or off, \(got())") }
                 settings.http2 = flag
+            case "browser_requests":
+                guard let policy = BrowserRequestsPolicy(rawValue: entry.value.lowercased()) else {
+                    return fail("expected refuse or allow, \(got())")
+                }
+                settings.browserRequests = policy
             case "upstream_client":
                 // Obsolete: the proxy's own client carries every request to protected origins. `builtin`, what
                 // files written from the old example say, is what happens anyway.
@@ -416,6 +432,19 @@ public struct ConfigParser: Sendable {
                 case .failure:
                     fail("expected HOST:PORT with an IP address, or a port for 127.0.0.1, \(got())")
                 }
+            case "admin_hosts":
+                var names: [String] = []
+                for item in entry.value.split(whereSeparator: { $0 == "," || $0 == " " }) {
+                    guard case .success(let parsed) = HostPort.parse(item, defaultPort: 1), parsed.kind == .name,
+                        !item.contains(":")
+                    else {
+                        return fail(
+                            "expected host names without ports, separated by commas, such as proxyctl, metrics.internal, \(got())"
+                        )
+                    }
+                    if !names.contains(parsed.host) { names.append(parsed.host) }
+                }
+                settings.adminHosts = names
             case "state_dir":
                 guard !entry.value.isEmpty else { return fail("expected a directory path") }
                 settings.stateDir = resolvePath(entry.value)
@@ -437,8 +466,7 @@ public struct ConfigParser: Sendable {
         "connect_timeout", "idle_timeout",
         "keepalive_timeout", "header_timeout", "shutdown_grace", "max_request_line", "max_header_bytes",
         "max_headers", "max_connections", "max_connections_per_client", "replay_memory", "replay_spool",
-        "replay_memory_total", "replay_spool_total", "http2",
-        "upstream_client", "resolve", "notify_command", "log_level", "log_format", "admin_listen",
-        "state_dir", "token_store",
+        "replay_memory_total", "replay_spool_total", "http2", "browser_requests", "upstream_client", "resolve",
+        "notify_command", "log_level", "log_format", "admin_listen", "admin_hosts", "state_dir", "token_store",
     ]
 }

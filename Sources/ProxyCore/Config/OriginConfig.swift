@@ -23,6 +23,9 @@ public struct OriginConfig: Sendable, Equatable {
         var tokenType = OriginTokenKind.accessToken
         var line = 0
         var file = ""
+        /// `browser_requests` of the section; nil takes `[proxy]`'s (`ConfigParser` fills it in).
+        var browserRequests: BrowserRequestsPolicy? = nil
+        var allowedRequestOrigins: [WebOrigin] = []
     }
 
     @Boxed private var fields: Fields
@@ -69,6 +72,33 @@ public struct OriginConfig: Sendable, Equatable {
         _modify { yield &fields.file }
     }
 
+    /// What a request made by a web page of another origin gets (`browser_requests`): the section's own value,
+    /// else `[proxy]`'s, else `refuse`.
+    public var browserRequests: BrowserRequestsPolicy {
+        get { fields.browserRequests ?? .refuse }
+        set { fields.browserRequests = newValue }
+    }
+    /// Whether the section set `browser_requests` itself.
+    public var setsBrowserRequests: Bool { fields.browserRequests != nil }
+    /// Web apps whose pages may use the token (`allowed_request_origins`).
+    public var allowedRequestOrigins: [WebOrigin] {
+        get { fields.allowedRequestOrigins }
+        _modify { yield &fields.allowedRequestOrigins }
+    }
+
+    /// The refusal for a request whose `Sec-Fetch-Site`, `Origin` and `Referer` values say a web page of another
+    /// origin made it, or nil when it may have the token (`BrowserRequests.check`; `browser_requests = allow`
+    /// admits every request).
+    public func browserRefusal(
+        fetchSite: [ArraySlice<UInt8>], origin: [ArraySlice<UInt8>], referer: [ArraySlice<UInt8>]
+    ) -> BrowserRefusal? {
+        guard browserRequests == .refuse, !(fetchSite.isEmpty && origin.isEmpty) else { return nil }
+        return BrowserRequests.check(
+            fetchSite: fetchSite, origin: origin, referer: referer,
+            own: WebOrigin(scheme: scheme, authority: authority), allowed: allowedRequestOrigins,
+            section: (url, file))
+    }
+
     /// `https://api.example.com` or `http://127.0.0.1:8000`: the default port is left out. Made once: every
     /// request to the origin uses it (a DPoP proof's `htu`, the nonce cache's key).
     public var url: String { fields.url }
@@ -94,7 +124,10 @@ public struct OriginConfig: Sendable, Equatable {
         TokenKey(provider: provider, resource: resource, scopes: scopes, kind: tokenType)
     }
 
-    public static let keys = ["provider", "client_authorization", "ca_file", "resource", "scopes", "token_type"]
+    public static let keys = [
+        "provider", "client_authorization", "ca_file", "resource", "scopes", "token_type", "browser_requests",
+        "allowed_request_origins",
+    ]
 
     /// Parses the section argument: scheme, host and optional port; nothing else.
     public static func parseURL(_ text: String) -> Result<OriginConfig, ValueError> {
@@ -214,6 +247,24 @@ extension ConfigParser {
                     continue
                 }
                 origin.tokenType = kind
+            case "browser_requests":
+                guard let policy = BrowserRequestsPolicy(rawValue: entry.value.lowercased()) else {
+                    fail("expected refuse or allow, got \"\(INIDocument.clip(entry.value))\"")
+                    continue
+                }
+                origin.browserRequests = policy
+            case "allowed_request_origins":
+                var allowed: [WebOrigin] = []
+                for item in entry.value.split(whereSeparator: { $0 == " " || $0 == "," }) {
+                    guard let parsed = WebOrigin.parse(item.utf8, allowTrailingSlash: true) else {
+                        fail(
+                            "expected web origins (a scheme, a host and a port, no path) separated by commas, such as http://localhost:3000, got \"\(INIDocument.clip(String(item)))\""
+                        )
+                        continue
+                    }
+                    if !allowed.contains(parsed) { allowed.append(parsed) }
+                }
+                origin.allowedRequestOrigins = allowed
             default:
                 fail(KeySuggestion.message(for: entry.key, among: OriginConfig.keys))
             }

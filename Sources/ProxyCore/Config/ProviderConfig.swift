@@ -41,6 +41,19 @@ public enum ClientAuthMethod: String, Sendable, Equatable {
 
     /// Whether the method needs `client_secret_file`.
     public var usesSecret: Bool { self == .clientSecretBasic || self == .clientSecretPost || self == .clientSecretJWT }
+
+    /// Whether the client authenticates with a signed JWT, the client assertion (RFC 7523 §2.2).
+    public var usesAssertion: Bool { self == .privateKeyJWT || self == .clientSecretJWT }
+}
+
+/// The `aud` of a client assertion (`client_assertion_audience`).
+public enum AssertionAudience: String, Sendable, Equatable {
+    /// The authorization server's issuer identifier, the one audience draft-ietf-oauth-rfc7523bis allows: a
+    /// token endpoint URL can be another server's too (the audience confusion that draft fixes).
+    case issuer
+    /// The token endpoint's URL (OpenID Connect Core §9, RFC 7523 before the bis): for providers that accept
+    /// nothing else (glewlwyd 2.7).
+    case tokenEndpoint = "token_endpoint"
 }
 
 /// A `[provider NAME]` section: an OpenID provider that proxyctl signs in to as a public client.
@@ -73,13 +86,14 @@ public struct ProviderConfig: Sendable, Equatable {
     public var tokenTimeout: Int = 30_000
     /// How tokens are obtained: a person's sign-in, or a grant that needs nobody.
     public var grant: ProviderGrant = .authorizationCode
-    /// Client authentication at the token endpoint; nil means the default for the grant (`none` for sign-in,
-    /// `private_key_jwt` for the machine grants).
+    /// Client authentication at the token endpoint; nil means the default (`effectiveClientAuth`).
     public var clientAuthMethod: ClientAuthMethod? = nil
     /// The client's private key for `private_key_jwt` (default `<state_dir>/keys/NAME.client.pem`).
     public var clientKeyFile: String? = nil
     /// A 0600 file holding the client secret (client_secret_basic, _post, _jwt).
     public var clientSecretFile: String? = nil
+    /// The `aud` of the client assertion (private_key_jwt, client_secret_jwt).
+    public var clientAssertionAudience: AssertionAudience = .issuer
     /// With `grant = token_exchange`: the file holding the subject token (read anew each time).
     public var subjectTokenFile: String? = nil
     /// With `grant = token_exchange`: a command printing the subject token (run without a shell).
@@ -90,12 +104,19 @@ public struct ProviderConfig: Sendable, Equatable {
     public var audience: String? = nil
     /// Line of the section header, for messages.
     public var line: Int = 0
+    /// The configuration file of the section, for messages that name the fix ("" when unknown).
+    public var file: String = ""
 
     public init(name: String) { self.name = name }
 
-    /// The client authentication in force.
+    /// The client authentication in force: `token_endpoint_auth_method`, else what the other keys say. A
+    /// `client_secret_file` without a `client_key_file` means `client_secret_basic` (RFC 7591 §2's default for
+    /// a client with a secret); otherwise `none` for a person's sign-in and `private_key_jwt` for the machine
+    /// grants.
     public var effectiveClientAuth: ClientAuthMethod {
-        clientAuthMethod ?? (grant == .authorizationCode ? .none : .privateKeyJWT)
+        if let clientAuthMethod { return clientAuthMethod }
+        if clientSecretFile != nil && clientKeyFile == nil { return .clientSecretBasic }
+        return grant == .authorizationCode ? .none : .privateKeyJWT
     }
 
     /// Whether tokens come from a person signing in (`proxyctl login`) rather than from a grant that needs nobody.
@@ -111,7 +132,9 @@ public struct ProviderConfig: Sendable, Equatable {
             && lhs.dpopRequired == rhs.dpopRequired && lhs.loginTimeout == rhs.loginTimeout
             && lhs.tokenTimeout == rhs.tokenTimeout && lhs.grant == rhs.grant
             && lhs.clientAuthMethod == rhs.clientAuthMethod && lhs.clientKeyFile == rhs.clientKeyFile
-            && lhs.clientSecretFile == rhs.clientSecretFile && lhs.subjectTokenFile == rhs.subjectTokenFile
+            && lhs.clientSecretFile == rhs.clientSecretFile
+            && lhs.clientAssertionAudience == rhs.clientAssertionAudience
+            && lhs.subjectTokenFile == rhs.subjectTokenFile
             && lhs.subjectTokenCommand == rhs.subjectTokenCommand && lhs.subjectTokenType == rhs.subjectTokenType
             && lhs.audience == rhs.audience
     }
@@ -121,7 +144,7 @@ public struct ProviderConfig: Sendable, Equatable {
         "issuer", "client_id", "scopes", "redirect_port", "redirect_path", "acr_values", "login_hint", "resource",
         "param.NAME", "use_par", "ca_file", "token_binding", "dpop_required", "login_timeout",
         "token_timeout", "grant", "token_endpoint_auth_method", "client_key_file", "client_secret_file",
-        "subject_token_file", "subject_token_command", "subject_token_type", "audience",
+        "client_assertion_audience", "subject_token_file", "subject_token_command", "subject_token_type", "audience",
     ]
 
     /// Authorization parameters proxyctl sets itself; `param.` cannot override them.
@@ -146,6 +169,18 @@ public struct ProviderConfig: Sendable, Equatable {
         guard let label = labels.last, isValidName(label) else { return ("default", true) }
         return (label, false)
     }
+
+    /// What to add to the message of a token endpoint that refused the client (`invalid_client`) while the
+    /// assertion's audience is the issuer: providers that predate draft-ietf-oauth-rfc7523bis want the token
+    /// endpoint there. nil when the client sends no assertion or already names the token endpoint.
+    public var assertionAudienceHint: String? {
+        guard effectiveClientAuth.usesAssertion, clientAssertionAudience == .issuer else { return nil }
+        return
+            "the client assertion's audience is the issuer (draft-ietf-oauth-rfc7523bis); if the provider wants its token endpoint there, set client_assertion_audience = token_endpoint in \(sectionReference)"
+    }
+
+    /// `[provider NAME] of FILE`, or `[provider NAME]` when the file is not known.
+    public var sectionReference: String { file.isEmpty ? "[provider \(name)]" : "[provider \(name)] of \(file)" }
 
     /// Whether a provider name is usable on the command line and as a file name.
     static func isValidName(_ name: String) -> Bool {
@@ -297,6 +332,12 @@ extension ConfigParser {
                 } else {
                     provider.subjectTokenFile = path
                 }
+            case "client_assertion_audience":
+                guard let audience = AssertionAudience(rawValue: entry.value.lowercased()) else {
+                    fail("expected issuer or token_endpoint, \(got())")
+                    continue
+                }
+                provider.clientAssertionAudience = audience
             case "subject_token_command":
                 let words = entry.value.split(separator: " ").map(String.init)
                 guard !words.isEmpty else {
@@ -339,7 +380,15 @@ extension ConfigParser {
         if provider.clientSecretFile != nil && !method.usesSecret {
             crossError(
                 "client_secret_file",
-                "only used with token_endpoint_auth_method = client_secret_basic, client_secret_post or client_secret_jwt"
+                provider.clientAuthMethod == nil
+                    ? "client_key_file and client_secret_file are both given: say which one the client uses with token_endpoint_auth_method = private_key_jwt or client_secret_basic (client_secret_post, client_secret_jwt)"
+                    : "only used with token_endpoint_auth_method = client_secret_basic, client_secret_post or client_secret_jwt"
+            )
+        }
+        if section.entries.contains(where: { $0.key == "client_assertion_audience" }) && !method.usesAssertion {
+            crossError(
+                "client_assertion_audience",
+                "only used with token_endpoint_auth_method = private_key_jwt or client_secret_jwt (a client assertion); this provider uses \(method.rawValue)"
             )
         }
         if provider.grant == .clientCredentials && method == .none {

@@ -604,10 +604,7 @@ public struct ConnectionMachine: Sendable {
         if let misdirected {
             return refuse(head, origin: origin, .misdirected(reason: misdirected), &out)
         }
-        let checked = MessageSemantics.interceptedRequest(head, scheme: "https", origin: origin.authority) { hasOwn in
-            origin.attachesToken(clientHasAuthorization: hasOwn)
-        }
-        switch checked {
+        switch MessageSemantics.interceptedRequest(head, for: origin) {
         case .failure(let refusal):
             refuse(head, origin: origin, refusal.answer, &out)
         case .success(let request):

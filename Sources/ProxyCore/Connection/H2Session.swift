@@ -256,10 +256,7 @@ public struct H2Session: Sendable {
         if H2Semantics.isWebSocketConnect(fields) {
             return openWebSocket(stream, fields, method: method, path: path, &out)
         }
-        let checked = H2Semantics.interceptedRequest(fields, endStream: endStream, origin: origin.authority) {
-            hasOwn in origin.attachesToken(clientHasAuthorization: hasOwn)
-        }
-        switch checked {
+        switch H2Semantics.interceptedRequest(fields, endStream: endStream, for: origin) {
         case .failure(let refusal):
             refuse(stream, method: method, path: path, refusal.answer, &out)
         case .success(let request):

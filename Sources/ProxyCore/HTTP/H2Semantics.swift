@@ -33,11 +33,13 @@ public enum H2Semantics {
         connectionSpecificNames.contains { ASCII.equalsLowercase(name, $0) }
     }
 
-    /// Checks a request for `origin` (RFC 9113 §8.3.1): its `:scheme` https, its `:authority` (and a `host`
-    /// field, if any) naming the origin exactly, else it is misdirected and gets no token.
+    /// Checks a request for `protected` (RFC 9113 §8.3.1): its `:scheme` https, its `:authority` (and a `host`
+    /// field, if any) naming the origin exactly, else it is misdirected and gets no token; a request a web page of
+    /// another origin made is refused (`OriginConfig.browserRefusal`).
     public static func interceptedRequest(
-        _ fields: [H2Field], endStream: Bool, origin: HostPort, attachToken: (_ clientHasAuthorization: Bool) -> Bool
+        _ fields: [H2Field], endStream: Bool, for protected: OriginConfig
     ) -> Result<InterceptedRequest, InterceptRefusal> {
+        let origin = protected.authority
         let split: RequestPseudoFields
         switch RequestPseudoFields.split(fields) {
         case .failure(let refusal): return .failure(refusal)
@@ -100,10 +102,21 @@ public enum H2Semantics {
             framing = .chunked
         }
         let clientAuthorization = regular.contains { $0.name == H2Names.authorization }
-        let attach = attachToken(clientAuthorization)
+        let attach = protected.attachesToken(clientHasAuthorization: clientAuthorization)
         var upstream: [(name: String, value: [UInt8])] = []
         var acceptsTrailers = false
+        var fetchSite: [ArraySlice<UInt8>] = []
+        var initiator: [ArraySlice<UInt8>] = []
+        var referer: [ArraySlice<UInt8>] = []
         for field in regular {
+            // Names are lower case in HTTP/2 (RFC 9113 §8.2.1; nghttp2 enforces it).
+            if field.name == H2Names.secFetchSite {
+                fetchSite.append(field.value[...])
+            } else if field.name == H2Names.origin {
+                initiator.append(field.value[...])
+            } else if field.name == H2Names.referer {
+                referer.append(field.value[...])
+            }
             if field.name == H2Names.te {
                 // RFC 9113 §8.2.2: only "trailers"; gRPC servers require it, so it travels.
                 acceptsTrailers = true
@@ -118,6 +131,9 @@ public enum H2Semantics {
             }
             if attach && field.name == H2Names.authorization { continue }
             upstream.append((field.nameText, field.value))
+        }
+        if let refusal = protected.browserRefusal(fetchSite: fetchSite, origin: initiator, referer: referer) {
+            return .failure(.browserRequest(refusal, close: false))
         }
         return .success(
             InterceptedRequest(
@@ -307,6 +323,9 @@ enum H2Names {
     static let host = Array("host".utf8)
     static let expect = Array("expect".utf8)
     static let authorization = Array("authorization".utf8)
+    static let secFetchSite = Array("sec-fetch-site".utf8)
+    static let origin = Array("origin".utf8)
+    static let referer = Array("referer".utf8)
     // Values.
     static let connectMethod = Array("CONNECT".utf8)
     static let websocketProtocol = Array("websocket".utf8)

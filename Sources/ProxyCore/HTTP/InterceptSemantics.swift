@@ -50,24 +50,31 @@ public enum InterceptRefusal: Error, Sendable, Equatable {
     /// Host (or absolute-form target) names another authority than the tunnel's: 421, no token.
     case misdirected(String)
     case unsupported(String)
+    /// A web page of another origin made the request (`browser_requests = refuse`): 403, no token. `close`: the
+    /// body, if any, was not read.
+    case browserRequest(BrowserRefusal, close: Bool)
 
     public var answer: ProxyAnswer {
         switch self {
         case .badRequest(let error): .badRequest(error)
         case .misdirected(let reason): .misdirected(reason: reason)
         case .unsupported(let reason): .unsupported(reason: reason)
+        case .browserRequest(let refusal, let close): .browserRequestRefused(refusal, close: close)
         }
     }
 }
 
 extension MessageSemantics {
-    /// Checks a request for the protected origin `origin` (RFC 9112 §3.2, §6.3; RFC 9110 §7.2, §7.6.1).
+    /// Checks a request for the protected origin `protected` (RFC 9112 §3.2, §6.3; RFC 9110 §7.2, §7.6.1).
     ///
     /// Fail closed: the Host field (and an absolute-form target) must name exactly the origin's authority,
-    /// after normalising case, trailing dot and default port; otherwise the request is misdirected.
+    /// after normalising case, trailing dot and default port; otherwise the request is misdirected. A request a
+    /// web page of another origin made is refused (`OriginConfig.browserRefusal`). Whether the token replaces the
+    /// client's own Authorization is the origin's `client_authorization` (`OriginConfig.attachesToken`).
     public static func interceptedRequest(
-        _ head: HTTPHead, scheme: String, origin: HostPort, attachToken: (_ clientHasAuthorization: Bool) -> Bool
+        _ head: HTTPHead, for protected: OriginConfig
     ) -> Result<InterceptedRequest, InterceptRefusal> {
+        let (scheme, origin) = (protected.scheme, protected.authority)
         let defaultPort = scheme == "https" ? 443 : 80
         var target = head.target
         if head.method == "CONNECT" {
@@ -116,10 +123,21 @@ extension MessageSemantics {
         let options = head.listElements(named: "connection")
         let upgrade = options.contains("upgrade") && head.firstIndex(named: "upgrade").count > 0
         let clientAuthorization = head.firstIndex(named: "authorization").count > 0
-        let attach = attachToken(clientAuthorization)
+        let attach = protected.attachesToken(clientHasAuthorization: clientAuthorization)
         var fields: [(name: String, value: [UInt8])] = []
         fields.reserveCapacity(head.fields.count)
+        // What the request says about the page that made it, if a browser made it (read in the same pass).
+        var fetchSite: [ArraySlice<UInt8>] = []
+        var initiator: [ArraySlice<UInt8>] = []
+        var referer: [ArraySlice<UInt8>] = []
         for index in head.fields.indices {
+            if head.field(index, isNamed: "sec-fetch-site") {
+                fetchSite.append(head.valueBytes(at: index))
+            } else if head.field(index, isNamed: "origin") {
+                initiator.append(head.valueBytes(at: index))
+            } else if head.field(index, isNamed: "referer") {
+                referer.append(head.valueBytes(at: index))
+            }
             // Hop-by-hop fields (the one table in MessageSemantics, with the Connection options), and what the
             // transfer sets itself: Host (the URL), the framing, Expect (the proxy answered 100 itself).
             if isHopByHop(head, index, options: options, keepUpgrade: false) || head.field(index, isNamed: "host")
@@ -130,6 +148,10 @@ extension MessageSemantics {
             }
             if attach && head.field(index, isNamed: "authorization") { continue }
             fields.append((head.name(at: index), Array(head.valueBytes(at: index))))
+        }
+        if let refusal = protected.browserRefusal(fetchSite: fetchSite, origin: initiator, referer: referer) {
+            let keepAlive = head.version == .http1_1 && !options.contains("close")
+            return .failure(.browserRequest(refusal, close: framing != .none || !keepAlive))
         }
         return .success(
             InterceptedRequest(

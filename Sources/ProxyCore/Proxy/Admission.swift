@@ -15,6 +15,12 @@ public struct Admission: Sendable, Equatable {
         maxPerClient = min(total, settings.maxConnectionsPerClient ?? max(1, total / 4))
     }
 
+    /// Fixed limits (the admin listener's, `AdminAdmission`).
+    public init(maxConnections: Int, maxPerClient: Int) {
+        self.maxConnections = maxConnections
+        self.maxPerClient = min(maxConnections, maxPerClient)
+    }
+
     /// Descriptors kept free of client connections: the listener, the event loop, libcurl's sockets, log and
     /// state files, the pipes of tunnels that are moving bytes.
     public static let reservedFiles = 64

@@ -111,11 +111,7 @@ public struct FrontDoor: Sendable {
             }
             if isLoop(url.authority) { return .respond(.loopDetected(url.authority)) }
             if let origin = origins.match(scheme: "http", authority: url.authority) {
-                let checked = MessageSemantics.interceptedRequest(head, scheme: "http", origin: url.authority) {
-                    hasOwn in
-                    origin.attachesToken(clientHasAuthorization: hasOwn)
-                }
-                switch checked {
+                switch MessageSemantics.interceptedRequest(head, for: origin) {
                 case .failure(let refusal): return .respond(refusal.answer)
                 case .success(let request): return .interceptRequest(origin, request)
                 }

@@ -67,6 +67,9 @@ public enum ProxyAnswer: Sendable, Equatable {
     case misdirected(reason: String)
     /// Something the proxy does not do on intercepted connections (CONNECT inside the tunnel, say).
     case unsupported(reason: String)
+    /// A web page of another origin made the request (cross-site request forgery with the user's token):
+    /// `browser_requests = refuse`. `close` when the body, if any, was not read.
+    case browserRequestRefused(BrowserRefusal, close: Bool)
     /// No tokens, or the provider refused the refresh token: the user must sign in.
     case signInNeeded(provider: String, reason: String)
     /// The provider is unreachable or overloaded.
@@ -238,6 +241,11 @@ public enum ProxyAnswer: Sendable, Equatable {
             return ProxyResponse(
                 status: 501, proxyStatus: ProxyStatus(error: .httpRequestError, details: reason),
                 message: "proxyctl: \(reason)", close: true)
+        case .browserRequestRefused(let refusal, let close):
+            // No CORS fields: the page that made the request learns nothing but that it failed.
+            return ProxyResponse(
+                status: 403, proxyStatus: ProxyStatus(error: .httpRequestDenied, details: refusal.details),
+                message: refusal.message, close: close)
         case .signInNeeded(let provider, let reason):
             return ProxyResponse(
                 status: 401,

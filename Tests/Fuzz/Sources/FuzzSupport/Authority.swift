@@ -11,6 +11,7 @@ public func fuzzAuthority(_ data: UnsafeBufferPointer<UInt8>) {
     let input = text(raw)
     checkHostPort(input)
     checkURL(input)
+    checkWebOrigin(raw)
     checkIPAddress(input)
     checkCIDR(input, raw)
     checkBase64(input, raw)
@@ -47,6 +48,21 @@ private func checkURL(_ input: String) {
             "\(rebuilt.debugDescription) parses to another URL")
     case .failure(let error):
         invariant(false, "\(rebuilt.debugDescription) does not parse: \(error)")
+    }
+}
+
+/// An `Origin` value (or a configured origin) names exactly a scheme and an authority, and its serialisation
+/// parses back to the same origin; a Referer's origin is its URL's.
+private func checkWebOrigin(_ raw: [UInt8]) {
+    if let origin = WebOrigin.parse(raw) {
+        checkAuthority(origin.authority)
+        invariant(origin.scheme == "http" || origin.scheme == "https", "origin scheme \(origin.scheme)")
+        invariant(!raw.contains(UInt8(ascii: "/")) || raw.filter { $0 == UInt8(ascii: "/") }.count == 2, "a path")
+        invariant(WebOrigin.parse(Array(origin.description.utf8)) == origin, "\(origin) does not parse back")
+        invariant(WebOrigin.parse(raw + [UInt8(ascii: "/")]) == nil, "an Origin field with a path")
+    }
+    if let origin = WebOrigin.ofURL(raw), case .success(let url) = AbsoluteURL.parse(text(raw)) {
+        invariant(origin.scheme == url.scheme && origin.authority == url.authority, "a Referer's origin")
     }
 }
 

@@ -56,20 +56,48 @@ private func fuzzInterceptedRequests(_ input: [UInt8]) {
         }
         let (scheme, origin) = candidates[random.next(in: 0...(candidates.count - 1))]
         let replace = random.nextBool()
-        var asked: [Bool] = []
-        let result = MessageSemantics.interceptedRequest(head, scheme: scheme, origin: origin) { hasOwn in
-            asked.append(hasOwn)
-            return replace || !hasOwn
+        var protected = OriginConfig(scheme: scheme, authority: origin)
+        protected.clientAuthorization = replace ? .replace : .keep
+        protected.browserRequests = random.next(in: 0...3) == 0 ? .allow : .refuse
+        // Sometimes the request's own Origin is an allowed one, so that the admitting path runs too.
+        if random.nextBool(), let index = head.indices(named: "origin").first,
+            let allowed = WebOrigin.parse(head.valueBytes(at: index))
+        {
+            protected.allowedRequestOrigins = [allowed]
         }
-        switch result {
+        switch MessageSemantics.interceptedRequest(head, for: protected) {
         case .success(let request):
-            invariant(asked.count == 1, "attachToken asked \(asked.count) times")
-            invariant(asked.first == request.clientAuthorization, "attachToken told another clientAuthorization")
             checkInterceptedRequest(
                 request, head: head, scheme: scheme, origin: origin, attached: replace || !request.clientAuthorization)
+            checkBrowserRequestAdmitted(head, protected)
         case .failure(let refusal):
-            checkRefusal(refusal, head: head, scheme: scheme, origin: origin)
+            checkRefusal(refusal, head: head, scheme: scheme, origin: origin, protected: protected)
         }
+    }
+}
+
+/// A request admitted under `browser_requests = refuse` is a tool's, the origin's own page's, the user's own
+/// navigation, or an allowed web app's: what each field says, read here on the wire's bytes.
+private func checkBrowserRequestAdmitted(_ head: HTTPHead, _ protected: OriginConfig) {
+    guard protected.browserRequests == .refuse else { return }
+    let own = WebOrigin(scheme: protected.scheme, authority: protected.authority)
+    let admitted = [own] + protected.allowedRequestOrigins
+    let origins = head.indices(named: "origin")
+    let sites = head.indices(named: "sec-fetch-site")
+    invariant(origins.count <= 1 && sites.count <= 1, "admitted a request with repeated Origin or Sec-Fetch-Site")
+    var initiator: WebOrigin? = nil
+    if let index = origins.first {
+        let parsed = WebOrigin.parse(head.value(at: index).utf8)
+        invariant(parsed.map(admitted.contains) == true, "admitted Origin \(head.value(at: index).debugDescription)")
+        initiator = parsed
+    } else if let index = head.indices(named: "referer").first, head.indices(named: "referer").count == 1 {
+        initiator = WebOrigin.ofURL(head.value(at: index).utf8)
+    }
+    if let index = sites.first {
+        let site = head.value(at: index).lowercased()
+        invariant(
+            site == "same-origin" || site == "none" || initiator.map(admitted.contains) == true,
+            "admitted Sec-Fetch-Site \(site.debugDescription) from \(initiator?.description ?? "nowhere")")
     }
 }
 
@@ -162,9 +190,22 @@ func checkInterceptedRequest(
 }
 
 /// A refused request gets a response that parses, and a 421 never for a request that names the origin.
-private func checkRefusal(_ refusal: InterceptRefusal, head: HTTPHead, scheme: String, origin: HostPort) {
+private func checkRefusal(
+    _ refusal: InterceptRefusal, head: HTTPHead, scheme: String, origin: HostPort, protected: OriginConfig
+) {
     let response = refusal.answer.response
-    invariant(response.close, "a refused intercepted request keeps the connection")
+    if case .browserRequest(_, let close) = refusal {
+        // The connection goes on when nothing of the request is left unread.
+        let keepAlive = head.version == .http1_1 && !rawListElements(head, "connection").contains(bytes("close"))
+        if !close {
+            invariant(keepAlive, "a browser refusal keeps a connection the client asked to close")
+            if case .success(let semantics) = MessageSemantics.request(head) {
+                invariant(semantics.framing == .none, "a browser refusal keeps a connection with an unread body")
+            }
+        }
+    } else {
+        invariant(response.close, "a refused intercepted request keeps the connection")
+    }
     var parser = HTTPHeadParser(kind: .response, limits: generousLimits)
     guard case .complete(let parsed, _) = parser.parse(response.serialized()) else {
         return invariant(false, "the refusal \(response.status) does not parse")
@@ -190,6 +231,12 @@ private func checkRefusal(_ refusal: InterceptRefusal, head: HTTPHead, scheme: S
         invariant(response.status == 501, "unsupported answered \(response.status)")
     case .badRequest(let error):
         invariant(response.status == error.status, "bad request answered \(response.status)")
+    case .browserRequest(let refused, _):
+        invariant(response.status == 403, "a browser refusal answered \(response.status)")
+        invariant(protected.browserRequests == .refuse, "refused a browser request under browser_requests = allow")
+        invariant(
+            !(head.indices(named: "origin").isEmpty && head.indices(named: "sec-fetch-site").isEmpty),
+            "refused a tool's request (no Origin, no Sec-Fetch-Site) as a browser's: \(refused.details)")
     }
 }
 
@@ -225,8 +272,7 @@ private func fuzzInterceptedResponse(_ input: [UInt8]) {
     if !attach { head += "Authorization: Bearer client-own\r\n" }
     var parser = HTTPHeadParser(kind: .request)
     guard case .complete(let requestHead, _) = parser.parse(Array((head + "\r\n").utf8)),
-        case .success(let request) = MessageSemantics.interceptedRequest(
-            requestHead, scheme: "https", origin: responseOrigin.authority, attachToken: { !$0 })
+        case .success(let request) = MessageSemantics.interceptedRequest(requestHead, for: responseOrigin)
     else { return invariant(false, "the harness request does not parse") }
     func sending() -> ProtectedExchange {
         var exchange = ProtectedExchange(

@@ -61,6 +61,35 @@ func checkRequest(_ head: HTTPHead) {
     for door in frontDoors {
         checkDecision(door.decide(head), door: door, head: head, semantics: semantics)
     }
+    for door in adminDoors { checkAdminRoute(door.route(head), door: door, head: head) }
+}
+
+/// The admin listener on loopback, on every address with a name of admin_hosts, and on one address.
+private let adminDoors = [
+    AdminDoor(bound: ListenAddress(host: "127.0.0.1", port: 9464, isIPv6: false)),
+    AdminDoor(bound: ListenAddress(host: "0.0.0.0", port: 9464, isIPv6: false), names: ["proxyctl"]),
+    AdminDoor(bound: ListenAddress(host: "10.1.2.3", port: 9464, isIPv6: false)),
+]
+
+/// The admin listener serves its endpoints only to GET and HEAD requests with one Host (or none in HTTP/1.0)
+/// that names its own address: never a host name but localhost and admin_hosts (DNS rebinding).
+private func checkAdminRoute(_ route: AdminDoor.Route, door: AdminDoor, head: HTTPHead) {
+    guard case .answer = route else {
+        invariant(head.method == "GET" || head.method == "HEAD", "admin served \(head.method)")
+        let hosts = head.indices(named: "host")
+        invariant(hosts.count == 1 || (hosts.isEmpty && head.version == .http1_0), "admin served \(hosts.count) Hosts")
+        if let index = hosts.first {
+            switch HostPort.parse(head.value(at: index)[...], defaultPort: 80) {
+            case .success(let authority):
+                invariant(
+                    authority.kind != .name || authority.host == "localhost" || door.names.contains(authority.host),
+                    "admin served Host \(authority.host.debugDescription)")
+            case .failure:
+                invariant(false, "admin served an unreadable Host \(head.value(at: index).debugDescription)")
+            }
+        }
+        return
+    }
 }
 
 private func checkRequestSemantics(_ head: HTTPHead, _ semantics: RequestSemantics) {

@@ -1,0 +1,44 @@
+/// The name constraints of a CA certificate (RFC 5280 §4.2.1.10) as they bear on a TLS server's DNS name: the
+/// subtrees permitted and excluded. The local CA checks every name against its own before it signs a leaf
+/// (`LocalCA.issueLeaf`), so that nothing it signs is outside what every client enforces.
+public struct NameConstraints: Sendable, Equatable {
+    /// DNS subtrees, lower case: `api.example.com` is that name and every name below it; `.api.example.com` (the
+    /// form OpenSSL, Go and Java read as "below it only") the names below it alone; "" every name.
+    public var permittedDNS: [String]
+    public var excludedDNS: [String]
+    /// Whether the certificate also constrains IP addresses, and excludes every one of them (v4 and v6).
+    public var excludesEveryAddress: Bool
+
+    public init(permittedDNS: [String], excludedDNS: [String], excludesEveryAddress: Bool) {
+        self.permittedDNS = permittedDNS.map { $0.lowercased() }
+        self.excludedDNS = excludedDNS.map { $0.lowercased() }
+        self.excludesEveryAddress = excludesEveryAddress
+    }
+
+    /// Whether `name` (a DNS name, any case, a trailing dot ignored) is inside the constraints: within a
+    /// permitted subtree when there are any (RFC 5280: a name of a type with no permitted subtree is not
+    /// restricted by them), and within no excluded one. An IP address literal is never a DNS name here.
+    public func permits(dnsName name: String) -> Bool {
+        var name = name.lowercased()
+        if name.hasSuffix(".") { name.removeLast() }
+        guard !name.isEmpty, IPAddress.parse(name) == nil, !name.hasPrefix("."), !name.contains("..") else {
+            return false
+        }
+        if !permittedDNS.isEmpty && !permittedDNS.contains(where: { Self.within(name, $0) }) { return false }
+        return !excludedDNS.contains { Self.within(name, $0) }
+    }
+
+    /// RFC 5280 §4.2.1.10: a DNS constraint is satisfied by the name itself and by any name made by adding labels
+    /// on its left (`example.com`: `example.com`, `a.example.com`; never `badexample.com`); a leading dot leaves
+    /// the name itself out.
+    static func within(_ name: String, _ constraint: String) -> Bool {
+        if constraint.isEmpty { return true }
+        if constraint.hasPrefix(".") { return name.hasSuffix(constraint) }
+        return name == constraint || name.hasSuffix("." + constraint)
+    }
+
+    /// The constraints the local CA writes for `hosts`: exactly those names, no name below them, no address.
+    public static func exactly(_ hosts: [String]) -> NameConstraints {
+        NameConstraints(permittedDNS: hosts, excludedDNS: hosts.map { "." + $0 }, excludesEveryAddress: true)
+    }
+}
