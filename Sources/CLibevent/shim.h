@@ -82,6 +82,16 @@ static inline long proxyctl_splice(int from, int to, size_t length) {
 static inline int proxyctl_pipe(int fds[2]) { return (int)syscall(SYS_pipe2, fds, O_NONBLOCK | O_CLOEXEC); }
 static inline int proxyctl_set_pipe_size(int fd, int size) { return fcntl(fd, 1031 /* F_SETPIPE_SZ */, size); }
 
+// The calling thread's name as ps(1) and gdb show it (at most 15 bytes on Linux). pthread_setname_np is declared
+// only under _GNU_SOURCE (see the top of this file), and its arguments differ on Darwin.
+#if defined(__linux__)
+#include <sys/prctl.h>
+static inline void proxyctl_name_thread(const char *name) { (void)prctl(PR_SET_NAME, name, 0, 0, 0); }
+#else
+#include <pthread.h>
+static inline void proxyctl_name_thread(const char *name) { (void)pthread_setname_np(name); }
+#endif
+
 // MSG_NOSIGNAL is an enumerator shadowed by a macro of the same name; Swift does not always import it.
 static inline int proxyctl_msg_nosignal(void) { return MSG_NOSIGNAL; }
 

@@ -1,7 +1,17 @@
-import Foundation
 import ProxyCore
 import ProxyOAuth
 import ProxyTLS
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// `proxyctl ca init|show|export`: the local CA that signs certificates for the protected hosts.
 enum CACommand {
@@ -100,7 +110,7 @@ enum CACommand {
     static func establish(
         hosts: [String], files: LocalCA.Files, force: Bool, context: CommandContext, style: Style
     ) throws -> (LocalCA.Plan, LocalCA) {
-        let stateDirectory = (files.directory as NSString).deletingLastPathComponent
+        let stateDirectory = PathText.parent(files.directory)
         let now = Int64(time(nil))
         let existing: LocalCA?
         do {
@@ -272,11 +282,11 @@ enum CACommand {
             context.err(
                 "Wrote \(output)" + (format == "pkcs12" ? " (trust store password: \(TrustStore.password))" : ""))
         } else {
-            if format == "pkcs12" && isatty(1) != 0 && context.stdout === FileHandle.standardOutput {
+            if format == "pkcs12" && context.stdout.isTerminal {
                 throw CommandFailure(
                     message: "a PKCS#12 trust store is binary: give --output FILE or redirect standard output")
             }
-            context.stdout.write(Data(bytes))
+            context.stdout.write(bytes)
         }
         return ExitCode.success
     }
@@ -356,9 +366,9 @@ enum EnvCommand {
     /// Single-quoted: sh ends the quote to escape one ('\''); fish escapes inside quotes (\' and \\).
     static func quote(_ value: String, fish: Bool = false) -> String {
         if fish {
-            return "'" + value.replacingOccurrences(of: "\\", with: "\\\\").replacingOccurrences(of: "'", with: "\\'")
+            return "'" + value.replacing("\\", with: "\\\\").replacing("'", with: "\\'")
                 + "'"
         }
-        return "'" + value.replacingOccurrences(of: "'", with: #"'\''"#) + "'"
+        return "'" + value.replacing("'", with: #"'\''"#) + "'"
     }
 }

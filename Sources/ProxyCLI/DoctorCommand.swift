@@ -1,8 +1,18 @@
-import Foundation
 import ProxyCore
 import ProxyIO
 import ProxyOAuth
 import ProxyTLS
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// `proxyctl doctor`: checks the set-up end to end and says what to fix.
 enum DoctorCommand {

@@ -1,9 +1,20 @@
-import Foundation
+import Dispatch
 import ProxyCore
 import ProxyIO
 import ProxyOAuth
 import ProxyTLS
 import Synchronization
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// `proxyctl exec -- COMMAND [ARGS...]`: runs a command with the variables of `proxyctl env` set. With a
 /// `proxyctl serve` running for this configuration (its record in state_dir), the command replaces proxyctl
@@ -69,7 +80,7 @@ enum ExecCommand {
         var configuration = try loader.load(location)
         let stateDirectory =
             configuration.proxy.stateDir ?? TokenStore.defaultStateDirectory(environment: context.environment)
-        guard let path = BrowserLauncher.which(program, path: context.environment["PATH"]) else {
+        guard let path = ChildProcess.which(program, path: context.environment["PATH"]) else {
             throw CommandFailure(message: "\(program): command not found", exitCode: 127)
         }
 
@@ -133,17 +144,15 @@ enum ExecCommand {
         let finished = DispatchSemaphore(value: 0)
         let serverRef = LoopBound(server, loop: loop)
         logger.holdAccessLines(on: loop)
-        let thread = Thread {
+        Platform.startThread(name: "proxyctl-exec-loop") {
             loop.run()
             logger.flush()
             finished.signal()
         }
-        thread.name = "proxyctl-exec-loop"
-        thread.start()
 
         let signals = ForwardedSignals()
         let waitedFor = blocked
-        let forwarder = Thread {
+        Platform.startThread(name: "proxyctl-exec-signals") {
             var set = waitedFor
             var info = siginfo_t()
             while true {
@@ -160,8 +169,6 @@ enum ExecCommand {
                 }
             }
         }
-        forwarder.name = "proxyctl-exec-signals"
-        forwarder.start()
 
         let pid: pid_t
         do {

@@ -1,9 +1,16 @@
-import Foundation
 import ProxyCore
 
-/// The version printed by `--version`.
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+
+/// The version printed by `--version`, with the commit the binary was built from.
 public enum Version {
     public static let string = "0.1.0"
+    /// `0.1.0 (commit 23e4293ab1c2)`.
+    public static var full: String { "\(string) (commit \(BuildInfo.commit))" }
 }
 
 /// `proxyctl`: parses argv, runs a subcommand, returns the exit code.
@@ -76,7 +83,7 @@ public enum ProxyctlCommand {
         }
         switch first {
         case "--version":
-            context.out(Version.string)
+            context.out("proxyctl \(Version.full)")
             return ExitCode.success
         case "-h", "--help":
             context.out(ArgumentParser.help(root, path: ["proxyctl"], extraOptions: [versionOption]))

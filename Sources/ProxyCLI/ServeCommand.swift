@@ -1,8 +1,18 @@
-import Foundation
 import ProxyCore
 import ProxyIO
 import ProxyOAuth
 import ProxyTLS
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 enum ServeCommand {
     static let spec = CommandSpec(
@@ -102,7 +112,7 @@ enum ServeCommand {
                         } else {
                             reloaded.interception = Interception(
                                 ca: nil, managers: [:],
-                                spoolDirectory: (stateDirectory ?? NSTemporaryDirectory()) + "/spool")
+                                spoolDirectory: (stateDirectory ?? Platform.temporaryDirectory) + "/spool")
                         }
                         reloaded.origins = fresh.origins
                         if freshCA != nil { signing.value = freshCA }

@@ -1,8 +1,19 @@
 import CLibevent
-import Foundation
+import Dispatch
 import ProxyCore
 import ProxyOAuth
 import Synchronization
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// The counters of a running proxy, shared between its loop (which counts) and the admin listener's thread
 /// (which renders them for a scrape). One lock, held for a dictionary update or a copy.

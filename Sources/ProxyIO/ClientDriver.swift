@@ -1,10 +1,20 @@
 import CCurl
 import CLibevent
 import COpenSSL
-import Foundation
 import ProxyCore
 import ProxyOAuth
 import ProxyTLS
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// Runs one client connection's `ConnectionMachine` on libevent: plain sockets and TLS-terminated ones
 /// alike (the bufferevent differs, the machine does not). It reports what happens as events, and carries

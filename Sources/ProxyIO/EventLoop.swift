@@ -1,6 +1,16 @@
 import CLibevent
-import Foundation
 import Synchronization
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// One libevent `event_base` and the thread that runs it.
 ///
@@ -25,7 +35,6 @@ public final class EventLoop: @unchecked Sendable {
 
     private static let librariesInitialized: Bool = {
         _ = evthread_use_pthreads()
-        CurlMulti.initializeLibrary()
         // Writes to a closed socket must fail with EPIPE, not kill the process.
         signal(SIGPIPE, SIG_IGN)
         return true

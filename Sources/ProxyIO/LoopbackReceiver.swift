@@ -1,8 +1,18 @@
 import CLibevent
-import Foundation
 import ProxyCore
 import ProxyOAuth
 import Synchronization
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// The loopback HTTP listener that receives the browser's redirect after sign-in (RFC 8252 §7.3).
 ///
@@ -407,9 +417,8 @@ public final class LoopbackReceiver: RedirectReceiver {
         }
 
         static func render(_ end: SignInEnd) -> String {
-            render(title: end.title, message: end.message).replacingOccurrences(
-                of: "<h1>", with: "\(endingMarker)<h1>"
-            ).replacingOccurrences(of: "</body>", with: "</main></body>")
+            render(title: end.title, message: end.message).replacing("<h1>", with: "\(endingMarker)<h1>")
+                .replacing("</body>", with: "</main></body>")
         }
 
         /// Text from the provider (an account's name, an error description) is shown, never interpreted.

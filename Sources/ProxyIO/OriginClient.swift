@@ -1,9 +1,14 @@
 import CCurl
 import CLibevent
 import COpenSSL
-import Foundation
 import ProxyCore
 import ProxyTLS
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
 
 /// A request to a protected origin in flight on the proxy's own client (`OriginTransfer`). Its callbacks reach
 /// the owner at the top of the loop, never inside a call the owner made.

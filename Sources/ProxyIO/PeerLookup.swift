@@ -1,6 +1,11 @@
 import CLibevent
-import Foundation
 import ProxyCore
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
 
 /// Which user's process is on the other end of an accepted connection, looked up only when a rule needs it:
 /// one NETLINK_SOCK_DIAG query to the kernel per connection, as ss(8) makes, on a netlink socket kept for the

@@ -1,8 +1,19 @@
 import CLibevent
-import Foundation
+import Dispatch
 import ProxyCore
 import ProxyOAuth
 import ProxyTLS
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// Why the server could not start.
 public struct ServerError: Error, CustomStringConvertible {
@@ -140,7 +151,7 @@ public final class ProxyServer: ConnectionOwner {
         self.resolver = Resolver(overrides: settings.resolve)
         self.tokens = TokenBroker(loop: loop, managers: interception?.managers ?? [:])
         self.tlsContexts = try interception?.ca.map { try TLSServerContexts(ca: $0, http2: settings.http2) }
-        self.spoolDirectory = interception?.spoolDirectory ?? NSTemporaryDirectory()
+        self.spoolDirectory = interception?.spoolDirectory ?? Platform.temporaryDirectory
         self.keys = DPoPKeyring(
             loop: loop, keys: interception?.dpopKeys ?? [:], stateDirectory: interception?.stateDirectory)
         self.stateDirectory = stateDirectory ?? interception?.stateDirectory
@@ -431,24 +442,16 @@ public final class ProxyServer: ConnectionOwner {
         message: String
     ) {
         guard let words = notifyCommand, let first = words.first else { return }
-        let process = Process()
-        if first.contains("/") {
-            process.executableURL = URL(fileURLWithPath: first)
-            process.arguments = Array(words.dropFirst()) + [message]
-        } else {
-            process.executableURL = URL(fileURLWithPath: "/usr/bin/env")
-            process.arguments = words + [message]
-        }
+        let (path, arguments) = first.contains("/") ? (first, Array(words.dropFirst())) : ("/usr/bin/env", words)
         var environment = ProcessInfo.processInfo.environment
         environment["PROXYCTL_EVENT"] = event
         environment["PROXYCTL_PROVIDER"] = provider
         environment["PROXYCTL_ORIGIN"] = origin
         environment["PROXYCTL_COMMAND"] = command
         environment["PROXYCTL_MESSAGE"] = message
-        process.environment = environment
-        process.standardInput = FileHandle.nullDevice
         do {
-            try process.run()
+            try ChildProcess.start(
+                path, arguments + [message], environment: environment, output: .inherit, error: .inherit)
         } catch {
             logger.warn("notify_command \(first) could not be run: \(error)")
         }

@@ -1,6 +1,16 @@
 import CLibevent
-import Foundation
 import ProxyCore
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// A request body kept so that the request can be sent again (after a token refresh or a DPoP nonce
 /// challenge): in memory up to `memoryLimit`, then in an unlinked 0600 file. When the exchange says the body

@@ -1,7 +1,12 @@
 import CLibevent
 import Dispatch
-import Foundation
 import ProxyCore
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
 
 /// A socket address (IPv4 or IPv6) as the kernel wants it.
 public struct SocketAddress: Sendable, CustomStringConvertible {

@@ -1,6 +1,16 @@
-import Foundation
 import ProxyCore
 import ProxyTLS
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// What a running `proxyctl serve` tells `proxyctl status`, `doctor`, `env` and `exec`: one file per serve,
 /// `<state_dir>/serve/PID.json`, rewritten every few seconds while counts change and removed at exit by the
