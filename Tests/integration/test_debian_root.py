@@ -1,0 +1,137 @@
+"""The package on a machine without Swift (docs/packaging.md): in a clean Debian 12 root (mmdebstrap minbase, no
+toolchain; `scripts/debian-root`), `apt-get install ./proxyctl_*.deb` with every dependency from Debian, then
+`proxyctl --version`, `serve` with curl through a passthrough tunnel, and `exec -- curl` against a protected
+origin whose token comes from client credentials, all run inside the root (its libc, its libcurl 7.88, its curl).
+
+scripts/test runs this module as a step of its own with PROXYCTL_DEBIAN_ROOT (a root made by `scripts/debian-root
+make`) and PROXYCTL_DEB (the package); without them it is skipped. The servers (the provider, the origins) run
+outside the root on loopback, which the root shares."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fixtures import config
+from fixtures.jose import unverified_claims
+from fixtures.proxy import poll
+from idp_fake import FakeIdP
+from resource_server import ResourceServer
+
+REPOSITORY = Path(__file__).resolve().parents[2]
+ROOT = os.environ.get("PROXYCTL_DEBIAN_ROOT")
+DEB = os.environ.get("PROXYCTL_DEB")
+
+pytestmark = pytest.mark.skipif(not ROOT or not DEB, reason="scripts/test's Debian 12 root step sets "
+                                "PROXYCTL_DEBIAN_ROOT and PROXYCTL_DEB")
+
+
+class DebianRoot:
+    """A writable copy of the cached root (one per module); commands run inside it with a test's directory mounted
+    at the same path and HOME in it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        subprocess.run([REPOSITORY / "scripts/debian-root", "copy", ROOT, self.path], check=True)
+        # The test's origins by name, as a machine's own resolver would find them.
+        with open(self.path / "etc/hosts", "a") as hosts:
+            hosts.write("127.0.0.1 plain.test api.test\n")
+        self.share = path.parent
+
+    def command(self, *words: str, env: dict[str, str] | None = None) -> list[str]:
+        variables = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(self.share / "home"), "LANG": "C.UTF-8"}
+        variables.update(env or {})
+        return [str(REPOSITORY / "scripts/debian-root"), "run", str(self.path), "--bind", str(self.share),
+                "--bind", str(Path(DEB).resolve().parent), "--", "env", "-i",
+                *[f"{name}={value}" for name, value in variables.items()], *words]
+
+    def run(self, *words: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run(self.command(*words, env=env), capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """The root with the package installed by apt-get, as a user installs it."""
+    made = DebianRoot(tmp_path_factory.mktemp("debian") / "root")
+    installed = made.run("apt-get", "install", "-y", "-q", str(Path(DEB).resolve()),
+                         env={"DEBIAN_FRONTEND": "noninteractive"}, timeout=120)
+    assert installed.returncode == 0 and "Setting up proxyctl" in installed.stdout, installed.stdout + installed.stderr
+    yield made
+    subprocess.run(["rm", "-rf", str(made.path)], check=True)
+
+
+def test_the_package_installs_and_runs_where_there_is_no_swift(root):
+    version = root.run("proxyctl", "--version")
+    assert version.returncode == 0 and re.fullmatch(r"proxyctl \d+\.\d+\.\d+ \(commit \S+\)\n", version.stdout), \
+        version.stdout + version.stderr
+    nothing = root.run("sh", "-c", "command -v swift swiftc; ls /opt; ldconfig -p | grep -ci swift")
+    assert nothing.stdout.strip() == "0", nothing.stdout
+    libraries = root.run("ldd", "/usr/bin/proxyctl")
+    assert libraries.returncode == 0 and "not found" not in libraries.stdout, libraries.stdout
+    curl = root.run("dpkg-query", "-W", "-f", "${Version}", "libcurl4")
+    assert curl.stdout.startswith("7.88."), curl.stdout  # Debian 12's own libcurl, not the backport
+    files = root.run("dpkg", "-L", "proxyctl").stdout.split()
+    for expected in ("/usr/bin/proxyctl", "/usr/share/doc/proxyctl/copyright",
+                     "/usr/share/doc/proxyctl/examples/proxy.conf.example"):
+        assert expected in files, files
+
+
+def test_serve_passes_a_tunnel_through(root):
+    tmp_path = root.share / "tunnel"
+    tmp_path.mkdir()
+    origin = ResourceServer(tmp_path / "plain", ["plain.test"], require_token=False)
+    serve = None
+    try:
+        log = tmp_path / "serve.log"
+        with open(log, "wb") as out:
+            serve = subprocess.Popen(root.command("proxyctl", "serve", "--listen", "127.0.0.1:0"), stdout=out,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        listening = poll(lambda: re.search(r"listening on http://127\.0\.0\.1:(\d+)", log.read_text()), 15,
+                         message="serve in the root to listen")
+        port = listening.group(1)
+        # curl inside the root, through the proxy: a blind tunnel, so the origin's own certificate verifies.
+        fetched = root.run("curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "--proxy",
+                           f"http://127.0.0.1:{port}", "--cacert", str(origin.ca_pem), origin.url("/me"))
+        assert fetched.stdout == "200", fetched.stdout + fetched.stderr
+        assert origin.since(0)[-1].path == "/me"
+        poll(lambda: f"CONNECT plain.test:{origin.port}" in log.read_text(), 10, message="the tunnel's log line")
+    finally:
+        if serve is not None:
+            serve.terminate()
+            assert serve.wait(timeout=30) == 0
+        origin.close()
+
+
+def test_exec_curl_reaches_a_protected_origin_with_client_credentials(root):
+    tmp_path = root.share / "exec"
+    tmp_path.mkdir()
+    secret = "root-secret-" + os.urandom(8).hex()
+    provider = FakeIdP(access_token_format="jwt", client_secret=secret).start()
+    api = ResourceServer(tmp_path / "api", ["api.test"])
+    try:
+        api.trust(provider.issuer, provider.url("jwks"))
+        secret_file = tmp_path / "client.secret"
+        secret_file.write_text(secret + "\n")
+        secret_file.chmod(0o600)
+        conf = tmp_path / "proxy.conf"
+        conf.write_text(config.proxy(state_dir=tmp_path / "state")
+                        + config.provider("ci", provider.issuer, grant="client_credentials",
+                                          token_endpoint_auth_method="client_secret_basic",
+                                          client_secret_file=secret_file, scopes="api")
+                        + config.origin(f"https://api.test:{api.port}", "ci", ca_file=api.ca_pem))
+        made = root.run("proxyctl", "ca", "init", "--config", str(conf))
+        assert made.returncode == 0, made.stderr
+        run = root.run("proxyctl", "exec", "--config", str(conf), "--", "curl", "-sS", "-o", "/dev/null", "-w",
+                       "%{http_code}", api.url("/me"), timeout=90)
+        assert run.returncode == 0 and run.stdout == "200", run.stdout + run.stderr
+        seen = api.since(0)[-1]
+        assert seen.error is None and seen.token, seen
+        assert unverified_claims(seen.token)["iss"] == provider.issuer
+        assert provider.client_auth_methods[-1] == "client_secret_basic"
+    finally:
+        api.close()
+        provider.stop()
