@@ -326,10 +326,10 @@ enum EnvCommand {
         return ExitCode.success
     }
 
-    /// The proxy URL tools should use: the running serve's address (its port may have been 0), else the
-    /// configured one.
-    static func proxyURL(_ configuration: Configuration, running: ServeState?) -> String {
-        var listen = configuration.proxy.listen
+    /// The proxy URL tools should use: the running serve's address (its port may have been 0), else the socket
+    /// systemd listens on for it (proxyctl.socket), else the configured one.
+    static func proxyURL(_ configuration: Configuration, running: ServeState?, socket: ListenAddress? = nil) -> String {
+        var listen = socket ?? configuration.proxy.listen
         if let running, let address = ListenAddress.parse(running.listen) { listen = address }
         let host = listen.host == "0.0.0.0" ? "127.0.0.1" : (listen.host == "::" ? "::1" : listen.host)
         return listen.isIPv6 ? "http://[\(host)]:\(listen.port)" : "http://\(host):\(listen.port)"
@@ -342,16 +342,25 @@ enum EnvCommand {
         variables: [(String, String)], notes: [String]
     ) {
         let loader = ConfigLoader(environment: context.environment)
-        let configuration = try loader.load(loader.locate(flag: arguments.value("config")))
+        let location = loader.locate(flag: arguments.value("config"))
+        let configuration = try loader.load(location)
         let stateDirectory =
             configuration.proxy.stateDir ?? TokenStore.defaultStateDirectory(environment: context.environment)
         let running = stateDirectory.flatMap { ServeState.running(stateDirectory: $0) }
-        if running == nil && configuration.proxy.listen.port == 0 {
+        // proxyctl.service serves the standard configuration: its socket is the address until a serve runs.
+        var socket: ListenAddress?
+        switch location {
+        case .standard, .none:
+            if running == nil { socket = ServiceUnits.socketAddress(environment: context.environment) }
+        default:
+            break
+        }
+        if running == nil && socket == nil && configuration.proxy.listen.port == 0 {
             context.err(
                 "proxyctl: listen in proxy.conf has port 0 (any free port) and no proxyctl serve is running; set a fixed port so tools can find the proxy, or use proxyctl exec"
             )
         }
-        let url = proxyURL(configuration, running: running)
+        let url = proxyURL(configuration, running: running, socket: socket)
         var (variables, notes) = ClientEnvironment.variables(
             configuration, stateDirectory: stateDirectory, proxyURL: url, inherited: context.environment)
         if configuration.proxy.proxyAuthFile != nil || running?.proxyAuthentication == true {

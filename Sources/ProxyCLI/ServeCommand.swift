@@ -25,6 +25,9 @@ enum ServeCommand {
             $XDG_CONFIG_HOME/proxyctl/proxy.conf; with no file at all proxyctl is a pure passthrough proxy \
             on 127.0.0.1:8080. SIGHUP reloads the configuration; SIGTERM and SIGINT let open transfers \
             finish and a token refresh in flight store its answer (within shutdown_grace), then exit.
+            Under systemd (proxyctl.socket and proxyctl.service, systemctl --user enable --now proxyctl.socket) \
+            it accepts on the socket systemd passes (LISTEN_FDS) instead of listen, and reports readiness, \
+            reloads and the shutdown to $NOTIFY_SOCKET.
             """,
         options: [
             .option("config", short: "c", value: "file", help: "The configuration file (proxy.conf)."),
@@ -57,6 +60,9 @@ enum ServeCommand {
             context.out("\(configuration.source ?? "built-in defaults"): configuration is valid")
             return ExitCode.success
         }
+        // Socket activation (proxyctl.socket): the socket systemd listens on for us, taken before anything else
+        // runs so that no command started later inherits it.
+        let sockets = Platform.takeListenSockets()
 
         let logger = Logger(level: configuration.proxy.logLevel, format: configuration.proxy.logFormat)
         switch location {
@@ -147,6 +153,12 @@ enum ServeCommand {
         }
         // The file as one name, so that `proxyctl exec --config` from another directory recognises this serve.
         server.configurationSource = ConfigLoader.canonical(configuration.source)
+        server.inheritedListener = sockets.first
+        server.notifiesServiceManager = !(context.environment["NOTIFY_SOCKET"] ?? "").isEmpty
+        for extra in sockets.dropFirst() {
+            logger.warn("the service manager passed \(sockets.count) sockets; accepting on the first only")
+            close(extra)
+        }
         let admin = try ProxyRuntime.startAdmin(
             configuration.proxy, server: server, origins: runtimeOrigins, stateDirectory: stateDirectory)
         server.adminAddress = admin.map { "\($0.boundAddress)" }
@@ -164,9 +176,17 @@ enum ServeCommand {
             admin?.stop()
             throw CommandFailure(message: "\(error)")
         }
+        if server.inheritedListener != nil && !bound.isLoopback && credentials == nil {
+            admin?.stop()
+            throw CommandFailure(
+                message:
+                    "the socket from the service manager, \(bound), is reachable from other machines; set proxy_auth_file so that clients must authenticate, or ListenStream=127.0.0.1:\(bound.port) in proxyctl.socket"
+            )
+        }
         let via = configuration.proxy.upstreamProxy.map { " via upstream proxy \($0)" } ?? ""
         let auth = credentials.map { " (proxy authentication: \($0.count) user(s))" } ?? ""
-        logger.always("proxyctl \(Version.string) listening on http://\(bound)\(via)\(auth)")
+        let activated = server.inheritedListener != nil ? " (the socket from the service manager)" : ""
+        logger.always("proxyctl \(Version.string) listening on http://\(bound)\(activated)\(via)\(auth)")
         if let admin {
             logger.always(
                 "health and metrics on http://\(admin.boundAddress) (/healthz, /readyz, /metrics)")
@@ -175,6 +195,9 @@ enum ServeCommand {
             logger.always(line)
         }
         logger.always("use it: eval \"$(proxyctl env)\", or proxyctl exec -- COMMAND")
+        if server.notifiesServiceManager {
+            Platform.notifyServiceManager("READY=1\nSTATUS=listening on http://\(bound)")
+        }
         logger.holdAccessLines(on: loop)
         loop.run()
         logger.flush()

@@ -130,6 +130,12 @@ public final class ProxyServer: ConnectionOwner {
     public var adminAddress: String?
     /// Whether this proxy leaves a record under state_dir (`proxyctl exec`'s own proxy does not).
     public var writesServeRecord = true
+    /// A listening socket the service manager passed (systemd socket activation): `start` accepts on it instead
+    /// of binding `listen`, and a reload keeps it.
+    public var inheritedListener: Int32?
+    /// Whether the service manager hears of reloads and the shutdown (`RELOADING=1`, `READY=1`, `STOPPING=1`;
+    /// `serve` under systemd), through `Platform.notifyServiceManager`.
+    public var notifiesServiceManager = false
 
     public init(
         loop: EventLoop, logger: Logger, settings: ProxySettings, credentials: ProxyCredentials?,
@@ -180,7 +186,7 @@ public final class ProxyServer: ConnectionOwner {
     ///   itself and stops the server when its command ends.
     @discardableResult
     public func start(handleSignals: Bool = true) throws -> ListenAddress {
-        let bound = try bind(settings.listen)
+        let bound = try inheritedListener.map(adopt) ?? bind(settings.listen)
         boundAddress = bound
         frontDoor.boundAddress = bound
         context = nil
@@ -218,6 +224,43 @@ public final class ProxyServer: ConnectionOwner {
             }
         }
         return ListenAddress(host: address.host, port: actual.port, isIPv6: address.isIPv6)
+    }
+
+    /// Accepts on `fd`, a socket that already listens (from the service manager): a TCP socket of IPv4 or IPv6
+    /// that listens, else an error naming what it is.
+    private func adopt(_ fd: Int32) throws -> ListenAddress {
+        var type: Int32 = 0
+        var listening: Int32 = 0
+        var size = socklen_t(MemoryLayout<Int32>.size)
+        var storage = sockaddr_storage()
+        var length = socklen_t(MemoryLayout<sockaddr_storage>.size)
+        let address = withUnsafeMutablePointer(to: &storage) { pointer in
+            pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { sockaddrPointer -> SocketAddress? in
+                guard getsockname(fd, sockaddrPointer, &length) == 0 else { return nil }
+                return SocketAddress(sockaddrPointer, length: length)
+            }
+        }
+        guard let address, address.family == AF_INET || address.family == AF_INET6,
+            getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &size) == 0, type == Int32(SOCK_STREAM.rawValue),
+            getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &size) == 0, listening != 0
+        else {
+            throw ServerError(
+                message:
+                    "the socket the service manager passed (descriptor \(fd)) is not a listening TCP socket; give proxyctl.socket a ListenStream= of an IP address and port"
+            )
+        }
+        // libevent accepts until EAGAIN: the socket must not block (systemd passes it blocking). Backlog 0: it
+        // listens already.
+        _ = evutil_make_socket_nonblocking(fd)
+        let flags = LEV_OPT_CLOSE_ON_FREE | LEV_OPT_CLOSE_ON_EXEC
+        guard let made = evconnlistener_new(loop.base, nil, nil, UInt32(flags), 0, fd) else {
+            throw ServerError(message: "cannot accept on the socket the service manager passed (descriptor \(fd))")
+        }
+        if let listener { evconnlistener_free(listener) }
+        listener = made
+        evconnlistener_set_cb(made, acceptCallback, Unmanaged.passUnretained(self).toOpaque())
+        evconnlistener_set_error_cb(made, acceptErrorCallback)
+        return ListenAddress(host: address.ipString, port: address.port, isIPv6: address.family == AF_INET6)
     }
 
     // MARK: - Accepting
@@ -531,6 +574,7 @@ public final class ProxyServer: ConnectionOwner {
 
     /// Stops accepting, closes idle connections, and lets the rest finish within the grace period.
     public func beginShutdown() {
+        if notifiesServiceManager { Platform.notifyServiceManager("STOPPING=1") }
         draining = true
         metrics.setListening(false)
         if let listener {
@@ -562,6 +606,14 @@ public final class ProxyServer: ConnectionOwner {
     }
 
     private func reloadConfiguration() {
+        guard notifiesServiceManager else { return reloadNow() }
+        // sd_notify(3): the service manager knows a reload from its start to READY=1.
+        Platform.notifyServiceManager("RELOADING=1")
+        reloadNow()
+        Platform.notifyServiceManager("READY=1\nSTATUS=listening on http://\(boundAddress)")
+    }
+
+    private func reloadNow() {
         guard let reload else {
             logger.warn("SIGHUP: no configuration file to reload")
             return
@@ -571,7 +623,11 @@ public final class ProxyServer: ConnectionOwner {
             logger.error("SIGHUP: the new configuration has errors; still serving the old one:\n\(error)")
         case .success(let reloaded):
             let (newSettings, credentials) = (reloaded.settings, reloaded.credentials)
-            if newSettings.listen != settings.listen {
+            if newSettings.listen != settings.listen && inheritedListener != nil {
+                logger.warn(
+                    "SIGHUP: listen changed, but the socket comes from the service manager: change ListenStream= of proxyctl.socket instead (systemctl --user edit proxyctl.socket); still listening on \(boundAddress)"
+                )
+            } else if newSettings.listen != settings.listen {
                 do {
                     boundAddress = try bind(newSettings.listen)
                 } catch {

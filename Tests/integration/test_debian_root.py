@@ -76,7 +76,8 @@ def test_the_package_installs_and_runs_where_there_is_no_swift(root):
     assert curl.stdout.startswith("7.88."), curl.stdout  # Debian 12's own libcurl, not the backport
     files = root.run("dpkg", "-L", "proxyctl").stdout.split()
     for expected in ("/usr/bin/proxyctl", "/usr/share/doc/proxyctl/copyright",
-                     "/usr/share/doc/proxyctl/examples/proxy.conf.example"):
+                     "/usr/share/doc/proxyctl/examples/proxy.conf.example", "/usr/lib/systemd/user/proxyctl.service",
+                     "/usr/lib/systemd/user/proxyctl.socket"):
         assert expected in files, files
 
 
