@@ -60,7 +60,9 @@ enum CACommand {
                 options: [
                     AuthEnvironment.configOption,
                     .flag("bundle", help: "The merged bundle: the system's roots plus the local CA."),
-                    .option("format", value: "format", help: "pem (default) or pkcs12 (a trust store for Java)."),
+                    .option(
+                        "format", value: "format", values: ["pem", "pkcs12"],
+                        help: "pem (default) or pkcs12 (a trust store for Java)."),
                     .option(
                         "output", short: "o", value: "file", help: "Write to this file instead of standard output."),
                 ], run: export),
@@ -307,7 +309,8 @@ enum EnvCommand {
             """,
         options: [
             AuthEnvironment.configOption,
-            .option("shell", value: "shell", help: "sh (bash, zsh, dash) or fish. Default: sh."),
+            .option(
+                "shell", value: "shell", values: ["sh", "fish"], help: "sh (bash, zsh, dash) or fish. Default: sh."),
         ],
         run: run
     )

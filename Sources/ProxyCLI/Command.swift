@@ -26,13 +26,19 @@ struct OptionSpec: Sendable {
     let help: String
     /// May be given more than once.
     var repeatable = false
+    /// The values it takes, when they are a fixed few (for shell completion).
+    var values: [String] = []
 
     static func flag(_ name: String, short: Character? = nil, help: String) -> OptionSpec {
         OptionSpec(name: name, short: short, valueName: nil, help: help)
     }
 
-    static func option(_ name: String, short: Character? = nil, value: String, help: String) -> OptionSpec {
-        OptionSpec(name: name, short: short, valueName: value, help: help)
+    static func option(
+        _ name: String, short: Character? = nil, value: String, values: [String] = [], help: String
+    ) -> OptionSpec {
+        OptionSpec(
+            name: name, short: short, valueName: value, help: help,
+            values: values.isEmpty && value.contains("|") ? value.split(separator: "|").map(String.init) : values)
     }
 
     var usage: String {
@@ -50,6 +56,8 @@ struct ArgumentSpec: Sendable {
     let name: String
     let help: String
     var optional = true
+    /// The values it takes, when they are a fixed few (for shell completion).
+    var values: [String] = []
 }
 
 /// A subcommand: its help, its arguments and what it does.

@@ -42,7 +42,7 @@ enum ExecCommand {
         options: [
             AuthEnvironment.configOption,
             .option(
-                "log-level", value: "level",
+                "log-level", value: "level", values: LogLevel.allCases.map(\.description),
                 help:
                     "What the proxy started for the command logs to standard error: error, warn (default), info, debug."
             ),

@@ -38,10 +38,14 @@ public enum ProxyctlCommand {
             EnvCommand.spec,
             ExecCommand.spec,
             DoctorCommand.spec,
+            CompletionCommand.spec,
             CommandSpec(
                 name: "help", abstract: "Show subcommand help information.",
                 arguments: [
                     ArgumentSpec(name: "subcommand", help: "The subcommand to describe.")
+                ],
+                options: [
+                    .flag("man", help: "Print the manual page, proxyctl(1), in roff: every subcommand's help in one.")
                 ]),
         ]
     )
@@ -90,6 +94,10 @@ public enum ProxyctlCommand {
             return ExitCode.success
         case "help":
             let topic = Array(arguments.dropFirst())
+            if topic == ["--man"] {
+                context.out(ManualPage.render(root, version: Version.string))
+                return ExitCode.success
+            }
             guard !topic.isEmpty else {
                 context.out(ArgumentParser.help(root, path: ["proxyctl"], extraOptions: [versionOption]))
                 return ExitCode.success

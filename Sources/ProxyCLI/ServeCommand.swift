@@ -34,7 +34,9 @@ enum ServeCommand {
             .option(
                 "listen", value: "host:port",
                 help: "Listen here instead of the configured address; port 0 picks a free port."),
-            .option("log-level", value: "level", help: "error, warn, info or debug (overrides log_level)."),
+            .option(
+                "log-level", value: "level", values: LogLevel.allCases.map(\.description),
+                help: "error, warn, info or debug (overrides log_level)."),
             .flag("check", help: "Check the configuration and exit: 0 when it is valid, 1 with every error otherwise."),
         ],
         run: run

@@ -77,8 +77,13 @@ def test_the_package_installs_and_runs_where_there_is_no_swift(root):
     files = root.run("dpkg", "-L", "proxyctl").stdout.split()
     for expected in ("/usr/bin/proxyctl", "/usr/share/doc/proxyctl/copyright",
                      "/usr/share/doc/proxyctl/examples/proxy.conf.example", "/usr/lib/systemd/user/proxyctl.service",
-                     "/usr/lib/systemd/user/proxyctl.socket"):
+                     "/usr/lib/systemd/user/proxyctl.socket", "/usr/share/man/man1/proxyctl.1.gz",
+                     "/usr/share/bash-completion/completions/proxyctl", "/usr/share/zsh/vendor-completions/_proxyctl",
+                     "/usr/share/fish/vendor_completions.d/proxyctl.fish"):
         assert expected in files, files
+    completed = root.run("bash", "-c", "source /usr/share/bash-completion/completions/proxyctl; "
+                         "COMP_WORDS=(proxyctl se); COMP_CWORD=1; _proxyctl; echo ${COMPREPLY[*]}")
+    assert completed.stdout == "serve\n", completed.stdout + completed.stderr
 
 
 def test_serve_passes_a_tunnel_through(root):
