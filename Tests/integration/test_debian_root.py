@@ -2,9 +2,12 @@
 toolchain; `scripts/debian-root`), `apt-get install ./proxyctl_*.deb` with every dependency from Debian, then
 `proxyctl --version`, `serve` with curl through a passthrough tunnel, and `exec -- curl` against a protected
 origin whose token comes from client credentials, all run inside the root (its libc, its libcurl 7.88, its curl).
+The README's Install section as written: its apt-get line installs the package, and its tarball lines and
+INSTALL.md's per-user ones install the tarball under a user's home, whose proxyctl, manual page, completion and
+systemd user unit work.
 
 scripts/test runs this module as a step of its own with PROXYCTL_DEBIAN_ROOT (a root made by `scripts/debian-root
-make`) and PROXYCTL_DEB (the package); without them it is skipped. The servers (the provider, the origins) run
+make`), PROXYCTL_DEB (the package) and PROXYCTL_TARBALL (the tarball beside it); without them it is skipped. The servers (the provider, the origins) run
 outside the root on loopback, which the root shares."""
 from __future__ import annotations
 
@@ -24,9 +27,18 @@ from resource_server import ResourceServer
 REPOSITORY = Path(__file__).resolve().parents[2]
 ROOT = os.environ.get("PROXYCTL_DEBIAN_ROOT")
 DEB = os.environ.get("PROXYCTL_DEB")
+TARBALL = os.environ.get("PROXYCTL_TARBALL")
 
 pytestmark = pytest.mark.skipif(not ROOT or not DEB, reason="scripts/test's Debian 12 root step sets "
                                 "PROXYCTL_DEBIAN_ROOT and PROXYCTL_DEB")
+
+
+def readme_block(heading: str) -> list[str]:
+    """The command lines of the first sh block after `heading` in the README's Install section, comments cut."""
+    text = (REPOSITORY / "README.md").read_text()
+    install = text[text.index("## Install\n"):text.index("\n## ", text.index("## Install\n") + 1)]
+    block = re.search(r"```sh\n(.*?)```", install[install.index(heading):], re.S).group(1)
+    return [line.split("  #")[0].rstrip() for line in block.splitlines() if line.strip()]
 
 
 class DebianRoot:
@@ -57,8 +69,11 @@ class DebianRoot:
 def root(tmp_path_factory):
     """The root with the package installed by apt-get, as a user installs it."""
     made = DebianRoot(tmp_path_factory.mktemp("debian") / "root")
-    installed = made.run("apt-get", "install", "-y", "-q", str(Path(DEB).resolve()),
-                         env={"DEBIAN_FRONTEND": "noninteractive"}, timeout=120)
+    # The README's line, where the package is (the root has no sudo: it runs as root).
+    [line, _] = readme_block("**The Debian package**")
+    assert line == f"sudo apt-get install ./{Path(DEB).name}", f"the README names {line}; scripts/package made {DEB}"
+    installed = made.run("sh", "-c", f'cd "$1" && {line.removeprefix("sudo ")} -y -q', "sh",
+                         str(Path(DEB).resolve().parent), env={"DEBIAN_FRONTEND": "noninteractive"}, timeout=120)
     assert installed.returncode == 0 and "Setting up proxyctl" in installed.stdout, installed.stdout + installed.stderr
     yield made
     subprocess.run(["rm", "-rf", str(made.path)], check=True)
@@ -141,3 +156,41 @@ def test_exec_curl_reaches_a_protected_origin_with_client_credentials(root):
     finally:
         api.close()
         provider.stop()
+
+
+@pytest.mark.skipif(not TARBALL, reason="scripts/test's Debian 12 root step sets PROXYCTL_TARBALL")
+def test_the_tarball_installs_for_one_user_as_the_readme_and_install_md_say(root):
+    """The README's tarball lines, then INSTALL.md's per-user lines, run by a shell in the root as written (with
+    the tarball copied into a directory of the user's): the binary on ~/.local/bin runs, every file lands where
+    INSTALL.md says, bash completes with the completion, and the user unit starts the binary that was installed."""
+    tarball = Path(TARBALL).resolve()
+    lines = readme_block("**The tarball**")
+    assert lines[0] == f"tar xzf {tarball.name} && cd {tarball.name.removesuffix('.tar.gz')}", \
+        f"the README names {lines[0]}; scripts/package made {tarball.name}"
+    work = root.share / "tarball"
+    work.mkdir()
+    (work / tarball.name).write_bytes(tarball.read_bytes())
+    home = work / "home"
+    env = {"HOME": str(home), "PATH": f"{home}/.local/bin:/usr/bin:/bin"}
+    readme = root.run("sh", "-ec", f'cd "$1"\n' + "\n".join(lines), "sh", str(work), env=env)
+    assert readme.returncode == 0, readme.stderr
+    tree = work / tarball.name.removesuffix(".tar.gz")
+    guide = (tree / "INSTALL.md").read_text()
+    per_user = guide[guide.index("For one user"):guide.index("For every user")]
+    commands = [line.strip().split("   #")[0] for line in per_user.splitlines() if line.startswith("    ")]
+    assert len(commands) >= 7, per_user
+    installed = root.run("sh", "-ec", f'cd "$1"\n' + "\n".join(commands), "sh", str(tree), env=env)
+    assert installed.returncode == 0, installed.stderr
+    version = root.run("sh", "-c", "command -v proxyctl && proxyctl --version", env=env)
+    assert version.stdout.startswith(f"{home}/.local/bin/proxyctl\nproxyctl "), version.stdout + version.stderr
+    for path in (".local/share/man/man1/proxyctl.1.gz", ".local/share/bash-completion/completions/proxyctl",
+                 ".config/fish/completions/proxyctl.fish", ".zfunc/_proxyctl", ".config/systemd/user/proxyctl.socket"):
+        assert (home / path).is_file(), path
+    completed = root.run("bash", "-c", "source ~/.local/share/bash-completion/completions/proxyctl; "
+                         "COMP_WORDS=(proxyctl ex); COMP_CWORD=1; _proxyctl; echo ${COMPREPLY[*]}", env=env)
+    assert completed.stdout == "exec\n", completed.stdout + completed.stderr
+    # The unit runs what was installed (%h is the user's home), not /usr/bin/proxyctl, which is the package's.
+    unit = (home / ".config/systemd/user/proxyctl.service").read_text()
+    [exec_start] = [line for line in unit.splitlines() if line.startswith("ExecStart=")]
+    assert exec_start == "ExecStart=%h/.local/bin/proxyctl serve", exec_start
+    assert (home / ".local/bin/proxyctl").stat().st_mode & 0o111
