@@ -153,14 +153,11 @@ enum ExecCommand {
         let signals = ForwardedSignals()
         let waitedFor = blocked
         Platform.startThread(name: "proxyctl-exec-signals") {
-            var set = waitedFor
-            var info = siginfo_t()
             while true {
-                let number = sigwaitinfo(&set, &info)
-                if number < 0 { continue }
-                // The terminal sends Ctrl-C, Ctrl-\ and window changes to the whole foreground process group
-                // (si_code SI_KERNEL), the command included: passing them on would deliver them twice.
-                if info.si_code == 0x80 { continue }
+                guard let (number, fromTerminal) = Platform.waitForSignal(waitedFor) else { continue }
+                // The terminal sends Ctrl-C, Ctrl-\ and window changes to the whole foreground process group,
+                // the command included: passing them on would deliver them twice.
+                if fromTerminal { continue }
                 let pid = signals.child.load(ordering: .acquiring)
                 if pid > 0 {
                     kill(pid, number)

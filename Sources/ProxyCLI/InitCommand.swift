@@ -257,8 +257,7 @@ enum InitCommand {
         {
             existing = old.providers.first { $0.name == name }?.redirectPort
         }
-        let ephemeral = (try? String(contentsOfFile: "/proc/sys/net/ipv4/ip_local_port_range", encoding: .utf8))
-            .flatMap(RedirectPort.ephemeralRange)
+        let ephemeral = Platform.ephemeralPorts
         guard
             let (port, reason) = RedirectPort.choose(
                 existing: existing, ephemeral: ephemeral, isFree: LoopbackReceiver.canListen(port:))

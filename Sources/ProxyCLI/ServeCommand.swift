@@ -67,6 +67,7 @@ enum ServeCommand {
         let sockets = Platform.takeListenSockets()
 
         let logger = Logger(level: configuration.proxy.logLevel, format: configuration.proxy.logFormat)
+        if Platform.portable { logger.always(Platform.portableSummary) }
         switch location {
         case .standard(let path) where configuration.source == nil:
             logger.info("no configuration file at \(path); running as a passthrough proxy with defaults")
@@ -299,12 +300,8 @@ enum ServeCommand {
     /// Each connection may hold two descriptors: raise the soft open-file limit to the hard one, derive the
     /// connection limits from it, and say what they are (and when an explicit max_connections cannot fit).
     static func raiseFileLimit(logger: Logger, settings: ProxySettings) -> Int {
-        var limit = rlimit()
-        if getrlimit(Int32(RLIMIT_NOFILE.rawValue), &limit) == 0 && limit.rlim_cur < limit.rlim_max {
-            limit.rlim_cur = limit.rlim_max
-            _ = setrlimit(Int32(RLIMIT_NOFILE.rawValue), &limit)
-        }
-        let fileLimit = ProxyServer.openFileLimit()
+        Platform.raiseOpenFileLimit()
+        let fileLimit = Platform.openFileLimit()
         let admission = Admission(settings: settings, fileLimit: fileLimit)
         logger.info(
             "max_connections \(admission.maxConnections), \(admission.maxPerClient) per client address (open-file limit \(fileLimit))"

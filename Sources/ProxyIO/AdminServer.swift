@@ -170,7 +170,7 @@ final class AdminListener {
     func accepted(_ fd: Int32) {
         // A handful of probes and scrapers at a time; beyond that, close at once.
         guard connections.count < 64 else {
-            Glibc.close(fd)
+            Platform.closeDescriptor(fd)
             return
         }
         _ = evutil_make_socket_nonblocking(fd)

@@ -674,7 +674,7 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
     /// Writes a short answer straight to a fresh socket; false if it did not all go out at once.
     private static func sendAll(_ fd: Int32, _ bytes: [UInt8]) -> Bool {
         bytes.withUnsafeBytes { raw in
-            let sent = Glibc.send(fd, raw.baseAddress, raw.count, proxyctl_msg_nosignal())
+            let sent = Platform.send(fd, raw)
             return sent == raw.count
         }
     }

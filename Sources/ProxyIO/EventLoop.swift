@@ -76,7 +76,7 @@ public final class EventLoop: @unchecked Sendable {
 
     /// Runs the loop on the calling thread until `stop` or until nothing is left to do.
     public func run() {
-        thread.store(UInt(pthread_self()), ordering: .releasing)
+        thread.store(Platform.currentThread, ordering: .releasing)
         event_base_loop(base, 0)
     }
 
@@ -88,7 +88,7 @@ public final class EventLoop: @unchecked Sendable {
     /// Whether the caller is on this loop's thread.
     public var inLoopThread: Bool {
         let owner = thread.load(ordering: .acquiring)
-        return owner == 0 || owner == UInt(pthread_self())
+        return owner == 0 || owner == Platform.currentThread
     }
 
     /// Runs `job` on the loop thread soon. Safe from any thread.

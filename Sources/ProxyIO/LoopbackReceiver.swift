@@ -44,9 +44,9 @@ public final class LoopbackReceiver: RedirectReceiver {
     /// (a connection in TIME_WAIT does not count; a listening socket does).
     public static func canListen(port: Int) -> Bool {
         guard let address = SocketAddress(ip: "127.0.0.1", port: port) else { return false }
-        let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
+        let fd = Platform.tcpSocket(family: AF_INET, nonBlocking: false)
         guard fd >= 0 else { return false }
-        defer { Glibc.close(fd) }
+        defer { Platform.closeDescriptor(fd) }
         var one: Int32 = 1
         setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, socklen_t(MemoryLayout<Int32>.size))
         return address.withSockaddr { pointer, length in bind(fd, pointer, length) == 0 }

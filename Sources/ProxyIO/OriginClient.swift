@@ -271,7 +271,7 @@ final class OriginConnection {
         self.user = user
         input = evbuffer_new()
         output = evbuffer_new()
-        fd = proxyctl_tcp_socket(address.family)
+        fd = Platform.tcpSocket(family: address.family, nonBlocking: true)
         guard fd >= 0 else { throw ConnectError(code: proxyctl_errno()) }
         let status = address.withSockaddr { socketConnect(fd, $0, $1) }
         if status != 0 && proxyctl_errno() != EINPROGRESS { throw ConnectError(code: proxyctl_errno()) }
@@ -535,10 +535,8 @@ final class OriginConnection {
 private func socketConnect(_ fd: Int32, _ address: UnsafePointer<sockaddr>, _ length: socklen_t) -> Int32 {
     connect(fd, address, length)
 }
-private func socketClose(_ fd: Int32) { _ = close(fd) }
-private func socketSend(_ fd: Int32, _ bytes: UnsafeRawBufferPointer) -> Int {
-    send(fd, bytes.baseAddress, bytes.count, Int32(MSG_NOSIGNAL))
-}
+private func socketClose(_ fd: Int32) { Platform.closeDescriptor(fd) }
+private func socketSend(_ fd: Int32, _ bytes: UnsafeRawBufferPointer) -> Int { Platform.send(fd, bytes) }
 
 private let originEventCallback: event_callback_fn = { _, what, context in
     let connection = Unmanaged<OriginConnection>.fromOpaque(context!).takeUnretainedValue()

@@ -144,7 +144,7 @@ public final class ProxyServer: ConnectionOwner {
         stateDirectory: String? = nil
     ) throws {
         // Streaming buffers are allocated and freed all the time: keep glibc from mapping and trimming them.
-        proxyctl_tune_allocator()
+        Platform.tuneAllocator()
         self.fileLimit = fileLimit ?? Self.openFileLimit()
         self.admission = Admission(settings: settings, fileLimit: self.fileLimit)
         self.loop = loop
@@ -241,7 +241,7 @@ public final class ProxyServer: ConnectionOwner {
             }
         }
         guard let address, address.family == AF_INET || address.family == AF_INET6,
-            getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &size) == 0, type == Int32(SOCK_STREAM.rawValue),
+            getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &size) == 0, type == Platform.streamSocketType,
             getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &size) == 0, listening != 0
         else {
             throw ServerError(
@@ -266,19 +266,14 @@ public final class ProxyServer: ConnectionOwner {
     // MARK: - Accepting
 
     /// The process's open-file limit (its soft limit, which serve raises to the hard one first).
-    public static func openFileLimit() -> Int {
-        var limit = rlimit()
-        guard getrlimit(Int32(RLIMIT_NOFILE.rawValue), &limit) == 0 else { return 1024 }
-        // RLIM_INFINITY is all ones (the macro does not import as an unsigned constant).
-        return limit.rlim_cur >= rlim_t(Int.max) ? 1 << 20 : Int(limit.rlim_cur)
-    }
+    public static func openFileLimit() -> Int { Platform.openFileLimit() }
 
     func accepted(fd: Int32, address: UnsafeMutablePointer<sockaddr>?, length: Int32) {
         let socketAddress = address.map { SocketAddress($0, length: socklen_t(length)) }
         let peer = socketAddress?.description ?? "-"
         let client = socketAddress?.ipString ?? "-"
         if draining {
-            Glibc.close(fd)
+            Platform.closeDescriptor(fd)
             return
         }
         _ = evutil_make_socket_nonblocking(fd)
@@ -295,8 +290,8 @@ public final class ProxyServer: ConnectionOwner {
     /// Answers a client the proxy cannot serve now and closes: one write to a fresh socket, never a wait.
     private func turnAway(_ fd: Int32, _ answer: ProxyAnswer, client: String) {
         let bytes = answer.response.serialized()
-        _ = bytes.withUnsafeBytes { Glibc.send(fd, $0.baseAddress, $0.count, proxyctl_msg_nosignal()) }
-        Glibc.close(fd)
+        _ = bytes.withUnsafeBytes { Platform.send(fd, $0) }
+        Platform.closeDescriptor(fd)
         turnedAway += 1
         metrics.update {
             $0.connectionsTurnedAway += 1

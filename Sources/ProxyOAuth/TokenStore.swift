@@ -267,9 +267,15 @@ public struct TokenStore: Sendable {
     public static func version(atPath path: String) -> FileVersion? {
         var info = stat()
         guard stat(path, &info) == 0 else { return nil }
+        // The modification time is st_mtim in glibc's struct stat, st_mtimespec in Darwin's (docs/porting.md).
+        #if canImport(Darwin)
+            let modified = info.st_mtimespec
+        #else
+            let modified = info.st_mtim
+        #endif
         return FileVersion(
             inode: UInt64(info.st_ino), size: Int64(info.st_size),
-            modified: Int64(info.st_mtim.tv_sec) * 1_000_000_000 + Int64(info.st_mtim.tv_nsec))
+            modified: Int64(modified.tv_sec) * 1_000_000_000 + Int64(modified.tv_nsec))
     }
 
     public struct FileVersion: Sendable, Equatable {

@@ -340,7 +340,7 @@ public enum SecureFile {
         var written = 0
         var failed = false
         while written < bytes.count {
-            let count = bytes[written...].withUnsafeBytes { Glibc.write(fd, $0.baseAddress, $0.count) }
+            let count = bytes[written...].withUnsafeBytes { writeDescriptor(fd, $0) }
             if count < 0 && errno == EINTR { continue }
             if count <= 0 {
                 failed = true
@@ -361,4 +361,9 @@ public enum SecureFile {
             close(directoryFD)
         }
     }
+}
+
+/// write(2), under a name `SecureFile.write` does not hide (the C library's module is Glibc or Darwin).
+private func writeDescriptor(_ fd: Int32, _ bytes: UnsafeRawBufferPointer) -> Int {
+    write(fd, bytes.baseAddress, bytes.count)
 }

@@ -1,47 +1,12 @@
-import CLibevent
-
 #if canImport(Glibc)
     import Glibc
 #elseif canImport(Darwin)
     import Darwin
 #endif
 
-/// What proxyctl asks of the operating system beyond POSIX sockets and files, in one place (docs/porting.md).
-public enum Platform {
-    /// Starts `body` on a detached thread named `name` (cut to the 15 bytes Linux keeps). Foundation's `Thread`
-    /// is not in FoundationEssentials, which is all the release links.
-    public static func startThread(name: String, _ body: @escaping @Sendable () -> Void) {
-        final class Start {
-            let name: String
-            let body: @Sendable () -> Void
-            init(name: String, body: @escaping @Sendable () -> Void) {
-                self.name = name
-                self.body = body
-            }
-        }
-        let context = Unmanaged.passRetained(Start(name: name, body: body)).toOpaque()
-        var thread = pthread_t()
-        let result = pthread_create(
-            &thread, nil,
-            { context in
-                let start = Unmanaged<Start>.fromOpaque(context!).takeRetainedValue()
-                Platform.nameThread(start.name)
-                start.body()
-                return nil
-            }, context)
-        precondition(result == 0, "pthread_create failed: \(result)")
-        pthread_detach(thread)
-    }
+// MARK: - The service manager (systemd; docs/porting.md has launchd's counterparts)
 
-    /// `$TMPDIR`, else /tmp (what `NSTemporaryDirectory` answers, without its trailing slash).
-    public static var temporaryDirectory: String {
-        guard let value = getenv("TMPDIR"), value.pointee != 0 else { return "/tmp" }
-        let text = String(cString: value)
-        return text.count > 1 && text.hasSuffix("/") ? String(text.dropLast()) : text
-    }
-
-    // MARK: - The service manager (systemd; docs/porting.md has launchd's counterparts)
-
+extension Platform {
     /// The listening sockets a service manager passed to this process (systemd's socket activation:
     /// sd_listen_fds(3): `LISTEN_PID` names this process, `LISTEN_FDS` counts descriptors from 3 on). The variables
     /// are removed from the environment, so that the commands proxyctl starts do not take the sockets for theirs;
@@ -63,7 +28,7 @@ public enum Platform {
     }
 
     /// Tells the service manager about the service (sd_notify(3): `READY=1`, `RELOADING=1`, `STOPPING=1`,
-    /// `STATUS=...`), one datagram to `$NOTIFY_SOCKET` (a path, or `@name` in the abstract namespace). Nothing
+    /// `STATUS=...`), one datagram to `$NOTIFY_SOCKET` (a path, or `@name` in Linux's abstract namespace). Nothing
     /// happens without the variable. Returns whether the datagram went out.
     @discardableResult
     public static func notifyServiceManager(_ state: String) -> Bool {
@@ -80,7 +45,7 @@ public enum Platform {
             raw.copyBytes(from: path)
         }
         let length = socklen_t(MemoryLayout<sockaddr_un>.offset(of: \.sun_path)! + path.count)
-        let fd = socket(AF_UNIX, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
+        let fd = datagramSocket(family: AF_UNIX)
         guard fd >= 0 else { return false }
         defer { close(fd) }
         let bytes = Array(state.utf8)
@@ -90,9 +55,5 @@ public enum Platform {
             }
         }
         return sent == bytes.count
-    }
-
-    private static func nameThread(_ name: String) {
-        proxyctl_name_thread(String(decoding: name.utf8.prefix(15), as: UTF8.self))
     }
 }
