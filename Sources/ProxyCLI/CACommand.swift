@@ -1,4 +1,5 @@
 import ProxyCore
+import ProxyIO
 import ProxyOAuth
 import ProxyTLS
 
@@ -338,6 +339,26 @@ enum EnvCommand {
         return listen.isIPv6 ? "http://[\(host)]:\(listen.port)" : "http://\(host):\(listen.port)"
     }
 
+    /// `url` with the owner credential in it where the proxy needs one (`OwnerCredential`): the running serve says
+    /// so in its record; with none running, this system decides (`Platform.namesSocketOwner`), unless
+    /// `proxy_auth_file` makes the user put a user name and password in the URL. Else `url` as it is. The note says
+    /// why the credential could not be added.
+    static func withOwnerCredential(
+        _ url: String, _ configuration: Configuration, running: ServeState?, stateDirectory: String?
+    ) -> (url: String, problem: String?) {
+        let needed =
+            running.map(\.ownerCredential)
+            ?? (!Platform.namesSocketOwner && configuration.proxy.proxyAuthFile == nil)
+        guard needed, let stateDirectory else { return (url, nil) }
+        do {
+            return (
+                OwnerCredential.proxyURL(url, secret: try OwnerCredential.secret(stateDirectory: stateDirectory)), nil
+            )
+        } catch {
+            return (url, "Protected origins need the proxy's credential, which cannot be had: \(error).")
+        }
+    }
+
     /// The variables that point tools at the proxy and the CA bundle, and notes for the user.
     static func environment(
         _ arguments: ParsedArguments, _ context: CommandContext
@@ -363,9 +384,12 @@ enum EnvCommand {
                 "proxyctl: listen in proxy.conf has port 0 (any free port) and no proxyctl serve is running; set a fixed port so tools can find the proxy, or use proxyctl exec"
             )
         }
-        let url = proxyURL(configuration, running: running, socket: socket)
+        let (url, problem) = withOwnerCredential(
+            proxyURL(configuration, running: running, socket: socket), configuration, running: running,
+            stateDirectory: stateDirectory)
         var (variables, notes) = ClientEnvironment.variables(
             configuration, stateDirectory: stateDirectory, proxyURL: url, inherited: context.environment)
+        if let problem { notes.insert(problem, at: 0) }
         if configuration.proxy.proxyAuthFile != nil || running?.proxyAuthentication == true {
             let hostPort = url.dropFirst("http://".count)
             notes.insert(

@@ -88,9 +88,12 @@ enum ExecCommand {
             arguments.flag("no-serve") ? nil : stateDirectory.flatMap { reachableServe($0, for: configuration) }
         if let running {
             var environment = context.environment
+            let (url, problem) = EnvCommand.withOwnerCredential(
+                EnvCommand.proxyURL(configuration, running: running), configuration, running: running,
+                stateDirectory: stateDirectory)
+            if let problem { context.err("proxyctl: \(problem)") }
             let (variables, notes) = ClientEnvironment.variables(
-                configuration, stateDirectory: stateDirectory,
-                proxyURL: EnvCommand.proxyURL(configuration, running: running), inherited: context.environment)
+                configuration, stateDirectory: stateDirectory, proxyURL: url, inherited: context.environment)
             for note in notes { context.err("proxyctl: \(note)") }
             if running.proxyAuthentication {
                 context.err(

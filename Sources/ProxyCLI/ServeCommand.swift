@@ -68,6 +68,8 @@ enum ServeCommand {
 
         let logger = Logger(level: configuration.proxy.logLevel, format: configuration.proxy.logFormat)
         if Platform.portable { logger.always(Platform.portableSummary) }
+        let ownerCredential = Self.ownerCredential(
+            configuration, credentials: credentials, stateDirectory: stateDirectory, logger: logger)
         switch location {
         case .standard(let path) where configuration.source == nil:
             logger.info("no configuration file at \(path); running as a passthrough proxy with defaults")
@@ -156,6 +158,7 @@ enum ServeCommand {
         }
         // The file as one name, so that `proxyctl exec --config` from another directory recognises this serve.
         server.configurationSource = ConfigLoader.canonical(configuration.source)
+        server.ownerCredential = ownerCredential
         server.inheritedListener = sockets.first
         server.notifiesServiceManager = !(context.environment["NOTIFY_SOCKET"] ?? "").isEmpty
         for extra in sockets.dropFirst() {
@@ -241,6 +244,42 @@ enum ServeCommand {
             fix = "give another port: --listen \(host):\(port) (or a [proxy] listen in proxy.conf)"
         }
         return "\(holder), or \(fix)"
+    }
+
+    /// Where the kernel cannot name a client's user (`Platform.namesSocketOwner`), the owner credential that
+    /// stands in for it (`OwnerCredential`: made at the first need, kept in the state directory, handed out by
+    /// `proxyctl env` and `exec`); nil where the kernel can, or where `proxy_auth_file` makes every client
+    /// authenticate anyway. It is made even when no rule needs it yet (a reload may add protected origins), and
+    /// said when one does.
+    static func ownerCredential(
+        _ configuration: Configuration, credentials: ProxyCredentials?, stateDirectory: String?, logger: Logger
+    ) -> ProxyCredentials? {
+        guard !Platform.namesSocketOwner, credentials == nil else { return nil }
+        let settings = configuration.proxy
+        let kept = [
+            !configuration.origins.isEmpty && settings.protectedUsers == .owner ? "protected origins" : nil,
+            settings.passthroughUsers == .owner ? "passthrough" : nil,
+        ].compactMap { $0 }.joined(separator: " and ")
+        guard let stateDirectory else {
+            logger.warn(
+                "this system cannot tell which user a connection comes from, and there is no state directory for the credential that stands in (set HOME or state_dir)"
+                    + (kept.isEmpty ? "" : ": \(kept) are refused to every client"))
+            return nil
+        }
+        do {
+            let secret = try OwnerCredential.secret(stateDirectory: stateDirectory)
+            if !kept.isEmpty {
+                logger.always(
+                    "this system cannot tell which user a connection comes from: \(kept) need the credential in \(OwnerCredential.path(stateDirectory: stateDirectory)), which eval \"$(proxyctl env)\" and proxyctl exec put in HTTPS_PROXY"
+                )
+            }
+            return OwnerCredential.credentials(secret: secret)
+        } catch {
+            logger.warn(
+                "this system cannot tell which user a connection comes from, and the credential that stands in cannot be had: \(error)"
+                    + (kept.isEmpty ? "" : "; \(kept) are refused to every client"))
+            return nil
+        }
     }
 
     /// `[proxy]` keys whose change a running serve cannot apply.

@@ -136,6 +136,14 @@ public final class ProxyServer: ConnectionOwner {
     /// Whether the service manager hears of reloads and the shutdown (`RELOADING=1`, `READY=1`, `STOPPING=1`;
     /// `serve` under systemd), through `Platform.notifyServiceManager`.
     public var notifiesServiceManager = false
+    /// The owner credential (`FrontDoor.ownerCredential`), where the kernel cannot name a client's user; kept
+    /// across reloads. Set before `start`.
+    public var ownerCredential: ProxyCredentials? {
+        didSet {
+            frontDoor.ownerCredential = ownerCredential
+            context = nil
+        }
+    }
 
     public init(
         loop: EventLoop, logger: Logger, settings: ProxySettings, credentials: ProxyCredentials?,
@@ -389,6 +397,7 @@ public final class ProxyServer: ConnectionOwner {
         _ = ServeState.allRunning(stateDirectory: stateDirectory, removeStale: true)
         var state = ServeState(pid: getpid(), listen: boundAddress.description, startedAt: Int64(time(nil)))
         state.proxyAuthentication = frontDoor.credentials != nil
+        state.ownerCredential = frontDoor.ownerCredential != nil
         state.configuration = configurationSource
         state.admin = adminAddress
         for origin in frontDoor.origins.origins { state.origins[origin.url] = ServeState.OriginCounts() }
@@ -654,7 +663,8 @@ public final class ProxyServer: ConnectionOwner {
                 }
             }
             frontDoor = FrontDoor(
-                settings: newSettings, credentials: credentials, boundAddress: boundAddress, origins: origins)
+                settings: newSettings, credentials: credentials, boundAddress: boundAddress, origins: origins,
+                ownerCredential: ownerCredential)
             tlsContexts?.http2 = newSettings.http2
             tlsClients = TLSClientContexts()
             // New connections get the new settings; those in flight keep the ones they were accepted with

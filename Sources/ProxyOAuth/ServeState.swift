@@ -42,6 +42,9 @@ public struct ServeState: Sendable, Equatable {
     public var origins: [String: OriginCounts]
     /// Clients must send `Proxy-Authorization` (proxy_auth_file).
     public var proxyAuthentication = false
+    /// What it keeps for its user needs the owner credential (`OwnerCredential`): the kernel cannot name a
+    /// client's user here. `env` and `exec` put it in the proxy URL.
+    public var ownerCredential = false
     /// The configuration it runs with (a file path, or where it came from).
     public var configuration: String? = nil
     /// The admin listener (health and metrics), when there is one.
@@ -67,6 +70,7 @@ public struct ServeState: Sendable, Equatable {
         object["listen"] = .string(listen)
         object["started_at"] = .int(startedAt)
         object["proxy_authentication"] = .bool(proxyAuthentication)
+        if ownerCredential { object["owner_credential"] = .bool(true) }
         if let configuration { object["configuration"] = .string(configuration) }
         if let admin { object["admin"] = .string(admin) }
         var origins = JSONObject()
@@ -89,6 +93,7 @@ public struct ServeState: Sendable, Equatable {
         else { return nil }
         self.init(pid: Int32(pid), listen: listen, startedAt: started)
         proxyAuthentication = json["proxy_authentication"]?.bool ?? false
+        ownerCredential = json["owner_credential"]?.bool ?? false
         configuration = json["configuration"]?.string
         admin = json["admin"]?.string
         for (url, value) in json["origins"]?.object?.members ?? [] {

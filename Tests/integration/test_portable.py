@@ -6,7 +6,9 @@ Linux has calls of its own. Each test asserts behaviour a user sees, with the fa
   pump keeps what the client does not take and stops reading the origin, then delivers the rest);
 - the kernel is not asked whose a client's socket is (NETLINK_SOCK_DIAG): `proxyctl exec`'s own proxy wants its
   run's credential from every client, the user's own included, and hands it to the command, whose curl reaches a
-  protected origin that sees the token;
+  protected origin that sees the token; `serve` takes the owner credential (a 0600 file in the state directory)
+  from `proxyctl env`'s HTTPS_PROXY, and refuses protected origins (407, the origin never asked) to a client
+  without it, with a wrong one, and to another local user, while passthrough stays open;
 - signals reach `exec`'s command once with sigwait(3), which cannot tell the terminal's from kill(2)'s
   (test_exec.py's signal test runs both ways).
 """
@@ -14,7 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import shutil
 import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -175,3 +180,77 @@ def test_exec_gives_its_run_credential_to_the_command_and_wants_it_from_everyone
     [seen] = api.since(mark)
     assert seen.error is None and seen.token, seen
     assert unverified_claims(seen.token)["iss"] == provider.issuer
+
+
+def env_lines(conf: Path, env: dict[str, str]) -> dict[str, str]:
+    done = subprocess.run([proxyctl_bin(), "env", "--config", str(conf)], capture_output=True, text=True,
+                          timeout=30, env=env, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr
+    return dict(re.findall(r"^export (\w+)='([^']*)';$", done.stdout, re.M))
+
+
+OTHER_USER = "nobody"
+
+
+def test_serve_takes_the_owner_credential_from_proxyctl_env_and_refuses_protected_origins_without_it(
+        tmp_path, site, http_origin):
+    """The same-user check without the kernel: `proxyctl env` (before serve runs, as a shell's rc file would)
+    makes the owner credential and puts it in HTTPS_PROXY; serve takes the same one. curl with env's variables
+    gets the API's 200 (the API sees the token); a client without the credential, one with another password and
+    another local user get 407 naming how to get it, and the API sees none of them; passthrough stays open to
+    all (passthrough_users = any)."""
+    provider, api, _ = site
+    conf, env = workspace(tmp_path, site)
+    credential_file = tmp_path / "state" / "proxy-credential"
+    early = env_lines(conf, env)
+    assert credential_file.exists() and stat.S_IMODE(credential_file.stat().st_mode) == 0o600
+    secret = credential_file.read_text().strip()
+    assert len(secret) >= 32 and early["HTTPS_PROXY"] == f"http://proxyctl:{secret}@127.0.0.1:8080", early
+
+    proxy = Proxy(tmp_path / "serve", None, args=("--config", str(conf)))
+    proxy.env = env
+    proxy.start()
+    try:
+        assert PORTABLE_LINE in proxy.log()
+        assert f"protected origins need the credential in {credential_file}" in proxy.log()
+        variables = env_lines(conf, env)
+        assert variables["HTTPS_PROXY"] == f"http://proxyctl:{secret}@127.0.0.1:{proxy.port}", variables
+        mark = api.mark()
+        shell = subprocess.run(["sh", "-c", 'eval "$(proxyctl env --config "$1")" && curl -sS -w "\\nSTATUS '
+                                '%{http_code}" "$2"', "sh", str(conf), api.url("/me")],
+                               capture_output=True, text=True, timeout=60,
+                               env={**env, "PATH": f"{Path(proxyctl_bin()).parent}:{os.environ['PATH']}"})
+        assert shell.stdout.rstrip().endswith("STATUS 200"), shell.stdout + shell.stderr
+        [seen] = api.since(mark)
+        assert seen.token and unverified_claims(seen.token)["iss"] == provider.issuer
+
+        bundle = variables["CURL_CA_BUNDLE"]
+        refusals = {
+            "none": ["-x", f"http://127.0.0.1:{proxy.port}"],
+            "wrong": ["-x", f"http://proxyctl:{'x' * len(secret)}@127.0.0.1:{proxy.port}"],
+        }
+        answers = {}
+        for name, proxy_args in refusals.items():
+            answers[name] = subprocess.run(["curl", "-sS", "-o", "/dev/null", "-D", "-", "--cacert", bundle,
+                                            *proxy_args, api.url("/me")], capture_output=True, text=True,
+                                           timeout=60, env=clean_env())
+        if os.geteuid() == 0 and shutil.which("runuser"):
+            # Another user who could read neither the file nor the user's environment.
+            answers["other user"] = subprocess.run(
+                ["runuser", "-u", OTHER_USER, "--", "curl", "-sS", "-o", "/dev/null", "-D", "-", "-x",
+                 f"http://127.0.0.1:{proxy.port}", "--insecure", api.url("/me")],
+                capture_output=True, text=True, timeout=60, env=clean_env())
+        for name, answer in answers.items():
+            assert answer.stdout.startswith("HTTP/1.1 407 "), (name, answer.stdout, answer.stderr)
+            assert 'Proxy-Authenticate: Basic realm="proxyctl"' in answer.stdout, (name, answer.stdout)
+            assert "protected_users" in answer.stdout, (name, answer.stdout)
+        assert not api.since(mark)[1:], "a request without the owner credential reached the API"
+        proxy.wait_log(r"CONNECT api\.test:\d+ status=407 answered-by=proxyctl reason=\"protected origins \(and the "
+                       r"tokens for them\) serve only the user running proxyctl \(protected_users\)")
+        # Passthrough: no credential needed, for anyone.
+        open_ = subprocess.run(["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "-x",
+                                f"http://127.0.0.1:{proxy.port}", http_origin.url("/open")],
+                               capture_output=True, text=True, timeout=60, env=clean_env())
+        assert open_.stdout == "200", open_.stderr
+    finally:
+        assert proxy.stop() == 0, proxy.log()[-3000:]
