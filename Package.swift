@@ -16,10 +16,11 @@ let uncheckedExclusivity: [SwiftSetting] = [
 /// The release binary as it ships (docs/packaging.md): linked by lld with packed relative relocations (DT_RELR,
 /// glibc 2.36, Debian 12: the static Swift runtime's 39,000 relocations took 925 KB of the binary, all read at
 /// every start), and every symbol bound at start (`-z now`, so that the read-only relocations cover the GOT).
+/// ELF only: other systems link as their toolchain does (docs/porting.md).
 let releaseLinking: [LinkerSetting] = [
     .unsafeFlags(
         ["-use-ld=lld", "-Xlinker", "-z", "-Xlinker", "pack-relative-relocs", "-Xlinker", "-z", "-Xlinker", "now"],
-        .when(configuration: .release))
+        .when(platforms: [.linux], configuration: .release))
 ]
 
 let package = Package(
@@ -36,7 +37,7 @@ let package = Package(
         .systemLibrary(
             name: "CLibevent",
             pkgConfig: "libevent_openssl",
-            providers: [.apt(["libevent-dev"])]
+            providers: [.apt(["libevent-dev"]), .brew(["libevent"])]
         ),
         // libcurl's header and, in loader.c, libcurl itself loaded at the first request to a provider (dlopen), so
         // that a serve that needs no provider maps none of it (docs/packaging.md).
@@ -44,12 +45,12 @@ let package = Package(
         .systemLibrary(
             name: "CNghttp2",
             pkgConfig: "libnghttp2",
-            providers: [.apt(["libnghttp2-dev"])]
+            providers: [.apt(["libnghttp2-dev"]), .brew(["libnghttp2"])]
         ),
         .systemLibrary(
             name: "COpenSSL",
             pkgConfig: "openssl",
-            providers: [.apt(["libssl-dev"])]
+            providers: [.apt(["libssl-dev"]), .brew(["openssl@3"])]
         ),
 
         // Pure logic: Foundation only; no sockets, no C.

@@ -34,9 +34,16 @@ static pthread_once_t once = PTHREAD_ONCE_INIT;
 static int loaded = -1;
 static char failure[512] = "libcurl was not loaded";
 
+// libcurl.so.4: the soname of every libcurl since 7.16 (Debian's libcurl4, OpenSSL flavour); macOS ships it as
+// libcurl.4.dylib (docs/porting.md).
+#if defined(__APPLE__)
+#define PROXYCTL_LIBCURL "libcurl.4.dylib"
+#else
+#define PROXYCTL_LIBCURL "libcurl.so.4"
+#endif
+
 static void load(void) {
-    // libcurl.so.4: the soname of every libcurl since 7.16 (Debian's libcurl4, OpenSSL flavour).
-    void *library = dlopen("libcurl.so.4", RTLD_NOW | RTLD_LOCAL);
+    void *library = dlopen(PROXYCTL_LIBCURL, RTLD_NOW | RTLD_LOCAL);
     if (library == NULL) {
         snprintf(failure, sizeof failure, "libcurl cannot be loaded (%s); install libcurl4 (Debian) to sign in",
                  dlerror());
@@ -44,7 +51,7 @@ static void load(void) {
     }
 #define FIND(field, name)                                                                              \
     if ((*(void **)&curl.field = dlsym(library, name)) == NULL) {                                      \
-        snprintf(failure, sizeof failure, "libcurl.so.4 has no %s: libcurl 7.85 or later is needed", name);      \
+        snprintf(failure, sizeof failure, PROXYCTL_LIBCURL " has no %s: libcurl 7.85 or later is needed", name);  \
         return;                                                                                        \
     }
     FIND(global_init, "curl_global_init")

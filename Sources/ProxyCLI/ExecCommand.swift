@@ -208,7 +208,12 @@ enum ExecCommand {
 
     /// Starts the command with the signal mask proxyctl had before and default dispositions.
     static func spawn(path: String, words: [String], environment: [String: String], mask: sigset_t) throws -> pid_t {
-        var attributes = posix_spawnattr_t()
+        // An opaque pointer in Darwin's headers, a struct in glibc's (docs/porting.md).
+        #if canImport(Darwin)
+            var attributes: posix_spawnattr_t = nil
+        #else
+            var attributes = posix_spawnattr_t()
+        #endif
         posix_spawnattr_init(&attributes)
         defer { posix_spawnattr_destroy(&attributes) }
         var childMask = mask

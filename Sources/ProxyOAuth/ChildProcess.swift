@@ -194,7 +194,12 @@ public enum ChildProcess {
         _ path: String, _ arguments: [String], environment: [String: String]?, input: Input, _ output: Output,
         _ error: Output, _ streams: inout Streams
     ) throws(StartFailure) -> pid_t {
-        var actions = posix_spawn_file_actions_t()
+        // An opaque pointer in Darwin's headers, a struct in glibc's (docs/porting.md).
+        #if canImport(Darwin)
+            var actions: posix_spawn_file_actions_t = nil
+        #else
+            var actions = posix_spawn_file_actions_t()
+        #endif
         posix_spawn_file_actions_init(&actions)
         defer { posix_spawn_file_actions_destroy(&actions) }
         // Pipes are made close-on-exec, so that only the dup2 copies reach the command (and no other child).
@@ -226,7 +231,11 @@ public enum ChildProcess {
         }
         // The command starts with no signal blocked and every disposition at its default: proxyctl ignores
         // SIGPIPE and blocks the signals it waits for, and a child would inherit both.
-        var attributes = posix_spawnattr_t()
+        #if canImport(Darwin)
+            var attributes: posix_spawnattr_t = nil
+        #else
+            var attributes = posix_spawnattr_t()
+        #endif
         posix_spawnattr_init(&attributes)
         defer { posix_spawnattr_destroy(&attributes) }
         var none = sigset_t()
