@@ -13,6 +13,16 @@ let uncheckedExclusivity: [SwiftSetting] = [
     .unsafeFlags(["-enforce-exclusivity=unchecked"], .when(configuration: .release))
 ]
 
+/// The release binary as it ships (docs/packaging.md): linked by lld with packed relative relocations (DT_RELR,
+/// glibc 2.36, Debian 12: the static Swift runtime's 39,000 relocations took 925 KB of the binary, all read at
+/// every start), and every symbol bound at start (`-z now`, so that the read-only relocations cover the GOT).
+/// ELF only: other systems link as their toolchain does (docs/porting.md).
+let releaseLinking: [LinkerSetting] = [
+    .unsafeFlags(
+        ["-use-ld=lld", "-Xlinker", "-z", "-Xlinker", "pack-relative-relocs", "-Xlinker", "-z", "-Xlinker", "now"],
+        .when(platforms: [.linux], configuration: .release))
+]
+
 let package = Package(
     name: "proxyctl",
     products: [
@@ -27,23 +37,20 @@ let package = Package(
         .systemLibrary(
             name: "CLibevent",
             pkgConfig: "libevent_openssl",
-            providers: [.apt(["libevent-dev"])]
+            providers: [.apt(["libevent-dev"]), .brew(["libevent"])]
         ),
-        // No pkgConfig: libcurl 8's pkg-config adds -isystem flags SwiftPM refuses; the header and library are
-        // in the default paths.
-        .systemLibrary(
-            name: "CCurl",
-            providers: [.apt(["libcurl4-openssl-dev"])]
-        ),
+        // libcurl's header and, in loader.c, libcurl itself loaded at the first request to a provider (dlopen), so
+        // that a serve that needs no provider maps none of it (docs/packaging.md).
+        .target(name: "CCurl"),
         .systemLibrary(
             name: "CNghttp2",
             pkgConfig: "libnghttp2",
-            providers: [.apt(["libnghttp2-dev"])]
+            providers: [.apt(["libnghttp2-dev"]), .brew(["libnghttp2"])]
         ),
         .systemLibrary(
             name: "COpenSSL",
             pkgConfig: "openssl",
-            providers: [.apt(["libssl-dev"])]
+            providers: [.apt(["libssl-dev"]), .brew(["openssl@3"])]
         ),
 
         // Pure logic: Foundation only; no sockets, no C.
@@ -60,9 +67,13 @@ let package = Package(
             name: "ProxyIO",
             dependencies: ["ProxyCore", "ProxyTLS", "ProxyOAuth", "CLibevent", "CCurl", "CNghttp2", "COpenSSL"],
             swiftSettings: uncheckedExclusivity),
-        // argv -> command, help text, exit codes.
-        .target(name: "ProxyCLI", dependencies: ["ProxyCore", "ProxyTLS", "ProxyOAuth", "ProxyIO"]),
-        .executableTarget(name: "proxyctl", dependencies: ["ProxyCLI"]),
+        // argv -> command, help text, exit codes; the commit it is built from (the BuildInfo plugin).
+        .target(
+            name: "ProxyCLI", dependencies: ["ProxyCore", "ProxyTLS", "ProxyOAuth", "ProxyIO"],
+            plugins: [.plugin(name: "BuildInfo")]),
+        .executableTarget(name: "proxyctl", dependencies: ["ProxyCLI"], linkerSettings: releaseLinking),
+        // Writes BuildInfo.swift (the commit) before each build: scripts/build-info.
+        .plugin(name: "BuildInfo", capability: .buildTool()),
 
         // Known answers made by implementations this project did not write (PyJWT), shared by the test targets.
         .target(name: "TestFixtures", path: "Tests/TestFixtures"),

@@ -16,8 +16,10 @@
 #include <unistd.h>
 #include <fcntl.h>
 #include <errno.h>
+#if defined(__linux__)
 #include <sys/syscall.h>
 #include <malloc.h>
+#endif
 
 #include <event2/event.h>
 #include <event2/buffer.h>
@@ -29,10 +31,15 @@
 
 #include <openssl/ssl.h>
 
+#if defined(__linux__)
 #include <linux/netlink.h>
 #include <linux/sock_diag.h>
 #include <linux/inet_diag.h>
+#endif
 #include <string.h>
+
+// Every call below that Linux alone has is reached through ProxyIO's Platform (docs/porting.md), which says when
+// it is used; elsewhere each compiles to a stub that fails (or does nothing), and Platform takes the fallback.
 
 // evsignal_new is a function-like macro.
 static inline struct event *proxyctl_evsignal_new(struct event_base *base, int signum,
@@ -45,9 +52,12 @@ static inline struct event *proxyctl_evsignal_new(struct event_base *base, int s
 // starts at 128 KiB, so the 128 KiB chains a 64 KiB read reserves were mmap'ed, or, once it adapted, the heap's
 // top was trimmed and grown again on every pass), and up to 8 MiB free at the top of the heap stays there.
 // Measured: a bulk download through the own upstream client spent half its CPU time in the kernel on it.
+// Elsewhere the system's allocator is left as it is.
 static inline void proxyctl_tune_allocator(void) {
+#if defined(__GLIBC__)
     mallopt(M_MMAP_THRESHOLD, 4 << 20);
     mallopt(M_TRIM_THRESHOLD, 8 << 20);
+#endif
 }
 
 static inline int proxyctl_set_nodelay(int fd) {
@@ -55,10 +65,25 @@ static inline int proxyctl_set_nodelay(int fd) {
     return setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 }
 
-// A non-blocking, close-on-exec TCP socket of `family` (SOCK_STREAM named in Swift in a second file of a module
-// made the compiler lose it in the first).
-static inline int proxyctl_tcp_socket(int family) {
-    return socket(family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+// A close-on-exec socket of `family`, a stream (TCP) or a datagram one, non-blocking when asked (SOCK_STREAM named in
+// Swift in a second file of a module made the compiler lose it in the first). `atomic`: the flags given to
+// socket(2) itself (Linux and the BSDs: no moment in which a fork on another thread could inherit it), else set
+// with fcntl(2) after it, as macOS needs.
+static inline int proxyctl_socket(int family, int datagram, int nonblocking, int atomic) {
+    int type = datagram ? SOCK_DGRAM : SOCK_STREAM;
+#if defined(SOCK_NONBLOCK) && defined(SOCK_CLOEXEC)
+    if (atomic) return socket(family, type | SOCK_CLOEXEC | (nonblocking ? SOCK_NONBLOCK : 0), 0);
+#else
+    (void)atomic;
+#endif
+    int fd = socket(family, type, 0);
+    if (fd < 0) return fd;
+    if (fcntl(fd, F_SETFD, FD_CLOEXEC) != 0 ||
+        (nonblocking && fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK) != 0)) {
+        close(fd);
+        return -1;
+    }
+    return fd;
 }
 
 // errno is a macro over a thread-local; Swift's Glibc import covers it, but a function keeps the I/O
@@ -74,16 +99,56 @@ static inline int proxyctl_socket_error(int fd) {
 }
 
 // splice(2), pipe2(2) and F_SETPIPE_SZ are declared only under _GNU_SOURCE, which must not be set before
-// the socket headers (see the top of this file): call them through syscall(2).
+// the socket headers (see the top of this file): call them through syscall(2). Linux only: elsewhere they fail
+// with ENOSYS and tunnels copy (Platform.splices).
 // Moves up to `length` bytes between a socket and a pipe without copying them through user space.
 static inline long proxyctl_splice(int from, int to, size_t length) {
+#if defined(__linux__)
     return syscall(SYS_splice, from, NULL, to, NULL, length, 1u /* SPLICE_F_MOVE */ | 2u /* SPLICE_F_NONBLOCK */);
+#else
+    (void)from, (void)to, (void)length;
+    errno = ENOSYS;
+    return -1;
+#endif
 }
-static inline int proxyctl_pipe(int fds[2]) { return (int)syscall(SYS_pipe2, fds, O_NONBLOCK | O_CLOEXEC); }
-static inline int proxyctl_set_pipe_size(int fd, int size) { return fcntl(fd, 1031 /* F_SETPIPE_SZ */, size); }
+static inline int proxyctl_pipe(int fds[2]) {
+#if defined(__linux__)
+    return (int)syscall(SYS_pipe2, fds, O_NONBLOCK | O_CLOEXEC);
+#else
+    (void)fds;
+    errno = ENOSYS;
+    return -1;
+#endif
+}
+static inline int proxyctl_set_pipe_size(int fd, int size) {
+#if defined(__linux__)
+    return fcntl(fd, 1031 /* F_SETPIPE_SZ */, size);
+#else
+    (void)fd, (void)size;
+    errno = ENOSYS;
+    return -1;
+#endif
+}
 
-// MSG_NOSIGNAL is an enumerator shadowed by a macro of the same name; Swift does not always import it.
-static inline int proxyctl_msg_nosignal(void) { return MSG_NOSIGNAL; }
+// The calling thread's name as ps(1) and gdb show it (at most 15 bytes on Linux). pthread_setname_np is declared
+// only under _GNU_SOURCE (see the top of this file), and its arguments differ on Darwin.
+#if defined(__linux__)
+#include <sys/prctl.h>
+static inline void proxyctl_name_thread(const char *name) { (void)prctl(PR_SET_NAME, name, 0, 0, 0); }
+#else
+#include <pthread.h>
+static inline void proxyctl_name_thread(const char *name) { (void)pthread_setname_np(name); }
+#endif
+
+// MSG_NOSIGNAL is an enumerator shadowed by a macro of the same name; Swift does not always import it. 0 where
+// there is none (macOS): SIGPIPE is ignored for the whole process (EventLoop.initializeLibraries).
+static inline int proxyctl_msg_nosignal(void) {
+#if defined(MSG_NOSIGNAL)
+    return MSG_NOSIGNAL;
+#else
+    return 0;
+#endif
+}
 
 // SO_LINGER with a zero timeout: close(2) then sends a reset (RST) instead of a FIN, so the peer cannot take
 // a response cut short for a complete one.
@@ -100,7 +165,12 @@ static inline int proxyctl_set_linger_reset(int fd) {
 // connection costs a send and a receive, not a socket's creation; `sequence` numbers the queries. An answer is
 // taken only when it carries this query's number and the ports of the socket asked about; anything else
 // (a late answer to an earlier query) is read past, and a socket in doubt is closed and set to -1.
+// Linux only: elsewhere -1 (Platform.namesSocketOwner is false there).
 static inline long proxyctl_tcp_peer_uid(int fd, int *link, unsigned *sequence) {
+#if !defined(__linux__)
+    (void)fd, (void)link, (void)sequence;
+    return -1;
+#else
     struct sockaddr_storage local, peer;
     socklen_t local_length = sizeof local, peer_length = sizeof peer;
     if (getsockname(fd, (struct sockaddr *)&local, &local_length) != 0) return -1;
@@ -168,10 +238,20 @@ static inline long proxyctl_tcp_peer_uid(int fd, int *link, unsigned *sequence) 
     close(*link);
     *link = -1;
     return -1;
+#endif
 }
 
 // glibc defines EAI_NODATA (a name with no addresses) only under _GNU_SOURCE, which must not be set
 // before the socket headers above (see the top of this file).
-static inline int proxyctl_eai_nodata(void) { return -5; }
+// Elsewhere the system's own value, where it has one (macOS: 7, obsolete; its getaddrinfo answers EAI_NONAME).
+static inline int proxyctl_eai_nodata(void) {
+#if defined(__GLIBC__)
+    return -5;
+#elif defined(EAI_NODATA)
+    return EAI_NODATA;
+#else
+    return EAI_NONAME;
+#endif
+}
 
 #endif

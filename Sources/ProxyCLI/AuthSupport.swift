@@ -1,9 +1,19 @@
 import Dispatch
-import Foundation
 import ProxyCore
 import ProxyIO
 import ProxyOAuth
 import Synchronization
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// What the sign-in commands share: the configuration, the chosen provider, its store, client and loop.
 struct AuthEnvironment {
@@ -152,36 +162,32 @@ final class StderrConsole: LoginConsole, @unchecked Sendable {
     // thread-safe for writes.
     let context: CommandContext
     let notifyCommand: [String]?
-    private let lock = NSLock()
+    private let lock = Mutex(())
     private var timer: DispatchSourceTimer?
     private let terminal: Bool
 
     init(context: CommandContext, notifyCommand: [String]? = nil) {
         self.context = context
         self.notifyCommand = notifyCommand
-        self.terminal = context.stderr === FileHandle.standardError && isatty(2) != 0
+        self.terminal = context.stderr.isTerminal
     }
 
     func say(_ line: String) {
-        lock.lock()
-        defer { lock.unlock() }
-        if timer != nil && terminal { context.stderr.write(Data("\r\u{1B}[K".utf8)) }
-        context.err(line)
+        lock.withLock { _ in
+            if timer != nil && terminal { context.stderr.write("\r\u{1B}[K") }
+            context.err(line)
+        }
     }
 
     func showDeviceCode(_ prompt: DeviceCodePrompt) {
         let text = prompt.lines.joined(separator: "\n") + "\n"
-        context.stdout.write(Data(text.utf8))
-        let stdoutIsTerminal = context.stdout === FileHandle.standardOutput && isatty(1) != 0
-        if !stdoutIsTerminal { context.stderr.write(Data(text.utf8)) }
+        context.stdout.write(text)
+        if !context.stdout.isTerminal { context.stderr.write(text) }
         guard let words = notifyCommand, let first = words.first,
-            let executable = BrowserLauncher.which(first, path: context.environment["PATH"])
+            let executable = ChildProcess.which(first, path: context.environment["PATH"])
         else { return }
-        let process = Process()
-        process.executableURL = URL(fileURLWithPath: executable)
         let message =
             "sign in to \(prompt.provider): visit \(prompt.verificationURI) and enter the code \(prompt.userCode)"
-        process.arguments = Array(words.dropFirst()) + [message]
         var environment = context.environment
         environment["PROXYCTL_EVENT"] = "device_code"
         environment["PROXYCTL_PROVIDER"] = prompt.provider
@@ -192,9 +198,10 @@ final class StderrConsole: LoginConsole, @unchecked Sendable {
             environment["PROXYCTL_VERIFICATION_URI_COMPLETE"] = complete
         }
         environment["PROXYCTL_MESSAGE"] = message
-        process.environment = environment
-        process.standardInput = FileHandle.nullDevice
-        if (try? process.run()) == nil { context.err("notify_command \(first) could not be run") }
+        let started = try? ChildProcess.start(
+            executable, Array(words.dropFirst()) + [message], environment: environment, output: .inherit,
+            error: .inherit)
+        if started == nil { context.err("notify_command \(first) could not be run") }
     }
 
     func waiting(for what: String, until deadline: Int64) {
@@ -203,25 +210,24 @@ final class StderrConsole: LoginConsole, @unchecked Sendable {
         let context = self.context
         made.setEventHandler {
             let left = max(0, deadline - Int64(time(nil)))
-            let line =
-                "\r\u{1B}[KWaiting for \(what): \(left / 60):\(String(format: "%02d", left % 60)) left (Ctrl-C stops)"
-            context.stderr.write(Data(line.utf8))
+            let seconds = left % 60 < 10 ? "0\(left % 60)" : "\(left % 60)"
+            context.stderr.write("\r\u{1B}[KWaiting for \(what): \(left / 60):\(seconds) left (Ctrl-C stops)")
         }
         made.schedule(deadline: .now(), repeating: .seconds(1))
-        lock.lock()
-        timer?.cancel()
-        timer = made
-        lock.unlock()
+        lock.withLock { _ in
+            timer?.cancel()
+            timer = made
+        }
         made.resume()
     }
 
     func waitEnded() {
-        lock.lock()
-        defer { lock.unlock() }
-        guard let timer else { return }
-        timer.cancel()
-        self.timer = nil
-        if terminal { context.stderr.write(Data("\r\u{1B}[K".utf8)) }
+        lock.withLock { _ in
+            guard let timer else { return }
+            timer.cancel()
+            self.timer = nil
+            if terminal { context.stderr.write("\r\u{1B}[K") }
+        }
     }
 }
 
@@ -253,7 +259,7 @@ struct BrowserLauncher {
             let ssh = environment["SSH_CONNECTION"] != nil || environment["SSH_TTY"] != nil
             return ssh ? "this is an SSH session without a display" : "there is no display"
         }
-        if Self.which("xdg-open", path: environment["PATH"]) == nil { return "xdg-open is not installed" }
+        if ChildProcess.which("xdg-open", path: environment["PATH"]) == nil { return "xdg-open is not installed" }
         return nil
     }
 
@@ -279,7 +285,7 @@ struct BrowserLauncher {
             for command in browser.split(separator: ":") {
                 var words = command.split(separator: " ").map(String.init)
                 if words.contains(where: { $0.contains("%s") }) {
-                    words = words.map { $0.replacingOccurrences(of: "%s", with: url) }
+                    words = words.map { $0.replacing("%s", with: url) }
                 } else {
                     words.append(url)
                 }
@@ -290,19 +296,10 @@ struct BrowserLauncher {
         }
         return candidates
     }
-
-    static func which(_ command: String, path: String?) -> String? {
-        if command.contains("/") { return FileManager.default.isExecutableFile(atPath: command) ? command : nil }
-        for directory in (path ?? "/usr/local/bin:/usr/bin:/bin").split(separator: ":") {
-            let candidate = "\(directory)/\(command)"
-            if FileManager.default.isExecutableFile(atPath: candidate) { return candidate }
-        }
-        return nil
-    }
 }
 
 /// One browser start: the commands of `$BROWSER` (or xdg-open) tried in turn until one starts and does not
-/// fail. Each process is watched from Foundation's thread for its end; nothing waits for it.
+/// fail. Each process is watched for its end from a Dispatch thread; nothing waits for it.
 final class BrowserAttempt: Sendable {
     struct Command {
         let words: [String]
@@ -326,23 +323,13 @@ final class BrowserAttempt: Sendable {
         var problems: [String] = []
         for position in index..<candidates.count {
             let command = candidates[position]
-            guard let first = command.words.first, let executable = BrowserLauncher.which(first, path: path) else {
+            guard let first = command.words.first, let executable = ChildProcess.which(first, path: path) else {
                 problems.append("\(command.name) is not found")
                 continue
             }
-            let process = Process()
-            process.executableURL = URL(fileURLWithPath: executable)
-            process.arguments = Array(command.words.dropFirst())
-            process.standardInput = FileHandle.nullDevice
-            process.standardOutput = FileHandle.nullDevice
-            process.standardError = FileHandle.nullDevice
-            process.terminationHandler = { [self] ended in
-                let status = ended.terminationStatus
-                guard ended.terminationReason == .uncaughtSignal || status != 0 else { return }
-                var message =
-                    "\(command.name) "
-                    + (ended.terminationReason == .uncaughtSignal
-                        ? "was ended by signal \(status)" : "exited with status \(status)")
+            let ended: @Sendable (ChildProcess.Termination) -> Void = { [self] termination in
+                guard termination != .exit(0) else { return }
+                var message = "\(command.name) \(termination)"
                 let remaining = candidates.count - position - 1
                 let later = remaining > 0 ? start(from: position + 1) : []
                 if later.count < remaining {
@@ -353,10 +340,10 @@ final class BrowserAttempt: Sendable {
                 failed(message)
             }
             do {
-                try process.run()
+                try ChildProcess.start(executable, Array(command.words.dropFirst()), ended: ended)
                 return []
             } catch {
-                problems.append("\(command.name) cannot be started: \(error.localizedDescription)")
+                problems.append("\(command.name) cannot be started: \(error)")
             }
         }
         return problems
@@ -366,12 +353,7 @@ final class BrowserAttempt: Sendable {
 /// Times for people: "2026-11-30 10:00:00 UTC (in 59 min)".
 enum HumanTime {
     static func describe(_ epoch: Int64, now: Int64) -> String {
-        let date = Date(timeIntervalSince1970: TimeInterval(epoch))
-        let formatter = DateFormatter()
-        formatter.locale = Locale(identifier: "en_US_POSIX")
-        formatter.timeZone = TimeZone(identifier: "UTC")
-        formatter.dateFormat = "yyyy-MM-dd HH:mm:ss 'UTC'"
-        return "\(formatter.string(from: date)) (\(relative(epoch - now)))"
+        "\(HTTPDate.utcText(epoch)) UTC (\(relative(epoch - now)))"
     }
 
     static func relative(_ seconds: Int64) -> String {

@@ -1,7 +1,18 @@
-import Foundation
 import ProxyCore
+import ProxyIO
 import ProxyOAuth
 import ProxyTLS
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// `proxyctl ca init|show|export`: the local CA that signs certificates for the protected hosts.
 enum CACommand {
@@ -50,7 +61,9 @@ enum CACommand {
                 options: [
                     AuthEnvironment.configOption,
                     .flag("bundle", help: "The merged bundle: the system's roots plus the local CA."),
-                    .option("format", value: "format", help: "pem (default) or pkcs12 (a trust store for Java)."),
+                    .option(
+                        "format", value: "format", values: ["pem", "pkcs12"],
+                        help: "pem (default) or pkcs12 (a trust store for Java)."),
                     .option(
                         "output", short: "o", value: "file", help: "Write to this file instead of standard output."),
                 ], run: export),
@@ -103,7 +116,7 @@ enum CACommand {
     static func establish(
         hosts: [String], files: LocalCA.Files, force: Bool, context: CommandContext, style: Style
     ) throws -> (LocalCA.Plan, LocalCA) {
-        let stateDirectory = (files.directory as NSString).deletingLastPathComponent
+        let stateDirectory = PathText.parent(files.directory)
         let now = Int64(time(nil))
         let existing: LocalCA?
         do {
@@ -293,11 +306,11 @@ enum CACommand {
             context.err(
                 "Wrote \(output)" + (format == "pkcs12" ? " (trust store password: \(TrustStore.password))" : ""))
         } else {
-            if format == "pkcs12" && isatty(1) != 0 && context.stdout === FileHandle.standardOutput {
+            if format == "pkcs12" && context.stdout.isTerminal {
                 throw CommandFailure(
                     message: "a PKCS#12 trust store is binary: give --output FILE or redirect standard output")
             }
-            context.stdout.write(Data(bytes))
+            context.stdout.write(bytes)
         }
         return ExitCode.success
     }
@@ -318,7 +331,8 @@ enum EnvCommand {
             """,
         options: [
             AuthEnvironment.configOption,
-            .option("shell", value: "shell", help: "sh (bash, zsh, dash) or fish. Default: sh."),
+            .option(
+                "shell", value: "shell", values: ["sh", "fish"], help: "sh (bash, zsh, dash) or fish. Default: sh."),
         ],
         run: run
     )
@@ -337,13 +351,33 @@ enum EnvCommand {
         return ExitCode.success
     }
 
-    /// The proxy URL tools should use: the running serve's address (its port may have been 0), else the
-    /// configured one.
-    static func proxyURL(_ configuration: Configuration, running: ServeState?) -> String {
-        var listen = configuration.proxy.listen
+    /// The proxy URL tools should use: the running serve's address (its port may have been 0), else the socket
+    /// systemd listens on for it (proxyctl.socket), else the configured one.
+    static func proxyURL(_ configuration: Configuration, running: ServeState?, socket: ListenAddress? = nil) -> String {
+        var listen = socket ?? configuration.proxy.listen
         if let running, let address = ListenAddress.parse(running.listen) { listen = address }
         let host = listen.host == "0.0.0.0" ? "127.0.0.1" : (listen.host == "::" ? "::1" : listen.host)
         return listen.isIPv6 ? "http://[\(host)]:\(listen.port)" : "http://\(host):\(listen.port)"
+    }
+
+    /// `url` with the owner credential in it where the proxy needs one (`OwnerCredential`): the running serve says
+    /// so in its record; with none running, this system decides (`Platform.namesSocketOwner`), unless
+    /// `proxy_auth_file` makes the user put a user name and password in the URL. Else `url` as it is. The note says
+    /// why the credential could not be added.
+    static func withOwnerCredential(
+        _ url: String, _ configuration: Configuration, running: ServeState?, stateDirectory: String?
+    ) -> (url: String, problem: String?) {
+        let needed =
+            running.map(\.ownerCredential)
+            ?? (!Platform.namesSocketOwner && configuration.proxy.proxyAuthFile == nil)
+        guard needed, let stateDirectory else { return (url, nil) }
+        do {
+            return (
+                OwnerCredential.proxyURL(url, secret: try OwnerCredential.secret(stateDirectory: stateDirectory)), nil
+            )
+        } catch {
+            return (url, "Protected origins need the proxy's credential, which cannot be had: \(error).")
+        }
     }
 
     /// The variables that point tools at the proxy and the CA bundle, and notes for the user.
@@ -353,18 +387,30 @@ enum EnvCommand {
         variables: [(String, String)], notes: [String]
     ) {
         let loader = ConfigLoader(environment: context.environment)
-        let configuration = try loader.load(loader.locate(flag: arguments.value("config")))
+        let location = loader.locate(flag: arguments.value("config"))
+        let configuration = try loader.load(location)
         let stateDirectory =
             configuration.proxy.stateDir ?? TokenStore.defaultStateDirectory(environment: context.environment)
         let running = stateDirectory.flatMap { ServeState.running(stateDirectory: $0) }
-        if running == nil && configuration.proxy.listen.port == 0 {
+        // proxyctl.service serves the standard configuration: its socket is the address until a serve runs.
+        var socket: ListenAddress?
+        switch location {
+        case .standard, .none:
+            if running == nil { socket = ServiceUnits.socketAddress(environment: context.environment) }
+        default:
+            break
+        }
+        if running == nil && socket == nil && configuration.proxy.listen.port == 0 {
             context.err(
                 "proxyctl: listen in proxy.conf has port 0 (any free port) and no proxyctl serve is running; set a fixed port so tools can find the proxy, or use proxyctl exec"
             )
         }
-        let url = proxyURL(configuration, running: running)
+        let (url, problem) = withOwnerCredential(
+            proxyURL(configuration, running: running, socket: socket), configuration, running: running,
+            stateDirectory: stateDirectory)
         var (variables, notes) = ClientEnvironment.variables(
             configuration, stateDirectory: stateDirectory, proxyURL: url, inherited: context.environment)
+        if let problem { notes.insert(problem, at: 0) }
         if configuration.proxy.proxyAuthFile != nil || running?.proxyAuthentication == true {
             let hostPort = url.dropFirst("http://".count)
             notes.insert(
@@ -377,9 +423,9 @@ enum EnvCommand {
     /// Single-quoted: sh ends the quote to escape one ('\''); fish escapes inside quotes (\' and \\).
     static func quote(_ value: String, fish: Bool = false) -> String {
         if fish {
-            return "'" + value.replacingOccurrences(of: "\\", with: "\\\\").replacingOccurrences(of: "'", with: "\\'")
+            return "'" + value.replacing("\\", with: "\\\\").replacing("'", with: "\\'")
                 + "'"
         }
-        return "'" + value.replacingOccurrences(of: "'", with: #"'\''"#) + "'"
+        return "'" + value.replacing("'", with: #"'\''"#) + "'"
     }
 }

@@ -1,7 +1,12 @@
-import Foundation
 import ProxyCore
 import ProxyOAuth
 import ProxyTLS
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
 
 /// The variables that point every common runtime at the proxy and make it trust the local CA: what
 /// `proxyctl env` prints and `proxyctl exec` sets. docs/clients.md says, per runtime, what each one does.
@@ -96,7 +101,7 @@ enum ClientEnvironment {
 
     /// A proxy URL without its password, for messages.
     static func redacted(_ url: String) -> String {
-        guard let at = url.lastIndex(of: "@"), let scheme = url.range(of: "://"), scheme.upperBound < at else {
+        guard let at = url.lastIndex(of: "@"), let scheme = url.firstRange(of: "://"), scheme.upperBound < at else {
             return url
         }
         return url[..<scheme.upperBound] + "***" + url[at...]
@@ -106,7 +111,7 @@ enum ClientEnvironment {
     static func proxyAddress(_ url: String) -> (host: String, port: Int)? {
         var text = url
         // The user name and password (proxyctl exec's credential) are no part of the address.
-        if let scheme = text.range(of: "://"), let at = text.lastIndex(of: "@"), scheme.upperBound < at {
+        if let scheme = text.firstRange(of: "://"), let at = text.lastIndex(of: "@"), scheme.upperBound < at {
             text = String(text[..<scheme.upperBound]) + String(text[text.index(after: at)...])
         }
         guard case .success(let parsed) = AbsoluteURL.parse(text) else { return nil }
@@ -129,9 +134,9 @@ enum ClientEnvironment {
         let ours = preload.contains(" ") ? "--require \"\(preload)\"" : "--require=\(preload)"
         var rest = existing ?? ""
         for previous in ["--require=\(preload)", "--require \"\(preload)\""] {
-            rest = rest.replacingOccurrences(of: previous, with: "")
+            rest = rest.replacing(previous, with: "")
         }
-        rest = rest.trimmingCharacters(in: .whitespaces)
+        rest = rest.trimmingOWS()
         return rest.isEmpty ? ours : ours + " " + rest
     }
 

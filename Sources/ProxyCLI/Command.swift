@@ -1,4 +1,13 @@
-import Foundation
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// Exit codes: 0 success, 1 failure, 64 bad usage (sysexits' EX_USAGE).
 public enum ExitCode {
@@ -17,13 +26,19 @@ struct OptionSpec: Sendable {
     let help: String
     /// May be given more than once.
     var repeatable = false
+    /// The values it takes, when they are a fixed few (for shell completion).
+    var values: [String] = []
 
     static func flag(_ name: String, short: Character? = nil, help: String) -> OptionSpec {
         OptionSpec(name: name, short: short, valueName: nil, help: help)
     }
 
-    static func option(_ name: String, short: Character? = nil, value: String, help: String) -> OptionSpec {
-        OptionSpec(name: name, short: short, valueName: value, help: help)
+    static func option(
+        _ name: String, short: Character? = nil, value: String, values: [String] = [], help: String
+    ) -> OptionSpec {
+        OptionSpec(
+            name: name, short: short, valueName: value, help: help,
+            values: values.isEmpty && value.contains("|") ? value.split(separator: "|").map(String.init) : values)
     }
 
     var usage: String {
@@ -41,6 +56,8 @@ struct ArgumentSpec: Sendable {
     let name: String
     let help: String
     var optional = true
+    /// The values it takes, when they are a fixed few (for shell completion).
+    var values: [String] = []
 }
 
 /// A subcommand: its help, its arguments and what it does.
@@ -66,17 +83,16 @@ struct ParsedArguments: Sendable {
 }
 
 /// The process around a command: environment, output streams.
-public struct CommandContext: @unchecked Sendable {
-    // @unchecked Sendable: FileHandle is thread-safe for writes; the dictionary is a value.
+public struct CommandContext: Sendable {
     public var environment: [String: String]
-    public var stdout: FileHandle
-    public var stderr: FileHandle
+    public var stdout: OutputFile
+    public var stderr: OutputFile
     /// Whether stdin is a terminal (interactive use).
     public var isInteractive: Bool
 
     public init(
         environment: [String: String] = ProcessInfo.processInfo.environment,
-        stdout: FileHandle = .standardOutput, stderr: FileHandle = .standardError,
+        stdout: OutputFile = .standardOutput, stderr: OutputFile = .standardError,
         isInteractive: Bool = isatty(0) != 0
     ) {
         self.environment = environment
@@ -85,8 +101,39 @@ public struct CommandContext: @unchecked Sendable {
         self.isInteractive = isInteractive
     }
 
-    func out(_ text: String) { stdout.write(Data((text + "\n").utf8)) }
-    func err(_ text: String) { stderr.write(Data((text + "\n").utf8)) }
+    func out(_ text: String) { stdout.write(text + "\n") }
+    func err(_ text: String) { stderr.write(text + "\n") }
+}
+
+/// write(2), under a name `OutputFile.write` does not hide.
+private func writeToDescriptor(_ fd: Int32, _ bytes: UnsafeRawPointer?, _ count: Int) -> Int { write(fd, bytes, count) }
+
+/// A stream proxyctl writes to, by its descriptor: each write goes out whole, at once (Foundation's
+/// `FileHandle` is not in FoundationEssentials, which is all the release links).
+public struct OutputFile: Sendable {
+    public let descriptor: Int32
+
+    public static let standardOutput = OutputFile(descriptor: 1)
+    public static let standardError = OutputFile(descriptor: 2)
+
+    public init(descriptor: Int32) { self.descriptor = descriptor }
+
+    /// Whether the stream is a terminal.
+    public var isTerminal: Bool { isatty(descriptor) != 0 }
+
+    public func write(_ text: String) { write(Array(text.utf8)) }
+
+    /// Writes all of `bytes`; a reader that went away (EPIPE) ends the write quietly.
+    public func write(_ bytes: some Collection<UInt8>) {
+        let all = Array(bytes)
+        var offset = 0
+        while offset < all.count {
+            let count = all[offset...].withUnsafeBytes { writeToDescriptor(descriptor, $0.baseAddress, $0.count) }
+            if count < 0 && errno == EINTR { continue }
+            guard count > 0 else { return }
+            offset += count
+        }
+    }
 }
 
 /// A usage error: printed with the usage line, exit 64.

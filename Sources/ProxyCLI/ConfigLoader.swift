@@ -1,7 +1,17 @@
-import Foundation
 import ProxyCore
 import ProxyOAuth
 import Synchronization
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// Finds, reads and validates proxy.conf and the files it names.
 struct ConfigLoader {
@@ -89,11 +99,11 @@ struct ConfigLoader {
             guard FileManager.default.fileExists(atPath: standard) else { return Configuration() }
             path = standard
             text = try readText(path, what: "configuration file")
-            baseDirectory = (path as NSString).deletingLastPathComponent
+            baseDirectory = PathText.parent(path)
         case .explicit(let explicit):
             path = explicit
             text = try readText(path, what: "configuration file")
-            baseDirectory = (path as NSString).deletingLastPathComponent
+            baseDirectory = PathText.parent(path)
         case .text(let given):
             if let file = environment["PROXYCTL_CONFIG"], !file.isEmpty {
                 throw CommandFailure(
@@ -143,8 +153,8 @@ struct ConfigLoader {
     /// The users of `proxy_auth_file`; the file must not be readable by others.
     func loadCredentials(_ settings: ProxySettings) throws -> ProxyCredentials? {
         guard let path = settings.proxyAuthFile else { return nil }
-        let attributes = try? FileManager.default.attributesOfItem(atPath: path)
-        if let mode = (attributes?[.posixPermissions] as? NSNumber)?.intValue, mode & 0o077 != 0 {
+        var info = stat()
+        if stat(path, &info) == 0, info.st_mode & 0o077 != 0 {
             throw CommandFailure(
                 message:
                     "\(path): proxy_auth_file holds passwords but can be read by other users; run: chmod 600 \(path)")

@@ -1,8 +1,18 @@
-import Foundation
 import ProxyCore
 import ProxyIO
 import ProxyOAuth
 import ProxyTLS
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// `proxyctl doctor`: checks the set-up end to end and says what to fix.
 enum DoctorCommand {
@@ -226,7 +236,7 @@ enum DoctorCommand {
 
     static func canConnect(host: String, port: Int) -> Bool {
         guard let address = SocketAddress(ip: host == "0.0.0.0" ? "127.0.0.1" : host, port: port) else { return false }
-        let fd = socket(address.family, Int32(SOCK_STREAM.rawValue), 0)
+        let fd = Platform.tcpSocket(family: address.family, nonBlocking: false)
         guard fd >= 0 else { return false }
         defer { close(fd) }
         return address.withSockaddrPublic { pointer, length in connect(fd, pointer, length) == 0 }

@@ -1,9 +1,20 @@
-import Foundation
+import Dispatch
 import ProxyCore
 import ProxyIO
 import ProxyOAuth
 import ProxyTLS
 import Synchronization
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// `proxyctl exec -- COMMAND [ARGS...]`: runs a command with the variables of `proxyctl env` set. With a
 /// `proxyctl serve` running for this configuration (its record in state_dir), the command replaces proxyctl
@@ -31,7 +42,7 @@ enum ExecCommand {
         options: [
             AuthEnvironment.configOption,
             .option(
-                "log-level", value: "level",
+                "log-level", value: "level", values: LogLevel.allCases.map(\.description),
                 help:
                     "What the proxy started for the command logs to standard error: error, warn (default), info, debug."
             ),
@@ -69,7 +80,7 @@ enum ExecCommand {
         var configuration = try loader.load(location)
         let stateDirectory =
             configuration.proxy.stateDir ?? TokenStore.defaultStateDirectory(environment: context.environment)
-        guard let path = BrowserLauncher.which(program, path: context.environment["PATH"]) else {
+        guard let path = ChildProcess.which(program, path: context.environment["PATH"]) else {
             throw CommandFailure(message: "\(program): command not found", exitCode: 127)
         }
 
@@ -77,9 +88,12 @@ enum ExecCommand {
             arguments.flag("no-serve") ? nil : stateDirectory.flatMap { reachableServe($0, for: configuration) }
         if let running {
             var environment = context.environment
+            let (url, problem) = EnvCommand.withOwnerCredential(
+                EnvCommand.proxyURL(configuration, running: running), configuration, running: running,
+                stateDirectory: stateDirectory)
+            if let problem { context.err("proxyctl: \(problem)") }
             let (variables, notes) = ClientEnvironment.variables(
-                configuration, stateDirectory: stateDirectory,
-                proxyURL: EnvCommand.proxyURL(configuration, running: running), inherited: context.environment)
+                configuration, stateDirectory: stateDirectory, proxyURL: url, inherited: context.environment)
             for note in notes { context.err("proxyctl: \(note)") }
             if running.proxyAuthentication {
                 context.err(
@@ -133,25 +147,20 @@ enum ExecCommand {
         let finished = DispatchSemaphore(value: 0)
         let serverRef = LoopBound(server, loop: loop)
         logger.holdAccessLines(on: loop)
-        let thread = Thread {
+        Platform.startThread(name: "proxyctl-exec-loop") {
             loop.run()
             logger.flush()
             finished.signal()
         }
-        thread.name = "proxyctl-exec-loop"
-        thread.start()
 
         let signals = ForwardedSignals()
         let waitedFor = blocked
-        let forwarder = Thread {
-            var set = waitedFor
-            var info = siginfo_t()
+        Platform.startThread(name: "proxyctl-exec-signals") {
             while true {
-                let number = sigwaitinfo(&set, &info)
-                if number < 0 { continue }
-                // The terminal sends Ctrl-C, Ctrl-\ and window changes to the whole foreground process group
-                // (si_code SI_KERNEL), the command included: passing them on would deliver them twice.
-                if info.si_code == 0x80 { continue }
+                guard let (number, fromTerminal) = Platform.waitForSignal(waitedFor) else { continue }
+                // The terminal sends Ctrl-C, Ctrl-\ and window changes to the whole foreground process group,
+                // the command included: passing them on would deliver them twice.
+                if fromTerminal { continue }
                 let pid = signals.child.load(ordering: .acquiring)
                 if pid > 0 {
                     kill(pid, number)
@@ -160,8 +169,6 @@ enum ExecCommand {
                 }
             }
         }
-        forwarder.name = "proxyctl-exec-signals"
-        forwarder.start()
 
         let pid: pid_t
         do {
@@ -201,7 +208,12 @@ enum ExecCommand {
 
     /// Starts the command with the signal mask proxyctl had before and default dispositions.
     static func spawn(path: String, words: [String], environment: [String: String], mask: sigset_t) throws -> pid_t {
-        var attributes = posix_spawnattr_t()
+        // An opaque pointer in Darwin's headers, a struct in glibc's (docs/porting.md).
+        #if canImport(Darwin)
+            var attributes: posix_spawnattr_t = nil
+        #else
+            var attributes = posix_spawnattr_t()
+        #endif
         posix_spawnattr_init(&attributes)
         defer { posix_spawnattr_destroy(&attributes) }
         var childMask = mask

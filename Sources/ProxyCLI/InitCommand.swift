@@ -1,8 +1,18 @@
-import Foundation
 import ProxyCore
 import ProxyIO
 import ProxyOAuth
 import ProxyTLS
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// `proxyctl init --issuer URL --client-id ID [--origin URL ...] [--origin-ca-file FILE] [--dpop]`: a first proxy.conf without
 /// reading the example file. The provider's discovery document is checked first, so a mistake shows now and
@@ -178,7 +188,7 @@ enum InitCommand {
             provider: provider, origins: origins, dpop: dpop, resolve: arguments.value("resolve"),
             issuer: metadata.issuer, listen: listen.address, originCAFile: originCA)
         // Check what is written with the parser that will read it.
-        let directory = (file as NSString).deletingLastPathComponent
+        let directory = PathText.parent(file)
         let parser = ConfigParser(
             homeDirectory: context.environment["HOME"], baseDirectory: directory.isEmpty ? "." : directory)
         let configuration: Configuration
@@ -247,8 +257,7 @@ enum InitCommand {
         {
             existing = old.providers.first { $0.name == name }?.redirectPort
         }
-        let ephemeral = (try? String(contentsOfFile: "/proc/sys/net/ipv4/ip_local_port_range", encoding: .utf8))
-            .flatMap(RedirectPort.ephemeralRange)
+        let ephemeral = Platform.ephemeralPorts
         guard
             let (port, reason) = RedirectPort.choose(
                 existing: existing, ephemeral: ephemeral, isFree: LoopbackReceiver.canListen(port:))
@@ -329,7 +338,9 @@ enum InitCommand {
         let absolute =
             given.hasPrefix("/") || given.hasPrefix("~")
             ? given : FileManager.default.currentDirectoryPath + "/" + given
-        guard FileManager.default.isReadableFile(atPath: (absolute as NSString).expandingTildeInPath) else {
+        let home = ProcessInfo.processInfo.environment["HOME"] ?? ""
+        let expanded = absolute.hasPrefix("~/") ? home + absolute.dropFirst() : absolute
+        guard FileManager.default.isReadableFile(atPath: expanded) else {
             throw UsageError(message: "\(flag) \(given): no such readable file", command: path)
         }
         return absolute

@@ -1,7 +1,12 @@
-import Foundation
 import ProxyCore
 import ProxyOAuth
 import ProxyTLS
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
 
 /// `proxyctl key init|show NAME`: the client key for `private_key_jwt` (RFC 7523 §2.2).
 enum KeyCommand {
@@ -92,7 +97,7 @@ enum KeyCommand {
     static func output(_ key: ClientKey, pem: Bool, context: CommandContext) throws -> Int32 {
         do {
             if pem {
-                context.out(String(decoding: try key.key.publicPEM(), as: UTF8.self).trimmingCharacters(in: .newlines))
+                context.out(String(decoding: try key.key.publicPEM(), as: UTF8.self).trimmingWhitespace())
             } else {
                 context.out(JSON.serialize(.object(try key.publicJWK())))
             }

@@ -1,7 +1,12 @@
-import Foundation
 import ProxyCore
 import ProxyIO
 import ProxyOAuth
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
 
 enum LoginCommand {
     static let spec = CommandSpec(
@@ -239,9 +244,9 @@ func prepareDPoP(
 enum Prompt {
     /// Asks on the terminal; an empty answer takes the default.
     static func yesNo(_ question: String, default defaultAnswer: Bool) -> Bool {
-        FileHandle.standardError.write(Data(question.utf8))
+        OutputFile.standardError.write(question)
         guard let line = readLine() else { return defaultAnswer }
-        let answer = line.trimmingCharacters(in: .whitespaces).lowercased()
+        let answer = line.trimmingOWS().lowercased()
         if answer.isEmpty { return defaultAnswer }
         return answer.hasPrefix("y")
     }

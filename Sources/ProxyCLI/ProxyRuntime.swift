@@ -1,9 +1,19 @@
-import Foundation
 import ProxyCore
 import ProxyIO
 import ProxyOAuth
 import ProxyTLS
 import Synchronization
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// What the running proxy holds for its protected origins, shared with the admin listener's thread: the
 /// origins and each provider's token manager (replaced together by a SIGHUP).

@@ -1,9 +1,16 @@
-import Foundation
 import ProxyCore
 
-/// The version printed by `--version`.
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+
+/// The version printed by `--version`, with the commit the binary was built from.
 public enum Version {
     public static let string = "0.1.0"
+    /// `0.1.0 (commit 23e4293ab1c2)`.
+    public static var full: String { "\(string) (commit \(BuildInfo.commit))" }
 }
 
 /// `proxyctl`: parses argv, runs a subcommand, returns the exit code.
@@ -31,10 +38,14 @@ public enum ProxyctlCommand {
             EnvCommand.spec,
             ExecCommand.spec,
             DoctorCommand.spec,
+            CompletionCommand.spec,
             CommandSpec(
                 name: "help", abstract: "Show subcommand help information.",
                 arguments: [
                     ArgumentSpec(name: "subcommand", help: "The subcommand to describe.")
+                ],
+                options: [
+                    .flag("man", help: "Print the manual page, proxyctl(1), in roff: every subcommand's help in one.")
                 ]),
         ]
     )
@@ -76,13 +87,17 @@ public enum ProxyctlCommand {
         }
         switch first {
         case "--version":
-            context.out(Version.string)
+            context.out("proxyctl \(Version.full)")
             return ExitCode.success
         case "-h", "--help":
             context.out(ArgumentParser.help(root, path: ["proxyctl"], extraOptions: [versionOption]))
             return ExitCode.success
         case "help":
             let topic = Array(arguments.dropFirst())
+            if topic == ["--man"] {
+                context.out(ManualPage.render(root, version: Version.string))
+                return ExitCode.success
+            }
             guard !topic.isEmpty else {
                 context.out(ArgumentParser.help(root, path: ["proxyctl"], extraOptions: [versionOption]))
                 return ExitCode.success

@@ -1,8 +1,18 @@
 import Dispatch
-import Foundation
 import ProxyCore
 import ProxyOAuth
 import Synchronization
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// SIGINT and SIGTERM for a command that may spend a refresh token (`proxyctl token`).
 ///

@@ -1,4 +1,15 @@
-import Foundation
+import ProxyOAuth
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// `proxyctl doctor`'s look at each runtime on this machine: does this shell's environment give it the proxy
 /// and the local CA the way that runtime reads them (docs/clients.md)?
@@ -22,7 +33,7 @@ enum RuntimeCheck {
         environment: [String: String], bundle: String?, trustStore: String, clientFiles: ClientEnvironment.Files
     ) -> [Finding] {
         let path = environment["PATH"]
-        func has(_ command: String) -> String? { BrowserLauncher.which(command, path: path) }
+        func has(_ command: String) -> String? { ChildProcess.which(command, path: path) }
         func value(_ name: String) -> String? { environment[name].flatMap { $0.isEmpty ? nil : $0 } }
         var findings: [Finding] = []
         func add(_ runtime: String, _ outcome: Outcome) { findings.append(Finding(runtime: runtime, outcome: outcome)) }
@@ -66,7 +77,7 @@ enum RuntimeCheck {
                 ))
         }
         if let node = has("node") {
-            let version = Self.output(node, ["--version"])?.trimmingCharacters(in: .whitespacesAndNewlines) ?? "?"
+            let version = Self.output(node, ["--version"])?.trimmingWhitespace() ?? "?"
             let numbers = version.dropFirst().split(separator: ".").compactMap { Int($0) }
             let (major, minor) = (numbers.first ?? 0, numbers.count > 1 ? numbers[1] : 0)
             let native = major >= 25 || (major == 24 && minor >= 5) || (major == 22 && minor >= 21)
@@ -127,16 +138,9 @@ enum RuntimeCheck {
 
     /// The standard output of a short command, or nil.
     static func output(_ executable: String, _ arguments: [String]) -> String? {
-        let process = Process()
-        process.executableURL = URL(fileURLWithPath: executable)
-        process.arguments = arguments
-        let pipe = Pipe()
-        process.standardOutput = pipe
-        process.standardError = FileHandle.nullDevice
-        process.standardInput = FileHandle.nullDevice
-        guard (try? process.run()) != nil else { return nil }
-        let data = pipe.fileHandleForReading.readDataToEndOfFile()
-        process.waitUntilExit()
-        return String(data: data, encoding: .utf8)
+        guard let outcome = try? ChildProcess.run(executable, arguments, output: .capture, error: .null) else {
+            return nil
+        }
+        return String(validating: outcome.output, as: UTF8.self)
     }
 }

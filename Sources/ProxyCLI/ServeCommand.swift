@@ -1,8 +1,18 @@
-import Foundation
 import ProxyCore
 import ProxyIO
 import ProxyOAuth
 import ProxyTLS
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 enum ServeCommand {
     static let spec = CommandSpec(
@@ -15,13 +25,18 @@ enum ServeCommand {
             $XDG_CONFIG_HOME/proxyctl/proxy.conf; with no file at all proxyctl is a pure passthrough proxy \
             on 127.0.0.1:8080. SIGHUP reloads the configuration; SIGTERM and SIGINT let open transfers \
             finish and a token refresh in flight store its answer (within shutdown_grace), then exit.
+            Under systemd (proxyctl.socket and proxyctl.service, systemctl --user enable --now proxyctl.socket) \
+            it accepts on the socket systemd passes (LISTEN_FDS) instead of listen, and reports readiness, \
+            reloads and the shutdown to $NOTIFY_SOCKET.
             """,
         options: [
             .option("config", short: "c", value: "file", help: "The configuration file (proxy.conf)."),
             .option(
                 "listen", value: "host:port",
                 help: "Listen here instead of the configured address; port 0 picks a free port."),
-            .option("log-level", value: "level", help: "error, warn, info or debug (overrides log_level)."),
+            .option(
+                "log-level", value: "level", values: LogLevel.allCases.map(\.description),
+                help: "error, warn, info or debug (overrides log_level)."),
             .flag("check", help: "Check the configuration and exit: 0 when it is valid, 1 with every error otherwise."),
         ],
         run: run
@@ -47,8 +62,14 @@ enum ServeCommand {
             context.out("\(configuration.source ?? "built-in defaults"): configuration is valid")
             return ExitCode.success
         }
+        // Socket activation (proxyctl.socket): the socket systemd listens on for us, taken before anything else
+        // runs so that no command started later inherits it.
+        let sockets = Platform.takeListenSockets()
 
         let logger = Logger(level: configuration.proxy.logLevel, format: configuration.proxy.logFormat)
+        if Platform.portable { logger.always(Platform.portableSummary) }
+        let ownerCredential = Self.ownerCredential(
+            configuration, credentials: credentials, stateDirectory: stateDirectory, logger: logger)
         switch location {
         case .standard(let path) where configuration.source == nil:
             logger.info("no configuration file at \(path); running as a passthrough proxy with defaults")
@@ -108,7 +129,7 @@ enum ServeCommand {
                         } else {
                             reloaded.interception = Interception(
                                 ca: nil, managers: [:],
-                                spoolDirectory: (stateDirectory ?? NSTemporaryDirectory()) + "/spool")
+                                spoolDirectory: (stateDirectory ?? Platform.temporaryDirectory) + "/spool")
                         }
                         reloaded.origins = fresh.origins
                         if freshCA != nil { signing.value = freshCA }
@@ -143,6 +164,13 @@ enum ServeCommand {
         }
         // The file as one name, so that `proxyctl exec --config` from another directory recognises this serve.
         server.configurationSource = ConfigLoader.canonical(configuration.source)
+        server.ownerCredential = ownerCredential
+        server.inheritedListener = sockets.first
+        server.notifiesServiceManager = !(context.environment["NOTIFY_SOCKET"] ?? "").isEmpty
+        for extra in sockets.dropFirst() {
+            logger.warn("the service manager passed \(sockets.count) sockets; accepting on the first only")
+            close(extra)
+        }
         let admin = try ProxyRuntime.startAdmin(
             configuration.proxy, server: server, origins: runtimeOrigins, stateDirectory: stateDirectory)
         server.adminAddress = admin.map { "\($0.boundAddress)" }
@@ -160,9 +188,17 @@ enum ServeCommand {
             admin?.stop()
             throw CommandFailure(message: "\(error)")
         }
+        if server.inheritedListener != nil && !bound.isLoopback && credentials == nil {
+            admin?.stop()
+            throw CommandFailure(
+                message:
+                    "the socket from the service manager, \(bound), is reachable from other machines; set proxy_auth_file so that clients must authenticate, or ListenStream=127.0.0.1:\(bound.port) in proxyctl.socket"
+            )
+        }
         let via = configuration.proxy.upstreamProxy.map { " via upstream proxy \($0)" } ?? ""
         let auth = credentials.map { " (proxy authentication: \($0.count) user(s))" } ?? ""
-        logger.always("proxyctl \(Version.string) listening on http://\(bound)\(via)\(auth)")
+        let activated = server.inheritedListener != nil ? " (the socket from the service manager)" : ""
+        logger.always("proxyctl \(Version.string) listening on http://\(bound)\(activated)\(via)\(auth)")
         if let admin {
             logger.always(
                 "health and metrics on http://\(admin.boundAddress) (/healthz, /readyz, /metrics)")
@@ -190,6 +226,9 @@ enum ServeCommand {
                     signing.value = ca
                     return true
                 })
+        }
+        if server.notifiesServiceManager {
+            Platform.notifyServiceManager("READY=1\nSTATUS=listening on http://\(bound)")
         }
         logger.holdAccessLines(on: loop)
         loop.run()
@@ -232,6 +271,42 @@ enum ServeCommand {
             fix = "give another port: --listen \(host):\(port) (or a [proxy] listen in proxy.conf)"
         }
         return "\(holder), or \(fix)"
+    }
+
+    /// Where the kernel cannot name a client's user (`Platform.namesSocketOwner`), the owner credential that
+    /// stands in for it (`OwnerCredential`: made at the first need, kept in the state directory, handed out by
+    /// `proxyctl env` and `exec`); nil where the kernel can, or where `proxy_auth_file` makes every client
+    /// authenticate anyway. It is made even when no rule needs it yet (a reload may add protected origins), and
+    /// said when one does.
+    static func ownerCredential(
+        _ configuration: Configuration, credentials: ProxyCredentials?, stateDirectory: String?, logger: Logger
+    ) -> ProxyCredentials? {
+        guard !Platform.namesSocketOwner, credentials == nil else { return nil }
+        let settings = configuration.proxy
+        let kept = [
+            !configuration.origins.isEmpty && settings.protectedUsers == .owner ? "protected origins" : nil,
+            settings.passthroughUsers == .owner ? "passthrough" : nil,
+        ].compactMap { $0 }.joined(separator: " and ")
+        guard let stateDirectory else {
+            logger.warn(
+                "this system cannot tell which user a connection comes from, and there is no state directory for the credential that stands in (set HOME or state_dir)"
+                    + (kept.isEmpty ? "" : ": \(kept) are refused to every client"))
+            return nil
+        }
+        do {
+            let secret = try OwnerCredential.secret(stateDirectory: stateDirectory)
+            if !kept.isEmpty {
+                logger.always(
+                    "this system cannot tell which user a connection comes from: \(kept) need the credential in \(OwnerCredential.path(stateDirectory: stateDirectory)), which eval \"$(proxyctl env)\" and proxyctl exec put in HTTPS_PROXY"
+                )
+            }
+            return OwnerCredential.credentials(secret: secret)
+        } catch {
+            logger.warn(
+                "this system cannot tell which user a connection comes from, and the credential that stands in cannot be had: \(error)"
+                    + (kept.isEmpty ? "" : "; \(kept) are refused to every client"))
+            return nil
+        }
     }
 
     /// `[proxy]` keys whose change a running serve cannot apply.
@@ -290,12 +365,8 @@ enum ServeCommand {
     /// Each connection may hold two descriptors: raise the soft open-file limit to the hard one, derive the
     /// connection limits from it, and say what they are (and when an explicit max_connections cannot fit).
     static func raiseFileLimit(logger: Logger, settings: ProxySettings) -> Int {
-        var limit = rlimit()
-        if getrlimit(Int32(RLIMIT_NOFILE.rawValue), &limit) == 0 && limit.rlim_cur < limit.rlim_max {
-            limit.rlim_cur = limit.rlim_max
-            _ = setrlimit(Int32(RLIMIT_NOFILE.rawValue), &limit)
-        }
-        let fileLimit = ProxyServer.openFileLimit()
+        Platform.raiseOpenFileLimit()
+        let fileLimit = Platform.openFileLimit()
         let admission = Admission(settings: settings, fileLimit: fileLimit)
         logger.info(
             "max_connections \(admission.maxConnections), \(admission.maxPerClient) per client address (open-file limit \(fileLimit))"

@@ -1,7 +1,18 @@
-import Foundation
+import Dispatch
 import ProxyCore
 import ProxyOAuth
 import Synchronization
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 enum StatusCommand {
     static let spec = CommandSpec(
@@ -399,7 +410,7 @@ extension TokenCommand {
         let deadline = Date().addingTimeInterval(60)
         while Date() < deadline {
             if try runBlocking({ await manager.saveUnsaved() }) { return }
-            Thread.sleep(forTimeInterval: 1)
+            sleep(1)
         }
         throw AuthError.storage(
             reason:
@@ -494,17 +505,17 @@ enum LogoutCommand {
                         endpoint, [("token", token), ("token_type_hint", hint), ("client_id", clientID)])
                 } catch {
                     return
-                        "Could not revoke the \(hint.replacingOccurrences(of: "_", with: " ")) (\(error)); it stays valid until it expires."
+                        "Could not revoke the \(hint.replacing("_", with: " ")) (\(error)); it stays valid until it expires."
                 }
                 if response.status == 200 {
-                    return "Revoked the \(hint.replacingOccurrences(of: "_", with: " ")) at the provider."
+                    return "Revoked the \(hint.replacing("_", with: " ")) at the provider."
                 }
                 let detail =
                     response.jsonObject?["error"]?.string.map {
                         OAuthErrorResponse(error: $0, description: nil).summary
                     } ?? "HTTP \(response.status)"
                 return
-                    "The provider did not revoke the \(hint.replacingOccurrences(of: "_", with: " ")) (\(detail)); many providers do not let public clients revoke, and it stays valid until it expires."
+                    "The provider did not revoke the \(hint.replacing("_", with: " ")) (\(detail)); many providers do not let public clients revoke, and it stays valid until it expires."
             }) ?? "Could not revoke the tokens."
         context.err(message)
         do {

@@ -1,6 +1,11 @@
-import Foundation
 import ProxyCore
 import ProxyOAuth
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
 
 /// `proxyctl step-up [ORIGIN]`: sign in again the way a protected origin asked (RFC 9470).
 enum StepUpCommand {

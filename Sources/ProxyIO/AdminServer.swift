@@ -1,8 +1,19 @@
 import CLibevent
-import Foundation
+import Dispatch
 import ProxyCore
 import ProxyOAuth
 import Synchronization
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// The counters of a running proxy, shared between its loop (which counts) and the admin listener's thread
 /// (which renders them for a scrape). One lock, held for a dictionary update or a copy.
@@ -183,8 +194,8 @@ final class AdminListener {
         case .turnAway(let answer):
             // One write to a fresh socket, never a wait (as the proxy's own listener does).
             let bytes = answer.response.serialized()
-            _ = bytes.withUnsafeBytes { Glibc.send(fd, $0.baseAddress, $0.count, proxyctl_msg_nosignal()) }
-            Glibc.close(fd)
+            _ = bytes.withUnsafeBytes { Platform.send(fd, $0) }
+            Platform.closeDescriptor(fd)
         case .admit(let id, let evicting):
             for victim in evicting { connections.removeValue(forKey: victim)?.close(admitted: false) }
             let connection = AdminConnection(listener: self, id: id, fd: fd, headDeadline: admission.headDeadline)
@@ -270,7 +281,7 @@ final class AdminConnection {
     /// means no later accept can make room at its expense.
     func start() {
         var buffer = [UInt8](repeating: 0, count: 4096)
-        let count = buffer.withUnsafeMutableBytes { Glibc.recv(fd, $0.baseAddress, $0.count, Int32(MSG_DONTWAIT)) }
+        let count = buffer.withUnsafeMutableBytes { recv(fd, $0.baseAddress, $0.count, Int32(MSG_DONTWAIT)) }
         guard count > 0 else { return }
         buffer.withUnsafeBytes { handle(parser.parse(UnsafeRawBufferPointer(rebasing: $0[..<count]))) }
     }

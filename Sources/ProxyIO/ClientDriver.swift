@@ -1,10 +1,20 @@
 import CCurl
 import CLibevent
 import COpenSSL
-import Foundation
 import ProxyCore
 import ProxyOAuth
 import ProxyTLS
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// Runs one client connection's `ConnectionMachine` on libevent: plain sockets and TLS-terminated ones
 /// alike (the bufferevent differs, the machine does not). It reports what happens as events, and carries
@@ -636,7 +646,7 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
         let buffered =
             Buffers.length(bufferevent_get_input(bev)) != 0 || Buffers.length(bufferevent_get_output(bev)) != 0
         let sent =
-            buffered ? 0 : answer.withUnsafeBytes { Glibc.send(fd, $0.baseAddress, $0.count, proxyctl_msg_nosignal()) }
+            buffered ? 0 : answer.withUnsafeBytes { Platform.send(fd, $0) }
         let session: ClientDriver
         switch Self.interceptionStart(answer: answer, sent: sent, buffered: buffered) {
         case .onTheSocket:
@@ -686,7 +696,6 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
         if client == nil { context.logger.error("conn=\(id) cannot hand the TLS connection over") }
     }
 
-    /// Writes a short answer straight to a fresh socket; false if it did not all go out at once.
     /// Another connection took the sockets: this one is done without closing them.
     private func finishHandOff() {
         closed = true

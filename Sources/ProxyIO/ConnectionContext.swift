@@ -1,7 +1,18 @@
-import Foundation
+import Dispatch
 import ProxyCore
 import ProxyOAuth
 import ProxyTLS
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// What a connection may use, captured when it is accepted: the settings snapshot (through its front
 /// door), the resolver, libcurl, tokens, TLS contexts, the logger, and the few things it reports back to

@@ -1,7 +1,12 @@
 import CCurl
 import CLibevent
-import Foundation
 import ProxyCore
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
 
 /// libcurl's multi interface driven by a libevent loop (the pattern of curl's hiperfifo.c).
 ///
@@ -31,16 +36,17 @@ final class CurlMulti {
     /// How many idle easy handles are kept (each holds a few KiB).
     static let idleEasyLimit = 64
 
-    /// Must be called once per process before any thread starts (with `EventLoop.initializeLibraries`).
-    static func initializeLibrary() {
-        curl_global_init(Int(CURL_GLOBAL_DEFAULT))
+    /// Loads libcurl, once per process (CCurl's loader.c); nil when it is ready, else why it cannot be used. Before
+    /// any other libcurl call.
+    static func loadLibrary() -> String? {
+        proxyctl_curl_load() == 0 ? nil : String(cString: proxyctl_curl_load_error())
     }
 
     init(loop: EventLoop) {
         self.loop = loop
-        guard let multi = curl_multi_init() else { fatalError("curl_multi_init failed") }
+        guard let multi = proxyctl_curl_multi_init() else { fatalError("curl_multi_init failed") }
         self.multi = multi
-        share = curl_share_init()
+        share = proxyctl_curl_share_init()
         if let share {
             // Used on the loop thread only, so no lock callbacks are needed.
             _ = proxyctl_share_setopt_long(share, CURLSHOPT_SHARE, Int(CURL_LOCK_DATA_SSL_SESSION.rawValue))
@@ -57,25 +63,25 @@ final class CurlMulti {
         timer = LoopTimer(loop: loop) { [unowned self] in
             insideCurl {
                 var running: Int32 = 0
-                curl_multi_socket_action(self.multi, -1, 0, &running)
+                proxyctl_curl_multi_socket_action(self.multi, -1, 0, &running)
             }
         }
     }
 
     deinit {
         for (easy, transfer) in transfers {
-            curl_multi_remove_handle(multi, easy)
+            proxyctl_curl_multi_remove_handle(multi, easy)
             transfer.finish(CURLE_ABORTED_BY_CALLBACK)
         }
-        for easy in idleEasies { curl_easy_cleanup(easy) }
-        curl_multi_cleanup(multi)
-        if let share { curl_share_cleanup(share) }
+        for easy in idleEasies { proxyctl_curl_easy_cleanup(easy) }
+        proxyctl_curl_multi_cleanup(multi)
+        if let share { proxyctl_curl_share_cleanup(share) }
     }
 
     /// An easy handle in its initial state (as `curl_easy_init` makes it), reused when one is idle.
     func takeEasy() -> UnsafeMutableRawPointer {
         if let easy = idleEasies.popLast() { return easy }
-        guard let easy = curl_easy_init() else { fatalError("curl_easy_init failed") }
+        guard let easy = proxyctl_curl_easy_init() else { fatalError("curl_easy_init failed") }
         return easy
     }
 
@@ -83,10 +89,10 @@ final class CurlMulti {
     /// their defaults (`curl_easy_reset`; connections and TLS sessions stay in the multi and share handles).
     fileprivate func giveBack(_ easy: UnsafeMutableRawPointer) {
         guard idleEasies.count < Self.idleEasyLimit else {
-            curl_easy_cleanup(easy)
+            proxyctl_curl_easy_cleanup(easy)
             return
         }
-        curl_easy_reset(easy)
+        proxyctl_curl_easy_reset(easy)
         idleEasies.append(easy)
     }
 
@@ -98,7 +104,7 @@ final class CurlMulti {
         }
         if let share { _ = proxyctl_easy_setopt_ptr(transfer.easy, CURLOPT_SHARE, share) }
         transfers[transfer.easy] = transfer
-        let status = curl_multi_add_handle(multi, transfer.easy)
+        let status = proxyctl_curl_multi_add_handle(multi, transfer.easy)
         if status != CURLM_OK {
             transfers.removeValue(forKey: transfer.easy)
             transfer.finish(CURLE_FAILED_INIT)
@@ -118,7 +124,7 @@ final class CurlMulti {
         if depth > 0 {
             removals.append(transfer)
         } else {
-            curl_multi_remove_handle(multi, transfer.easy)
+            proxyctl_curl_multi_remove_handle(multi, transfer.easy)
         }
     }
 
@@ -130,7 +136,7 @@ final class CurlMulti {
             resumes.append(transfer)
             return
         }
-        insideCurl { _ = curl_easy_pause(transfer.easy, CURLPAUSE_CONT) }
+        insideCurl { _ = proxyctl_curl_easy_pause(transfer.easy, CURLPAUSE_CONT) }
     }
 
     /// Runs a call into libcurl; once the outermost one returned, the removals and resumes asked for inside
@@ -141,7 +147,7 @@ final class CurlMulti {
         depth -= 1
         guard depth == 0 else { return }
         while !removals.isEmpty || !resumes.isEmpty || !additions.isEmpty {
-            for transfer in removals { curl_multi_remove_handle(multi, transfer.easy) }
+            for transfer in removals { proxyctl_curl_multi_remove_handle(multi, transfer.easy) }
             removals.removeAll()
             let added = additions
             additions.removeAll()
@@ -150,7 +156,7 @@ final class CurlMulti {
             resumes.removeAll()
             for transfer in waiting where transfers[transfer.easy] != nil {
                 depth += 1
-                _ = curl_easy_pause(transfer.easy, CURLPAUSE_CONT)
+                _ = proxyctl_curl_easy_pause(transfer.easy, CURLPAUSE_CONT)
                 depth -= 1
             }
         }
@@ -162,7 +168,7 @@ final class CurlMulti {
         if what == CURL_POLL_REMOVE {
             if let watcher {
                 Unmanaged<SocketWatcher>.fromOpaque(watcher).release()
-                curl_multi_assign(multi, socket, nil)
+                proxyctl_curl_multi_assign(multi, socket, nil)
             }
             return
         }
@@ -174,7 +180,7 @@ final class CurlMulti {
         } else {
             let fresh = SocketWatcher(multi: self, socket: socket)
             fresh.watch(events)
-            curl_multi_assign(multi, socket, Unmanaged.passRetained(fresh).toOpaque())
+            proxyctl_curl_multi_assign(multi, socket, Unmanaged.passRetained(fresh).toOpaque())
         }
     }
 
@@ -193,17 +199,17 @@ final class CurlMulti {
         if Int32(events) & EV_WRITE != 0 { flags |= CURL_CSELECT_OUT }
         insideCurl {
             var running: Int32 = 0
-            curl_multi_socket_action(multi, socket, flags, &running)
+            proxyctl_curl_multi_socket_action(multi, socket, flags, &running)
         }
     }
 
     /// Completions run outside libcurl: a completion may start or cancel transfers.
     private func collectFinished() {
         var remaining: Int32 = 0
-        while let message = curl_multi_info_read(multi, &remaining) {
+        while let message = proxyctl_curl_multi_info_read(multi, &remaining) {
             guard message.pointee.msg == CURLMSG_DONE, let easy = message.pointee.easy_handle else { continue }
             let result = message.pointee.data.result
-            curl_multi_remove_handle(multi, easy)
+            proxyctl_curl_multi_remove_handle(multi, easy)
             if let transfer = transfers.removeValue(forKey: easy) {
                 transfer.finish(result)
             }
@@ -272,7 +278,7 @@ class CurlTransfer {
         if let pool {
             easy = pool.takeEasy()
         } else {
-            guard let easy = curl_easy_init() else { fatalError("curl_easy_init failed") }
+            guard let easy = proxyctl_curl_easy_init() else { fatalError("curl_easy_init failed") }
             self.easy = easy
         }
         errorBuffer.initialize(repeating: 0, count: Int(CURL_ERROR_SIZE))
@@ -289,9 +295,9 @@ class CurlTransfer {
 
     deinit {
         // Never in the multi handle by now: `CurlMulti` holds every transfer it has added until it removed it.
-        if let pool { pool.giveBack(easy) } else { curl_easy_cleanup(easy) }
-        if let headerList { curl_slist_free_all(headerList) }
-        if let resolveList { curl_slist_free_all(resolveList) }
+        if let pool { pool.giveBack(easy) } else { proxyctl_curl_easy_cleanup(easy) }
+        if let headerList { proxyctl_curl_slist_free_all(headerList) }
+        if let resolveList { proxyctl_curl_slist_free_all(resolveList) }
         errorBuffer.deallocate()
     }
 
@@ -300,7 +306,7 @@ class CurlTransfer {
     /// Field lines to send; a value is bytes (obs-text need not be UTF-8). An empty value makes curl leave out
     /// a field it would add itself.
     func setHeaders(_ groups: [(name: String, value: [UInt8])]...) {
-        if let headerList { curl_slist_free_all(headerList) }
+        if let headerList { proxyctl_curl_slist_free_all(headerList) }
         headerList = nil
         var line: [UInt8] = []
         line.reserveCapacity(256)
@@ -320,16 +326,16 @@ class CurlTransfer {
             line.append(contentsOf: value)
             line.append(0)
             headerList = line.withUnsafeBufferPointer { buffer in
-                buffer.withMemoryRebound(to: CChar.self) { curl_slist_append(headerList, $0.baseAddress) }
+                buffer.withMemoryRebound(to: CChar.self) { proxyctl_curl_slist_append(headerList, $0.baseAddress) }
             }
         }
     }
 
     /// CURLOPT_RESOLVE: "host:port:address" entries that bypass DNS.
     func setResolve(_ entries: [String]) {
-        if let resolveList { curl_slist_free_all(resolveList) }
+        if let resolveList { proxyctl_curl_slist_free_all(resolveList) }
         resolveList = nil
-        for entry in entries { resolveList = curl_slist_append(resolveList, entry) }
+        for entry in entries { resolveList = proxyctl_curl_slist_append(resolveList, entry) }
         _ = proxyctl_easy_setopt_ptr(easy, CURLOPT_RESOLVE, resolveList)
     }
 
@@ -360,7 +366,7 @@ class CurlTransfer {
     /// The libcurl error text for the last failure (the error buffer, else the code's description).
     func errorText(_ code: CURLcode) -> String {
         let text = String(cString: errorBuffer)
-        return text.isEmpty ? String(cString: curl_easy_strerror(code)) : text
+        return text.isEmpty ? String(cString: proxyctl_curl_easy_strerror(code)) : text
     }
 
     // Overridden by subclasses.
@@ -437,7 +443,7 @@ final class BufferedTransfer: CurlTransfer {
         }
         if let colon = text.firstIndex(of: ":") {
             let name = String(text[..<colon])
-            let value = text[text.index(after: colon)...].trimmingCharacters(in: .whitespaces)
+            let value = text[text.index(after: colon)...].trimmingOWS()
             headers.append((name, value))
         }
         return true

@@ -1,7 +1,18 @@
 import CCurl
-import Foundation
+import Dispatch
 import ProxyCore
 import ProxyOAuth
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// `HTTPTransport` for provider endpoints, on libcurl's multi interface in a loop.
 ///
@@ -9,7 +20,8 @@ import ProxyOAuth
 /// verified against the system roots or the request's `caFile`; redirects are not followed.
 public final class CurlTransport: HTTPTransport {
     private let loop: EventLoop
-    private let multi: LoopBound<CurlMulti>
+    /// The multi handle, made at the first request: libcurl is loaded then, not when a command starts.
+    private let multi: LoopBound<LazyMulti>
     private let upstreamProxy: UpstreamProxy?
     private let bypass: BypassList
     private let resolve: [String: String]
@@ -17,7 +29,7 @@ public final class CurlTransport: HTTPTransport {
     /// Must be created on `loop`'s thread (or before the loop runs).
     public init(loop: EventLoop, upstreamProxy: UpstreamProxy?, bypass: BypassList, resolve: [String: String] = [:]) {
         self.loop = loop
-        self.multi = LoopBound(CurlMulti(loop: loop), loop: loop)
+        self.multi = LoopBound(LazyMulti(), loop: loop)
         self.upstreamProxy = upstreamProxy
         self.bypass = bypass
         self.resolve = resolve
@@ -27,7 +39,12 @@ public final class CurlTransport: HTTPTransport {
         let proxy = proxyURL(for: request.url)
         let target = Self.describe(request.url)
         return try await withCheckedThrowingContinuation { continuation in
-            loop.post { [multi, resolve] in
+            loop.post { [loop, multi, resolve] in
+                guard let pool = multi.value.pool(loop) else {
+                    let failure = CurlMulti.loadLibrary() ?? "libcurl cannot be used"
+                    continuation.resume(throwing: TransportError.unreachable("\(target): \(failure)"))
+                    return
+                }
                 let transfer = BufferedTransfer(target: target) { result in
                     switch result {
                     case .success(let data):
@@ -63,8 +80,20 @@ public final class CurlTransport: HTTPTransport {
                     // Never pick up HTTPS_PROXY from the environment: that may be this very proxy.
                     _ = proxyctl_easy_setopt_string(transfer.easy, CURLOPT_PROXY, "")
                 }
-                multi.value.add(transfer)
+                pool.add(transfer)
             }
+        }
+    }
+
+    /// `CurlTransport`'s multi handle once libcurl is loaded. Loop thread only.
+    private final class LazyMulti {
+        private var made: CurlMulti?
+
+        func pool(_ loop: EventLoop) -> CurlMulti? {
+            if let made { return made }
+            guard CurlMulti.loadLibrary() == nil else { return nil }
+            made = CurlMulti(loop: loop)
+            return made
         }
     }
 
@@ -99,12 +128,10 @@ public final class LoopThread: Sendable {
         timer.schedule(milliseconds: 86_400_000)
         keepAlive = LoopBound(timer, loop: loop)
         let finished = self.finished
-        let thread = Thread {
+        Platform.startThread(name: "proxyctl-loop") {
             loop.run()
             finished.signal()
         }
-        thread.name = "proxyctl-loop"
-        thread.start()
     }
 
     /// Ends the loop and waits (up to 5 s) until its thread has left it. A command that returned while the

@@ -1,6 +1,16 @@
 import CLibevent
-import Foundation
 import Synchronization
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// One libevent `event_base` and the thread that runs it.
 ///
@@ -25,7 +35,6 @@ public final class EventLoop: @unchecked Sendable {
 
     private static let librariesInitialized: Bool = {
         _ = evthread_use_pthreads()
-        CurlMulti.initializeLibrary()
         // Writes to a closed socket must fail with EPIPE, not kill the process.
         signal(SIGPIPE, SIG_IGN)
         return true
@@ -67,7 +76,7 @@ public final class EventLoop: @unchecked Sendable {
 
     /// Runs the loop on the calling thread until `stop` or until nothing is left to do.
     public func run() {
-        thread.store(UInt(pthread_self()), ordering: .releasing)
+        thread.store(Platform.currentThread, ordering: .releasing)
         event_base_loop(base, 0)
     }
 
@@ -79,7 +88,7 @@ public final class EventLoop: @unchecked Sendable {
     /// Whether the caller is on this loop's thread.
     public var inLoopThread: Bool {
         let owner = thread.load(ordering: .acquiring)
-        return owner == 0 || owner == UInt(pthread_self())
+        return owner == 0 || owner == Platform.currentThread
     }
 
     /// Runs `job` on the loop thread soon. Safe from any thread.

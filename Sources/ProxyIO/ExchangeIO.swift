@@ -1,7 +1,12 @@
 import CCurl
-import Foundation
 import ProxyCore
 import ProxyOAuth
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
 
 /// What an exchange's I/O hands the driver of its client connection (HTTP/1.1 or an HTTP/2 stream). Every call
 /// comes at the top of the loop, never inside a call the driver made into the exchange's I/O.

@@ -2,10 +2,15 @@ import CCurl
 import CLibevent
 import CNghttp2
 import COpenSSL
-import Foundation
 import ProxyCore
 import ProxyOAuth
 import ProxyTLS
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
 
 /// Runs an `H2Session` on an HTTP/2 connection a client opened inside an intercepted TLS tunnel: nghttp2 reads
 /// and writes the frames (HPACK, flow control, the protocol's own limits), its callbacks become the machine's

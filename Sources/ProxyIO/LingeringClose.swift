@@ -1,6 +1,5 @@
 import CLibevent
 import COpenSSL
-import Glibc
 
 /// Closing a connection after the proxy's last bytes to it without losing them.
 ///
@@ -22,6 +21,6 @@ enum LingeringClose {
         let fd = bufferevent_getfd(bev)
         guard fd >= 0 else { return false }
         if let ssl = bufferevent_openssl_get_ssl(bev) { _ = SSL_shutdown(ssl) }
-        return Glibc.shutdown(fd, Int32(SHUT_WR)) == 0
+        return Platform.shutdownWrite(fd)
     }
 }

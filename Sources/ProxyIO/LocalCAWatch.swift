@@ -1,5 +1,5 @@
-import Foundation
 import ProxyCore
+import ProxyOAuth
 import ProxyTLS
 
 /// Watches the local CA's files for a running proxy, so that a CA `proxyctl ca init` made in another process is
@@ -17,17 +17,11 @@ public final class LocalCAWatch {
     private let logger: Logger
     private let interval: Int
     private var timer: LoopTimer?
-    private var seen: [FileStamp?]
+    /// What each file looked like: a replaced file (a rename over it) has another inode.
+    private var seen: [TokenStore.FileVersion?]
     private var lastCheck = EventLoop.monotonicMilliseconds()
     /// Checked this often whatever the files say (milliseconds).
     static let recheck: Int64 = 3_600_000
-
-    /// What a file looked like: a replaced file (a rename over it) has another inode.
-    struct FileStamp: Equatable {
-        let inode: UInt64
-        let size: Int64
-        let modified: Int64
-    }
 
     public init(
         loop: EventLoop, files: LocalCA.Files, interval: Int = 1_000, logger: Logger,
@@ -68,16 +62,11 @@ public final class LocalCAWatch {
             )
         case .failure(let error):
             logger.warn(
-                "the local CA in \((paths[0] as NSString).deletingLastPathComponent) changed, and this proxy keeps signing with the CA it has: \(error)"
+                "the local CA in \(PathText.parent(paths[0])) changed, and this proxy keeps signing with the CA it has: \(error)"
             )
         }
     }
 
-    static func stamp(_ path: String) -> FileStamp? {
-        var info = stat()
-        guard stat(path, &info) == 0 else { return nil }
-        return FileStamp(
-            inode: UInt64(info.st_ino), size: Int64(info.st_size),
-            modified: Int64(info.st_mtim.tv_sec) * 1_000_000_000 + Int64(info.st_mtim.tv_nsec))
-    }
+    /// One stat(2) of `path` (the token files' own stamp: inode, size, modification time).
+    static func stamp(_ path: String) -> TokenStore.FileVersion? { TokenStore.version(atPath: path) }
 }

@@ -1,7 +1,17 @@
 import CLibevent
-import Foundation
 import ProxyCore
 import Synchronization
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// Lines to standard error: `2026-11-30T08:40:40.123Z info message key=value ...`.
 ///

@@ -1,8 +1,18 @@
 import CLibevent
-import Foundation
 import ProxyCore
 import ProxyOAuth
 import Synchronization
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// The loopback HTTP listener that receives the browser's redirect after sign-in (RFC 8252 §7.3).
 ///
@@ -34,9 +44,9 @@ public final class LoopbackReceiver: RedirectReceiver {
     /// (a connection in TIME_WAIT does not count; a listening socket does).
     public static func canListen(port: Int) -> Bool {
         guard let address = SocketAddress(ip: "127.0.0.1", port: port) else { return false }
-        let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
+        let fd = Platform.tcpSocket(family: AF_INET, nonBlocking: false)
         guard fd >= 0 else { return false }
-        defer { Glibc.close(fd) }
+        defer { Platform.closeDescriptor(fd) }
         var one: Int32 = 1
         setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, socklen_t(MemoryLayout<Int32>.size))
         return address.withSockaddr { pointer, length in bind(fd, pointer, length) == 0 }
@@ -407,9 +417,8 @@ public final class LoopbackReceiver: RedirectReceiver {
         }
 
         static func render(_ end: SignInEnd) -> String {
-            render(title: end.title, message: end.message).replacingOccurrences(
-                of: "<h1>", with: "\(endingMarker)<h1>"
-            ).replacingOccurrences(of: "</body>", with: "</main></body>")
+            render(title: end.title, message: end.message).replacing("<h1>", with: "\(endingMarker)<h1>")
+                .replacing("</body>", with: "</main></body>")
         }
 
         /// Text from the provider (an account's name, an error description) is shown, never interpreted.

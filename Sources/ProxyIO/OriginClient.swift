@@ -1,9 +1,14 @@
 import CCurl
 import CLibevent
 import COpenSSL
-import Foundation
 import ProxyCore
 import ProxyTLS
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
 
 /// A request to a protected origin in flight on the proxy's own client (`OriginTransfer`). Its callbacks reach
 /// the owner at the top of the loop, never inside a call the owner made.
@@ -266,7 +271,7 @@ final class OriginConnection {
         self.user = user
         input = evbuffer_new()
         output = evbuffer_new()
-        fd = proxyctl_tcp_socket(address.family)
+        fd = Platform.tcpSocket(family: address.family, nonBlocking: true)
         guard fd >= 0 else { throw ConnectError(code: proxyctl_errno()) }
         let status = address.withSockaddr { socketConnect(fd, $0, $1) }
         if status != 0 && proxyctl_errno() != EINPROGRESS { throw ConnectError(code: proxyctl_errno()) }
@@ -532,10 +537,8 @@ final class OriginConnection {
 private func socketConnect(_ fd: Int32, _ address: UnsafePointer<sockaddr>, _ length: socklen_t) -> Int32 {
     connect(fd, address, length)
 }
-private func socketClose(_ fd: Int32) { _ = close(fd) }
-private func socketSend(_ fd: Int32, _ bytes: UnsafeRawBufferPointer) -> Int {
-    send(fd, bytes.baseAddress, bytes.count, Int32(MSG_NOSIGNAL))
-}
+private func socketClose(_ fd: Int32) { Platform.closeDescriptor(fd) }
+private func socketSend(_ fd: Int32, _ bytes: UnsafeRawBufferPointer) -> Int { Platform.send(fd, bytes) }
 
 private let originEventCallback: event_callback_fn = { _, what, context in
     let connection = Unmanaged<OriginConnection>.fromOpaque(context!).takeUnretainedValue()

@@ -1,8 +1,13 @@
 import CCurl
 import CLibevent
 import CNghttp2
-import Foundation
 import ProxyCore
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
 
 /// What an `OriginH2Session` tells the transfer of one of its streams. Every call comes at the top of the loop,
 /// after nghttp2 returned (nothing is called from inside nghttp2 but the request body's reads).

@@ -1,8 +1,19 @@
 import CLibevent
-import Foundation
+import Dispatch
 import ProxyCore
 import ProxyOAuth
 import ProxyTLS
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// Why the server could not start.
 public struct ServerError: Error, CustomStringConvertible {
@@ -121,6 +132,20 @@ public final class ProxyServer: ConnectionOwner {
     public var adminAddress: String?
     /// Whether this proxy leaves a record under state_dir (`proxyctl exec`'s own proxy does not).
     public var writesServeRecord = true
+    /// A listening socket the service manager passed (systemd socket activation): `start` accepts on it instead
+    /// of binding `listen`, and a reload keeps it.
+    public var inheritedListener: Int32?
+    /// Whether the service manager hears of reloads and the shutdown (`RELOADING=1`, `READY=1`, `STOPPING=1`;
+    /// `serve` under systemd), through `Platform.notifyServiceManager`.
+    public var notifiesServiceManager = false
+    /// The owner credential (`FrontDoor.ownerCredential`), where the kernel cannot name a client's user; kept
+    /// across reloads. Set before `start`.
+    public var ownerCredential: ProxyCredentials? {
+        didSet {
+            frontDoor.ownerCredential = ownerCredential
+            context = nil
+        }
+    }
 
     public init(
         loop: EventLoop, logger: Logger, settings: ProxySettings, credentials: ProxyCredentials?,
@@ -129,7 +154,7 @@ public final class ProxyServer: ConnectionOwner {
         stateDirectory: String? = nil
     ) throws {
         // Streaming buffers are allocated and freed all the time: keep glibc from mapping and trimming them.
-        proxyctl_tune_allocator()
+        Platform.tuneAllocator()
         self.fileLimit = fileLimit ?? Self.openFileLimit()
         self.admission = Admission(settings: settings, fileLimit: self.fileLimit)
         self.loop = loop
@@ -143,7 +168,7 @@ public final class ProxyServer: ConnectionOwner {
         self.resolver = Resolver(overrides: settings.resolve)
         self.tokens = TokenBroker(loop: loop, managers: interception?.managers ?? [:])
         self.tlsContexts = try interception?.ca.map { try TLSServerContexts(ca: $0, http2: settings.http2) }
-        self.spoolDirectory = interception?.spoolDirectory ?? NSTemporaryDirectory()
+        self.spoolDirectory = interception?.spoolDirectory ?? Platform.temporaryDirectory
         self.keys = DPoPKeyring(
             loop: loop, keys: interception?.dpopKeys ?? [:], stateDirectory: interception?.stateDirectory)
         self.stateDirectory = stateDirectory ?? interception?.stateDirectory
@@ -177,7 +202,7 @@ public final class ProxyServer: ConnectionOwner {
     ///   itself and stops the server when its command ends.
     @discardableResult
     public func start(handleSignals: Bool = true) throws -> ListenAddress {
-        let bound = try bind(settings.listen)
+        let bound = try inheritedListener.map(adopt) ?? bind(settings.listen)
         boundAddress = bound
         frontDoor.boundAddress = bound
         context = nil
@@ -217,22 +242,54 @@ public final class ProxyServer: ConnectionOwner {
         return ListenAddress(host: address.host, port: actual.port, isIPv6: address.isIPv6)
     }
 
+    /// Accepts on `fd`, a socket that already listens (from the service manager): a TCP socket of IPv4 or IPv6
+    /// that listens, else an error naming what it is.
+    private func adopt(_ fd: Int32) throws -> ListenAddress {
+        var type: Int32 = 0
+        var listening: Int32 = 0
+        var size = socklen_t(MemoryLayout<Int32>.size)
+        var storage = sockaddr_storage()
+        var length = socklen_t(MemoryLayout<sockaddr_storage>.size)
+        let address = withUnsafeMutablePointer(to: &storage) { pointer in
+            pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { sockaddrPointer -> SocketAddress? in
+                guard getsockname(fd, sockaddrPointer, &length) == 0 else { return nil }
+                return SocketAddress(sockaddrPointer, length: length)
+            }
+        }
+        guard let address, address.family == AF_INET || address.family == AF_INET6,
+            getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &size) == 0, type == Platform.streamSocketType,
+            getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &size) == 0, listening != 0
+        else {
+            throw ServerError(
+                message:
+                    "the socket the service manager passed (descriptor \(fd)) is not a listening TCP socket; give proxyctl.socket a ListenStream= of an IP address and port"
+            )
+        }
+        // libevent accepts until EAGAIN: the socket must not block (systemd passes it blocking). Backlog 0: it
+        // listens already.
+        _ = evutil_make_socket_nonblocking(fd)
+        let flags = LEV_OPT_CLOSE_ON_FREE | LEV_OPT_CLOSE_ON_EXEC
+        guard let made = evconnlistener_new(loop.base, nil, nil, UInt32(flags), 0, fd) else {
+            throw ServerError(message: "cannot accept on the socket the service manager passed (descriptor \(fd))")
+        }
+        if let listener { evconnlistener_free(listener) }
+        listener = made
+        evconnlistener_set_cb(made, acceptCallback, Unmanaged.passUnretained(self).toOpaque())
+        evconnlistener_set_error_cb(made, acceptErrorCallback)
+        return ListenAddress(host: address.ipString, port: address.port, isIPv6: address.family == AF_INET6)
+    }
+
     // MARK: - Accepting
 
     /// The process's open-file limit (its soft limit, which serve raises to the hard one first).
-    public static func openFileLimit() -> Int {
-        var limit = rlimit()
-        guard getrlimit(Int32(RLIMIT_NOFILE.rawValue), &limit) == 0 else { return 1024 }
-        // RLIM_INFINITY is all ones (the macro does not import as an unsigned constant).
-        return limit.rlim_cur >= rlim_t(Int.max) ? 1 << 20 : Int(limit.rlim_cur)
-    }
+    public static func openFileLimit() -> Int { Platform.openFileLimit() }
 
     func accepted(fd: Int32, address: UnsafeMutablePointer<sockaddr>?, length: Int32) {
         let socketAddress = address.map { SocketAddress($0, length: socklen_t(length)) }
         let peer = socketAddress?.description ?? "-"
         let client = socketAddress?.ipString ?? "-"
         if draining {
-            Glibc.close(fd)
+            Platform.closeDescriptor(fd)
             return
         }
         _ = evutil_make_socket_nonblocking(fd)
@@ -249,8 +306,8 @@ public final class ProxyServer: ConnectionOwner {
     /// Answers a client the proxy cannot serve now and closes: one write to a fresh socket, never a wait.
     private func turnAway(_ fd: Int32, _ answer: ProxyAnswer, client: String) {
         let bytes = answer.response.serialized()
-        _ = bytes.withUnsafeBytes { Glibc.send(fd, $0.baseAddress, $0.count, proxyctl_msg_nosignal()) }
-        Glibc.close(fd)
+        _ = bytes.withUnsafeBytes { Platform.send(fd, $0) }
+        Platform.closeDescriptor(fd)
         turnedAway += 1
         metrics.update {
             $0.connectionsTurnedAway += 1
@@ -348,6 +405,7 @@ public final class ProxyServer: ConnectionOwner {
         _ = ServeState.allRunning(stateDirectory: stateDirectory, removeStale: true)
         var state = ServeState(pid: getpid(), listen: boundAddress.description, startedAt: Int64(time(nil)))
         state.proxyAuthentication = frontDoor.credentials != nil
+        state.ownerCredential = frontDoor.ownerCredential != nil
         state.configuration = configurationSource
         state.admin = adminAddress
         for origin in frontDoor.origins.origins { state.origins[origin.url] = ServeState.OriginCounts() }
@@ -439,24 +497,16 @@ public final class ProxyServer: ConnectionOwner {
         message: String
     ) {
         guard let words = notifyCommand, let first = words.first else { return }
-        let process = Process()
-        if first.contains("/") {
-            process.executableURL = URL(fileURLWithPath: first)
-            process.arguments = Array(words.dropFirst()) + [message]
-        } else {
-            process.executableURL = URL(fileURLWithPath: "/usr/bin/env")
-            process.arguments = words + [message]
-        }
+        let (path, arguments) = first.contains("/") ? (first, Array(words.dropFirst())) : ("/usr/bin/env", words)
         var environment = ProcessInfo.processInfo.environment
         environment["PROXYCTL_EVENT"] = event
         environment["PROXYCTL_PROVIDER"] = provider
         environment["PROXYCTL_ORIGIN"] = origin
         environment["PROXYCTL_COMMAND"] = command
         environment["PROXYCTL_MESSAGE"] = message
-        process.environment = environment
-        process.standardInput = FileHandle.nullDevice
         do {
-            try process.run()
+            try ChildProcess.start(
+                path, arguments + [message], environment: environment, output: .inherit, error: .inherit)
         } catch {
             logger.warn("notify_command \(first) could not be run: \(error)")
         }
@@ -536,6 +586,7 @@ public final class ProxyServer: ConnectionOwner {
 
     /// Stops accepting, closes idle connections, and lets the rest finish within the grace period.
     public func beginShutdown() {
+        if notifiesServiceManager { Platform.notifyServiceManager("STOPPING=1") }
         draining = true
         metrics.setListening(false)
         if let listener {
@@ -581,6 +632,14 @@ public final class ProxyServer: ConnectionOwner {
     }
 
     private func reloadConfiguration() {
+        guard notifiesServiceManager else { return reloadNow() }
+        // sd_notify(3): the service manager knows a reload from its start to READY=1.
+        Platform.notifyServiceManager("RELOADING=1")
+        reloadNow()
+        Platform.notifyServiceManager("READY=1\nSTATUS=listening on http://\(boundAddress)")
+    }
+
+    private func reloadNow() {
         guard let reload else {
             logger.warn("SIGHUP: no configuration file to reload")
             return
@@ -590,7 +649,11 @@ public final class ProxyServer: ConnectionOwner {
             logger.error("SIGHUP: the new configuration has errors; still serving the old one:\n\(error)")
         case .success(let reloaded):
             let (newSettings, credentials) = (reloaded.settings, reloaded.credentials)
-            if newSettings.listen != settings.listen {
+            if newSettings.listen != settings.listen && inheritedListener != nil {
+                logger.warn(
+                    "SIGHUP: listen changed, but the socket comes from the service manager: change ListenStream= of proxyctl.socket instead (systemctl --user edit proxyctl.socket); still listening on \(boundAddress)"
+                )
+            } else if newSettings.listen != settings.listen {
                 do {
                     boundAddress = try bind(newSettings.listen)
                 } catch {
@@ -623,7 +686,8 @@ public final class ProxyServer: ConnectionOwner {
                 }
             }
             frontDoor = FrontDoor(
-                settings: newSettings, credentials: credentials, boundAddress: boundAddress, origins: origins)
+                settings: newSettings, credentials: credentials, boundAddress: boundAddress, origins: origins,
+                ownerCredential: ownerCredential)
             tlsContexts?.http2 = newSettings.http2
             tlsClients = TLSClientContexts()
             // New connections get the new settings; those in flight keep the ones they were accepted with

@@ -1,7 +1,12 @@
 import CLibevent
 import COpenSSL
-import Glibc
 import ProxyCore
+
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// A tunnel between two bufferevents, for connections where TLS is on either side (an upgraded connection to a
 /// protected origin: the client's TLS ends at the proxy, the origin's starts there), so the bytes must go
@@ -151,7 +156,7 @@ final class RelayTunnel: ServerConnection {
             if let ssl = to.ssl {
                 _ = SSL_shutdown(ssl)
             } else if bufferevent_getfd(to.bev) >= 0 {
-                Glibc.shutdown(bufferevent_getfd(to.bev), Int32(SHUT_WR))
+                Platform.shutdownWrite(bufferevent_getfd(to.bev))
             } else {
                 // A buffer pair (an HTTP/2 stream's side): the other end reads its EOF.
                 bufferevent_flush(to.bev, Int16(EV_WRITE), BEV_FINISHED)

@@ -1,6 +1,16 @@
 import CLibevent
-import Foundation
 import ProxyCore
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// What the request bodies kept for replays may hold at once in the whole process, in memory and in spool
 /// files; each connection gets `connectionShare` of each (`ReplayAccount`). Without it every body may keep

@@ -1,7 +1,12 @@
 import CLibevent
 import Dispatch
-import Foundation
 import ProxyCore
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
 
 /// A socket address (IPv4 or IPv6) as the kernel wants it.
 public struct SocketAddress: Sendable, CustomStringConvertible {
@@ -134,7 +139,7 @@ public final class Resolver: Sendable {
 
     static func lookup(_ name: String, port: Int) -> Result<[SocketAddress], ResolveError> {
         var hints = addrinfo()
-        hints.ai_socktype = Int32(SOCK_STREAM.rawValue)
+        hints.ai_socktype = Platform.streamSocketType
         hints.ai_protocol = Int32(IPPROTO_TCP)
         hints.ai_flags = AI_ADDRCONFIG
         var list: UnsafeMutablePointer<addrinfo>? = nil

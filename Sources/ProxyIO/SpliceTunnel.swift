@@ -1,6 +1,11 @@
 import CLibevent
-import Glibc
 import ProxyCore
+
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// A blind tunnel between two sockets that moves bytes with splice(2): kernel pages go from one socket
 /// through a pipe to the other, never copied through user space, in chunks of up to a megabyte.
@@ -9,7 +14,11 @@ import ProxyCore
 /// is not read. Pipes are taken from a per-loop pool only while bytes are in flight, so an idle tunnel holds
 /// two sockets and four libevent events, nothing more. An EOF is passed on as shutdown(SHUT_WR) once the
 /// direction has delivered everything (half-close); the tunnel ends when both directions have, on an error,
-/// or after `idle_timeout` without bytes either way. Where splice is not available it copies instead.
+/// or after `idle_timeout` without bytes either way.
+///
+/// Where the platform has no splice (`Platform.splices`: macOS, or `PROXYCTL_PORTABLE=1`), or a socket cannot be
+/// spliced, the same tunnel is a read/write pump (`copy`): reads into the loop's one buffer, writes what the
+/// destination takes at once, and keeps only the rest (the destination is full: backpressure, as the pipe's).
 final class SpliceTunnel: ServerConnection {
     let context: ConnectionContext
     let id: UInt64
@@ -144,7 +153,7 @@ final class SpliceTunnel: ServerConnection {
             guard !closed, direction.inPipe == 0, direction.pendingHead == 0, !direction.sourceEnded else { return }
             guard let pipe = direction.pipe ?? context.pipes.take() else { return copy(direction) }
             direction.pipe = pipe
-            let moved = proxyctl_splice(direction.source, pipe.write, Self.chunk)
+            let moved = Platform.splice(from: direction.source, to: pipe.write, length: Self.chunk)
             if moved > 0 {
                 direction.inPipe = moved
                 direction.bytes += moved
@@ -176,7 +185,7 @@ final class SpliceTunnel: ServerConnection {
         guard !closed else { return }
         while direction.pendingHead > 0 {
             let sent = direction.head[direction.headOffset...].withUnsafeBytes { raw in
-                send(direction.destination, raw.baseAddress, raw.count, proxyctl_msg_nosignal())
+                Platform.send(direction.destination, raw)
             }
             if sent > 0 {
                 direction.headOffset += sent
@@ -194,7 +203,7 @@ final class SpliceTunnel: ServerConnection {
             direction.headOffset = 0
         }
         while direction.inPipe > 0, let pipe = direction.pipe {
-            let moved = proxyctl_splice(pipe.read, direction.destination, direction.inPipe)
+            let moved = Platform.splice(from: pipe.read, to: direction.destination, length: direction.inPipe)
             if moved > 0 {
                 direction.inPipe -= moved
                 continue
@@ -216,22 +225,42 @@ final class SpliceTunnel: ServerConnection {
         }
     }
 
-    /// Without splice: read into the loop's scratch buffer and write what the destination takes; the rest
-    /// becomes the direction's head.
+    /// Without splice, the pump: reads into the loop's scratch buffer and writes what the destination takes at
+    /// once; what it does not take becomes the direction's head, and reading waits until `flush` delivered it.
+    /// A few rounds per wake-up, as `pump`'s.
     private func copy(_ direction: Direction) {
-        let count = context.tunnelBuffer.bytes.withUnsafeMutableBytes { buffer in
-            recv(direction.source, buffer.baseAddress, buffer.count, 0)
-        }
-        if count > 0 {
+        for _ in 0..<8 {
+            guard !closed, direction.pendingHead == 0, !direction.sourceEnded else { return }
+            let buffer = context.tunnelBuffer
+            let count = buffer.bytes.withUnsafeMutableBytes { raw in
+                recv(direction.source, raw.baseAddress, raw.count, 0)
+            }
+            if count == 0 { return sourceEnded(direction) }
+            if count < 0 {
+                let code = proxyctl_errno()
+                if code == EAGAIN || code == EINTR { return }
+                return broke(direction.source, passTo: direction.destination)
+            }
             direction.bytes += count
             lastActivity = EventLoop.monotonicMilliseconds()
-            direction.head = Array(context.tunnelBuffer.bytes[0..<count])
-            direction.headOffset = 0
-            flush(direction)
-        } else if count == 0 {
-            sourceEnded(direction)
-        } else if proxyctl_errno() != EAGAIN && proxyctl_errno() != EINTR {
-            broke(direction.source, passTo: direction.destination)
+            var sent = 0
+            while sent < count {
+                let written = buffer.bytes[sent..<count].withUnsafeBytes { Platform.send(direction.destination, $0) }
+                if written > 0 {
+                    sent += written
+                    continue
+                }
+                let code = proxyctl_errno()
+                if written < 0 && code == EINTR { continue }
+                if written < 0 && code != EAGAIN { return broke(direction.destination, passTo: direction.source) }
+                // The destination is full: keep the rest and stop reading this direction until it drains.
+                direction.head = Array(buffer.bytes[sent..<count])
+                direction.headOffset = 0
+                setReading(direction, false)
+                setWriting(direction, true)
+                return
+            }
+            if count < buffer.bytes.count { return }
         }
     }
 
@@ -245,7 +274,7 @@ final class SpliceTunnel: ServerConnection {
     private func passOnEnd(_ direction: Direction) {
         if !direction.shutDown {
             direction.shutDown = true
-            Glibc.shutdown(direction.destination, Int32(SHUT_WR))
+            Platform.shutdownWrite(direction.destination)
         }
         releasePipe(direction)
         if up.finished && down.finished { finish(reason: nil) }
@@ -289,14 +318,14 @@ final class SpliceTunnel: ServerConnection {
             direction.writing = false
             if let pipe = direction.pipe {
                 // A pipe with bytes left in it cannot go back to the pool.
-                Glibc.close(pipe.read)
-                Glibc.close(pipe.write)
+                Platform.closeDescriptor(pipe.read)
+                Platform.closeDescriptor(pipe.write)
                 direction.pipe = nil
             }
         }
         closed = true
-        Glibc.close(clientFD)
-        Glibc.close(upstreamFD)
+        Platform.closeDescriptor(clientFD)
+        Platform.closeDescriptor(upstreamFD)
         context.pipes.tunnelClosed()
         context.owner.connectionClosed(self)
     }
@@ -306,11 +335,12 @@ final class SpliceTunnel: ServerConnection {
 }
 
 /// Pipes for splicing, shared by the tunnels of a loop and held only while bytes are in flight. The pool
-/// is emptied whenever the last tunnel closes, so a proxy without tunnels holds no pipes.
+/// is emptied whenever the last tunnel closes, so a proxy without tunnels holds no pipes. Where the platform
+/// does not splice it has none, and every tunnel copies.
 final class PipePool {
     private var free: [(read: Int32, write: Int32)] = []
     private let capacity = 32
-    private(set) var available = true
+    private(set) var available = Platform.splices
     private var tunnels = 0
 
     deinit { empty() }
@@ -334,11 +364,7 @@ final class PipePool {
     func take() -> (read: Int32, write: Int32)? {
         guard available else { return nil }
         if let pipe = free.popLast() { return pipe }
-        var fds: [Int32] = [0, 0]
-        guard proxyctl_pipe(&fds) == 0 else { return nil }
-        // A bigger pipe means fewer system calls per gigabyte; the default (64 KiB) still works.
-        _ = proxyctl_set_pipe_size(fds[1], Int32(SpliceTunnel.chunk))
-        return (fds[0], fds[1])
+        return Platform.splicePipe(size: SpliceTunnel.chunk)
     }
 
     /// Takes back an empty pipe.

@@ -1,7 +1,12 @@
 import CLibevent
 import COpenSSL
-import Glibc
 import ProxyTLS
+
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// What a `TLSSocket` reports, as a bufferevent reports it to its callbacks.
 protocol TLSSocketUser: AnyObject {
@@ -113,7 +118,7 @@ final class TLSSocket {
         CryptoError.clearQueue()
         _ = SSL_shutdown(ssl)
         CryptoError.clearQueue()
-        return Glibc.shutdown(fd, Int32(SHUT_WR)) == 0
+        return Platform.shutdownWrite(fd)
     }
 
     /// Frees the events and the session, closes the socket. Nothing is reported after this.
@@ -123,7 +128,7 @@ final class TLSSocket {
         freeEvents()
         if let ssl { SSL_free(ssl) }
         ssl = nil
-        if fd >= 0 { _ = Glibc.close(fd) }
+        if fd >= 0 { Platform.closeDescriptor(fd) }
         fd = -1
     }
 

@@ -1,6 +1,16 @@
-import Foundation
 import ProxyCore
 import ProxyOAuth
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// Gives connections on the loop the tokens of each provider, through the providers' `TokenManager`s.
 ///

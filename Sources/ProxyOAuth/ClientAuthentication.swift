@@ -1,6 +1,16 @@
-import Foundation
 import ProxyCore
 import ProxyTLS
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// The client's own key for `private_key_jwt` (RFC 7523 §2.2): ES256 (P-256), made by `proxyctl key init`,
 /// kept 0600 under `<state_dir>/keys/NAME.client.pem` (or `client_key_file`). Its public JWK is what the
@@ -37,7 +47,7 @@ public struct ClientKey: Sendable {
     /// Makes a new key and stores it at `path` (0600 in a 0700 directory, atomically).
     public static func create(path: String) throws -> ClientKey {
         let key = try PrivateKey.generateP256()
-        try SecureFile.makePrivateDirectory((path as NSString).deletingLastPathComponent)
+        try SecureFile.makePrivateDirectory(PathText.parent(path))
         try SecureFile.write(try key.pem(), to: path, mode: 0o600)
         return try ClientKey(key)
     }

@@ -1,7 +1,17 @@
-import Foundation
 import ProxyCore
 import ProxyTLS
 import Synchronization
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// A DPoP key (RFC 9449): an ES256 (P-256) key kept beside the tokens, with its public JWK and thumbprint
 /// computed once.

@@ -1,6 +1,11 @@
-import Foundation
 import ProxyCore
 import ProxyTLS
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
 
 /// Receives the authorization response on a loopback redirect URI (RFC 8252 §7.3).
 public protocol RedirectReceiver: Sendable {

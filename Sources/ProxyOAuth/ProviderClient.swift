@@ -1,5 +1,10 @@
-import Foundation
 import ProxyCore
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
 
 /// Talks to one provider's endpoints: discovery, JWKS, token, PAR, device authorization, revocation.
 /// Caches the metadata and the key set. Retries only where retrying is safe (see `postToken`).

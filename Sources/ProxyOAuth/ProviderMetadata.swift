@@ -52,7 +52,7 @@ public struct ProviderMetadata: Sendable, Equatable {
         var path = url.pathAndQuery
         if let query = path.firstIndex(where: { $0 == "?" || $0 == "#" }) { path = String(path[..<query]) }
         var found: [String] = []
-        if let wellKnown = path.range(of: "/.well-known/") {
+        if let wellKnown = path.firstRange(of: "/.well-known/") {
             found.append(origin + path[..<wellKnown.lowerBound])
             path = String(path[..<wellKnown.lowerBound])
         }

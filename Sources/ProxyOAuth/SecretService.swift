@@ -1,6 +1,16 @@
 import Dispatch
-import Foundation
 import Synchronization
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// The freedesktop Secret Service (GNOME Keyring, KeePassXC...) for `token_store = secret-service`, through
 /// libsecret's own command-line client `secret-tool` (Debian package libsecret-tools), so that proxyctl links
@@ -33,7 +43,7 @@ public struct SecretService: Sendable {
     /// no D-Bus session (a headless machine), or no service answering on it.
     public static func connect(stateDirectory: String, environment: [String: String]) -> Result<SecretService, Failure>
     {
-        guard let tool = which("secret-tool", path: environment["PATH"]) else {
+        guard let tool = ChildProcess.which("secret-tool", path: environment["PATH"]) else {
             return .failure(Failure(description: "secret-tool is not installed (Debian package libsecret-tools)"))
         }
         let runtime = environment["XDG_RUNTIME_DIR"].map { $0 + "/bus" }
@@ -85,47 +95,16 @@ public struct SecretService: Sendable {
     }
 
     private func run(_ arguments: [String], input: [UInt8]?) throws -> (status: Int32, output: [UInt8], error: String) {
-        let process = Process()
-        process.executableURL = URL(fileURLWithPath: tool)
-        process.arguments = arguments
-        let stdin = Pipe()
-        let stdout = Pipe()
-        let stderr = Pipe()
-        process.standardInput = stdin
-        process.standardOutput = stdout
-        process.standardError = stderr
+        let outcome: ChildProcess.Outcome
         do {
-            try process.run()
+            outcome = try ChildProcess.run(
+                tool, arguments, input: input.map { .bytes($0) } ?? .null, output: .capture, error: .capture,
+                timeout: 15_000)
         } catch {
-            throw Failure(description: "\(tool) cannot be run: \(error.localizedDescription)")
+            throw Failure(description: "\(tool) cannot be run: \(error)")
         }
-        let timer = DispatchWorkItem { if process.isRunning { process.terminate() } }
-        DispatchQueue.global().asyncAfter(deadline: .now() + .seconds(15), execute: timer)
-        if let input { stdin.fileHandleForWriting.write(Data(input)) }
-        try? stdin.fileHandleForWriting.close()
-        let errors = Mutex<Data>(Data())
-        let group = DispatchGroup()
-        group.enter()
-        DispatchQueue.global().async {
-            let data = stderr.fileHandleForReading.readDataToEndOfFile()
-            errors.withLock { $0 = data }
-            group.leave()
-        }
-        let output = stdout.fileHandleForReading.readDataToEndOfFile()
-        group.wait()
-        process.waitUntilExit()
-        timer.cancel()
-        let message =
-            String(decoding: errors.withLock { $0 }, as: UTF8.self)
-            .split(separator: "\n").first.map(String.init) ?? ""
-        return (process.terminationReason == .exit ? process.terminationStatus : -1, Array(output), message)
-    }
-
-    static func which(_ name: String, path: String?) -> String? {
-        for directory in (path ?? "/usr/local/bin:/usr/bin:/bin").split(separator: ":") {
-            let candidate = "\(directory)/\(name)"
-            if FileManager.default.isExecutableFile(atPath: candidate) { return candidate }
-        }
-        return nil
+        let message = String(decoding: outcome.error, as: UTF8.self).split(separator: "\n").first.map(String.init) ?? ""
+        guard case .exit(let status) = outcome.termination else { return (-1, outcome.output, message) }
+        return (status, outcome.output, message)
     }
 }

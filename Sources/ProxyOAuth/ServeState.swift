@@ -1,6 +1,16 @@
-import Foundation
 import ProxyCore
 import ProxyTLS
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// What a running `proxyctl serve` tells `proxyctl status`, `doctor`, `env` and `exec`: one file per serve,
 /// `<state_dir>/serve/PID.json`, rewritten every few seconds while counts change and removed at exit by the
@@ -32,6 +42,9 @@ public struct ServeState: Sendable, Equatable {
     public var origins: [String: OriginCounts]
     /// Clients must send `Proxy-Authorization` (proxy_auth_file).
     public var proxyAuthentication = false
+    /// What it keeps for its user needs the owner credential (`OwnerCredential`): the kernel cannot name a
+    /// client's user here. `env` and `exec` put it in the proxy URL.
+    public var ownerCredential = false
     /// The configuration it runs with (a file path, or where it came from).
     public var configuration: String? = nil
     /// The admin listener (health and metrics), when there is one.
@@ -57,6 +70,7 @@ public struct ServeState: Sendable, Equatable {
         object["listen"] = .string(listen)
         object["started_at"] = .int(startedAt)
         object["proxy_authentication"] = .bool(proxyAuthentication)
+        if ownerCredential { object["owner_credential"] = .bool(true) }
         if let configuration { object["configuration"] = .string(configuration) }
         if let admin { object["admin"] = .string(admin) }
         var origins = JSONObject()
@@ -79,6 +93,7 @@ public struct ServeState: Sendable, Equatable {
         else { return nil }
         self.init(pid: Int32(pid), listen: listen, startedAt: started)
         proxyAuthentication = json["proxy_authentication"]?.bool ?? false
+        ownerCredential = json["owner_credential"]?.bool ?? false
         configuration = json["configuration"]?.string
         admin = json["admin"]?.string
         for (url, value) in json["origins"]?.object?.members ?? [] {

@@ -1,6 +1,11 @@
-import Foundation
 import ProxyCore
 import ProxyTLS
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
 
 /// A step-up challenge (RFC 9470) a protected origin sent, waiting for `proxyctl step-up`.
 public struct PendingStepUp: Sendable, Equatable {
@@ -57,7 +62,7 @@ public struct StepUpStore: Sendable {
     }
 
     public func save(_ pending: [PendingStepUp]) throws {
-        let directory = (file as NSString).deletingLastPathComponent
+        let directory = PathText.parent(file)
         try SecureFile.makePrivateDirectory(directory)
         let text = JSON.serialize(.object(JSONObject([("pending", .array(pending.map(\.json)))]))) + "\n"
         try SecureFile.write(Array(text.utf8), to: file, mode: 0o600)

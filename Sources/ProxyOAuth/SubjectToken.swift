@@ -1,6 +1,16 @@
 import Dispatch
-import Foundation
 import ProxyCore
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// Where `grant = token_exchange` gets the workload's own token (RFC 8693 `subject_token`): a file read anew
 /// at each exchange (CI systems and Kubernetes rotate them in place), or a command's standard output (run
@@ -24,7 +34,7 @@ public enum SubjectToken {
     }
 
     static func clean(_ data: Data, from source: String) throws -> String {
-        let text = String(decoding: data, as: UTF8.self).trimmingCharacters(in: .whitespacesAndNewlines)
+        let text = String(decoding: data, as: UTF8.self).trimmingWhitespace()
         guard !text.isEmpty, !text.contains(where: { $0.isWhitespace }), text.utf8.count <= 64 << 10 else {
             throw AuthError.configuration(reason: "\(source) gave no usable token (empty, several words, or too long)")
         }
@@ -36,47 +46,28 @@ public enum SubjectToken {
     static func run(_ command: [String], timeout: Int) async throws -> Data {
         try await withCheckedThrowingContinuation { continuation in
             DispatchQueue.global().async {
-                let process = Process()
-                let executable =
-                    command[0].contains("/") ? command[0] : (which(command[0]) ?? "/usr/bin/\(command[0])")
-                process.executableURL = URL(fileURLWithPath: executable)
-                process.arguments = Array(command.dropFirst())
-                process.standardInput = FileHandle.nullDevice
-                let output = Pipe()
-                process.standardOutput = output
+                let path = ProcessInfo.processInfo.environment["PATH"]
+                let executable = ChildProcess.which(command[0], path: path) ?? "/usr/bin/\(command[0])"
+                let outcome: ChildProcess.Outcome
                 do {
-                    try process.run()
+                    outcome = try ChildProcess.run(
+                        executable, Array(command.dropFirst()), output: .capture, error: .inherit, timeout: timeout)
                 } catch {
                     continuation.resume(
                         throwing: AuthError.configuration(
-                            reason: "subject_token_command \(command[0]) cannot be run: \(error.localizedDescription)"))
+                            reason: "subject_token_command \(command[0]) cannot be run: \(error)"))
                     return
                 }
-                let timer = DispatchWorkItem { if process.isRunning { process.terminate() } }
-                DispatchQueue.global().asyncAfter(deadline: .now() + .milliseconds(timeout), execute: timer)
-                let data = output.fileHandleForReading.readDataToEndOfFile()
-                process.waitUntilExit()
-                timer.cancel()
-                guard process.terminationReason == .exit, process.terminationStatus == 0 else {
+                guard outcome.succeeded, !outcome.timedOut else {
+                    var how = "stopped after \(timeout) ms"
+                    if !outcome.timedOut, case .exit(let status) = outcome.termination { how = "exit \(status)" }
                     continuation.resume(
                         throwing: AuthError.recoverable(
-                            reason:
-                                "subject_token_command \(command[0]) failed (\(process.terminationReason == .exit ? "exit \(process.terminationStatus)" : "stopped after \(timeout) ms"))",
-                            retryAfter: nil))
+                            reason: "subject_token_command \(command[0]) failed (\(how))", retryAfter: nil))
                     return
                 }
-                continuation.resume(returning: data)
+                continuation.resume(returning: Data(outcome.output))
             }
         }
-    }
-
-    static func which(_ name: String) -> String? {
-        for directory in (ProcessInfo.processInfo.environment["PATH"] ?? "/usr/local/bin:/usr/bin:/bin").split(
-            separator: ":")
-        {
-            let candidate = "\(directory)/\(name)"
-            if FileManager.default.isExecutableFile(atPath: candidate) { return candidate }
-        }
-        return nil
     }
 }

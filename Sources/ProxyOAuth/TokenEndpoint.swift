@@ -1,5 +1,15 @@
-import Foundation
 import ProxyCore
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// A successful token response (RFC 6749 §5.1).
 public struct TokenResponse: Sendable, Equatable {
@@ -78,17 +88,12 @@ public enum TokenEndpoint {
 
     /// `Retry-After` (RFC 9110 §10.2.3): delay-seconds or an HTTP-date, as seconds from now (at least 0).
     public static func retryAfter(_ value: String?, now: Date) -> Int? {
-        guard let value = value?.trimmingCharacters(in: .whitespaces), !value.isEmpty else { return nil }
+        guard let value = value?.trimmingOWS(), !value.isEmpty else { return nil }
         if let seconds = Int(value) { return max(0, seconds) }
-        let formatter = DateFormatter()
-        formatter.locale = Locale(identifier: "en_US_POSIX")
-        formatter.timeZone = TimeZone(identifier: "GMT")
         // RFC 9110 §5.6.7: a recipient must accept the IMF-fixdate and the obsolete RFC 850 and asctime forms.
-        for format in ["EEE, dd MMM yyyy HH:mm:ss 'GMT'", "EEEE, dd-MMM-yy HH:mm:ss 'GMT'", "EEE MMM d HH:mm:ss yyyy"] {
-            formatter.dateFormat = format
-            if let date = formatter.date(from: value) { return max(0, Int(date.timeIntervalSince(now).rounded(.up))) }
-        }
-        return nil
+        let seconds = now.timeIntervalSince1970
+        guard let date = HTTPDate.parse(value, now: Int64(seconds.rounded(.down))) else { return nil }
+        return max(0, Int((Double(date) - seconds).rounded(.up)))
     }
 
     /// The token type, normalised: "Bearer" or "DPoP" (RFC 6749 §7.1: case-insensitive); nil when unknown.

@@ -1,6 +1,11 @@
-import Foundation
 import ProxyCore
 import Synchronization
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
 
 /// Hands out usable tokens for one provider and refreshes them: single-flight inside the process, under
 /// the provider's file lock across processes, and always persisting a rotated refresh token before anyone

@@ -1,5 +1,15 @@
-import Foundation
 import ProxyCore
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// The on-disk token store: one JSON file per provider under `<state_dir>/tokens/`, 0600 in 0700
 /// directories, replaced atomically (temporary file, fsync, rename, fsync of the directory), and a lock
@@ -39,7 +49,7 @@ public struct TokenStore: Sendable {
     static func makePrivateDirectory(_ directory: String) throws {
         var info = stat()
         if stat(directory, &info) != 0 {
-            let parent = (directory as NSString).deletingLastPathComponent
+            let parent = PathText.parent(directory)
             if !parent.isEmpty && parent != directory {
                 var parentInfo = stat()
                 if stat(parent, &parentInfo) != 0 {
@@ -257,9 +267,15 @@ public struct TokenStore: Sendable {
     public static func version(atPath path: String) -> FileVersion? {
         var info = stat()
         guard stat(path, &info) == 0 else { return nil }
+        // The modification time is st_mtim in glibc's struct stat, st_mtimespec in Darwin's (docs/porting.md).
+        #if canImport(Darwin)
+            let modified = info.st_mtimespec
+        #else
+            let modified = info.st_mtim
+        #endif
         return FileVersion(
             inode: UInt64(info.st_ino), size: Int64(info.st_size),
-            modified: Int64(info.st_mtim.tv_sec) * 1_000_000_000 + Int64(info.st_mtim.tv_nsec))
+            modified: Int64(modified.tv_sec) * 1_000_000_000 + Int64(modified.tv_nsec))
     }
 
     public struct FileVersion: Sendable, Equatable {
@@ -365,7 +381,7 @@ public struct StoreError: Error, Sendable, CustomStringConvertible {
 
     /// What the user can do about it.
     var fix: String {
-        let directory = (path as NSString).deletingLastPathComponent
+        let directory = PathText.parent(path)
         switch code {
         case ENOSPC, EDQUOT, EFBIG: return "free space on the disk that holds \(directory)"
         case EACCES, EPERM, EROFS: return "make \(directory) writable by this user, or set state_dir in [proxy]"

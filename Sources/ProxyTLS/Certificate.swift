@@ -1,6 +1,11 @@
 import COpenSSL
-import Foundation
 import ProxyCore
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
 
 /// An X.509 certificate; frees it when released.
 public final class Certificate: @unchecked Sendable {

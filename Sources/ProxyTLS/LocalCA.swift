@@ -1,6 +1,16 @@
 import COpenSSL
-import Foundation
 import ProxyCore
+
+#if canImport(FoundationEssentials)
+    import FoundationEssentials
+#else
+    import Foundation
+#endif
+#if canImport(Glibc)
+    import Glibc
+#elseif canImport(Darwin)
+    import Darwin
+#endif
 
 /// The local certificate authority that signs the leaf certificates for protected origins.
 ///
@@ -351,7 +361,7 @@ public final class LocalCA: @unchecked Sendable {
     }
 
     private static func retiredPath(_ files: Files, _ certificate: Certificate) -> String {
-        files.retired + "/" + certificate.fingerprint.replacingOccurrences(of: ":", with: "").lowercased() + ".pem"
+        files.retired + "/" + certificate.fingerprint.replacing(":", with: "").lowercased() + ".pem"
     }
 
     private static func retiredNames(_ files: Files) -> [String] {
@@ -433,15 +443,15 @@ public enum SecureFile {
     /// Writes `bytes` to a temporary file in the same directory, fsyncs it, renames it over `path`, and
     /// fsyncs the directory.
     public static func write(_ bytes: [UInt8], to path: String, mode: mode_t) throws {
-        let directory = (path as NSString).deletingLastPathComponent
+        let directory = PathText.parent(path)
         let temporary =
-            "\(directory)/.\((path as NSString).lastPathComponent).\(getpid()).\(UInt32.random(in: 0...UInt32.max)).tmp"
+            "\(directory)/.\(PathText.lastComponent(path)).\(getpid()).\(UInt32.random(in: 0...UInt32.max)).tmp"
         let fd = open(temporary, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, mode)
         guard fd >= 0 else { throw CryptoError("\(temporary) cannot be created: \(String(cString: strerror(errno)))") }
         var written = 0
         var failed = false
         while written < bytes.count {
-            let count = bytes[written...].withUnsafeBytes { Glibc.write(fd, $0.baseAddress, $0.count) }
+            let count = bytes[written...].withUnsafeBytes { writeDescriptor(fd, $0) }
             if count < 0 && errno == EINTR { continue }
             if count <= 0 {
                 failed = true
@@ -462,4 +472,9 @@ public enum SecureFile {
             close(directoryFD)
         }
     }
+}
+
+/// write(2), under a name `SecureFile.write` does not hide (the C library's module is Glibc or Darwin).
+private func writeDescriptor(_ fd: Int32, _ bytes: UnsafeRawBufferPointer) -> Int {
+    write(fd, bytes.baseAddress, bytes.count)
 }

@@ -517,4 +517,63 @@ private func basic(_ userPass: String) -> String { "Basic " + Base64.encode(user
         let door = Self.door(protected: .any)
         #expect(door.decide(Self.protectedHead, peer: .otherUser(uid: 5)) == .interceptTunnel(door.origins.origins[0]))
     }
+
+    // MARK: The owner credential: where the kernel cannot name the peer's user (docs/porting.md)
+
+    static func portableDoor(passthrough: UserScope = .any) -> FrontDoor {
+        var door = Self.door(passthrough: passthrough)
+        door.ownerCredential = try! ProxyCredentials.parse("proxyctl:0wner-secret\n", file: "proxy-credential").get()
+        return door
+    }
+
+    static func connect(_ target: String, authorization: String? = nil, body: Bool = false) -> HTTPHead {
+        let field = authorization.map { "Proxy-Authorization: Basic \(Base64.encode(Array($0.utf8)))\r\n" } ?? ""
+        return try! parseHead("CONNECT \(target) HTTP/1.1\r\nHost: \(target)\r\n\(field)\r\n")
+    }
+
+    @Test func theOwnerCredentialMakesAnUnknownPeerTheOwner() {
+        let door = Self.portableDoor()
+        let head = Self.connect("api.test:443", authorization: "proxyctl:0wner-secret")
+        #expect(door.decide(head, peer: .unknown) == .interceptTunnel(door.origins.origins[0]))
+    }
+
+    @Test func withoutTheOwnerCredentialProtectedOriginsAre407NamingHowToGetIt() throws {
+        let door = Self.portableDoor()
+        for (authorization, sent) in [(nil, false), ("proxyctl:guess", true), ("ada:0wner-secret", true)] {
+            guard
+                case .respond(let answer) = door.decide(
+                    Self.connect("api.test:443", authorization: authorization), peer: .unknown)
+            else {
+                Issue.record("\(authorization ?? "no credential") got the tokens")
+                continue
+            }
+            #expect(answer == .ownerCredentialRequired(credentialSent: sent, protected: true, close: false))
+            let response = answer.response
+            #expect(response.status == 407 && response.proxyStatus?.error == .httpRequestDenied)
+            #expect(response.extraFields.contains { $0.name == "Proxy-Authenticate" && $0.value.hasPrefix("Basic ") })
+            #expect(response.message.contains("eval \"$(proxyctl env)\"") && response.message.contains("proxyctl exec"))
+        }
+    }
+
+    @Test func theOwnerCredentialLeavesOpenPassthroughAndTheKernelsAnswerAlone() {
+        let door = Self.portableDoor()
+        if case .tunnel = door.decide(Self.connect("other.test:443"), peer: .unknown) {
+        } else {
+            Issue.record("passthrough_users = any wants no credential")
+        }
+        // passthrough_users = owner: the credential is wanted there too.
+        guard
+            case .respond(.ownerCredentialRequired(false, false, _)) = Self.portableDoor(passthrough: .owner).decide(
+                Self.connect("other.test:443"), peer: .unknown)
+        else {
+            Issue.record("passthrough_users = owner let an unidentified peer through")
+            return
+        }
+        // A peer the kernel named keeps its answer: the credential does not make another user the owner.
+        let head = Self.connect("api.test:443", authorization: "proxyctl:0wner-secret")
+        #expect(
+            door.decide(head, peer: .otherUser(uid: 7))
+                == .respond(.notForThisUser(.otherUser(uid: 7), protected: true)))
+        #expect(door.decide(Self.protectedHead, peer: .owner) == .interceptTunnel(door.origins.origins[0]))
+    }
 }

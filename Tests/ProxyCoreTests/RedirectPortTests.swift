@@ -44,6 +44,14 @@ import Testing
         #expect(RedirectPort.choose(existing: nil, ephemeral: range, isFree: { $0 >= 17758 }) == nil)
     }
 
+    @Test func anUnknownRangeIsTakenForLinuxsDefault() throws {
+        // Where the range cannot be read (docs/porting.md: macOS, PROXYCTL_PORTABLE=1), 32768-60999 is assumed,
+        // which lies below macOS's 49152-65535 too: a candidate is never at or above 32768.
+        let choice = try #require(RedirectPort.choose(existing: nil, ephemeral: nil, isFree: { $0 >= 32000 }))
+        #expect(choice.port == 32000)
+        #expect(RedirectPort.choose(existing: nil, ephemeral: nil, isFree: { $0 >= 32768 }) == nil)
+    }
+
     @Test func aRangeThatLeavesNoRoomBelowTheDefaultKeepsTheDefault() throws {
         let choice = try #require(RedirectPort.choose(existing: nil, ephemeral: 1024...65535, isFree: { _ in true }))
         #expect(choice.port == 17755)

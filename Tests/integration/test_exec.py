@@ -95,8 +95,13 @@ def test_exit_status_is_the_commands_and_128_plus_the_signal(tmp_path):
     assert missing.returncode == 127 and "command not found" in missing.stderr
 
 
-def test_signals_sent_to_proxyctl_reach_the_command(tmp_path):
+@pytest.mark.parametrize("portable", [False, True], ids=["linux", "portable"])
+def test_signals_sent_to_proxyctl_reach_the_command(tmp_path, portable):
+    """Each signal kill(2) sends to proxyctl reaches the command once: with sigwaitinfo(2), which names the
+    sender, and with the portable fallback (PROXYCTL_PORTABLE=1, docs/porting.md), sigwait(3), which cannot."""
     conf, env = workspace(tmp_path)
+    if portable:
+        env["PROXYCTL_PORTABLE"] = "1"
     marker = tmp_path / "signals"
     script = textwrap.dedent(f"""\
         import signal, sys, time

@@ -449,7 +449,7 @@ public struct ConfigParser: Sendable {
                 guard !entry.value.isEmpty else { return fail("expected a directory path") }
                 settings.stateDir = resolvePath(entry.value)
             case "token_store":
-                let value = entry.value.lowercased().replacingOccurrences(of: "_", with: "-")
+                let value = entry.value.lowercased().replacing("_", with: "-")
                 guard let kind = TokenStoreKind(rawValue: value) else {
                     return fail("expected file or secret-service, \(got())")
                 }

@@ -305,7 +305,7 @@ extension ConfigParser {
                 }
                 provider.tokenTimeout = value
             case "grant":
-                let value = entry.value.lowercased().replacingOccurrences(of: "-", with: "_")
+                let value = entry.value.lowercased().replacing("-", with: "_")
                 guard let grant = ProviderGrant(rawValue: value == "login" ? "authorization_code" : value) else {
                     fail("expected authorization_code, client_credentials or token_exchange, \(got())")
                     continue

@@ -244,6 +244,16 @@ extension StringProtocol {
         }
         return String(text[start..<end])
     }
+
+    /// The string without leading and trailing white space, line ends included (what a command prints, a PEM
+    /// file's last newline): `trimmingCharacters(in: .whitespacesAndNewlines)` without Foundation.
+    public func trimmingWhitespace() -> String {
+        let text = Substring(self)
+        guard let first = text.firstIndex(where: { !$0.isWhitespace }),
+            let last = text.lastIndex(where: { !$0.isWhitespace })
+        else { return "" }
+        return String(text[first...last])
+    }
 }
 
 extension HTTPHead {

@@ -1,4 +1,11 @@
-import Foundation
+// memchr only: the C library's, where the line-end scan of a head is fastest.
+#if canImport(Darwin)
+    import Darwin
+#elseif canImport(Glibc)
+    import Glibc
+#elseif canImport(Musl)
+    import Musl
+#endif
 
 /// Size limits for a message head. Exceeding one is an error with its own status (414 or 431).
 public struct HTTPHeadLimits: Sendable, Equatable {

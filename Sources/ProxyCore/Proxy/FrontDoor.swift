@@ -44,44 +44,64 @@ public struct FrontDoor: Sendable {
     public var boundAddress: ListenAddress
     /// The protected origins: the only traffic that is intercepted.
     public var origins: OriginTable
+    /// Where the system cannot name the user of a client's socket (docs/porting.md: macOS, or
+    /// `PROXYCTL_PORTABLE=1`), the secret that stands for "a process of the user running proxyctl": only that
+    /// user can read it (a 0600 file in the state directory), and `proxyctl env` and `exec` put it in the proxy URL
+    /// they hand to that user's tools. A request from an unidentified peer that carries it (`Proxy-Authorization:
+    /// Basic`) is the owner's; one without it gets 407 where `protected_users` or `passthrough_users` keep
+    /// something for the owner. Nil where the kernel says who the peer is.
+    public var ownerCredential: ProxyCredentials?
 
     public init(
         settings: ProxySettings, credentials: ProxyCredentials?, boundAddress: ListenAddress,
-        origins: OriginTable = OriginTable()
+        origins: OriginTable = OriginTable(), ownerCredential: ProxyCredentials? = nil
     ) {
         self.settings = settings
         self.credentials = credentials
         self.boundAddress = boundAddress
         self.origins = origins
+        self.ownerCredential = ownerCredential
     }
 
     /// - Parameter peer: who is on the other end, for `protected_users` and `passthrough_users`.
     public func decide(_ head: HTTPHead, peer: PeerIdentity = .owner) -> FrontDoorDecision {
-        let decision = route(head, peer: peer)
-        // Local users: the tokens are the proxy's user's; loopback is no access control on a shared machine.
-        let authenticated = credentials != nil
-        switch decision {
-        case .interceptTunnel, .interceptRequest:
-            if !peer.admitted(by: settings.protectedUsers, authenticated: authenticated) {
-                return .respond(.notForThisUser(peer, protected: true))
-            }
-        case .tunnel, .forward:
-            if !peer.admitted(by: settings.passthroughUsers, authenticated: authenticated) {
-                return .respond(.notForThisUser(peer, protected: false))
-            }
-        case .respond:
-            break
-        }
-        return decision
-    }
-
-    private func route(_ head: HTTPHead, peer: PeerIdentity) -> FrontDoorDecision {
         let semantics: RequestSemantics
         switch MessageSemantics.request(head) {
         case .failure(let error): return .respond(.badRequest(error))
         case .success(let checked): semantics = checked
         }
+        // The owner credential names the peer the kernel could not; what it says otherwise (missing, wrong) is
+        // for the answer below.
+        var peer = peer
+        var ownerCheck: ProxyCredentials.Check? = nil
+        if peer == .unknown, let ownerCredential {
+            let check = ownerCredential.check(semantics.proxyAuthorization.map { head.value(at: $0) })
+            if case .allowed = check { peer = .owner } else { ownerCheck = check }
+        }
+        let decision = route(head, semantics, peer: peer)
+        // Local users: the tokens are the proxy's user's; loopback is no access control on a shared machine.
+        let authenticated = credentials != nil
+        let protected: Bool
+        switch decision {
+        case .interceptTunnel, .interceptRequest:
+            if peer.admitted(by: settings.protectedUsers, authenticated: authenticated) { return decision }
+            protected = true
+        case .tunnel, .forward:
+            if peer.admitted(by: settings.passthroughUsers, authenticated: authenticated) { return decision }
+            protected = false
+        case .respond:
+            return decision
+        }
+        if let ownerCheck {
+            return .respond(
+                .ownerCredentialRequired(
+                    credentialSent: ownerCheck == .invalid, protected: protected,
+                    close: semantics.framing != .none || !semantics.keepAlive))
+        }
+        return .respond(.notForThisUser(peer, protected: protected))
+    }
 
+    private func route(_ head: HTTPHead, _ semantics: RequestSemantics, peer: PeerIdentity) -> FrontDoorDecision {
         // `proxyctl exec`'s own proxy: the run's credential, or a process of the user who started it (Java
         // cannot send proxy credentials for HTTPS without code of its own).
         if let credentials, !(settings.ownerNeedsNoCredentials && peer == .owner) {

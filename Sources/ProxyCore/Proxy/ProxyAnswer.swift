@@ -20,6 +20,10 @@ public enum ProxyAnswer: Sendable, Equatable {
     /// A local user other than the proxy's (or one the proxy cannot identify) asked for what the settings keep
     /// for the proxy's own user: a protected origin (`protected: true`, its tokens) or passthrough.
     case notForThisUser(PeerIdentity, protected: Bool)
+    /// Like `notForThisUser`, where the system cannot tell a client's user (docs/porting.md) and the owner
+    /// credential stands in: the request did not carry it (`credentialSent` false) or carried another. `close`
+    /// when the body, if any, was not read.
+    case ownerCredentialRequired(credentialSent: Bool, protected: Bool, close: Bool)
     /// `max_connections` connections are open: a new one is turned away at once.
     case overCapacity(limit: Int)
     /// `max_connections_per_client` connections from this address are open.
@@ -141,6 +145,20 @@ public enum ProxyAnswer: Sendable, Equatable {
                 message:
                     "proxyctl: \(what) serve only the user who runs this proxy, not \(who); run your own proxyctl, or set \(key) = any",
                 close: true)
+        case .ownerCredentialRequired(let sent, let protected, let close):
+            let what = protected ? "protected origins (and the tokens for them)" : "this proxy"
+            let key = protected ? "protected_users" : "passthrough_users"
+            let how =
+                "use the HTTPS_PROXY that eval \"$(proxyctl env)\" sets (it carries the credential), or proxyctl exec -- COMMAND"
+            return ProxyResponse(
+                status: 407,
+                proxyStatus: ProxyStatus(
+                    error: .httpRequestDenied,
+                    details: "\(what) serve only the user running proxyctl (\(key)), who holds its credential"),
+                message: sent
+                    ? "proxyctl: wrong proxy credential; \(what) serve only the user who runs this proxy: \(how)"
+                    : "proxyctl: \(what) serve only the user who runs this proxy, and this system cannot tell which user a connection comes from: \(how)",
+                extraFields: [("Proxy-Authenticate", "Basic realm=\"proxyctl\", charset=\"UTF-8\"")], close: close)
         case .overCapacity(let limit):
             return ProxyResponse(
                 status: 503,
