@@ -18,16 +18,16 @@ import ProxyTLS
 
 /// Runs one client connection's `ConnectionMachine` on libevent: plain sockets and TLS-terminated ones
 /// alike (the bufferevent differs, the machine does not). It reports what happens as events, and carries
-/// out the actions: bytes between buffers, the upstream connection, timers, the libcurl transfer of an
-/// exchange with a protected origin, tunnels, logs.
+/// out the actions: bytes between buffers, the upstream connection of a forwarded request or an upgrade,
+/// timers, the exchange with a protected origin (its `ExchangeIO`, whose transfer runs on the proxy's own
+/// client), tunnels, logs.
 ///
 /// It decides nothing about HTTP. What it does decide is mechanics: flow control (a reader is paused while
-/// the buffer toward its destination holds more than `highWater` bytes), where a kept request body is
-/// stored, and the libcurl options an `UpstreamRequest` maps to.
+/// the buffer toward its destination holds more than `highWater` bytes).
 ///
-/// Owned by the server's connection table from accept to close; libevent and libcurl reach it through
-/// unretained context pointers, which `close()` disconnects (freeing the bufferevents, cancelling the
-/// transfer) before the table lets it go.
+/// Owned by the server's connection table from accept to close; libevent reaches it through unretained
+/// context pointers, which `close()` disconnects (freeing the bufferevents, ending the exchange's transfer)
+/// before the table lets it go.
 final class ClientDriver: ServerConnection, ExchangeDriver {
     let context: ConnectionContext
     let id: UInt64
@@ -83,7 +83,7 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
     private var handling = false
     private var queued: [ConnectionMachine.Event] = []
     private var actions: [ConnectionMachine.Action] = []
-    /// Work to do once the current events are handled (calls into libcurl that may call back).
+    /// Work to do once the current events are handled (calls into the exchange's transfer that may call back).
     private var afterHandling: [() -> Void] = []
 
     /// A plain client connection on `fd`, just accepted.

@@ -15,7 +15,7 @@ import ProxyTLS
 #endif
 
 /// What a connection may use, captured when it is accepted: the settings snapshot (through its front
-/// door), the resolver, libcurl, tokens, TLS contexts, the logger, and the few things it reports back to
+/// door), the resolver, the own client's pool, tokens, TLS contexts, the logger, and the few things it reports back to
 /// the server. A SIGHUP makes a new context for new connections; connections in flight keep theirs, so a
 /// reload never changes the timeouts or the next hop of an exchange under way.
 final class ConnectionContext {

@@ -14,7 +14,8 @@ import ProxyTLS
 
 /// Runs an `H2Session` on an HTTP/2 connection a client opened inside an intercepted TLS tunnel: nghttp2 reads
 /// and writes the frames (HPACK, flow control, the protocol's own limits), its callbacks become the machine's
-/// events, the machine's actions become nghttp2 submissions and libcurl transfers, one per stream.
+/// events, the machine's actions become nghttp2 submissions and exchanges on the proxy's own client
+/// (`ExchangeIO`), one per stream.
 ///
 /// Mechanics it owns: each stream's request body store (bytes are kept as nghttp2 hands them over, then the
 /// machine is told) and the HTTP/2 flow-control windows (a client's DATA is acknowledged once it is kept or

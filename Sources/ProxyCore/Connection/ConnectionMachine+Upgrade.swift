@@ -1,8 +1,8 @@
 /// Protocol upgrades (WebSocket, RFC 6455) to protected origins, on either way in (inside an intercepted TLS
 /// tunnel, or a plain request to a protected `http://` origin).
 ///
-/// An upgrade is a forwarded exchange on a connection of the proxy's own (libcurl cannot hand its connection
-/// over after a 101): the token rides on the upgrade request, the origin's answer goes through `AuthExchange`
+/// An upgrade is a forwarded exchange on a connection of the proxy's own (the driver's upstream bufferevent,
+/// not yet the own client's `OriginConnection`): the token rides on the upgrade request, the origin's answer goes through `AuthExchange`
 /// like any other (a 401 is refreshed once and replayed once on a new connection, a DPoP nonce challenge
 /// retried once, a step-up challenge passed on with Proxy-Status), and after `101 Switching Protocols` both
 /// sides become a tunnel. An https origin gets TLS from the proxy (`.startUpstreamTLS`), through the upstream

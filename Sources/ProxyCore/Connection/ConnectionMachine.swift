@@ -6,7 +6,7 @@
 /// connect, an upstream proxy's CONNECT), stale kept-alive connections and the retry rule, 1xx and 101,
 /// timeouts, SNI and Host checks, the proxy's own answers, and the exchange with a protected origin
 /// (`ProtectedExchange`). The I/O layer (`ClientDriver` in ProxyIO) carries the actions out on libevent and
-/// libcurl and reports back what happened.
+/// the proxy's own client to origins, and reports back what happened.
 ///
 /// Every event handler also gets the bytes waiting in the client's and the next hop's input buffers
 /// (`ByteView`s): the machine looks at them in place and answers with actions that consume, move or keep
@@ -59,7 +59,7 @@ public struct ConnectionMachine: Sendable {
         case bodyNotKept(directory: String)
         /// The request body outgrew what the I/O layer may keep for replays: the rest streams, once.
         case bodyBeyondBudget
-        /// `count` body bytes of the upstream transfer's response are there (one libcurl write callback).
+        /// `count` body bytes of the upstream transfer's response are there (one piece the transfer read).
         case transferBody(count: Int)
         /// The upstream transfer ended (`failure` nil: complete).
         case transferFinished(UpstreamFailure?, detail: String)
@@ -393,7 +393,7 @@ public struct ConnectionMachine: Sendable {
         pump(client: client, upstream: upstream, &out)
     }
 
-    /// Lines of the upstream transfer's response head or trailers (libcurl's header callback), terminators
+    /// Lines of the upstream transfer's response head or trailers (its trailer section; tests give heads too), terminators
     /// included: one line or several (a whole head in one event costs one state change instead of one a line).
     public mutating func transferHeaderLines(_ lines: UnsafeRawBufferPointer, now: Int64, _ out: inout [Action]) {
         checkNotModifying()
@@ -767,7 +767,7 @@ public struct ConnectionMachine: Sendable {
                 abort(reason: "idle timeout", &out)
             }
         case (.idle, .intercepting):
-            // The transfer has its own idle limit (libcurl's low-speed time); a silent client is the other case.
+            // The transfer has its own idle limit (`OriginExchange`'s idle timer); a silent client is the other case.
             if let remaining = idleRemaining(lastActivity) {
                 out.append(.arm(.idle, milliseconds: remaining))
             } else {

@@ -214,7 +214,7 @@ public struct H2Session: Sendable {
         }
     }
 
-    /// Lines of a stream's transfer response head or trailers (libcurl's header callback), terminators
+    /// Lines of a stream's transfer response head or trailers (its trailer section; tests give heads too), terminators
     /// included: one line or several.
     public mutating func transferHeaderLines(
         _ stream: Stream, _ lines: UnsafeRawBufferPointer, now: Int64, _ out: inout [Action]

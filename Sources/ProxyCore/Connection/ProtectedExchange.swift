@@ -3,7 +3,7 @@
 /// the token through `AuthExchange` (refresh once and replay once on a 401, one DPoP nonce retry, step-up
 /// passed on), send the request upstream, check the response head, and deliver it or answer ourselves.
 ///
-/// Pure: events in, outputs out. The I/O layer keeps the body bytes, runs the libcurl transfer the
+/// Pure: events in, outputs out. The I/O layer keeps the body bytes, runs the transfer (the proxy's own client) the
 /// `.send` output describes (attaching the token of the named generation), and writes what `.deliverHead`
 /// and `.deliverBody` say. The client protocol layer (`ConnectionMachine` for HTTP/1.1) frames the head and
 /// the body for its client.
@@ -294,7 +294,7 @@ public struct ProtectedExchange: Sendable {
         out.append(.send(upstream))
     }
 
-    /// One line of the response head as libcurl hands it over (status line, field line or the empty line),
+    /// One line of a response head (status line, field line or the empty line; the playbooks hand heads over so),
     /// with its line terminator. Interim (1xx) heads are skipped; lines after the head are trailer fields.
     public mutating func upstreamHeaderLine(_ line: UnsafeRawBufferPointer, _ out: inout [Output]) {
         if phase == .delivering { return trailerLine(line) }
@@ -348,7 +348,7 @@ public struct ProtectedExchange: Sendable {
                     ? .responseHeadTooLarge(hop) : .invalidResponse(hop, reason: error.reason), &out)
         case .complete(let head, _):
             if head.status < 200 {
-                // 1xx answers are libcurl's business (it sent the body without Expect anyway).
+                // 1xx answers are the transfer's business (`ResponseReader` skips them).
                 responseHead = HTTPHeadParser(kind: .response, limits: settings.responseHeadLimits)
                 return
             }
@@ -553,7 +553,8 @@ public struct TokenGrant: Sendable, Equatable {
 }
 
 /// A request to send upstream for a protected origin: everything the transfer needs, decided here; the
-/// I/O layer maps it onto libcurl. No secret is in it: the token is named by its generation.
+/// I/O layer carries it out on the proxy's own client (`OriginExchange`). No secret is in it: the token is named
+/// by its generation.
 public struct UpstreamRequest: Sendable, Equatable {
     /// Attach the tokens of `generation`: `Authorization: Bearer <token>` (RFC 6750 §2.1), or for a token bound to
     /// a key `Authorization: DPoP <token>` and a fresh `DPoP` proof carrying `dpopNonce` (RFC 9449 §7). The I/O
