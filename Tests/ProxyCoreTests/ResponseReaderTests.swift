@@ -259,6 +259,22 @@ import Testing
         #expect(String(decoding: options, as: UTF8.self) == "OPTIONS * HTTP/1.1\r\nHost: api.test:8443\r\n\r\n")
     }
 
+    @Test func anEmptyPostPutOrPatchSaysContentLengthZero() throws {
+        // A client's Content-Length: 0 is framing the machine reads as no body; the origin still gets it.
+        for method in ["POST", "PUT", "PATCH"] {
+            let head = try #require(
+                UpstreamRequest.http1Head(method: method, url: "https://api.test/x", fields: [], credential: []))
+            #expect(
+                String(decoding: head, as: UTF8.self)
+                    == "\(method) /x HTTP/1.1\r\nHost: api.test\r\nContent-Length: 0\r\n\r\n")
+        }
+        for method in ["GET", "HEAD", "DELETE", "OPTIONS"] {
+            let head = try #require(
+                UpstreamRequest.http1Head(method: method, url: "https://api.test/x", fields: [], credential: []))
+            #expect(!String(decoding: head, as: UTF8.self).contains("Content-Length"), "\(method)")
+        }
+    }
+
     @Test func aURLThatDoesNotParseGivesNoHead() {
         #expect(UpstreamRequest.http1Head(method: "GET", url: "not a url", fields: [], credential: []) == nil)
     }

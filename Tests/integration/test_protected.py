@@ -327,6 +327,21 @@ def test_uploads_beyond_the_replay_budget_stream_unkept(main, rs):
     assert failure is None, failure
 
 
+@pytest.mark.parametrize("method", ["POST", "PUT", "PATCH"])
+@pytest.mark.parametrize("http", ["--http1.1", "--http2"])
+def test_an_empty_body_reaches_the_origin_with_content_length_zero(main, rs, method, http):
+    """A POST, PUT or PATCH with an empty body (curl sends Content-Length: 0 on HTTP/1.1, an empty DATA frame
+    on HTTP/2) reaches the origin with Content-Length: 0 (RFC 9110 §8.6), not with no framing at all, which some
+    origins answer with 411 Length Required. It once arrived without either."""
+    path = unique("/empty")
+    mark = rs.mark()
+    answer = main.curl(rs.url(path), http, "-X", method, "--data-binary", "")
+    assert answer.status == 200, answer
+    [seen] = [s for s in rs.since(mark) if s.path == path]
+    assert seen.header("Content-Length") == "0" and seen.header("Transfer-Encoding") is None, seen.headers
+    assert seen.body_size == 0
+
+
 def test_a_trickled_upload_reaches_the_origin_as_it_is_sent(main, rs):
     """The body goes upstream as it arrives (a copy is kept for a replay): the origin has the request while
     the client still holds back the rest of its body. It once waited for the whole body first."""

@@ -191,6 +191,11 @@ extension UpstreamRequest {
             method: method, url: parsed, target: target, fields: fields, body: body, credential: credential)
     }
 
+    /// Methods whose requests carry content by definition: an empty one still gets `Content-Length: 0`.
+    static func definesContent(_ method: String) -> Bool {
+        method == "POST" || method == "PUT" || method == "PATCH"
+    }
+
     /// The same for a URL already parsed.
     public static func http1Head(
         method: String, url parsed: AbsoluteURL, target: String? = nil, fields: [(name: String, value: [UInt8])],
@@ -200,7 +205,10 @@ extension UpstreamRequest {
         let target = target ?? parsed.pathAndQuery
         let framing: (name: String, value: [UInt8])?
         switch body {
-        case .none: framing = nil
+        case .none:
+            // RFC 9110 §8.6: a POST, PUT or PATCH says its empty content's length (some origins answer 411 when it
+            // does not); other methods without content send no framing field.
+            framing = Self.definesContent(method) ? ("Content-Length", Array("0".utf8)) : nil
         case .length(let length): framing = ("Content-Length", Array(String(length).utf8))
         case .chunked: framing = ("Transfer-Encoding", Self.chunked)
         }
