@@ -189,8 +189,11 @@ struct ConnectionHarness {
             transferRunning = false
             transferFresh = false
             event(.credentialFailed(.dpopKeyMissing(provider: "corp")))
-        case 15:
+        case 15 where opcode & 2 == 0:
             event(.bodyNotKept(directory: "/x"))
+        case 15:
+            // The I/O layer's replay budget ran out: the body streams on, unkept.
+            event(.bodyBeyondBudget)
         default:
             break
         }

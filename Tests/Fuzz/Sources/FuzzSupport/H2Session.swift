@@ -285,7 +285,7 @@ struct H2Harness {
                         stream, low & 2 != 0 ? .dpopKeyMissing(provider: "corp") : .dpopProofFailed(reason: "sign")))
             } else {
                 guard open(stream), !log.requestEnded else { return }
-                event(.bodyNotKept(stream, directory: "/spool"))
+                event(low & 2 != 0 ? .bodyBeyondBudget(stream) : .bodyNotKept(stream, directory: "/spool"))
             }
         case 8:
             guard let stream = pick(reader.byte()), streams[stream]?.transferRunning == true else { return }
@@ -444,7 +444,7 @@ struct H2Harness {
             lastActivity = now
         case .requestHeaders:
             lastActivity = now
-        case .bodyNotKept, .timerFired, .shutdown, .clientGone, .tunnelEnded, .requestHeadTooLarge:
+        case .bodyNotKept, .bodyBeyondBudget, .timerFired, .shutdown, .clientGone, .tunnelEnded, .requestHeadTooLarge:
             break
         }
         current = event
