@@ -28,7 +28,9 @@ public final class CurlTransport: HTTPTransport {
         let target = Self.describe(request.url)
         return try await withCheckedThrowingContinuation { continuation in
             loop.post { [multi, resolve] in
-                let transfer = BufferedTransfer(target: target) { result in
+                let transfer = BufferedTransfer(
+                    target: target, limit: request.limit, keepsHeadWhenTooLarge: request.keepsHeadWhenTooLarge
+                ) { result in
                     switch result {
                     case .success(let data):
                         continuation.resume(
