@@ -271,13 +271,11 @@ enum StatusCommand {
         }
         if !stepUps.isEmpty {
             text.append("")
-            text.append("Pending step-ups (an origin asked for a stronger sign-in):")
+            text.append("Pending step-ups (an origin asked for a stronger sign-in or a wider scope):")
             for pending in stepUps {
-                var wanted: [String] = []
-                if let acr = pending.acrValues { wanted.append("acr_values \(acr)") }
-                if let maxAge = pending.maxAge { wanted.append("max_age \(maxAge)") }
+                let wanted = pending.requirement
                 text.append(
-                    "  \(pending.origin)\(wanted.isEmpty ? "" : " (\(wanted.joined(separator: ", ")))"), \(HumanTime.describe(pending.at, now: now)): run \(pending.command)"
+                    "  \(pending.origin)\(wanted.isEmpty ? "" : " (\(wanted))"), \(HumanTime.describe(pending.at, now: now)): run \(pending.command)"
                 )
             }
         }
@@ -289,6 +287,7 @@ enum StatusCommand {
                     var object = JSONObject([
                         ("origin", .string(pending.origin)), ("provider", .string(pending.provider)),
                     ])
+                    if let scope = pending.scope { object["scope"] = .string(scope) }
                     if let acr = pending.acrValues { object["acr_values"] = .string(acr) }
                     if let maxAge = pending.maxAge { object["max_age"] = .int(Int64(maxAge)) }
                     object["at"] = .int(pending.at)

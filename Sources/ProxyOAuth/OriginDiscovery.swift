@@ -10,10 +10,13 @@ import ProxyTLS
 public struct MetadataFetcher: Sendable {
     public let transport: any HTTPTransport
     public let caFile: String?
+    /// Milliseconds for each request.
+    public let timeout: Int
 
-    public init(transport: any HTTPTransport, caFile: String?) {
+    public init(transport: any HTTPTransport, caFile: String?, timeout: Int = 15_000) {
         self.transport = transport
         self.caFile = caFile
+        self.timeout = timeout
     }
 
     /// An answer, and where it came from.
@@ -36,7 +39,7 @@ public struct MetadataFetcher: Sendable {
             var request = HTTPRequest(url: current, headers: [("Accept", "application/json")])
             request.limit = ProtectedResourceMetadata.maxDocumentBytes
             request.keepsHeadWhenTooLarge = probe
-            request.timeout = 15_000
+            request.timeout = timeout
             let (response, usedCA) = try await send(request)
             if (300..<400).contains(response.status), let location = response.header("Location") {
                 switch MetadataURL.redirect(from: current, to: location) {

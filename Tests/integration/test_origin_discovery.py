@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.deployment import BROWSER
+from fixtures import config
+from fixtures.deployment import BROWSER, Deployment, Workspace
 from fixtures.http import free_port
 from fixtures.proxy import Proxy, clean_env, poll, proxyctl_bin
 from idp_fake import FakeIdP
@@ -337,3 +338,88 @@ def test_the_authorization_endpoint_reaches_the_browser_as_one_argument_and_a_fi
             login = run(home, "login", BROWSER=str(recorder))
             assert login.returncode != 0 and why in login.stderr, login.stderr
             assert not log.exists()
+
+
+# MARK: - In serve: another authorization server named by the 401; insufficient_scope
+
+
+def serve_workspace(root: Path, rs: ResourceServer, issuer: str, **provider_keys) -> Deployment:
+    sections = (config.provider("p", issuer, **provider_keys)
+                + config.origin(rs.url("", API), "p", ca_file=rs.ca_pem))
+    ws = Workspace(root, sections, f"{API}=127.0.0.1")
+    ws.ca_init()
+    return ws
+
+
+@pytest.mark.parametrize("names_provider", [False, True])
+def test_a_401_naming_another_authorization_server_is_passed_on_and_nothing_switches(tmp_path, rs, names_provider):
+    """The origin's 401 names metadata (on the origin) whose authorization_servers are not the configured
+    provider's: the client gets that 401 with Proxy-Status naming the mismatch, the log names the `proxyctl init
+    --origin` to run, and no refresh is spent on it (a token of another server never becomes one the origin
+    accepts). Metadata that names the provider: the usual refresh and one replay."""
+    with FakeIdP() as fake, FakeIdP() as other:
+        # The resource server trusts nobody: every token is refused, with resource_metadata in the 401.
+        rs.publish_metadata({"resource": "{origin}",
+                             "authorization_servers": [fake.issuer if names_provider else other.issuer]})
+        ws = serve_workspace(tmp_path / "ws", rs, fake.issuer)
+        ws.login_fake("p")
+        deployment = Deployment(ws, ws.start_proxy())
+        try:
+            mark = deployment.proxy.mark()
+            fake.reset_counts()
+            answer = deployment.curl(rs.url("/me", API))
+            assert answer.status == 401, answer
+            assert "resource_metadata=" in answer.header("WWW-Authenticate")
+            status = answer.header("Proxy-Status")
+            metadata_fetches = [s for s in rs.since(0) if s.path.startswith("/.well-known/")]
+            assert len(metadata_fetches) == 1, metadata_fetches
+            if names_provider:
+                assert fake.count("token", grant_type="refresh_token") == 1
+                assert "refused a freshly refreshed token" in status, status
+            else:
+                assert status == (f'proxyctl; error=proxy_configuration_error; received-status=401; details="the '
+                                  f"origin's resource metadata names the authorization server {other.issuer}, not the "
+                                  f'issuer of [provider p]; set it up with: proxyctl init --origin {rs.url("", API)}"')
+                assert fake.count("token") == 0 and other.counts() == {}
+                log = poll(lambda: "wrong authorization server" in deployment.proxy.log_since(mark)
+                           and deployment.proxy.log_since(mark), 10, message="the log line")
+                assert f"run: proxyctl init --origin {rs.url('', API)} --config NEW.conf" in log, log
+                # The verdict is kept: a second request does not fetch the metadata again.
+                assert deployment.curl(rs.url("/me", API)).status == 401
+                assert len([s for s in rs.since(0) if s.path.startswith("/.well-known/")]) == 1
+        finally:
+            assert deployment.stop() is None
+
+
+@needs_glewlwyd
+def test_insufficient_scope_is_surfaced_like_a_step_up_and_step_up_asks_for_the_scope(tmp_path, rs,
+                                                                                      glewlwyd_registering):
+    """An origin answering 403 `insufficient_scope` with `scope="api"` (RFC 6750 §3.1): the client gets it with
+    Proxy-Status naming `proxyctl step-up ORIGIN`, nothing is refreshed, `status` lists it; `proxyctl step-up` signs
+    in asking for the provider's scopes and `api`, and the same request through the same serve gets 200."""
+    idp = glewlwyd_registering
+    idp.add_redirect_ports([port := free_port()])
+    rs.trust(idp.issuer(), idp.discovery()["jwks_uri"])
+    rs.require_scope["/admin"] = "api"
+    ws = serve_workspace(tmp_path / "ws", rs, idp.issuer(), client_id=idp.client_id, scopes="openid profile email",
+                         redirect_port=port)
+    ws.login_glewlwyd("p", idp)
+    deployment = Deployment(ws, ws.start_proxy())
+    try:
+        answer = deployment.curl(rs.url("/admin", API))
+        assert answer.status == 403, answer
+        assert answer.header("Proxy-Status") == (
+            f'proxyctl; received-status=403; details="the origin needs the scope api: run proxyctl step-up '
+            f'{rs.url("", API)}"')
+        status = ws.cli("status")
+        assert f"{rs.url('', API)} (the scope api)" in status.stdout, status.stdout
+        stepped = ws.cli("step-up", BROWSER=BROWSER, PROXYCTL_TEST_BROWSER="glewlwyd",
+                         PROXYCTL_TEST_IDP_URL=idp.base_url, PROXYCTL_TEST_IDP_USER=idp.username,
+                         PROXYCTL_TEST_IDP_PASSWORD=idp.password)
+        assert stepped.returncode == 0, stepped.stderr
+        assert f"{rs.url('', API)} needs the scope api; signing in to p asking for it too." in stepped.stderr
+        again = deployment.curl(rs.url("/admin", API))
+        assert again.status == 200, again
+        assert "api" in json.loads(again.body)["scope"].split()
+    finally:
+        assert deployment.stop() is None

@@ -137,6 +137,32 @@ public struct ProtectedResourceMetadata: Sendable, Equatable {
     }
 }
 
+/// What an origin's protected resource metadata, named in its 401, says of the provider the origin is configured
+/// with. Only used to tell the user: nothing switches authorization servers by itself.
+public enum ResourceMetadataVerdict: Sendable, Equatable {
+    /// It lists the provider's issuer.
+    case consistent
+    /// It lists only these other authorization servers.
+    case otherServers([String])
+    /// It could not be read or does not describe this origin (why): it says nothing, and the 401 is handled as
+    /// any other.
+    case unknown(String)
+
+    /// The verdict on `document`, fetched for the protected origin `origin` (its URL) whose provider's issuer is
+    /// `issuer`: a document whose resource is not on that origin says nothing about it (RFC 9728 §3.3).
+    public static func judge(_ document: JSONValue, origin: String, issuer: String) -> ResourceMetadataVerdict {
+        switch ProtectedResourceMetadata.parse(document) {
+        case .failure(let error): return .unknown(error.message)
+        case .success(let metadata):
+            guard MetadataURL.sameOrigin(metadata.resource, origin) else {
+                return .unknown("its resource \(DiscoveryText.printable(metadata.resource)) is not on \(origin)")
+            }
+            return metadata.authorizationServers.contains(issuer)
+                ? .consistent : .otherServers(metadata.authorizationServers)
+        }
+    }
+}
+
 /// The rules for every URL proxyctl fetches metadata from or registers at because an origin or an authorization
 /// server named it: https, or http on a loopback host (development servers, as for issuers); no userinfo, no
 /// fragment; only characters a URL may hold (RFC 3986 §2), so a value can never be more than one URL.

@@ -24,6 +24,8 @@ public struct H2Session: Sendable {
         case tokens(Stream, Result<TokenGrant, TokenFailure>)
         case refreshed(Stream, Result<TokenGrant, TokenFailure>)
         case credentialFailed(Stream, ProxyAnswer)
+        /// The answer to the stream's `.checkResourceMetadata`.
+        case resourceMetadata(Stream, ResourceMetadataVerdict)
         case bodyNotKept(Stream, directory: String)
         case transferBody(Stream, count: Int)
         case transferFinished(Stream, UpstreamFailure?, detail: String)
@@ -178,6 +180,8 @@ public struct H2Session: Sendable {
             exchange(stream, &out) { exchange, outputs in exchange.refreshed(result, &outputs) }
         case .credentialFailed(let stream, let answer):
             exchange(stream, &out) { exchange, outputs in exchange.credentialFailed(answer, &outputs) }
+        case .resourceMetadata(let stream, let verdict):
+            exchange(stream, &out) { exchange, outputs in exchange.resourceMetadata(verdict, &outputs) }
         case .bodyNotKept(let stream, let directory):
             exchange(stream, &out) { exchange, outputs in exchange.bodyNotKept(directory: directory, &outputs) }
         case .transferBody(let stream, let count):
