@@ -72,9 +72,10 @@ enum LoginCommand {
         if !environment.provider.needsSignIn {
             return try machineGrant(environment, context: context)
         }
+        // A wildcard origin's resource names each host's with "*": its hosts are not known before they are used.
         options.originResources = environment.configuration.origins.origins.filter {
             $0.provider == environment.provider.name
-        }.compactMap(\.resource)
+        }.compactMap(\.resource).filter { !$0.contains("*") }
         _ = try signIn(
             environment, options: options, device: arguments.flag("device"), noBrowser: arguments.flag("no-browser"),
             newKey: arguments.flag("new-key"), context: context)

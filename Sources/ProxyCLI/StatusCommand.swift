@@ -32,7 +32,8 @@ enum StatusCommand {
     /// their own (resource, scopes) with its expiry and the `aud` it really has. A provider that ignored the
     /// resource indicator is named as such rather than trusted.
     static func originLines(
-        _ origins: [OriginConfig], tokens: TokenSet?, now: Int64, text: inout [String], object: inout JSONObject
+        _ origins: [OriginConfig], tokens: TokenSet?, now: Int64, text: inout [String], object: inout JSONObject,
+        seen: [String: [String]] = [:]
     ) {
         guard !origins.isEmpty else {
             text.append("  origins:       none")
@@ -92,6 +93,14 @@ enum StatusCommand {
                 }
             }
             text.append(line)
+            if origin.isWildcard {
+                // The hosts below the domain a running serve has intercepted (its record's origins).
+                let hosts = seen[origin.url] ?? []
+                text.append(
+                    "      hosts seen: "
+                        + (hosts.isEmpty ? "none yet (by a running proxyctl serve)" : hosts.joined(separator: ", ")))
+                report["hosts_seen"] = .array(hosts.map { .string($0) })
+            }
             reports.append(.object(report))
         }
         object["origin_tokens"] = .array(reports)
@@ -122,6 +131,15 @@ enum StatusCommand {
         var allUsable = !providers.isEmpty
         var reports: [JSONValue] = []
         var text: [String] = []
+        // Hosts each wildcard origin covered, as the running serves recorded them.
+        var seen: [String: [String]] = [:]
+        for state in ServeState.allRunning(stateDirectory: stateDirectory) {
+            for url in state.origins.keys {
+                guard let wildcard = configuration.origins.wildcard(covering: url) else { continue }
+                if !(seen[wildcard.url] ?? []).contains(url) { seen[wildcard.url, default: []].append(url) }
+            }
+        }
+        for key in seen.keys { seen[key]?.sort() }
         if providers.isEmpty {
             text.append(
                 "No provider is configured. Add a [provider NAME] section to \(AuthEnvironment.describe(location)).")
@@ -168,7 +186,7 @@ enum StatusCommand {
                 }
                 if let problem { text.append("  problem:       \(problem)") }
                 if let problem { object["problem"] = .string(problem) }
-                originLines(served, tokens: nil, now: now, text: &text, object: &object)
+                originLines(served, tokens: nil, now: now, text: &text, object: &object, seen: seen)
                 reports.append(.object(object))
                 continue
             }
@@ -237,7 +255,7 @@ enum StatusCommand {
                 object["last_refresh"] = .object(refresh)
             }
             if machine { text.append("  grant:         \(provider.grant.rawValue) (no sign-in needed)") }
-            originLines(served, tokens: tokens, now: now, text: &text, object: &object)
+            originLines(served, tokens: tokens, now: now, text: &text, object: &object, seen: seen)
             if !usable { text.append("  next step:     proxyctl login \(provider.name)") }
             reports.append(.object(object))
         }

@@ -646,6 +646,10 @@ public final class ProxyServer: ConnectionOwner {
                 for origin in origins.origins {
                     counts[origin.url] = state.origins[origin.url] ?? ServeState.OriginCounts()
                 }
+                // Hosts a wildcard origin still covers keep their counts (status lists them as hosts seen).
+                for (url, kept) in state.origins where counts[url] == nil && origins.wildcard(covering: url) != nil {
+                    counts[url] = kept
+                }
                 state.origins = counts
                 serveState = state
                 writeServeState()

@@ -177,7 +177,7 @@ public enum MetadataURL {
         if text.contains("#") { return "a URL here has no fragment" }
         guard case .success(let url) = AbsoluteURL.parse(text) else { return "expected an https:// URL" }
         if !allowQuery && text.contains("?") { return "a URL here has no query" }
-        if url.scheme == "http" && !isLoopback(url.authority.host) {
+        if url.scheme == "http" && !isLoopbackHost(url.authority.host) {
             return "https:// is required (http:// is accepted only for loopback hosts)"
         }
         return nil
@@ -195,7 +195,7 @@ public enum MetadataURL {
         }
     }
 
-    static func isLoopback(_ host: String) -> Bool {
+    public static func isLoopbackHost(_ host: String) -> Bool {
         host == "localhost" || (IPAddress.parse(host)?.isLoopback ?? false)
     }
 
