@@ -204,10 +204,20 @@ def test_several_authorization_servers_need_issuer(home, rs):
         wrong = init_origin(home, rs, "--issuer", "http://127.0.0.1:1/elsewhere")
         assert wrong.returncode == 1 and "is not one of the authorization servers the origin names" in wrong.stderr
         assert fake.counts() == {} and second.counts() == {}
+        # The one chosen; the origin wants DPoP-bound tokens, and its scopes come with offline_access.
+        rs.publish_metadata({"resource": "{origin}", "authorization_servers": [second.issuer, fake.issuer],
+                             "scopes_supported": ["api", "admin"], "dpop_bound_access_tokens_required": True})
         chosen = init_origin(home, rs, "--issuer", fake.issuer)
         assert chosen.returncode == 0, chosen.stderr
-        assert f"issuer = {fake.issuer}\n" in conf_of(home).read_text()
+        text = conf_of(home).read_text()
+        assert f"issuer = {fake.issuer}\n" in text
+        assert "token_binding = dpop\ndpop_required = true\n" in text and "dpop_bound_access_tokens_required" in text
+        assert "scopes = openid api admin offline_access\n" in text, text
         assert second.counts() == {} and fake.count("register") == 1
+        registered = fake.registered[0]
+        assert registered["token_endpoint_auth_method"] == "none" and registered["dpop_bound_access_tokens"] is True
+        assert registered["grant_types"] == ["authorization_code", "refresh_token",
+                                             "urn:ietf:params:oauth:grant-type:device_code"]
 
 
 def test_no_authorization_server_is_contacted_before_the_user_saw_it_named(home, rs, tmp_path):
