@@ -131,7 +131,11 @@ extension InitCommand {
         if redirectPort == nil, let kept, let port = kept.redirectPort, LoopbackReceiver.canListen(port: port) {
             redirect = (port, "http://127.0.0.1:\(port)\(ProviderConfig(name: name).redirectPath)", ", as registered")
         } else {
-            redirect = chooseRedirectPort(given: redirectPort, replacing: file, provider: name, context: context)
+            // A client init registers takes any free port (a kept registration whose port is taken is made again);
+            // a client of yours keeps the port of the file replaced, which is registered for it.
+            let registering = givenClientID == nil && clientMetadataURL == nil
+            redirect = chooseRedirectPort(
+                given: redirectPort, replacing: registering ? "" : file, provider: name, context: context)
         }
         let reusable = kept.flatMap { $0.redirectURIs.contains(redirect.uri) ? $0 : nil }
         context.err("")

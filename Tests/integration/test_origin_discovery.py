@@ -433,3 +433,36 @@ def test_insufficient_scope_is_surfaced_like_a_step_up_and_step_up_asks_for_the_
         assert "api" in json.loads(again.body)["scope"].split()
     finally:
         assert deployment.stop() is None
+
+
+def test_a_registration_is_reused_while_its_port_is_free_and_made_again_when_it_is_not(home, rs):
+    """A second init for the same issuer (--force) reuses the kept registration and its redirect port; when that
+    port is taken, it registers again on a free one and keeps the new registration."""
+    import socket
+    with FakeIdP(registration=True) as fake:
+        rs.publish_metadata({"resource": "{origin}", "authorization_servers": [fake.issuer]})
+        # A port of this test's own (17755, init's first choice, may be another test's login right now).
+        port = free_port()
+        first = init_origin(home, rs, "--yes", "--redirect-port", str(port))
+        assert first.returncode == 0, first.stderr
+        text = conf_of(home).read_text()
+        client_id = re.search(r"^client_id = (\S+)$", text, re.M).group(1)
+        assert f"redirect_port = {port}\n" in text
+        again = init_origin(home, rs, "--yes", "--force")
+        assert again.returncode == 0, again.stderr
+        assert fake.count("register") == 1 and f"client_id = {client_id}\n" in conf_of(home).read_text()
+        assert f"use client {client_id}, registered there before" in again.stderr, again.stderr
+        holder = socket.socket()
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        try:
+            moved = init_origin(home, rs, "--yes", "--force")
+        finally:
+            holder.close()
+        assert moved.returncode == 0, moved.stderr
+        text = conf_of(home).read_text()
+        assert fake.count("register") == 2 and f"client_id = {client_id}\n" not in text
+        new_port = int(re.search(r"^redirect_port = (\d+)$", text, re.M).group(1))
+        assert new_port != port and fake.registered[-1]["redirect_uris"] == [f"http://127.0.0.1:{new_port}/callback"]
+        [kept] = list((state_of(home) / "registrations").iterdir())
+        assert json.loads(kept.read_text())["redirect_uris"] == [f"http://127.0.0.1:{new_port}/callback"]
