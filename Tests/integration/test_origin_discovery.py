@@ -453,6 +453,7 @@ def test_a_registration_is_reused_while_its_port_is_free_and_made_again_when_it_
         assert fake.count("register") == 1 and f"client_id = {client_id}\n" in conf_of(home).read_text()
         assert f"use client {client_id}, registered there before" in again.stderr, again.stderr
         holder = socket.socket()
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)    # as proxyctl's listeners: TIME_WAIT aside
         holder.bind(("127.0.0.1", port))
         holder.listen()
         try:
@@ -466,3 +467,16 @@ def test_a_registration_is_reused_while_its_port_is_free_and_made_again_when_it_
         assert new_port != port and fake.registered[-1]["redirect_uris"] == [f"http://127.0.0.1:{new_port}/callback"]
         [kept] = list((state_of(home) / "registrations").iterdir())
         assert json.loads(kept.read_text())["redirect_uris"] == [f"http://127.0.0.1:{new_port}/callback"]
+        # login on a taken port says what registers again.
+        holder = socket.socket()
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", new_port))
+        holder.listen()
+        try:
+            login = run(home, "login", "--no-browser")
+        finally:
+            holder.close()
+        assert login.returncode == 1, login.stderr
+        assert (f"Port {new_port} is taken, and the client proxyctl registered at {fake.issuer} allows only "
+                f"http://127.0.0.1:{new_port}/callback: free it, or run proxyctl init --origin {rs.url('', API)} "
+                "--force to register again on a free port.") in login.stderr, login.stderr
