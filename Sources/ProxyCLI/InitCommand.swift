@@ -168,9 +168,13 @@ enum InitCommand {
         }
         context.err("Checking \(issuer) ...")
         let loopThread = LoopThread()
-        defer { loopThread.stop() }
         let transport = CurlTransport(
             loop: loopThread.loop, upstreamProxy: nil, bypass: BypassList(), resolve: proxySettings.resolve)
+        // As in init from the origin alone: the transport's libcurl handle goes only once the loop has stopped.
+        defer {
+            loopThread.stop()
+            withExtendedLifetime(transport) {}
+        }
         let client = ProviderClient(config: provider, transport: transport)
         let (metadata, spelled) = try discover(client, issuer: issuer)
         provider.issuer = metadata.issuer
