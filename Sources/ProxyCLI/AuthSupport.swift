@@ -273,6 +273,9 @@ struct BrowserLauncher {
     /// ends, and the next command of `$BROWSER` is tried, as the `$BROWSER` convention asks; a browser that keeps
     /// running is never waited for.
     func launch(_ url: String, failed: @escaping @Sendable (String) -> Void) -> String? {
+        // Only an https (or loopback http) URL of URL characters reaches a browser, and as one argument of an
+        // execve (Process): never a file: URL, never a value a shell would split (CVE-2025-6514).
+        if let problem = MetadataURL.browserProblem(url) { return "the URL is not opened in a browser: \(problem)" }
         let attempt = BrowserAttempt(candidates: candidates(url), path: environment["PATH"], failed: failed)
         let problems = attempt.start(from: 0)
         return problems.isEmpty ? nil : problems.joined(separator: "; ")

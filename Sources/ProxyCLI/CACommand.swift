@@ -137,7 +137,7 @@ enum CACommand {
         let say = { (line: String) in
             context.err(style == .report ? "  \(line)" : line.prefix(1).uppercased() + line.dropFirst())
         }
-        let list = { (hosts: [String]) in hosts.joined(separator: ", ") }
+        let list = { (hosts: [String]) in hosts.map(NameConstraints.display).joined(separator: ", ") }
         if case .keep(let extra) = plan, let existing {
             var line =
                 style == .report
@@ -237,7 +237,7 @@ enum CACommand {
         }
         let now = Int64(time(nil))
         context.out("Local CA: \(ca.certificate.subject)")
-        context.out("  hosts:       \(ca.hosts.joined(separator: ", "))")
+        context.out("  hosts:       \(ca.hosts.map(NameConstraints.display).joined(separator: ", "))")
         context.out("  valid until: \(HumanTime.describe(ca.certificate.notAfter, now: now))")
         context.out("  SHA-256:     \(ca.certificate.fingerprint)")
         context.out("  certificate: \(files.certificate)")

@@ -35,13 +35,29 @@ enum InitCommand {
             example; an IP address or localhost: default) unless --name says otherwise. listen is 127.0.0.1:8080, \
             or a free port near it when something (another proxyctl serve) listens there. With origins, the \
             local CA is made too; --origin-ca-file names the CA of origins whose certificates come from a private \
-            CA (written as ca_file in each [origin]). Then run the command it prints.
+            CA (written as ca_file in each [origin]). Then run the command it prints. \
+            From the origin alone (proxyctl init --origin https://api.example.com, without --issuer or --client-id): \
+            the origin's protected resource metadata (RFC 9728) names its authorization server, whose metadata \
+            (RFC 8414, OpenID Connect Discovery) must name exactly that issuer; init names it and, on a terminal, \
+            asks before talking to it (--yes does not ask; elsewhere --yes or --issuer is needed). The client is \
+            --client-id, else --client-metadata-url where the provider accepts Client ID Metadata Documents, else \
+            one init registers (RFC 7591) as a native public client with the redirect URI it prints, kept in the \
+            state directory. Scopes, the origin's resource (RFC 8707) and DPoP come from the metadata, and \
+            proxy.conf says where each value came from. --ca-file is trusted for these fetches and written where a \
+            server needed it.
             """,
         options: [
             AuthEnvironment.configOption,
-            .option("issuer", value: "url", help: "The provider's issuer URL (required)."),
             .option(
-                "client-id", value: "id", help: "The client ID registered for proxyctl, a public client (required)."),
+                "issuer", value: "url",
+                help:
+                    "The provider's issuer URL (without it, the one the --origin's protected resource metadata names; among several it names, the one to use)."
+            ),
+            .option(
+                "client-id", value: "id",
+                help:
+                    "The client ID registered for proxyctl, a public client (without it, init registers one where the provider allows it)."
+            ),
             OptionSpec(
                 name: "origin", short: nil, valueName: "url",
                 help: "A protected origin, https://HOST[:PORT] (repeatable).", repeatable: true),
@@ -59,6 +75,16 @@ enum InitCommand {
             ),
             .flag("dpop", help: "Bind tokens with DPoP (token_binding = dpop, dpop_required = true)."),
             .flag("force", help: "Replace an existing configuration file."),
+            .flag(
+                "yes",
+                help:
+                    "With --origin alone: use the authorization server the origin names and register there without asking."
+            ),
+            .option(
+                "client-metadata-url", value: "url",
+                help:
+                    "With --origin alone: the https URL of a Client ID Metadata Document you publish for proxyctl, used as the client ID where the provider accepts them."
+            ),
             .option("resolve", value: "pairs", help: "HOST=ADDRESS pairs for [proxy] resolve (development set-ups)."),
             .option("ca-file", value: "file", help: "A PEM file of CA certificates to trust for the provider."),
             .option(
@@ -72,6 +98,14 @@ enum InitCommand {
 
     static func run(_ arguments: ParsedArguments, _ context: CommandContext) throws -> Int32 {
         let path = ["proxyctl", "init"]
+        if !arguments.all("origin").isEmpty && (arguments.value("issuer") == nil || arguments.value("client-id") == nil)
+        {
+            return try runFromOrigin(arguments, context)
+        }
+        for flag in ["yes", "client-metadata-url"] where arguments.flag(flag) || arguments.value(flag) != nil {
+            throw UsageError(
+                message: "--\(flag) is for init from the origin alone (without --issuer or --client-id)", command: path)
+        }
         guard let issuer = arguments.value("issuer") else {
             throw UsageError(message: "Missing expected option '--issuer <url>'", command: path)
         }
@@ -144,9 +178,13 @@ enum InitCommand {
         }
         context.err("Checking \(issuer) ...")
         let loopThread = LoopThread()
-        defer { loopThread.stop() }
         let transport = CurlTransport(
             loop: loopThread.loop, upstreamProxy: nil, bypass: BypassList(), resolve: proxySettings.resolve)
+        // As in init from the origin alone: the transport's libcurl handle goes only once the loop has stopped.
+        defer {
+            loopThread.stop()
+            withExtendedLifetime(transport) {}
+        }
         let client = ProviderClient(config: provider, transport: transport)
         let (metadata, spelled) = try discover(client, issuer: issuer)
         provider.issuer = metadata.issuer
@@ -274,11 +312,26 @@ enum InitCommand {
         }
     }
 
+    /// Where values of a file written from the origin alone came from: comment lines written above each key.
+    struct Provenance {
+        var provider: [String] = []
+        var issuer: [String] = []
+        var clientID: [String] = []
+        var scopes: [String] = []
+        var providerCA: [String] = []
+        var dpop: [String] = []
+        var origin: [String] = []
+        var resource: [String] = []
+        var originCA: [String] = []
+    }
+
     /// A commented proxy.conf for one provider and its origins.
     static func configurationText(
         provider: ProviderConfig, origins: [String], dpop: Bool, resolve: String?, issuer: String,
-        listen: String = "127.0.0.1:8080", originCAFile: String? = nil
+        listen: String = "127.0.0.1:8080", originCAFile: String? = nil, originResource: String? = nil,
+        provenance: Provenance? = nil
     ) -> String {
+        func comments(_ lines: [String]) -> String { lines.map { "# \($0)\n" }.joined() }
         var text = """
             # proxy.conf written by proxyctl init. Every key is explained in proxy.conf.example; check the file
             # with proxyctl serve --check or proxyctl doctor.
@@ -290,32 +343,45 @@ enum InitCommand {
 
             """
         if let resolve { text += "# Host names answered without DNS (development set-ups).\nresolve = \(resolve)\n" }
+        text += "\n"
+        text += comments(
+            provenance?.provider ?? ["The OpenID provider proxyctl signs in to, as a public client (no client secret)."]
+        )
+        text += "[provider \(provider.name)]\n"
+        text += comments(provenance?.issuer ?? [])
+        text += "issuer = \(issuer)\n"
+        text += comments(provenance?.clientID ?? [])
+        text += "client_id = \(provider.clientID)\n"
+        text += comments(provenance?.scopes ?? [])
+        text += "scopes = \(provider.scopes.joined(separator: " "))\n"
         text += """
-
-            # The OpenID provider proxyctl signs in to, as a public client (no client secret).
-            [provider \(provider.name)]
-            issuer = \(issuer)
-            client_id = \(provider.clientID)
-            scopes = \(provider.scopes.joined(separator: " "))
             # After sign-in the browser comes back to http://127.0.0.1:\(provider.redirectPort)\(provider.redirectPath):
             # register exactly this redirect URI for the client at the provider (or change the port here and
             # register that one).
             redirect_port = \(provider.redirectPort)
 
             """
-        if let caFile = provider.caFile { text += "ca_file = \(caFile)\n" }
-        if dpop { text += "# Tokens bound to a key of yours (RFC 9449).\ntoken_binding = dpop\ndpop_required = true\n" }
+        if let caFile = provider.caFile { text += comments(provenance?.providerCA ?? []) + "ca_file = \(caFile)\n" }
+        if dpop {
+            text += comments(provenance?.dpop ?? ["Tokens bound to a key of yours (RFC 9449)."])
+            text += "token_binding = dpop\ndpop_required = true\n"
+        }
         for origin in origins {
-            text += """
-
-                # A protected origin: its requests get the token of [provider \(provider.name)].
-                [origin \(origin)]
-                provider = \(provider.name)
-
-                """
+            text += "\n"
+            text += comments(
+                provenance?.origin ?? ["A protected origin: its requests get the token of [provider \(provider.name)]."]
+            )
+            text += "[origin \(origin)]\nprovider = \(provider.name)\n"
+            if let originResource {
+                text += comments(provenance?.resource ?? [])
+                text += "resource = \(originResource)\n"
+            }
             if let originCAFile {
-                text +=
-                    "# Its certificate comes from a private CA: trusted from this file instead of the system's roots.\n"
+                text += comments(
+                    provenance?.originCA
+                        ?? [
+                            "Its certificate comes from a private CA: trusted from this file instead of the system's roots."
+                        ])
                 text += "ca_file = \(originCAFile)\n"
             }
         }

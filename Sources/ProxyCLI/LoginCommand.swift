@@ -77,9 +77,23 @@ enum LoginCommand {
         if !environment.provider.needsSignIn {
             return try machineGrant(environment, context: context)
         }
+        // A wildcard origin's resource names each host's with "*": its hosts are not known before they are used.
         options.originResources = environment.configuration.origins.origins.filter {
             $0.provider == environment.provider.name
-        }.compactMap(\.resource)
+        }.compactMap(\.resource).filter { !$0.contains("*") }
+        let provider = environment.provider
+        if !arguments.flag("device"), provider.redirectPort > 0,
+            !LoopbackReceiver.canListen(port: provider.redirectPort),
+            let kept = RegistrationStore(stateDirectory: environment.store.stateDirectory).load(
+                issuer: provider.issuer),
+            kept.clientID == provider.clientID,
+            let origin = environment.configuration.origins.origins.first(where: { $0.provider == provider.name })
+        {
+            // The client init registered allows its one redirect URI: a taken port is a registration to make again.
+            context.err(
+                "Port \(provider.redirectPort) is taken, and the client proxyctl registered at \(provider.issuer) allows only http://127.0.0.1:\(provider.redirectPort)\(provider.redirectPath): free it, or run proxyctl init --origin \(origin.resource ?? origin.url)\(arguments.value("config").map { " --config \(EnvCommand.quote($0))" } ?? "") --force to register again on a free port."
+            )
+        }
         _ = try signIn(
             environment, options: options, device: arguments.flag("device"), noBrowser: arguments.flag("no-browser"),
             newKey: arguments.flag("new-key"), context: context)

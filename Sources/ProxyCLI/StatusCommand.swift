@@ -43,7 +43,8 @@ enum StatusCommand {
     /// their own (resource, scopes) with its expiry and the `aud` it really has. A provider that ignored the
     /// resource indicator is named as such rather than trusted.
     static func originLines(
-        _ origins: [OriginConfig], tokens: TokenSet?, now: Int64, text: inout [String], object: inout JSONObject
+        _ origins: [OriginConfig], tokens: TokenSet?, now: Int64, text: inout [String], object: inout JSONObject,
+        seen: [String: [String]] = [:]
     ) {
         guard !origins.isEmpty else {
             text.append("  origins:       none")
@@ -103,6 +104,14 @@ enum StatusCommand {
                 }
             }
             text.append(line)
+            if origin.isWildcard {
+                // The hosts below the domain a running serve has intercepted (its record's origins).
+                let hosts = seen[origin.url] ?? []
+                text.append(
+                    "      hosts seen: "
+                        + (hosts.isEmpty ? "none yet (by a running proxyctl serve)" : hosts.joined(separator: ", ")))
+                report["hosts_seen"] = .array(hosts.map { .string($0) })
+            }
             reports.append(.object(report))
         }
         object["origin_tokens"] = .array(reports)
@@ -133,6 +142,15 @@ enum StatusCommand {
         var allUsable = !providers.isEmpty
         var reports: [JSONValue] = []
         var text: [String] = []
+        // Hosts each wildcard origin covered, as the running serves recorded them.
+        var seen: [String: [String]] = [:]
+        for state in ServeState.allRunning(stateDirectory: stateDirectory) {
+            for url in state.origins.keys {
+                guard let wildcard = configuration.origins.wildcard(covering: url) else { continue }
+                if !(seen[wildcard.url] ?? []).contains(url) { seen[wildcard.url, default: []].append(url) }
+            }
+        }
+        for key in seen.keys { seen[key]?.sort() }
         if providers.isEmpty {
             text.append(
                 "No provider is configured. Add a [provider NAME] section to \(AuthEnvironment.describe(location)).")
@@ -179,7 +197,7 @@ enum StatusCommand {
                 }
                 if let problem { text.append("  problem:       \(problem)") }
                 if let problem { object["problem"] = .string(problem) }
-                originLines(served, tokens: nil, now: now, text: &text, object: &object)
+                originLines(served, tokens: nil, now: now, text: &text, object: &object, seen: seen)
                 reports.append(.object(object))
                 continue
             }
@@ -248,7 +266,7 @@ enum StatusCommand {
                 object["last_refresh"] = .object(refresh)
             }
             if machine { text.append("  grant:         \(provider.grant.rawValue) (no sign-in needed)") }
-            originLines(served, tokens: tokens, now: now, text: &text, object: &object)
+            originLines(served, tokens: tokens, now: now, text: &text, object: &object, seen: seen)
             if !usable { text.append("  next step:     proxyctl login \(provider.name)") }
             reports.append(.object(object))
         }
@@ -282,13 +300,11 @@ enum StatusCommand {
         }
         if !stepUps.isEmpty {
             text.append("")
-            text.append("Pending step-ups (an origin asked for a stronger sign-in):")
+            text.append("Pending step-ups (an origin asked for a stronger sign-in or a wider scope):")
             for pending in stepUps {
-                var wanted: [String] = []
-                if let acr = pending.acrValues { wanted.append("acr_values \(acr)") }
-                if let maxAge = pending.maxAge { wanted.append("max_age \(maxAge)") }
+                let wanted = pending.requirement
                 text.append(
-                    "  \(pending.origin)\(wanted.isEmpty ? "" : " (\(wanted.joined(separator: ", ")))"), \(HumanTime.describe(pending.at, now: now)): run \(pending.command)"
+                    "  \(pending.origin)\(wanted.isEmpty ? "" : " (\(wanted))"), \(HumanTime.describe(pending.at, now: now)): run \(pending.command)"
                 )
             }
         }
@@ -300,6 +316,7 @@ enum StatusCommand {
                     var object = JSONObject([
                         ("origin", .string(pending.origin)), ("provider", .string(pending.provider)),
                     ])
+                    if let scope = pending.scope { object["scope"] = .string(scope) }
                     if let acr = pending.acrValues { object["acr_values"] = .string(acr) }
                     if let maxAge = pending.maxAge { object["max_age"] = .int(Int64(maxAge)) }
                     object["at"] = .int(pending.at)

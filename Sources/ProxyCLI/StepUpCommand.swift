@@ -71,11 +71,11 @@ enum StepUpCommand {
             throw CommandFailure(
                 message: "the provider \(challenge.provider) of \(challenge.origin) is no longer configured")
         }
-        var requirement: [String] = []
-        if let acr = challenge.acrValues { requirement.append("acr_values \(acr)") }
-        if let maxAge = challenge.maxAge { requirement.append("max_age \(maxAge)") }
+        let requirement = challenge.requirement
         context.err(
-            "\(challenge.origin) asked for a stronger sign-in\(requirement.isEmpty ? "" : " (\(requirement.joined(separator: ", ")))"); signing in to \(provider.name)."
+            challenge.scope != nil
+                ? "\(challenge.origin) needs \(requirement); signing in to \(provider.name) asking for it too."
+                : "\(challenge.origin) asked for a stronger sign-in\(requirement.isEmpty ? "" : " (\(requirement))"); signing in to \(provider.name)."
         )
         var args = arguments
         args.positionals = [provider.name]
@@ -84,6 +84,14 @@ enum StepUpCommand {
         var options = LoginOptions()
         options.acrValues = challenge.acrValues
         options.maxAge = challenge.maxAge
+        if let scope = challenge.scope {
+            // The provider's scopes and the one the origin named (RFC 6750 §3.1): a wider grant, for this sign-in.
+            var scopes = provider.scopes
+            for wanted in scope.split(separator: " ").map(String.init) where !scopes.contains(wanted) {
+                scopes.append(wanted)
+            }
+            options.scopes = scopes
+        }
         _ = try LoginCommand.signIn(
             environment, options: options, device: arguments.flag("device"), noBrowser: arguments.flag("no-browser"),
             newKey: false, context: context)

@@ -787,6 +787,7 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
         case .tokens(let grant): handle(.tokens(grant))
         case .refreshed(let grant): handle(.refreshed(grant))
         case .credentialFailed(let answer): handle(.credentialFailed(answer))
+        case .resourceMetadata(let verdict): handle(.resourceMetadata(verdict))
         case .bodyNotKept(let directory): handle(.bodyNotKept(directory: directory))
         case .bodyBeyondBudget: handle(.bodyBeyondBudget)
         case .transferFinished(let failure, let detail): handle(.transferFinished(failure, detail: detail))

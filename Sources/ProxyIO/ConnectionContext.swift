@@ -27,6 +27,8 @@ final class ConnectionContext {
     let tokens: TokenBroker
     /// The proxy's own kept connections to protected origins (`OriginTransfer`), made on first use.
     private(set) lazy var origins = OriginPool(loop: loop)
+    /// Protected resource metadata a 401 named, fetched and judged once a while (made on first use).
+    private(set) lazy var resourceMetadata = ResourceMetadataLookup(loop: loop, settings: settings)
     /// TLS contexts with leaves from the local CA; nil without protected https origins or a CA.
     let tlsContexts: TLSServerContexts?
     /// TLS client contexts for the connections the proxy makes to origins itself (upgrades).
@@ -117,6 +119,8 @@ protocol ConnectionOwner: AnyObject {
     func stepUpRequired(origin: OriginConfig, challenge: Challenge)
     /// Tokens for a provider cannot be had without the user.
     func signInNeeded(provider: String, origin: String, reason: String)
+    /// A protected origin's metadata names other authorization servers than its provider's issuer.
+    func wrongAuthorizationServer(origin: OriginConfig, servers: [String])
 }
 
 /// A connection the server keeps track of: a client connection, an intercepted TLS session, or a tunnel.

@@ -402,6 +402,8 @@ final class BufferedTransfer: CurlTransfer {
     private var data: [UInt8] = []
     private let limit: Int
     private var tooLarge = false
+    /// An answer larger than `limit` still completes, with its head and the first `limit` bytes of its body.
+    private let keepsHeadWhenTooLarge: Bool
     private let completion: (Result<HTTPResponseData, TransportErrorData>) -> Void
     private let target: String
 
@@ -420,10 +422,11 @@ final class BufferedTransfer: CurlTransfer {
     }
 
     init(
-        target: String, limit: Int = 1 << 20,
+        target: String, limit: Int = 1 << 20, keepsHeadWhenTooLarge: Bool = false,
         completion: @escaping (Result<HTTPResponseData, TransportErrorData>) -> Void
     ) {
         self.limit = limit
+        self.keepsHeadWhenTooLarge = keepsHeadWhenTooLarge
         self.completion = completion
         self.target = target
         super.init()
@@ -459,7 +462,7 @@ final class BufferedTransfer: CurlTransfer {
     }
 
     override func finish(_ code: CURLcode) {
-        if code == CURLE_OK {
+        if code == CURLE_OK || (code == CURLE_WRITE_ERROR && tooLarge && keepsHeadWhenTooLarge) {
             completion(.success(HTTPResponseData(status: status, headers: headers, body: data)))
             return
         }

@@ -45,7 +45,9 @@ public final class CurlTransport: HTTPTransport {
                     continuation.resume(throwing: TransportError.unreachable("\(target): \(failure)"))
                     return
                 }
-                let transfer = BufferedTransfer(target: target) { result in
+                let transfer = BufferedTransfer(
+                    target: target, limit: request.limit, keepsHeadWhenTooLarge: request.keepsHeadWhenTooLarge
+                ) { result in
                     switch result {
                     case .success(let data):
                         continuation.resume(

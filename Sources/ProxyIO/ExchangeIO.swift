@@ -43,6 +43,8 @@ final class ExchangeIO: TransferOwner {
         case bodyNotKept(directory: String)
         /// The connection's or the process's replay budget is spent: the body's rest streams, once.
         case bodyBeyondBudget
+        /// The answer to `.checkResourceMetadata`.
+        case resourceMetadata(ResourceMetadataVerdict)
         /// The transfer's response head, parsed once.
         case responseHead(ReceivedHead)
         /// The response's trailer section (field lines and the blank line).
@@ -126,6 +128,15 @@ final class ExchangeIO: TransferOwner {
             context.owner.stepUpRequired(origin: origin, challenge: challenge)
         case .signInNeeded(let reason):
             context.owner.signInNeeded(provider: origin.provider, origin: origin.url, reason: reason)
+        case .checkResourceMetadata(let url):
+            context.resourceMetadata.verdict(
+                url: url, origin: origin, issuer: context.tokens.issuer(of: origin.provider)
+            ) { [weak self] verdict in
+                guard let self, !self.finished else { return }
+                driver?.exchange(self, event: .resourceMetadata(verdict))
+            }
+        case .wrongAuthorizationServer(let servers):
+            context.owner.wrongAuthorizationServer(origin: origin, servers: servers)
         case .deliverHead, .deliverBody, .endBody, .respond, .finished:
             break
         }

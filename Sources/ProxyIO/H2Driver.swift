@@ -715,6 +715,7 @@ final class H2Driver: ServerConnection, ExchangeDriver {
         case .tokens(let grant): handle(.tokens(stream, grant))
         case .refreshed(let grant): handle(.refreshed(stream, grant))
         case .credentialFailed(let answer): handle(.credentialFailed(stream, answer))
+        case .resourceMetadata(let verdict): handle(.resourceMetadata(stream, verdict))
         case .bodyNotKept(let directory): handle(.bodyNotKept(stream, directory: directory))
         case .bodyBeyondBudget: handle(.bodyBeyondBudget(stream))
         case .transferFinished(let failure, let detail): handle(.transferFinished(stream, failure, detail: detail))

@@ -442,9 +442,11 @@ public final class ProxyServer: ConnectionOwner {
     /// A protected origin asked for a stronger sign-in (RFC 9470): record it for `proxyctl step-up` and
     /// `proxyctl status`, log it once, and run `notify_command`. The store is files: off the loop.
     func stepUpRequired(origin: OriginConfig, challenge: Challenge) {
-        let pending = PendingStepUp(
+        var made = PendingStepUp(
             origin: origin.url, provider: origin.provider, acrValues: challenge["acr_values"],
             maxAge: challenge["max_age"].flatMap { Int($0) }, at: Int64(time(nil)))
+        made.scope = challenge.insufficientScope?.joined(separator: " ")
+        let pending = made
         let stateDirectory = self.stateDirectory
         let logger = self.logger
         let notifyCommand = settings.notifyCommand
@@ -453,13 +455,14 @@ public final class ProxyServer: ConnectionOwner {
             let store = stateDirectory.map { StepUpStore(stateDirectory: $0) }
             let alreadyPending = store?.load().contains {
                 $0.origin == pending.origin && $0.acrValues == pending.acrValues && $0.maxAge == pending.maxAge
+                    && $0.scope == pending.scope
             }
             if alreadyPending == true { return }
-            var wanted: [String] = []
-            if let acr = pending.acrValues { wanted.append("acr_values \(acr)") }
-            if let maxAge = pending.maxAge { wanted.append("max_age \(maxAge)") }
+            let wanted = pending.requirement
             let message =
-                "\(origin.url) requires a stronger sign-in\(wanted.isEmpty ? "" : " (\(wanted.joined(separator: ", ")))"); run: \(pending.command)"
+                pending.scope != nil
+                ? "\(origin.url) needs \(wanted), which the token lacks; run: \(pending.command)"
+                : "\(origin.url) requires a stronger sign-in\(wanted.isEmpty ? "" : " (\(wanted))"); run: \(pending.command)"
             logger.warn("step-up: \(message)")
             if let store {
                 do {
@@ -472,6 +475,20 @@ public final class ProxyServer: ConnectionOwner {
                 notifyCommand, logger: logger, event: "step_up", provider: origin.provider, origin: origin.url,
                 command: pending.command, message: message)
         }
+    }
+
+    private var lastMismatchNotice: [String: Int64] = [:]
+
+    /// A protected origin's 401 named metadata whose authorization servers do not include its provider's issuer
+    /// (RFC 9728): the client got that 401 with `Proxy-Status`; the log says what to run (at most once a minute per
+    /// origin). Nothing switches providers by itself.
+    func wrongAuthorizationServer(origin: OriginConfig, servers: [String]) {
+        let now = Int64(time(nil))
+        if let last = lastMismatchNotice[origin.url], now - last < 60 { return }
+        lastMismatchNotice[origin.url] = now
+        logger.warn(
+            "wrong authorization server: \(origin.url)'s protected resource metadata names \(servers.joined(separator: ", ")), not the issuer of [provider \(origin.provider)] (\(tokens.issuer(of: origin.provider) ?? "not configured")); its tokens will not be accepted there. To sign in where the origin says, run: proxyctl init --origin \(origin.url) --config NEW.conf (or change [origin \(origin.url)] in \(origin.file.isEmpty ? "proxy.conf" : origin.file))"
+        )
     }
 
     /// Tokens for `provider` cannot be had without the user: say so (at most once a minute per provider).
@@ -701,6 +718,10 @@ public final class ProxyServer: ConnectionOwner {
                 var counts: [String: ServeState.OriginCounts] = [:]
                 for origin in origins.origins {
                     counts[origin.url] = state.origins[origin.url] ?? ServeState.OriginCounts()
+                }
+                // Hosts a wildcard origin still covers keep their counts (status lists them as hosts seen).
+                for (url, kept) in state.origins where counts[url] == nil && origins.wildcard(covering: url) != nil {
+                    counts[url] = kept
                 }
                 state.origins = counts
                 serveState = state

@@ -36,6 +36,9 @@ final class TokenBroker {
 
     var providers: [String] { Array(managers.keys) }
 
+    /// The issuer of `provider`, as configured.
+    func issuer(of provider: String) -> String? { managers[provider]?.provider.issuer }
+
     /// The last `Authorization` field value made, and of which token.
     private var lastAuthorization: (type: String, token: String, value: [UInt8])?
 

@@ -10,6 +10,10 @@ public struct HTTPRequest: Sendable {
     public var timeout: Int
     /// PEM bundle to trust instead of the system roots (the provider's `ca_file`).
     public var caFile: String?
+    /// The most bytes of body read: a larger answer is an error, unless `keepsHeadWhenTooLarge`, when it completes
+    /// with its head and the first `limit` bytes (a probe that needs only the head).
+    public var limit = 1 << 20
+    public var keepsHeadWhenTooLarge = false
 
     public init(
         method: String = "GET", url: String, headers: [(name: String, value: String)] = [], body: [UInt8] = [],

@@ -20,6 +20,10 @@ public struct ProviderMetadata: Sendable, Equatable {
     public var grantTypes: [String]?
     public var scopesSupported: [String]?
     public var promptValues: [String]?
+    /// RFC 7591 §3: where clients register themselves.
+    public var registrationEndpoint: String?
+    /// draft-ietf-oauth-client-id-metadata-document: an https URL may be the client id.
+    public var clientIDMetadataDocumentSupported = false
 
     public init(issuer: String, tokenEndpoint: String) {
         self.issuer = issuer
@@ -107,14 +111,23 @@ public struct ProviderMetadata: Sendable, Equatable {
         metadata.grantTypes = document["grant_types_supported"]?.stringList
         metadata.scopesSupported = document["scopes_supported"]?.stringList
         metadata.promptValues = document["prompt_values_supported"]?.stringList
+        metadata.registrationEndpoint = document["registration_endpoint"]?.string
+        metadata.clientIDMetadataDocumentSupported = document["client_id_metadata_document_supported"]?.bool ?? false
         for (name, value) in [
             ("token_endpoint", Optional(token)), ("authorization_endpoint", metadata.authorizationEndpoint),
             ("device_authorization_endpoint", metadata.deviceAuthorizationEndpoint),
             ("pushed_authorization_request_endpoint", metadata.pushedAuthorizationRequestEndpoint),
             ("revocation_endpoint", metadata.revocationEndpoint), ("jwks_uri", metadata.jwksURI),
+            ("registration_endpoint", metadata.registrationEndpoint),
+            ("end_session_endpoint", metadata.endSessionEndpoint), ("userinfo_endpoint", metadata.userinfoEndpoint),
         ] {
             guard let value else { continue }
-            if let problem = ProviderConfig.checkIssuer(value.split(separator: "?").first.map(String.init) ?? value) {
+            // Each is one URL of the issuer's rules, and holds nothing but URL characters: the authorization and
+            // end-session endpoints become the URL a browser is started with (CVE-2025-6514 was such an endpoint
+            // handed to a shell).
+            if let problem = ProviderConfig.checkIssuer(value.split(separator: "?").first.map(String.init) ?? value)
+                ?? MetadataURL.problem(value, allowQuery: true)
+            {
                 return .failure(.configuration(reason: "the provider's \(name) is not usable: \(problem)"))
             }
         }

@@ -7,12 +7,15 @@ import ProxyTLS
     import Foundation
 #endif
 
-/// A step-up challenge (RFC 9470) a protected origin sent, waiting for `proxyctl step-up`.
+/// A step-up challenge (RFC 9470) a protected origin sent, or a scope it said the token lacks (RFC 6750 §3.1
+/// `insufficient_scope`), waiting for `proxyctl step-up`.
 public struct PendingStepUp: Sendable, Equatable {
     public var origin: String
     public var provider: String
     public var acrValues: String?
     public var maxAge: Int?
+    /// The scopes an `insufficient_scope` challenge named, space-separated.
+    public var scope: String?
     /// When it was seen, seconds since 1970.
     public var at: Int64
 
@@ -33,6 +36,7 @@ public struct PendingStepUp: Sendable, Equatable {
         object["provider"] = .string(provider)
         if let acrValues { object["acr_values"] = .string(acrValues) }
         if let maxAge { object["max_age"] = .int(Int64(maxAge)) }
+        if let scope { object["scope"] = .string(scope) }
         object["at"] = .int(at)
         return .object(object)
     }
@@ -43,6 +47,16 @@ public struct PendingStepUp: Sendable, Equatable {
         self.init(
             origin: origin, provider: provider, acrValues: json["acr_values"]?.string,
             maxAge: json["max_age"]?.int.map { Int($0) }, at: at)
+        scope = json["scope"]?.string.flatMap { ScopeText.split($0) }.map { $0.joined(separator: " ") }
+    }
+
+    /// What the origin asked for, for people: "acr_values X, max_age N" or "the scope S".
+    public var requirement: String {
+        var wanted: [String] = []
+        if let acrValues { wanted.append("acr_values \(acrValues)") }
+        if let maxAge { wanted.append("max_age \(maxAge)") }
+        if let scope { wanted.append("the scope \(scope)") }
+        return wanted.joined(separator: ", ")
     }
 }
 

@@ -65,15 +65,24 @@ public final class LocalCA: @unchecked Sendable {
             constraints.append(found)
         }
         self.constraints = constraints
-        // The hosts are what the signing certificate permits (not what a file beside it says).
-        hosts = Array(Set(constraints[constraints.count - 1].permittedDNS.filter { !$0.hasPrefix(".") })).sorted()
+        // The hosts are what the signing certificate permits (not what a file beside it says): names, and `.DOMAIN`
+        // for a wildcard origin's domain.
+        hosts = Array(Set(constraints[constraints.count - 1].permittedDNS)).sorted()
     }
 
     /// A CA whose root signs leaves itself (made before the intermediate): Java ignores its constraints.
     public var isLegacy: Bool { issuer === certificate }
 
-    /// Whether this CA may sign for every one of `hosts`.
-    public func covers(_ wanted: [String]) -> Bool { Set(wanted).isSubset(of: hosts) }
+    /// Whether this CA may sign for every one of `wanted`: its own hosts, `.DOMAIN` when it has that wildcard
+    /// domain, and a name below one of its wildcard domains (a host a wildcard origin covers) that its constraints
+    /// permit.
+    public func covers(_ wanted: [String]) -> Bool {
+        wanted.allSatisfy { host in
+            hosts.contains(host)
+                || (!host.hasPrefix(".") && hosts.contains { $0.hasPrefix(".") && host.hasSuffix($0) }
+                    && permits(host))
+        }
+    }
 
     /// Whether a running proxy goes on signing with this CA rather than the one in its directory now: while it
     /// covers the protected `hosts`, is more than `margin` from its end, and clients that use the bundle trust it
@@ -130,8 +139,9 @@ public final class LocalCA: @unchecked Sendable {
     static func nameConstraints(_ hosts: [String]) -> String {
         var parts = ["critical"]
         for host in hosts { parts.append("permitted;DNS:\(host)") }
-        // A DNS constraint also admits subdomains; a leading dot excludes exactly those (RFC 5280 §4.2.1.10).
-        for host in hosts { parts.append("excluded;DNS:.\(host)") }
+        // A DNS constraint also admits subdomains; a leading dot excludes exactly those (RFC 5280 §4.2.1.10), but
+        // not where a wildcard origin's `.DOMAIN` needs them (`NameConstraints.excluded`).
+        for excluded in NameConstraints.excluded(hosts) { parts.append("excluded;DNS:\(excluded)") }
         parts.append("excluded;IP:0.0.0.0/0.0.0.0")
         parts.append("excluded;IP:::/::")
         return parts.joined(separator: ",")

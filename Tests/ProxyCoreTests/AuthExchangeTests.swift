@@ -24,9 +24,88 @@ import Testing
                 ])
         ], dpopNonce: nil)
     static let ok200 = AuthExchange.Event.response(status: 200, challenges: [], dpopNonce: "n-2")
+    static let metadata401 = AuthExchange.Event.response(
+        status: 401,
+        challenges: ChallengeParser.parse(
+            #"Bearer error="invalid_token", resource_metadata="https://api.test/.well-known/oauth-protected-resource""#
+        ), dpopNonce: nil)
+    static let scope403 = AuthExchange.Event.response(
+        status: 403, challenges: ChallengeParser.parse(#"Bearer error="insufficient_scope", scope="api admin""#),
+        dpopNonce: nil)
 
-    func exchange(replayable: Bool = true, nonce: String? = nil) -> AuthExchange {
-        AuthExchange(origin: "https://api.test", provider: "corp", replayable: replayable, knownNonce: nonce)
+    func exchange(replayable: Bool = true, nonce: String? = nil, checks: Bool = false) -> AuthExchange {
+        AuthExchange(
+            origin: "https://api.test", provider: "corp", replayable: replayable, knownNonce: nonce,
+            checksResourceMetadata: checks)
+    }
+
+    @Test func insufficientScopeIsSurfacedLikeAStepUp() {
+        for status in [401, 403] {
+            var machine = exchange()
+            _ = machine.start()
+            _ = machine.handle(.tokens(generation: 1))
+            let event = AuthExchange.Event.response(
+                status: status, challenges: ChallengeParser.parse(#"Bearer error="insufficient_scope", scope="admin""#),
+                dpopNonce: nil)
+            #expect(
+                machine.handle(event)
+                    == .deliver(
+                        proxyStatus: ProxyStatus(
+                            details: "the origin needs the scope admin: run proxyctl step-up https://api.test",
+                            receivedStatus: status)))
+            #expect(machine.stepUp?.insufficientScope == ["admin"] && !machine.refreshed)
+        }
+        // Without a valid scope it is an ordinary 403 (delivered) or 401 (refreshed).
+        var machine = exchange()
+        _ = machine.start()
+        _ = machine.handle(.tokens(generation: 1))
+        let bare = AuthExchange.Event.response(
+            status: 403, challenges: ChallengeParser.parse(#"Bearer error="insufficient_scope""#), dpopNonce: nil)
+        #expect(machine.handle(bare) == .deliver(proxyStatus: nil))
+        #expect(machine.stepUp == nil)
+    }
+
+    @Test func aNamedMetadataIsCheckedBeforeTheRefreshAndAnotherServerIsSurfaced() {
+        var machine = exchange(checks: true)
+        _ = machine.start()
+        _ = machine.handle(.tokens(generation: 1))
+        #expect(
+            machine.handle(Self.metadata401)
+                == .checkResourceMetadata(url: "https://api.test/.well-known/oauth-protected-resource"))
+        let answer = machine.handle(.resourceMetadata(.otherServers(["https://other.example"])))
+        guard case .deliver(let status?) = answer else {
+            Issue.record("not delivered: \(answer)")
+            return
+        }
+        #expect(status.receivedStatus == 401 && status.error == .proxyConfigurationError)
+        #expect(status.details?.contains("names the authorization server https://other.example") == true)
+        #expect(status.details?.contains("proxyctl init --origin https://api.test") == true)
+        #expect(machine.otherServers == ["https://other.example"] && !machine.refreshed)
+
+        // Its own provider, or nothing learnt: the usual refresh, and the check is made once per exchange.
+        for verdict in [ResourceMetadataVerdict.consistent, .unknown("down")] {
+            var same = exchange(checks: true)
+            _ = same.start()
+            _ = same.handle(.tokens(generation: 1))
+            _ = same.handle(Self.metadata401)
+            #expect(same.handle(.resourceMetadata(verdict)) == .refresh(replacing: 1))
+            #expect(same.handle(.refreshed(generation: 2)) == .send(generation: 2, nonce: nil))
+            #expect(
+                same.handle(Self.metadata401)
+                    != .checkResourceMetadata(url: "https://api.test/.well-known/oauth-protected-resource"))
+        }
+        // Metadata on another origin is never fetched; an exchange that does not check never asks.
+        var elsewhere = exchange(checks: true)
+        _ = elsewhere.start()
+        _ = elsewhere.handle(.tokens(generation: 1))
+        let foreign = AuthExchange.Event.response(
+            status: 401, challenges: ChallengeParser.parse(#"Bearer resource_metadata="https://evil.example/m""#),
+            dpopNonce: nil)
+        #expect(elsewhere.handle(foreign) == .refresh(replacing: 1))
+        var plain = exchange()
+        _ = plain.start()
+        _ = plain.handle(.tokens(generation: 1))
+        #expect(plain.handle(Self.metadata401) == .refresh(replacing: 1))
     }
 
     @Test func attachesAndDelivers() {
@@ -178,11 +257,14 @@ import Testing
     /// Every sequence of origin answers (and refresh outcomes) up to the budget: the machine always ends with
     /// a delivery or an answer of its own, sends at most three times, retries a nonce at most once, refreshes
     /// at most once, and never refreshes or replays on a step-up challenge.
-    @Test(arguments: [true, false])
-    func exhaustiveSequencesNeverLoop(replayable: Bool) {
+    @Test(arguments: [(true, false), (false, false), (true, true), (false, true)])
+    func exhaustiveSequencesNeverLoop(replayable: Bool, checks: Bool) {
         let answers: [AuthExchange.Event] = [
             Self.ok200, Self.plain401, Self.bare401, Self.nonce401, Self.nonce401WithoutNonce, Self.stepUp401,
+            Self.metadata401, Self.scope403,
         ]
+        let verdicts: [ResourceMetadataVerdict] = [.consistent, .otherServers(["https://b"]), .unknown("x")]
+        var checked = 0
         let refreshOutcomes: [AuthExchange.Event] = [
             .refreshed(generation: 9), .refreshFailed(.signInNeeded(reason: "x")),
             .refreshFailed(.unavailable(reason: "x", retryAfter: nil)),
@@ -206,7 +288,7 @@ import Testing
                 for answer in answers {
                     var next = machine
                     let result = next.handle(answer)
-                    if answer == Self.stepUp401 {
+                    if answer == Self.stepUp401 || answer == Self.scope403 {
                         if case .deliver = result {} else { Issue.record("step-up not delivered: \(trace)") }
                     }
                     if !replayable, case .send = result { Issue.record("replayed an unreplayable body: \(trace)") }
@@ -214,6 +296,18 @@ import Testing
                         Issue.record("refreshed for an unreplayable body: \(trace)")
                     }
                     walk(next, result, sends: sends + 1, refreshes: refreshes, trace: trace + ["\(answer)"])
+                }
+            case .checkResourceMetadata:
+                #expect(checks, "a check by an exchange that does not check: \(trace)")
+                checked += 1
+                for verdict in verdicts {
+                    var next = machine
+                    let result = next.handle(.resourceMetadata(verdict))
+                    if case .otherServers = verdict, case .deliver = result {
+                    } else if case .otherServers = verdict {
+                        Issue.record("another server not surfaced: \(trace)")
+                    }
+                    walk(next, result, sends: sends, refreshes: refreshes, trace: trace + ["\(verdict)"])
                 }
             case .refresh:
                 #expect(refreshes == 0, "a second refresh: \(trace)")
@@ -224,10 +318,11 @@ import Testing
                 }
             }
         }
-        var machine = exchange(replayable: replayable)
+        var machine = exchange(replayable: replayable, checks: checks)
         let first = machine.start()
         walk(machine, first, sends: 0, refreshes: 0, trace: [])
         #expect(explored >= (replayable ? 20 : 7))
+        #expect((checked > 0) == checks)
     }
 }
 

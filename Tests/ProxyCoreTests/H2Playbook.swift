@@ -42,6 +42,7 @@ struct H2Playbook {
         var transfer: Transfer?
         var awaitingTokens = false
         var awaitingRefresh = false
+        var awaitingMetadata = false
         /// Generations handed to the exchange.
         var grants: Set<Int64> = []
         var bodyStreamed = false
@@ -131,6 +132,8 @@ struct H2Playbook {
             if case .success(let grant) = result { streams[stream]?.grants.insert(grant.generation) }
         case .credentialFailed(let stream, _):
             streams[stream]?.transfer = nil
+        case .resourceMetadata(let stream, _):
+            streams[stream]?.awaitingMetadata = false
         case .transferBody(let stream, _):
             streams[stream]?.transfer?.fresh = false
             callback = stream
@@ -396,7 +399,11 @@ struct H2Playbook {
             log.bodyStreamed = true
         case .deliverHead, .deliverBody, .endBody, .respond, .finished:
             violation("\(action) reached the driver untranslated")
-        case .bodyEnded, .rememberNonce, .recordStepUp, .signInNeeded:
+        case .checkResourceMetadata(let url):
+            if log.transfer != nil { violation("\(action) while a transfer runs") }
+            if !MetadataURL.sameOrigin(url, origin.url) { violation("\(action): metadata of another origin") }
+            log.awaitingMetadata = true
+        case .bodyEnded, .rememberNonce, .recordStepUp, .signInNeeded, .wrongAuthorizationServer:
             break
         }
     }
@@ -465,6 +472,9 @@ struct H2Playbook {
                 guard let log = streams[stream], !gone else { continue }
                 if log.awaitingTokens { tokens(stream) }
                 if streams[stream]?.awaitingRefresh == true { refreshed(stream) }
+                if streams[stream]?.awaitingMetadata == true {
+                    event(.resourceMetadata(stream, .unknown("the playbook's")))
+                }
                 if let current = streams[stream], current.inExchange, !current.requestEnded,
                     current.closedByClient == nil
                 {

@@ -128,6 +128,67 @@ import Testing
                 "Proxy-Status: proxyctl; received-status=401; details=\"the origin asked for a DPoP nonce again"))
     }
 
+    /// A 401 naming the origin's resource metadata: the metadata is asked about once the 401 ended, and when it
+    /// names another authorization server the client gets that 401 (its fields, no body) with Proxy-Status and
+    /// no refresh happens; when it names the provider's, the usual refresh and replay follow.
+    @Test(arguments: [true, false])
+    func aNamedMetadataThatNamesAnotherServerEndsInThe401WithProxyStatus(other: Bool) {
+        var p = Self.tunnel()
+        p.client("GET /me HTTP/1.1\r\nHost: api.test\r\n\r\n")
+        p.event(.tokens(.success(TokenGrant(generation: 1))))
+        _ = p.next()
+        p.transferHead(
+            "HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer resource_metadata=\"https://api.test/.well-known/oauth-protected-resource\"\r\nContent-Length: 7\r\n\r\n"
+        )
+        p.event(.transferBody(count: 7))
+        #expect(p.clientGot() == "")
+        p.event(.transferFinished(nil, detail: ""))
+        #expect(
+            Self.outputs(p.next()) == [
+                .checkResourceMetadata(url: "https://api.test/.well-known/oauth-protected-resource")
+            ])
+        guard other else {
+            p.event(.resourceMetadata(.consistent))
+            #expect(Self.outputs(p.next()) == [.refreshTokens(key: TokenKey(provider: "corp"), replacing: 1)])
+            return
+        }
+        p.event(.resourceMetadata(.otherServers(["https://login.other.example"])))
+        let actions = p.next()
+        #expect(Self.outputs(actions).contains(.wrongAuthorizationServer(["https://login.other.example"])))
+        let head = p.clientGot()
+        #expect(head.hasPrefix("HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer resource_metadata="))
+        #expect(head.contains("Content-Length: 0\r\n") && !head.contains("Content-Length: 7"))
+        #expect(
+            head.contains(
+                "Proxy-Status: proxyctl; error=proxy_configuration_error; received-status=401; details=\"the origin's resource metadata names the authorization server https://login.other.example, not the issuer of [provider corp]; set it up with: proxyctl init --origin https://api.test\""
+            ), "\(head)")
+        guard case .exchangeFinished(let record) = actions.last else {
+            Issue.record("not finished")
+            return
+        }
+        #expect(!record.refreshed && record.attempts == 1 && record.status == 401)
+    }
+
+    @Test func anInsufficientScopeIsPassedOnAndRecordedForStepUp() {
+        var p = Self.tunnel()
+        p.client("GET /admin HTTP/1.1\r\nHost: api.test\r\n\r\n")
+        p.event(.tokens(.success(TokenGrant(generation: 1))))
+        _ = p.next()
+        p.transferHead(
+            "HTTP/1.1 403 Forbidden\r\nWWW-Authenticate: Bearer error=\"insufficient_scope\", scope=\"admin\"\r\nContent-Length: 0\r\n\r\n"
+        )
+        let outputs = Self.outputs(p.next())
+        guard case .recordStepUp(let challenge) = outputs.first else {
+            Issue.record("not recorded: \(outputs)")
+            return
+        }
+        #expect(challenge.insufficientScope == ["admin"])
+        #expect(
+            p.clientGot().contains(
+                "Proxy-Status: proxyctl; received-status=403; details=\"the origin needs the scope admin: run proxyctl step-up https://api.test\""
+            ))
+    }
+
     @Test func aStepUpChallengeIsPassedOnAndRecorded() {
         var p = Self.tunnel()
         p.client("GET /admin HTTP/1.1\r\nHost: api.test\r\n\r\n")

@@ -86,3 +86,107 @@ import Testing
         #expect(errors.errors[0].key == "client_authorization")
     }
 }
+
+/// `[origin https://*.DOMAIN]`: every host below DOMAIN, the most specific section winning, the CA's `.DOMAIN`.
+@Suite struct WildcardOriginTests {
+    let parser = ConfigParser(homeDirectory: "/home/ada", baseDirectory: "/etc/proxyctl")
+    let provider = "[provider corp]\nissuer = https://login.example.com\nclient_id = proxyctl\n"
+
+    func table(_ sections: String) throws -> OriginTable {
+        try parser.parse(provider + sections, file: "p.conf").get().origins
+    }
+
+    func host(_ name: String, _ port: Int = 443) -> HostPort { HostPort(host: name, port: port, kind: .name) }
+
+    @Test(arguments: [
+        ("a.corp.example", 443, "https://*.corp.example"), ("x.y.corp.example", 443, "https://*.corp.example"),
+        ("api.corp.example", 443, nil as String?), ("deep.eu.corp.example", 443, "https://*.eu.corp.example"),
+        ("eu.corp.example", 443, "https://*.corp.example"), ("corp.example", 443, "not matched"),
+        ("a.corp.example", 8443, "not matched"), ("evilcorp.example", 443, "not matched"),
+        ("a.corp.example.evil.test", 443, "not matched"), ("corp.example.", 443, "not matched"),
+        ("*.corp.example", 443, "not matched"), ("a.*.corp.example", 443, "not matched"),
+    ])
+    func theMostSpecificSectionWins(name: String, port: Int, pattern: String?) throws {
+        let origins = try table(
+            "[origin https://*.corp.example]\nprovider = corp\nresource = https://*.corp.example/\n"
+                + "[origin https://api.corp.example]\nprovider = corp\n"
+                + "[origin https://*.eu.corp.example]\nprovider = corp\n")
+        let found = origins.match(scheme: "https", authority: host(name, port))
+        if pattern == "not matched" {
+            #expect(found == nil)
+            return
+        }
+        let origin = try #require(found)
+        #expect(origin.pattern == pattern && !origin.isWildcard)
+        #expect(origin.url == "https://\(name)" && origin.authority == host(name, port))
+        if pattern == "https://*.corp.example" {
+            let labels = name.dropLast(".corp.example".count)
+            #expect(origin.resource == "https://\(labels).corp.example/")
+            #expect(origin.tokenKey.resource == "https://\(labels).corp.example/")
+        }
+        #expect(origins.match(scheme: "http", authority: host(name, port)) == nil)
+    }
+
+    @Test func theCAPermitsTheDomainsBelowAndTheExactHosts() throws {
+        let origins = try table(
+            "[origin https://*.corp.example]\nprovider = corp\n[origin https://api.corp.example]\nprovider = corp\n"
+                + "[origin https://other.test]\nprovider = corp\n")
+        #expect(origins.tlsHosts == [".corp.example", "api.corp.example", "other.test"])
+        let constraints = NameConstraints.exactly(origins.tlsHosts)
+        // api.corp.example's own subtree is not excluded: the wildcard covers x.api.corp.example.
+        #expect(constraints.excludedDNS == [".other.test"])
+        for permitted in ["a.corp.example", "x.api.corp.example", "api.corp.example", "other.test"] {
+            #expect(constraints.permits(dnsName: permitted), "\(permitted)")
+        }
+        for refused in [
+            "corp.example", "sub.other.test", "evilcorp.example", "a.corp.example.evil", "10.0.0.1", "*.corp.example",
+        ] {
+            #expect(!constraints.permits(dnsName: refused), "\(refused)")
+        }
+        #expect(NameConstraints.display(".corp.example") == "*.corp.example")
+        #expect(origins.wildcard(covering: "https://a.corp.example")?.url == "https://*.corp.example")
+        #expect(origins.wildcard(covering: "https://api.corp.example") == nil)
+        #expect(origins.wildcard(covering: "https://other.test") == nil)
+    }
+
+    @Test(arguments: [
+        ("[origin https://*.com]", "top-level domain"), ("[origin https://*.internal]", "top-level domain"),
+        ("[origin https://*]", "written https://*.DOMAIN"),
+        ("[origin https://a.*.corp.example]", "written https://*.DOMAIN"),
+        ("[origin https://*.*.corp.example]", "written https://*.DOMAIN"),
+        ("[origin https://x*.corp.example]", "written"),
+        ("[origin http://*.localhost]", "https://"), ("[origin https://*.10.0.0.1]", "host name"),
+        ("[origin https://*..corp.example]", "host name"),
+    ])
+    func badPatternsAreNamed(header: String, reason: String) {
+        guard case .failure(let errors) = parser.parse(provider + header + "\nprovider = corp\n", file: "p.conf") else {
+            Issue.record("\(header) was accepted")
+            return
+        }
+        #expect(errors.errors.first?.message.contains(reason) == true, "\(errors)")
+    }
+
+    @Test func aWildcardAndItsDomainAreTwoSectionsAndStarsOnlyGoInAWildcardsResource() throws {
+        let origins = try table(
+            "[origin https://corp.example]\nprovider = corp\n[origin https://*.corp.example:8443]\nprovider = corp\n")
+        #expect(origins.origins.map(\.url) == ["https://corp.example", "https://*.corp.example:8443"])
+        #expect(
+            origins.match(scheme: "https", authority: host("a.corp.example", 8443))?.url
+                == "https://a.corp.example:8443")
+        guard
+            case .failure = parser.parse(
+                provider
+                    + "[origin https://*.corp.example]\nprovider = corp\n[origin https://*.CORP.example.]\nprovider = corp\n",
+                file: "p.conf"),
+            case .failure = parser.parse(
+                provider + "[origin https://api.test]\nprovider = corp\nresource = https://*.api.test/\n",
+                file: "p.conf"),
+            case .failure = parser.parse(
+                provider + "[origin https://*.api.test]\nprovider = corp\nresource = https://*.*.api.test/\n",
+                file: "p.conf")
+        else {
+            Issue.record("accepted")
+            return
+        }
+    }
+}

@@ -301,3 +301,35 @@ import Testing
         #expect(try LocalCA.load(files)?.isLegacy == false)
     }
 }
+
+extension LocalCATests {
+    /// A wildcard origin's `.DOMAIN`: leaves for every name below it verify with OpenSSL, the domain itself and
+    /// everything else is refused by the CA and (forged with the intermediate's key) by OpenSSL.
+    @Test func aWildcardDomainPermitsTheNamesBelowItOnly() throws {
+        let ca = try LocalCA.create(hosts: [".corp.example", "api.test"], label: "test")
+        #expect(ca.hosts == [".corp.example", "api.test"] && ca.covers([".corp.example"]))
+        let caPath = try write(ca.certificate, "ca")
+        let intermediate = try write(ca.issuer, "intermediate")
+        let leafKey = try PrivateKey.generateP256()
+        for host in ["a.corp.example", "x.y.corp.example", "api.test"] {
+            let leaf = try ca.issueLeaf(host: host, leafKey: leafKey)
+            let (status, output) = try opensslVerify(
+                ca: caPath, intermediate: intermediate, leaf: try write(leaf, host), host: host)
+            #expect(status == 0, "\(host): \(output)")
+        }
+        for host in ["corp.example", "evilcorp.example", "sub.api.test"] {
+            #expect(throws: CryptoError.self) { try ca.issueLeaf(host: host, leafKey: leafKey) }
+            let now = Int64(time(nil))
+            let forged = try CertificateBuilder.build(
+                subject: .init(commonName: host, organization: nil), subjectKey: leafKey, issuer: ca.issuer,
+                issuerKey: ca.key, notBefore: now - 60, notAfter: now + 3600,
+                extensions: [
+                    (NID_basic_constraints, "critical,CA:FALSE"), (NID_ext_key_usage, "serverAuth"),
+                    (NID_subject_alt_name, "DNS:\(host)"),
+                ])
+            let (status, output) = try opensslVerify(
+                ca: caPath, intermediate: intermediate, leaf: try write(forged, "forged-\(host)"))
+            #expect(status != 0 && output.contains("subtree violation"), "\(host): \(output)")
+        }
+    }
+}

@@ -23,6 +23,10 @@ Endpoints (relative to the issuer, which is `http://127.0.0.1:PORT` plus an opti
   revoke     /revoke    RFC 7009; always 200; records what it got
   userinfo   /userinfo  Bearer or DPoP access token; 401 + WWW-Authenticate when expired/unknown/revoked
   end_session /end_session  RP-initiated logout: records the request, answers 200
+  register   /register  RFC 7591, advertised with `registration=True`: a native public client (JSON body,
+                        token_endpoint_auth_method none, loopback redirect URIs) gets a new client_id, which
+                        becomes the fake's one client (its redirect URIs the only ones allowed), and a
+                        registration_access_token; `registration_refused=(status, error)` refuses instead
 Machine grants (for confidential clients): client_credentials and RFC 8693 token exchange
 (`subject_tokens`: the subject tokens it accepts), with client authentication checked when configured:
 `client_secret` (client_secret_basic, client_secret_post, client_secret_jwt) and `client_jwks` (public JWKs
@@ -77,7 +81,7 @@ from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 from fixtures.jose import b64url, b64url_uint, jwk_thumbprint, unverified_header
 
 ENDPOINTS = ("discovery", "jwks", "authorize", "par", "token", "device_authorization", "device", "revoke",
-             "userinfo", "end_session", "unknown")
+             "userinfo", "end_session", "register", "unknown")
 TOKEN_EXCHANGE_GRANT = "urn:ietf:params:oauth:grant-type:token-exchange"
 ASSERTION_TYPE = "urn:ietf:params:oauth:client-assertion-type:jwt-bearer"
 DEVICE_GRANT = "urn:ietf:params:oauth:grant-type:device_code"
@@ -385,8 +389,13 @@ class FakeIdP:
                  client_jwks: Optional[List[dict]] = None,
                  subject_tokens: Iterable[str] = (),
                  honour_resource: bool = True,
-                 assertion_audience: str = "issuer"):
+                 assertion_audience: str = "issuer",
+                 registration: bool = False,
+                 registration_refused: Optional[Tuple[int, str]] = None):
         self.client_id = client_id
+        self.registration = registration
+        self.registration_refused = registration_refused
+        self.registered: List[dict] = []          # the client metadata of each registration
         self.client_secret = client_secret
         self.client_jwks = list(client_jwks or [])
         self.subject_tokens = set(subject_tokens)
@@ -490,7 +499,8 @@ class FakeIdP:
     def url(self, endpoint: str) -> str:
         paths = {"discovery": "/.well-known/openid-configuration", "jwks": "/jwks", "authorize": "/authorize",
                  "par": "/par", "token": "/token", "device_authorization": "/device_authorization",
-                 "device": "/device", "revoke": "/revoke", "userinfo": "/userinfo", "end_session": "/end_session"}
+                 "device": "/device", "revoke": "/revoke", "userinfo": "/userinfo", "end_session": "/end_session",
+                 "register": "/register"}
         return self.issuer + paths[endpoint]
 
     @property
@@ -526,6 +536,8 @@ class FakeIdP:
             doc["authorization_response_iss_parameter_supported"] = True
         if self.dpop:
             doc["dpop_signing_alg_values_supported"] = ["ES256", "RS256", "PS256", "EdDSA"]
+        if self.registration:
+            doc["registration_endpoint"] = self.url("register")
         for k, v in self.discovery_overrides.items():
             if v is None:
                 doc.pop(k, None)
@@ -836,6 +848,39 @@ class FakeIdP:
 
     def _ep_discovery(self, h, rec, fault) -> None:
         _send_json(h, 200, self.discovery_document())
+
+    def _ep_register(self, h, rec, fault) -> None:
+        if rec.method != "POST":
+            return _send_json(h, 405, {"error": "invalid_request"})
+        if self.registration_refused is not None:
+            status, error = self.registration_refused
+            return _send_json(h, status, {"error": error, "error_description": "registration is closed"})
+        try:
+            meta = json.loads(rec.body)
+        except ValueError:
+            return _send_json(h, 400, {"error": "invalid_client_metadata", "error_description": "not JSON"})
+        uris = meta.get("redirect_uris") or []
+        if meta.get("token_endpoint_auth_method") != "none" or not uris \
+                or not all(self._loopback_uri(u) for u in uris):
+            return _send_json(h, 400, {"error": "invalid_client_metadata"})
+        client_id = "dyn-" + secrets.token_hex(8)
+        with self._lock:
+            self.registered.append(meta)
+            self.client_id = client_id
+            self.redirect_uris = list(uris)
+        answer = dict(meta)
+        answer.update({"client_id": client_id, "client_id_issued_at": int(time.time()),
+                       "registration_access_token": "rat-" + secrets.token_urlsafe(24),
+                       "registration_client_uri": self.url("register") + "/" + client_id})
+        _send_json(h, 201, answer)
+
+    @staticmethod
+    def _loopback_uri(uri: str) -> bool:
+        try:
+            u = urllib.parse.urlsplit(uri)
+            return u.scheme == "http" and u.hostname in ("127.0.0.1", "localhost", "::1") and u.port is not None
+        except ValueError:
+            return False
 
     def _ep_jwks(self, h, rec, fault) -> None:
         with self._lock:

@@ -23,6 +23,15 @@ the JWKS of the issuers it was told to trust (`trust(issuer, jwks_uri)`): `typ` 
 
 With `require_token=False` it is a plain HTTPS origin: no path needs a token (a non-protected host).
 
+Protected resource metadata (RFC 9728): `rs.publish_metadata(doc)` serves `doc` (a dict; `resource` may say
+"{origin}", replaced by `https://HOST:PORT` of the request) as JSON at `/.well-known/oauth-protected-resource` and
+any path below it, without a token, and with `challenge=True` (the default) every 401 also names it in
+`resource_metadata="https://HOST:PORT/.well-known/oauth-protected-resource"` (RFC 9728 §5.1). `metadata_path` puts
+it elsewhere (the challenge names it there, the well-known path answers 404). `rs.metadata_answer` may be set to a
+function (path, host) -> (status, headers, body) for the adversarial answers (a redirect, 100 KiB of JSON).
+`rs.require_scope[PREFIX] = "admin"`: a token without that scope gets 403 with `WWW-Authenticate: Bearer
+error="insufficient_scope", scope="admin"` (RFC 6750 §3.1) on paths under PREFIX.
+
 Every request body is read to its end and hashed before the answer, so a 401 never cuts an upload short.
 Every request is recorded (`requests`, `mark()`/`since(mark)`): method, path, the header fields exactly as
 received, body size and SHA-256, the status answered, the verified claims and the raw token (kept in memory
@@ -136,13 +145,31 @@ class _Handler(QuietHandler):
             self.close_connection = True
             return
         seen.body_size, seen.body_sha256 = received.size, received.sha256
+        answer = rs._metadata(url.path, seen.host or "")
+        if answer is not None:
+            seen.status, headers, body = answer
+            self._send(seen.status, body, headers=headers)
+            return
         public = not rs.require_token or url.path.startswith("/public/")
         if not public:
             verdict = rs._check(seen)
             if verdict is not None:
                 seen.status = 401
+                if rs.challenge_metadata and rs.metadata is not None:
+                    verdict += f', resource_metadata="{rs.metadata_url(seen.host or "")}"'
                 self._json(401, {"error": seen.dpop_error or ("invalid_token" if seen.token else "no_token")},
                            headers=[("WWW-Authenticate", verdict), *seen.response_headers])
+                return
+            needed = next((scope for prefix, scope in rs.require_scope.items() if url.path.startswith(prefix)), None)
+            granted = str((seen.claims or {}).get("scope", "")).split()
+            if needed is not None and needed not in granted:
+                seen.status = 403
+                seen.error = f"scope {needed} missing"
+                self._json(403, {"error": "insufficient_scope"}, headers=[
+                    ("WWW-Authenticate", f'Bearer error="insufficient_scope", scope="{needed}"'
+                     + (f', resource_metadata="{rs.metadata_url(seen.host or "")}"'
+                        if rs.challenge_metadata and rs.metadata is not None else "")),
+                    *seen.response_headers])
                 return
             if rs.dpop is not None and seen.proof is not None and rs.dpop.rotate_on_success:
                 # RFC 9449 §8.2: the next nonce may come with any response, 200s included.
@@ -246,6 +273,12 @@ class ResourceServer:
         self.events: queue.Queue[str | None] = queue.Queue()
         # /held/... answers once this is set (at most after 60 s): a slow origin that has read the requests.
         self.held = threading.Event()
+        # RFC 9728 metadata (see the module docstring).
+        self.metadata: dict | None = None
+        self.challenge_metadata = True
+        self.metadata_path = "/.well-known/oauth-protected-resource"
+        self.metadata_answer = None
+        self.require_scope: dict[str, str] = {}
         self.server = TLSHTTPServer(_Handler, self.identity.server_context(), io_timeout=120, owner=self).start()
         self.port = self.server.port
 
@@ -265,6 +298,31 @@ class ResourceServer:
 
     def trust(self, issuer: str, jwks_uri: str) -> None:
         self.verifier.trust(issuer, jwks_uri)
+
+    def publish_metadata(self, doc: dict, challenge: bool = True,
+                         path: str = "/.well-known/oauth-protected-resource") -> None:
+        """Serve `doc` as the protected resource metadata (RFC 9728) at `path`, named in every 401 when `challenge`."""
+        with self.lock:
+            self.metadata = doc
+            self.challenge_metadata = challenge
+            self.metadata_path = path
+
+    def metadata_url(self, host: str) -> str:
+        return f"https://{host}{self.metadata_path}"
+
+    def _metadata(self, path: str, host: str):
+        """(status, headers, body) for a request of the metadata document, or None for any other path."""
+        if self.metadata is None and self.metadata_answer is None:
+            return None
+        if self.metadata_answer is not None and path.startswith("/.well-known/"):
+            return self.metadata_answer(path, host)
+        if path == self.metadata_path or (path.startswith(self.metadata_path + "/")
+                                          and self.metadata_path == "/.well-known/oauth-protected-resource"):
+            doc = json.loads(json.dumps(self.metadata).replace("{origin}", f"https://{host}"))
+            return 200, [], json.dumps(doc).encode()
+        if path.startswith("/.well-known/"):
+            return 404, [], b'{"error": "not_found"}'
+        return None
 
     def reject_next(self, count: int) -> None:
         """The next `count` requests with an otherwise valid token get 401 invalid_token."""

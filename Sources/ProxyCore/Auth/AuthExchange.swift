@@ -31,6 +31,9 @@ public struct AuthExchange: Sendable {
         /// The refresh after a 401 succeeded with tokens of `generation`.
         case refreshed(generation: Int64)
         case refreshFailed(TokenFailure)
+        /// What the origin's protected resource metadata (named by its 401) says of the provider, after
+        /// `.checkResourceMetadata`.
+        case resourceMetadata(ResourceMetadataVerdict)
     }
 
     public enum Action: Sendable, Equatable {
@@ -44,6 +47,10 @@ public struct AuthExchange: Sendable {
         case deliver(proxyStatus: ProxyStatus?)
         /// Answer the client ourselves; the origin is not contacted (again).
         case respond(ProxyAnswer)
+        /// The 401 names its protected resource metadata (RFC 9728 §5.1) on the origin's own origin: learn
+        /// whether it names the configured provider's issuer before refreshing (a token of another authorization
+        /// server never becomes one the origin accepts).
+        case checkResourceMetadata(url: String)
     }
 
     /// Where the exchange is.
@@ -56,6 +63,8 @@ public struct AuthExchange: Sendable {
         case waitingForResponse
         /// `.refresh` issued after a 401. -> `.waitingForResponse` (replay) or `.done`
         case refreshing
+        /// `.checkResourceMetadata` issued after a 401. -> `.refreshing` or `.done`
+        case checkingMetadata
         /// A final action was issued; further events are programming errors.
         case done
     }
@@ -71,13 +80,24 @@ public struct AuthExchange: Sendable {
     public private(set) var stepUp: Challenge?
     private var generation: Int64 = 0
     private var nonce: String?
+    /// Whether a 401's `resource_metadata` is looked at (the exchanges whose I/O can fetch it).
+    let checksResourceMetadata: Bool
+    private(set) var metadataChecked = false
+    /// What the origin's metadata said, when it named other authorization servers than the provider's.
+    public private(set) var otherServers: [String]?
 
     /// - Parameter knownNonce: the last DPoP nonce seen from this origin, used on the first proof.
-    public init(origin: String, provider: String, replayable: Bool, knownNonce: String? = nil) {
+    /// - Parameter checksResourceMetadata: a 401 naming the origin's metadata is checked against the provider
+    ///   before a refresh (`.checkResourceMetadata`).
+    public init(
+        origin: String, provider: String, replayable: Bool, knownNonce: String? = nil,
+        checksResourceMetadata: Bool = false
+    ) {
         self.origin = origin
         self.provider = provider
         self.replayable = replayable
         self.nonce = knownNonce
+        self.checksResourceMetadata = checksResourceMetadata
     }
 
     /// The request body outgrew what is kept for a replay (it streams on, once): a 401 is then passed on.
@@ -110,6 +130,20 @@ public struct AuthExchange: Sendable {
 
         case (.waitingForResponse, .response(let status, let challenges, let dpopNonce)):
             if let dpopNonce { nonce = dpopNonce }
+            // RFC 6750 §3.1: the token lacks a scope the origin names. A refresh gives the same scopes; a sign-in
+            // asking for it is what helps, as for a step-up.
+            if status == 401 || status == 403,
+                let scopeChallenge = challenges.first(where: { $0.insufficientScope != nil }),
+                let scopes = scopeChallenge.insufficientScope
+            {
+                state = .done
+                stepUp = scopeChallenge
+                return .deliver(
+                    proxyStatus: ProxyStatus(
+                        details:
+                            "the origin needs the scope \(scopes.joined(separator: " ")): run proxyctl step-up \(origin)",
+                        receivedStatus: status))
+            }
             guard status == 401 else {
                 state = .done
                 return .deliver(proxyStatus: nil)
@@ -152,10 +186,28 @@ public struct AuthExchange: Sendable {
                             "the origin refused a freshly refreshed token; not retried again (check the token's scopes or audience)",
                         receivedStatus: 401))
             }
-            guard replayable else { return deliverUnreplayable(retry: "after a token refresh") }
-            refreshed = true
-            state = .refreshing
-            return .refresh(replacing: generation)
+            if checksResourceMetadata, !metadataChecked, let url = challenges.resourceMetadata,
+                MetadataURL.sameOrigin(url, origin)
+            {
+                metadataChecked = true
+                state = .checkingMetadata
+                return .checkResourceMetadata(url: url)
+            }
+            return refreshOrDeliver()
+
+        case (.checkingMetadata, .resourceMetadata(let verdict)):
+            if case .otherServers(let servers) = verdict {
+                // RFC 9728 §7.3 (and the issue): nothing switches authorization servers by itself; the user is told.
+                state = .done
+                otherServers = servers
+                return .deliver(
+                    proxyStatus: ProxyStatus(
+                        error: .proxyConfigurationError,
+                        details:
+                            "the origin's resource metadata names the authorization server \(servers.joined(separator: ", ")), not the issuer of [provider \(provider)]; set it up with: proxyctl init --origin \(origin)",
+                        receivedStatus: 401))
+            }
+            return refreshOrDeliver()
 
         case (.refreshing, .refreshed(let generation)):
             self.generation = generation
@@ -165,6 +217,14 @@ public struct AuthExchange: Sendable {
         default:
             preconditionFailure("AuthExchange: \(event) in state \(state)")
         }
+    }
+
+    /// The 401 that is neither a step-up nor a nonce challenge: refresh once and replay, unless that was done.
+    private mutating func refreshOrDeliver() -> Action {
+        guard replayable else { return deliverUnreplayable(retry: "after a token refresh") }
+        refreshed = true
+        state = .refreshing
+        return .refresh(replacing: generation)
     }
 
     private mutating func deliverUnreplayable(retry: String) -> Action {

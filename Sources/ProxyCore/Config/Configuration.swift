@@ -171,7 +171,7 @@ public struct ConfigParser: Sendable {
                 }
                 origin.line = section.line
                 origin.file = file
-                let key = OriginTable.key(origin.scheme, origin.authority)
+                let key = OriginTable.key(of: origin)
                 if let first = seenOrigins[key] {
                     errors.append(
                         ConfigError(

@@ -26,6 +26,33 @@ public struct OriginConfig: Sendable, Equatable {
         /// `browser_requests` of the section; nil takes `[proxy]`'s (`ConfigParser` fills it in).
         var browserRequests: BrowserRequestsPolicy? = nil
         var allowedRequestOrigins: [WebOrigin] = []
+        /// `[origin https://*.DOMAIN]`: `authority` holds DOMAIN, and the section covers every host below it.
+        var wildcard = false
+        /// For a host a wildcard section covers: that section's URL.
+        var pattern: String? = nil
+
+        init(scheme: String, authority: HostPort, url: String) {
+            self.scheme = scheme
+            self.authority = authority
+            self.url = url
+        }
+
+        /// `other`'s keys for another origin.
+        init(copying other: Fields, scheme: String, authority: HostPort, url: String) {
+            self.init(scheme: scheme, authority: authority, url: url)
+            provider = other.provider
+            clientAuthorization = other.clientAuthorization
+            caFile = other.caFile
+            resource = other.resource
+            scopes = other.scopes
+            tokenType = other.tokenType
+            line = other.line
+            file = other.file
+            browserRequests = other.browserRequests
+            allowedRequestOrigins = other.allowedRequestOrigins
+            wildcard = other.wildcard
+            pattern = other.pattern
+        }
     }
 
     @Boxed private var fields: Fields
@@ -104,11 +131,54 @@ public struct OriginConfig: Sendable, Equatable {
     public var url: String { fields.url }
 
     public init(scheme: String, authority: HostPort) {
+        _fields = Boxed(
+            wrappedValue: Fields(
+                scheme: scheme, authority: authority, url: Self.url(scheme, authority, wildcard: false)))
+    }
+
+    private static func url(_ scheme: String, _ authority: HostPort, wildcard: Bool) -> String {
         let defaultPort = scheme == "https" ? 443 : 80
-        let url =
-            authority.port == defaultPort
-            ? "\(scheme)://\(authority.hostForURL)" : "\(scheme)://\(authority.hostForURL):\(authority.port)"
-        _fields = Boxed(wrappedValue: Fields(scheme: scheme, authority: authority, url: url))
+        let host = (wildcard ? "*." : "") + authority.hostForURL
+        return authority.port == defaultPort ? "\(scheme)://\(host)" : "\(scheme)://\(host):\(authority.port)"
+    }
+
+    /// `[origin https://*.DOMAIN[:PORT]]`: every host below DOMAIN (at any depth, not DOMAIN itself), on that port.
+    public init(wildcardScheme scheme: String, domain: HostPort) {
+        var fields = Fields(scheme: scheme, authority: domain, url: Self.url(scheme, domain, wildcard: true))
+        fields.wildcard = true
+        _fields = Boxed(wrappedValue: fields)
+    }
+
+    /// Whether this is a wildcard section (`authority` is then the domain below which it protects every host).
+    public var isWildcard: Bool { fields.wildcard }
+    /// The wildcard section's URL when this origin is a host that section covers (`OriginTable.match`).
+    public var pattern: String? { fields.pattern }
+
+    /// Whether the wildcard section covers `host`: a host name ending in "." and its domain (RFC 6125 §6.4.3
+    /// would cover one label; here every label below, as the CA's `.DOMAIN` name constraint does).
+    public func covers(host: String, kind: HostPort.Kind) -> Bool {
+        // A "*" in a host a client names is no host: it never reaches the CA as a name to sign.
+        guard fields.wildcard, kind == .name, !host.contains("*") else { return false }
+        let domain = fields.authority.host
+        return host.utf8.count > domain.utf8.count + 1 && host.hasSuffix(domain)
+            && host.utf8[host.utf8.index(host.utf8.endIndex, offsetBy: -(domain.utf8.count + 1))] == UInt8(ascii: ".")
+    }
+
+    /// The origin of `authority`, a host this wildcard section covers: the section's keys, its own URL, a
+    /// `resource` with "*" written as the host's labels below the domain (`https://*.corp.example/` gives
+    /// `https://api.corp.example/` for api.corp.example), and `pattern` naming the section.
+    public func covering(_ authority: HostPort) -> OriginConfig {
+        var fields = self.fields
+        let labels = authority.host.dropLast(fields.authority.host.count + 1)
+        fields.pattern = fields.url
+        fields.wildcard = false
+        fields.resource = fields.resource.map { $0.replacing("*", with: labels) }
+        fields = Fields(
+            copying: fields, scheme: fields.scheme, authority: authority,
+            url: Self.url(fields.scheme, authority, wildcard: false))
+        var origin = self
+        origin._fields = Boxed(wrappedValue: fields)
+        return origin
     }
 
     public static func == (lhs: Self, rhs: Self) -> Bool { lhs.fields == rhs.fields }
@@ -129,7 +199,8 @@ public struct OriginConfig: Sendable, Equatable {
         "allowed_request_origins",
     ]
 
-    /// Parses the section argument: scheme, host and optional port; nothing else.
+    /// Parses the section argument: scheme, host and optional port; nothing else. `https://*.DOMAIN[:PORT]` is a
+    /// wildcard section (`OriginPattern`).
     public static func parseURL(_ text: String) -> Result<OriginConfig, ValueError> {
         guard case .success(let url) = AbsoluteURL.parse(text) else {
             return .failure(
@@ -140,6 +211,16 @@ public struct OriginConfig: Sendable, Equatable {
         if text.hasSuffix("/") == false && path == "/" { path = "" }
         guard path.isEmpty || path == "/" else {
             return .failure("an origin is a scheme, a host and a port: remove the path \"\(INIDocument.clip(path))\"")
+        }
+        if url.authority.host.contains("*") {
+            switch OriginPattern.domain(of: url.authority) {
+            case .failure(let error): return .failure(error)
+            case .success(let domain):
+                guard url.scheme == "https" else {
+                    return .failure("a wildcard origin is https:// (http:// origins are single loopback hosts)")
+                }
+                return .success(OriginConfig(wildcardScheme: url.scheme, domain: domain))
+            }
         }
         if url.scheme == "https" && url.authority.kind != .name {
             return .failure("an https origin must be named by a host name: the local CA never signs for IP addresses")
@@ -161,35 +242,69 @@ public struct OriginConfig: Sendable, Equatable {
 /// dot, explicit port). Lookups are exact: no subdomains, no other ports, no prefixes or suffixes.
 public struct OriginTable: Sendable, Equatable {
     private var byKey: [Key: OriginConfig] = [:]
+    /// Wildcard sections, the longest domain first: a more specific one wins (an exact section wins over all).
+    private var wildcards: [OriginConfig] = []
     public private(set) var origins: [OriginConfig] = []
 
     public init(_ origins: [OriginConfig] = []) {
         for origin in origins {
-            byKey[Self.key(origin.scheme, origin.authority)] = origin
+            if origin.isWildcard {
+                wildcards.append(origin)
+            } else {
+                byKey[Self.key(origin.scheme, origin.authority)] = origin
+            }
             self.origins.append(origin)
         }
+        wildcards.sort { $0.authority.host.utf8.count > $1.authority.host.utf8.count }
     }
 
-    /// Scheme and normalised authority: what makes two origins the same one.
+    /// Scheme and normalised authority (and whether it is a wildcard's domain): what makes two sections the same
+    /// origin.
     struct Key: Hashable {
         let scheme: String
         let authority: HostPort
+        var wildcard = false
     }
 
     static func key(_ scheme: String, _ authority: HostPort) -> Key {
         Key(scheme: scheme, authority: authority)
     }
 
-    public var isEmpty: Bool { origins.isEmpty }
-
-    /// The protected origin for `scheme` and `authority`, if any.
-    public func match(scheme: String, authority: HostPort) -> OriginConfig? {
-        byKey[Self.key(scheme, authority)]
+    static func key(of origin: OriginConfig) -> Key {
+        Key(scheme: origin.scheme, authority: origin.authority, wildcard: origin.isWildcard)
     }
 
-    /// Host names the local CA must cover: those of the https origins.
+    public var isEmpty: Bool { origins.isEmpty }
+
+    /// The protected origin for `scheme` and `authority`, if any: an exact section, else the origin of that host
+    /// under the most specific wildcard section that covers it (same scheme and port).
+    public func match(scheme: String, authority: HostPort) -> OriginConfig? {
+        if let exact = byKey[Self.key(scheme, authority)] { return exact }
+        if wildcards.isEmpty { return nil }
+        for wildcard in wildcards
+        where wildcard.scheme == scheme && wildcard.authority.port == authority.port
+            && wildcard.covers(host: authority.host, kind: authority.kind)
+        {
+            return wildcard.covering(authority)
+        }
+        return nil
+    }
+
+    /// The wildcard section that covers the origin `url` (a host it served), when it is not a section itself.
+    public func wildcard(covering url: String) -> OriginConfig? {
+        guard case .success(let parsed) = AbsoluteURL.parse(url),
+            byKey[Self.key(parsed.scheme, parsed.authority)] == nil
+        else { return nil }
+        return match(scheme: parsed.scheme, authority: parsed.authority)?.pattern.flatMap { pattern in
+            wildcards.first { $0.url == pattern }
+        }
+    }
+
+    /// Host names the local CA must cover: those of the https origins, and `.DOMAIN` (every name below DOMAIN, as
+    /// a name constraint writes it) for a wildcard section.
     public var tlsHosts: [String] {
-        Array(Set(origins.filter { $0.scheme == "https" }.map(\.authority.host))).sorted()
+        Array(Set(origins.filter { $0.scheme == "https" }.map { ($0.isWildcard ? "." : "") + $0.authority.host }))
+            .sorted()
     }
 }
 
@@ -228,6 +343,16 @@ extension ConfigParser {
                         "expected one absolute URI without a fragment (RFC 8707), such as https://api.example.com/, got \"\(INIDocument.clip(entry.value))\""
                     )
                     continue
+                }
+                if entry.value.contains("*") {
+                    // A wildcard's resource names each host's: "*" stands for the host's labels below the domain.
+                    guard origin.isWildcard, entry.value.filter({ $0 == "*" }).count == 1 else {
+                        fail(
+                            origin.isWildcard
+                                ? "expected one \"*\" standing for the host's labels, such as https://*.corp.example/"
+                                : "\"*\" is for the resource of a wildcard origin ([origin https://*.DOMAIN])")
+                        continue
+                    }
                 }
                 origin.resource = entry.value
             case "scopes":
@@ -283,5 +408,32 @@ extension ConfigParser {
                     "an ID token's audience is the client (OpenID Connect Core §2): remove resource and scopes, or use token_type = access_token"
                 ))
         }
+    }
+}
+
+/// `[origin https://*.DOMAIN]`: the wildcard sections' host pattern.
+public enum OriginPattern {
+    /// DOMAIN of a `*.DOMAIN` host: "*" is the whole leftmost label and appears once; DOMAIN is a host name (not an
+    /// address) of at least two labels, so that `*.com` or `*.internal` never makes the local CA sign for a whole
+    /// top-level domain.
+    public static func domain(of authority: HostPort) -> Result<HostPort, ValueError> {
+        let host = authority.host
+        guard host.hasPrefix("*."), !host.dropFirst(2).contains("*") else {
+            return .failure(
+                "a wildcard origin is written https://*.DOMAIN (the whole leftmost label, once), such as [origin https://*.corp.example]"
+            )
+        }
+        let rest = String(host.dropFirst(2))
+        guard case .success(let domain) = HostPort.parse(Substring(rest), defaultPort: authority.port),
+            domain.kind == .name, !domain.host.hasPrefix("."), !domain.host.contains("..")
+        else {
+            return .failure("a wildcard origin's domain must be a host name, such as https://*.corp.example")
+        }
+        guard domain.host.split(separator: ".").count >= 2 else {
+            return .failure(
+                "a wildcard below a top-level domain (*.\(domain.host)) would cover every site in it; name a domain of yours, such as https://*.corp.example"
+            )
+        }
+        return .success(HostPort(host: domain.host, port: authority.port, kind: .name))
     }
 }

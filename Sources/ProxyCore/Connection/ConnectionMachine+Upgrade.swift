@@ -93,6 +93,10 @@ extension ConnectionMachine {
             answerUpgrade(upgrade, answer, &out)
         case .deliver:
             preconditionFailure("ConnectionMachine: an upgrade delivery without a response")
+        case .checkResourceMetadata:
+            // An upgrade's exchange does not check the origin's metadata (`checksResourceMetadata` false): a
+            // refused upgrade is sent again on a new connection, as any other 401.
+            preconditionFailure("ConnectionMachine: an upgrade never checks resource metadata")
         }
     }
 
@@ -180,6 +184,8 @@ extension ConnectionMachine {
         case .deliver(let proxyStatus):
             if let challenge = auth.stepUp { out.append(.exchange(.recordStepUp(challenge), origin)) }
             return (true, proxyStatus)
+        case .checkResourceMetadata:
+            preconditionFailure("ConnectionMachine: an upgrade never checks resource metadata")
         case .send, .refresh, .respond, .getTokens:
             // This connection's answer is not the client's: it goes, and the upgrade goes on without it.
             out.append(.closeUpstream)

@@ -55,6 +55,8 @@ public struct ConnectionMachine: Sendable {
         case refreshed(Result<TokenGrant, TokenFailure>)
         /// The token could not be attached (no DPoP key, the proof could not be signed).
         case credentialFailed(ProxyAnswer)
+        /// The answer to the exchange's `.checkResourceMetadata`.
+        case resourceMetadata(ResourceMetadataVerdict)
         /// The body could not be kept for replay.
         case bodyNotKept(directory: String)
         /// The request body outgrew what the I/O layer may keep for replays: the rest streams, once.
@@ -372,6 +374,8 @@ public struct ConnectionMachine: Sendable {
         case .refreshed(let result):
             if case .awaitingUpgradeTokens = state { upgradeTokens(result, refreshed: true, &out) }
             exchangeEvent(&out) { exchange, outputs in exchange.refreshed(result, &outputs) }
+        case .resourceMetadata(let verdict):
+            exchangeEvent(&out) { exchange, outputs in exchange.resourceMetadata(verdict, &outputs) }
         case .credentialFailed(let answer):
             upgradeCredentialFailed(answer, &out)
             exchangeEvent(&out) { exchange, outputs in exchange.credentialFailed(answer, &outputs) }

@@ -24,6 +24,8 @@ public struct H2Session: Sendable {
         case tokens(Stream, Result<TokenGrant, TokenFailure>)
         case refreshed(Stream, Result<TokenGrant, TokenFailure>)
         case credentialFailed(Stream, ProxyAnswer)
+        /// The answer to the stream's `.checkResourceMetadata`.
+        case resourceMetadata(Stream, ResourceMetadataVerdict)
         case bodyNotKept(Stream, directory: String)
         /// The stream's request body outgrew what the I/O layer may keep for replays: the rest streams, once.
         case bodyBeyondBudget(Stream)
@@ -180,6 +182,8 @@ public struct H2Session: Sendable {
             exchange(stream, &out) { exchange, outputs in exchange.refreshed(result, &outputs) }
         case .credentialFailed(let stream, let answer):
             exchange(stream, &out) { exchange, outputs in exchange.credentialFailed(answer, &outputs) }
+        case .resourceMetadata(let stream, let verdict):
+            exchange(stream, &out) { exchange, outputs in exchange.resourceMetadata(verdict, &outputs) }
         case .bodyNotKept(let stream, let directory):
             exchange(stream, &out) { exchange, outputs in exchange.bodyNotKept(directory: directory, &outputs) }
         case .bodyBeyondBudget(let stream):

@@ -58,6 +58,12 @@ public struct ProtectedExchange: Sendable {
         case recordStepUp(Challenge)
         /// No token can be had without the user: tell them.
         case signInNeeded(reason: String)
+        /// Fetch the origin's protected resource metadata at `url` (on the origin itself) and answer with
+        /// `resourceMetadata(_:)`: what it says of the provider, before the refresh a 401 would cause.
+        case checkResourceMetadata(url: String)
+        /// The origin's metadata names only these authorization servers, not the provider's: tell the user which
+        /// `proxyctl init --origin` to run (the client gets the origin's 401 with `Proxy-Status`).
+        case wrongAuthorizationServer([String])
         /// The exchange is over (`close`: the client connection cannot carry another request).
         case finished(ExchangeRecord)
     }
@@ -83,6 +89,9 @@ public struct ProtectedExchange: Sendable {
         /// is kept, then the request goes again. -> `.refreshing`, `.sending`, or `.done` delivering the held
         /// response (without its body) when the body outgrows the store
         case awaitingBody(then: AuthExchange.Action, held: UpstreamResponse)
+        /// `.checkResourceMetadata` issued for the 401 `held` (its body discarded). -> `.refreshing`, or `.done`
+        /// delivering the held response without its body
+        case checkingMetadata(held: UpstreamResponse)
         case done
     }
 
@@ -168,7 +177,7 @@ public struct ProtectedExchange: Sendable {
     public mutating func bodyEnded(_ out: inout [Output]) {
         bodyComplete = true
         out.append(.bodyEnded)
-        if case .awaitingBody(let action, _) = phase { perform(action, &out) }
+        if case .awaitingBody(let action, let held) = phase { perform(action, held: held, &out) }
     }
 
     /// The body could not be kept (the spool file could not be written).
@@ -194,7 +203,8 @@ public struct ProtectedExchange: Sendable {
         // The body is replayable unless it outgrew the spool (or was known to be too large from the start).
         // Changed in place (`auth?.`), here and below: a copy out and back was a copy of its strings.
         auth = AuthExchange(
-            origin: origin.url, provider: origin.provider, replayable: !streaming, knownNonce: knownNonce)
+            origin: origin.url, provider: origin.provider, replayable: !streaming, knownNonce: knownNonce,
+            checksResourceMetadata: true)
         guard let first = auth?.start() else { return }
         perform(first, &out)
     }
@@ -265,7 +275,30 @@ public struct ProtectedExchange: Sendable {
         case .respond(let answer):
             if case .signInNeeded(_, let reason) = answer { out.append(.signInNeeded(reason: reason)) }
             fail(answer, &out)
+        case .checkResourceMetadata:
+            // Only a response leads to a check, and `perform(_:held:)` handles that.
+            preconditionFailure("ProtectedExchange: a metadata check without a response")
         }
+    }
+
+    /// An action decided on the response `held`, whose transfer has ended.
+    private mutating func perform(_ action: AuthExchange.Action, held: UpstreamResponse, _ out: inout [Output]) {
+        guard case .checkResourceMetadata(let url) = action else { return perform(action, &out) }
+        phase = .checkingMetadata(held: held)
+        out.append(.checkResourceMetadata(url: url))
+    }
+
+    /// The answer to `.checkResourceMetadata`.
+    public mutating func resourceMetadata(_ verdict: ResourceMetadataVerdict, _ out: inout [Output]) {
+        guard case .checkingMetadata(let held) = phase, let action = auth?.handle(.resourceMetadata(verdict)) else {
+            return
+        }
+        guard case .deliver(let proxyStatus) = action else { return perform(action, &out) }
+        if let servers = auth?.otherServers { out.append(.wrongAuthorizationServer(servers)) }
+        // The 401's body was discarded while the check ran: the client gets its head, fields and all.
+        deliver(held.withoutBody(proxyStatus: proxyStatus ?? ProxyStatus(receivedStatus: held.head.status)), &out)
+        out.append(.endBody(trailers: []))
+        finish(close: false, note: proxyStatus?.details, &out)
     }
 
     // MARK: - Upstream
@@ -392,7 +425,8 @@ public struct ProtectedExchange: Sendable {
             var withStatus = response
             withStatus.proxyStatus = proxyStatus
             deliver(withStatus, &out)
-        case .send where unauthenticated && !bodyComplete, .refresh where unauthenticated && !bodyComplete:
+        case .send where unauthenticated && !bodyComplete, .refresh where unauthenticated && !bodyComplete,
+            .checkResourceMetadata where unauthenticated && !bodyComplete:
             // A gRPC call refused while its request stream is still open (a bidirectional or a long
             // client-streaming call) cannot wait for the stream's end to be sent again: the program gets the
             // refusal now, with what to do.
@@ -406,8 +440,8 @@ public struct ProtectedExchange: Sendable {
                 out.append(.refreshTokens(key: origin.tokenKey, replacing: replacing))
             }
             deliver(withStatus, &out)
-        case .send, .refresh:
-            // Retried once this transfer has ended; its body is not the client's business.
+        case .send, .refresh, .checkResourceMetadata:
+            // Retried (or checked) once this transfer has ended; its body is not the client's business.
             phase = .discarding(then: action, held: response)
         case .getTokens, .respond:
             perform(action, &out)
@@ -458,7 +492,7 @@ public struct ProtectedExchange: Sendable {
                 // The body outgrew the store while this response came: what was sent of it is gone.
                 deliverUnsent(held, &out)
             } else if bodyComplete {
-                perform(action, &out)
+                perform(action, held: held, &out)
             } else {
                 // The origin answered before the whole body came: keep the rest, then send again.
                 phase = .awaitingBody(then: action, held: held)
@@ -477,7 +511,7 @@ public struct ProtectedExchange: Sendable {
                 kind.answer(
                     hop: origin.authority, proxy: settings.upstreamProxy, detail: detail, origin: OriginTrust(origin)),
                 &out)
-        case .starting, .gettingTokens, .refreshing, .awaitingBody, .done:
+        case .starting, .gettingTokens, .refreshing, .awaitingBody, .checkingMetadata, .done:
             break
         }
     }

@@ -21,7 +21,10 @@ public struct NameConstraints: Sendable, Equatable {
     public func permits(dnsName name: String) -> Bool {
         var name = name.lowercased()
         if name.hasSuffix(".") { name.removeLast() }
-        guard !name.isEmpty, IPAddress.parse(name) == nil, !name.hasPrefix("."), !name.contains("..") else {
+        // A wildcard name ("*.example") is never one the local CA signs, whatever its constraints permit.
+        guard !name.isEmpty, IPAddress.parse(name) == nil, !name.hasPrefix("."), !name.contains(".."),
+            !name.contains("*")
+        else {
             return false
         }
         if !permittedDNS.isEmpty && !permittedDNS.contains(where: { Self.within(name, $0) }) { return false }
@@ -37,8 +40,27 @@ public struct NameConstraints: Sendable, Equatable {
         return name == constraint || name.hasSuffix("." + constraint)
     }
 
-    /// The constraints the local CA writes for `hosts`: exactly those names, no name below them, no address.
+    /// The constraints the local CA writes for `hosts`: exactly those names, no name below them, no address; a
+    /// host written `.DOMAIN` (a wildcard origin's) permits every name below DOMAIN and not DOMAIN itself.
     public static func exactly(_ hosts: [String]) -> NameConstraints {
-        NameConstraints(permittedDNS: hosts, excludedDNS: hosts.map { "." + $0 }, excludesEveryAddress: true)
+        NameConstraints(permittedDNS: hosts, excludedDNS: excluded(hosts), excludesEveryAddress: true)
     }
+
+    /// The subtrees excluded for `hosts`: `.HOST` below each exact host, so that a DNS constraint permits the name
+    /// alone (RFC 5280 §4.2.1.10: it would admit every name below); except where a wildcard's `.DOMAIN` overlaps
+    /// that subtree (a host below the domain, the domain itself, or a domain below the host), since an exclusion
+    /// wins over every permission and would take names the wildcard covers. Then the host's subtree is permitted
+    /// as far as the constraints go; the proxy still mints leaves only for hosts its origins match.
+    public static func excluded(_ hosts: [String]) -> [String] {
+        let domains = hosts.filter { $0.hasPrefix(".") }.map { String($0.dropFirst()) }
+        return hosts.filter { host in
+            !host.hasPrefix(".")
+                && !domains.contains { domain in
+                    domain == host || domain.hasSuffix("." + host) || host.hasSuffix("." + domain)
+                }
+        }.map { "." + $0 }
+    }
+
+    /// A host of the local CA as people read it: `.DOMAIN` is `*.DOMAIN`.
+    public static func display(_ host: String) -> String { host.hasPrefix(".") ? "*" + host : host }
 }

@@ -11,6 +11,7 @@ public func fuzzAuthority(_ data: UnsafeBufferPointer<UInt8>) {
     let input = text(raw)
     checkHostPort(input)
     checkURL(input)
+    checkOriginPattern(input)
     checkWebOrigin(raw)
     checkIPAddress(input)
     checkCIDR(input, raw)
@@ -48,6 +49,30 @@ private func checkURL(_ input: String) {
             "\(rebuilt.debugDescription) parses to another URL")
     case .failure(let error):
         invariant(false, "\(rebuilt.debugDescription) does not parse: \(error)")
+    }
+}
+
+/// `[origin URL]` as a section names it: a wildcard only as `https://*.DOMAIN[:PORT]`, DOMAIN a host name of two
+/// labels or more without "*", covering exactly the names that end in "." and DOMAIN (none with a "*"); any other
+/// origin has no "*" and is https with a host name or loopback http.
+private func checkOriginPattern(_ input: String) {
+    guard case .success(let origin) = OriginConfig.parseURL(input) else { return }
+    let domain = origin.authority.host
+    invariant(!domain.contains("*"), "\(input.debugDescription) keeps a * in \(domain)")
+    guard origin.isWildcard else {
+        invariant(
+            origin.scheme == "https" ? origin.authority.kind == .name : MetadataURL.isLoopbackHost(domain),
+            "origin \(origin.url)")
+        return
+    }
+    invariant(origin.scheme == "https" && origin.authority.kind == .name, "wildcard \(origin.url)")
+    invariant(domain.split(separator: ".").count >= 2 && !domain.hasPrefix("."), "wildcard domain \(domain)")
+    invariant(OriginConfig.parseURL(origin.url).map(\.isWildcard) == .success(true), "\(origin.url) parses back")
+    for (host, expected) in [
+        ("a." + domain, true), ("a.b." + domain, true), (domain, false), ("a" + domain, false),
+        ("*." + domain, false), (domain + ".a", false),
+    ] {
+        invariant(origin.covers(host: host, kind: .name) == expected, "\(origin.url) covers \(host): \(!expected)")
     }
 }
 

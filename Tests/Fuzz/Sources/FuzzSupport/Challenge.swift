@@ -11,6 +11,7 @@ public func fuzzChallenge(_ data: UnsafeBufferPointer<UInt8>) {
     let challenges = ChallengeParser.parse(values)
     invariant(challenges == values.flatMap { ChallengeParser.parse($0) }, "a list parses unlike its lines")
     challenges.forEach(checkChallenge)
+    checkParameters(challenges)
     for value in values {
         if let expected = ReferenceChallenges.parse(Array(value.utf8)) {
             let parsed = ChallengeParser.parse(value)
@@ -28,6 +29,36 @@ public func fuzzChallenge(_ data: UnsafeBufferPointer<UInt8>) {
         checkRendering(render(challenges, random: &random), challenges: challenges, what: "written back differently")
     }
     exchange(challenges, random: &random!)
+}
+
+/// The parameters proxyctl acts on (RFC 9728 §5.1 `resource_metadata`, RFC 6750 §3 `scope` and `insufficient_scope`):
+/// a URL named is one a metadata fetch takes (https or loopback http, URL characters only), from a Bearer or DPoP
+/// challenge that has it; scopes are scope tokens from such a challenge's `scope`, and insufficient_scope only
+/// with that error.
+private func checkParameters(_ challenges: [Challenge]) {
+    if let url = challenges.resourceMetadata {
+        invariant(MetadataURL.problem(url, allowQuery: true) == nil, "resource_metadata \(url.debugDescription)")
+        invariant(
+            challenges.contains { ($0.scheme == "bearer" || $0.scheme == "dpop") && $0["resource_metadata"] == url },
+            "resource_metadata \(url.debugDescription) from no Bearer or DPoP challenge")
+        invariant(url.hasPrefix("https://") || url.lowercased().hasPrefix("http://"), "not a web URL: \(url)")
+    }
+    for challenge in challenges {
+        if let scopes = challenge.insufficientScope {
+            invariant(challenge["error"] == "insufficient_scope", "insufficient_scope without the error")
+            invariant(!scopes.isEmpty && scopes.allSatisfy(ScopeText.isScopeToken), "scopes \(scopes)")
+            invariant(Set(scopes).count == scopes.count, "a scope twice: \(scopes)")
+            invariant(
+                scopes.allSatisfy { scope in
+                    challenge["scope"]?.split(separator: " ").contains(Substring(scope)) == true
+                },
+                "scopes not from the challenge's scope")
+        }
+    }
+    if let scopes = challenges.scope {
+        invariant(
+            scopes.allSatisfy { !$0.contains(" ") && !$0.contains("\"") && ScopeText.isScopeToken($0) }, "\(scopes)")
+    }
 }
 
 /// Scheme and parameter names are lower-case tokens; token68 and values hold only what the grammar allows.
@@ -285,7 +316,11 @@ private let failures: [TokenFailure] = [
 private func exchange(_ parsed: [Challenge], random: inout InputRandom) {
     let replayable = random.next(in: 0...3) != 0
     let knownNonce: String? = random.nextBool() ? "known-nonce" : nil
-    var machine = AuthExchange(origin: origin, provider: "corp", replayable: replayable, knownNonce: knownNonce)
+    let checks = random.nextBool()
+    var machine = AuthExchange(
+        origin: origin, provider: "corp", replayable: replayable, knownNonce: knownNonce,
+        checksResourceMetadata: checks)
+    var metadataChecks = 0
     var action = machine.start()
     invariant(action == .getTokens, "the first action is \(action)")
     var sends = 0
@@ -324,17 +359,43 @@ private func exchange(_ parsed: [Challenge], random: inout InputRandom) {
                 generation += Int64(random.next(in: 0...2))
                 event = .refreshed(generation: generation)
             }
+        case .checkResourceMetadata(let url):
+            metadataChecks += 1
+            invariant(checks && metadataChecks == 1, "checked the metadata \(metadataChecks) times (checks: \(checks))")
+            invariant(MetadataURL.sameOrigin(url, origin), "fetches metadata at \(url) for \(origin)")
+            guard case .response(401, let challenges, _) = lastEvent, challenges.resourceMetadata == url else {
+                return invariant(false, "a check after \(String(describing: lastEvent))")
+            }
+            invariant(challenges.insufficientScope == nil, "a check of an insufficient_scope answer")
+            let verdicts: [ResourceMetadataVerdict] = [
+                .consistent, .otherServers(["https://login.other.example"]), .unknown("x"),
+            ]
+            event = .resourceMetadata(verdicts[random.next(in: 0...2)])
         case .deliver(let proxyStatus):
+            if case .resourceMetadata(let verdict)? = lastEvent {
+                if case .otherServers(let servers) = verdict {
+                    invariant(
+                        machine.otherServers == servers && proxyStatus?.error == .proxyConfigurationError
+                            && proxyStatus?.details?.contains("proxyctl init --origin \(origin)") == true,
+                        "another server delivered with \(String(describing: proxyStatus))")
+                }
+                invariant(proxyStatus?.receivedStatus == 401, "a checked 401 delivered without its Proxy-Status")
+                return
+            }
             guard case .response(let status, let challenges, _) = lastEvent else {
                 return invariant(false, "deliver after \(String(describing: lastEvent))")
             }
+            // RFC 6750 §3.1: a 401 or 403 naming the scope it lacks is surfaced like a step-up, never refreshed.
+            let scoped = (status == 401 || status == 403) ? challenges.first { $0.insufficientScope != nil } : nil
             invariant(
-                (status == 401) == (proxyStatus != nil),
+                (status == 401 || scoped != nil) == (proxyStatus != nil),
                 "deliver of a \(status) with \(String(describing: proxyStatus))")
             let stepUp = challenges.first { $0["error"] == "insufficient_user_authentication" }
-            invariant(machine.stepUp == (status == 401 ? stepUp : nil), "stepUp \(String(describing: machine.stepUp))")
+            invariant(
+                machine.stepUp == (scoped ?? (status == 401 ? stepUp : nil)),
+                "stepUp \(String(describing: machine.stepUp))")
             if let proxyStatus {
-                invariant(proxyStatus.receivedStatus == 401, "Proxy-Status without received-status 401")
+                invariant(proxyStatus.receivedStatus == status, "Proxy-Status without received-status \(status)")
                 invariant(
                     proxyStatus.fieldValue.utf8.allSatisfy { $0 >= 0x20 && $0 < 0x7F }, "Proxy-Status not printable")
             }
@@ -376,7 +437,7 @@ private func randomResponse(_ parsed: [Challenge], random: inout InputRandom) ->
     let statuses = [401, 401, 401, 200, 403, 500]
     let status = statuses[random.next(in: 0...(statuses.count - 1))]
     let challenges: [Challenge]
-    switch random.next(in: 0...5) {
+    switch random.next(in: 0...7) {
     case 0: challenges = parsed
     case 1: challenges = [Challenge(scheme: "DPoP", parameters: [("error", "use_dpop_nonce"), ("algs", "ES256")])]
     case 2:
@@ -387,6 +448,14 @@ private func randomResponse(_ parsed: [Challenge], random: inout InputRandom) ->
         ]
     case 3: challenges = [Challenge(scheme: "Bearer", parameters: [("error", "invalid_token")])]
     case 4: challenges = parsed + [Challenge(scheme: "dpop", parameters: [("error", "use_dpop_nonce")])]
+    case 5:
+        challenges =
+            [
+                Challenge(
+                    scheme: "Bearer",
+                    parameters: [("resource_metadata", "https://api.example.com/.well-known/oauth-protected-resource")])
+            ] + parsed
+    case 6: challenges = [Challenge(scheme: "Bearer", parameters: [("error", "insufficient_scope"), ("scope", "a b")])]
     default: challenges = []
     }
     let nonce: String? = random.nextBool() ? "nonce-\(random.next(in: 1...3))" : nil

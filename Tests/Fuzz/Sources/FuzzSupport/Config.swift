@@ -135,19 +135,25 @@ private func checkProviders(_ providers: [ProviderConfig]) {
 }
 
 /// Every origin is normalised, reachable through the table, names a configured provider, and is https with
-/// a host name or loopback http.
+/// a host name or loopback http; a wildcard section covers the hosts below its domain (not the domain), unless a
+/// more specific section does, and its domain's subtree is in tlsHosts.
 private func checkOrigins(_ origins: OriginTable, providers: [ProviderConfig]) {
     var keys = Set<String>()
     for origin in origins.origins {
         invariant(keys.insert(origin.url).inserted, "origin \(origin.url) twice")
-        invariant(
-            origins.match(scheme: origin.scheme, authority: origin.authority) == origin, "\(origin.url) not found")
+        if origin.isWildcard {
+            checkWildcard(origin, in: origins)
+        } else {
+            invariant(
+                origins.match(scheme: origin.scheme, authority: origin.authority) == origin, "\(origin.url) not found")
+        }
         invariant(providers.contains { $0.name == origin.provider }, "\(origin.url) names no provider")
         checkAuthority(origin.authority)
         switch OriginConfig.parseURL(origin.url) {
         case .success(let again):
             invariant(
-                again.scheme == origin.scheme && again.authority == origin.authority,
+                again.scheme == origin.scheme && again.authority == origin.authority
+                    && again.isWildcard == origin.isWildcard,
                 "\(origin.url) parses back as \(again.url)")
         case .failure(let error):
             invariant(false, "\(origin.url) does not parse back: \(error.message)")
@@ -155,7 +161,20 @@ private func checkOrigins(_ origins: OriginTable, providers: [ProviderConfig]) {
         switch origin.scheme {
         case "https":
             invariant(origin.authority.kind == .name, "https origin \(origin.url) without a host name")
-            invariant(origins.tlsHosts.contains(origin.authority.host), "\(origin.url) missing from tlsHosts")
+            invariant(
+                origins.tlsHosts.contains((origin.isWildcard ? "." : "") + origin.authority.host),
+                "\(origin.url) missing from tlsHosts")
+            // The CA's constraints permit an exact host, and never a wildcard's domain itself unless another https
+            // section names it or a name above it (whose subtree the constraints then permit).
+            let host = origin.authority.host
+            let permitted = NameConstraints.exactly(origins.tlsHosts).permits(dnsName: host)
+            let above = origins.origins.contains {
+                $0.scheme == "https" && $0 != origin
+                    && (host == $0.authority.host || host.hasSuffix("." + $0.authority.host))
+            }
+            invariant(
+                origin.isWildcard ? (!permitted || above) : permitted,
+                "the CA's constraints and \(origin.url) disagree about \(host)")
         case "http":
             let host = origin.authority.host
             invariant(
@@ -164,6 +183,43 @@ private func checkOrigins(_ origins: OriginTable, providers: [ProviderConfig]) {
             invariant(false, "origin scheme \(origin.scheme)")
         }
     }
+}
+
+private func checkWildcard(_ wildcard: OriginConfig, in origins: OriginTable) {
+    let domain = wildcard.authority
+    invariant(wildcard.scheme == "https" && domain.kind == .name, "wildcard \(wildcard.url)")
+    invariant(domain.host.split(separator: ".").count >= 2 && !domain.host.contains("*"), "domain \(domain.host)")
+    invariant(wildcard.url.hasPrefix("https://*."), "wildcard URL \(wildcard.url)")
+    let constraints = NameConstraints.exactly(origins.tlsHosts)
+    for label in ["a", "x.y", "*"] {
+        let host = HostPort(host: "\(label).\(domain.host)", port: domain.port, kind: .name)
+        let found = origins.match(scheme: "https", authority: host)
+        if label == "*" {
+            invariant(found == nil, "\(host) matched \(String(describing: found?.url))")
+            continue
+        }
+        guard let found else { return invariant(false, "\(host) not covered by \(wildcard.url)") }
+        invariant(found.authority == host && !found.isWildcard, "\(host) matched as \(found.url)")
+        invariant(constraints.permits(dnsName: host.host), "the CA's constraints refuse \(host.host)")
+        if found.pattern == wildcard.url {
+            invariant(found.provider == wildcard.provider, "\(host) got another provider")
+        }
+        invariant(found.resource?.contains("*") != true, "\(host)'s resource \(found.resource ?? "")")
+        if let pattern = found.pattern {
+            // The most specific wildcard section covering the host.
+            let covering = origins.origins.filter {
+                $0.isWildcard && $0.covers(host: host.host, kind: .name)
+                    && $0.authority.port == host.port
+            }
+            let best = covering.max { $0.authority.host.utf8.count < $1.authority.host.utf8.count }
+            invariant(best?.url == pattern, "\(host) got \(pattern), not \(best?.url ?? "none")")
+        } else {
+            invariant(origins.origins.contains { $0 == found }, "\(host) got a section that is not one")
+        }
+    }
+    invariant(
+        origins.match(scheme: "https", authority: HostPort(host: domain.host, port: domain.port, kind: .name))?.pattern
+            != wildcard.url, "\(wildcard.url) covers its own domain")
 }
 
 private func checkINI(_ config: String, lineCount: Int) {

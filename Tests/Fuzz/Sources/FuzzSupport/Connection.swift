@@ -95,6 +95,8 @@ private let transferTemplates: [String] = [
     "HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer error=\"insufficient_user_authentication\", acr_values=\"mfa\"\r\n\r\n",
     "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n",
     "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 204 No Content\r\n\r\n",
+    "HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer resource_metadata=\"https://api.test/.well-known/oauth-protected-resource\"\r\nContent-Length: 2\r\n\r\n",
+    "HTTP/1.1 403 Forbidden\r\nWWW-Authenticate: Bearer error=\"insufficient_scope\", scope=\"admin\"\r\n\r\n",
 ]
 
 struct ConnectionHarness {
@@ -162,7 +164,13 @@ struct ConnectionHarness {
                 opcode & 1 == 0
                 ? .success(TokenGrant(generation: Int64(opcode & 0x0F) + 1, dpopNonce: opcode & 2 == 0 ? nil : "n"))
                 : .failure(opcode & 2 == 0 ? .signInNeeded(reason: "x") : .unavailable(reason: "y", retryAfter: 3))
-            if opcode & 4 == 0 {
+            if opcode & 8 != 0 {
+                // The answer to a metadata check, asked for or not (a late one is ignored).
+                let verdicts: [ResourceMetadataVerdict] = [
+                    .consistent, .otherServers(["https://b.test"]), .unknown("x"),
+                ]
+                event(.resourceMetadata(verdicts[Int(opcode & 3) % verdicts.count]))
+            } else if opcode & 4 == 0 {
                 guard tokensAsked else { return }
                 tokensAsked = false
                 event(.tokens(grant))

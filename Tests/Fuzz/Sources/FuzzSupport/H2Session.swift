@@ -131,6 +131,12 @@ private let headTemplates: [String] = [
     "HTTP/2 401 \r\nwww-authenticate: Bearer\r\ncontent-length: 70000\r\n\r\n",
     "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nKeep-Alive: timeout=5\r\nTrailer: x\r\n\r\n",
     "HTTP/2 503 \r\nretry-after: 1\r\n\r\n",
+    "HTTP/2 401 \r\nwww-authenticate: Bearer resource_metadata=\"https://api.test/.well-known/oauth-protected-resource\"\r\ncontent-length: 2\r\n\r\n",
+    "HTTP/2 403 \r\nwww-authenticate: Bearer error=\"insufficient_scope\", scope=\"admin\"\r\n\r\n",
+]
+
+private let verdicts: [ResourceMetadataVerdict] = [
+    .consistent, .otherServers(["https://login.other.test"]), .unknown("unreachable"),
 ]
 
 private let failures: [UpstreamFailure] = [
@@ -169,6 +175,7 @@ struct H2Harness {
         var transferFresh = false
         var awaitingTokens = false
         var awaitingRefresh = false
+        var awaitingMetadata = false
         var grants: Set<Int64> = []
         var bodyStreamed = false
         var sends = 0
@@ -308,6 +315,10 @@ struct H2Harness {
             guard !gone else { return }
             switch low {
             case 0xE: event(.clientGone)
+            case 0xB:
+                // The answer to a metadata check, asked for or not (a late one is ignored).
+                guard let stream = pick(reader.byte()) else { return }
+                event(.resourceMetadata(stream, verdicts[Int(reader.byte() ?? 0) % verdicts.count]))
             case 0xC, 0xD:
                 guard let stream = pick(reader.byte()), streams[stream]?.tunnel == true else { return }
                 if low == 0xD {
@@ -434,6 +445,8 @@ struct H2Harness {
         case .credentialFailed(let stream, _):
             streams[stream]?.transferRunning = false
             streams[stream]?.transferFresh = false
+        case .resourceMetadata(let stream, _):
+            streams[stream]?.awaitingMetadata = false
         case .transferBody(let stream, _):
             streams[stream]?.transferFresh = false
             callback = stream
@@ -706,7 +719,12 @@ struct H2Harness {
             log.bodyStreamed = true
         case .deliverHead, .deliverBody, .endBody, .respond, .finished:
             invariant(false, "\(action) reached the driver untranslated")
-        case .bodyEnded, .rememberNonce, .recordStepUp, .signInNeeded:
+        case .checkResourceMetadata(let url):
+            invariant(!log.transferRunning, "\(action) while a transfer runs")
+            invariant(!log.awaitingMetadata, "\(action) twice")
+            invariant(MetadataURL.sameOrigin(url, origin.url), "\(action): metadata of another origin")
+            log.awaitingMetadata = true
+        case .bodyEnded, .rememberNonce, .recordStepUp, .signInNeeded, .wrongAuthorizationServer:
             break
         }
     }
@@ -743,6 +761,9 @@ struct H2Harness {
                 if streams[stream]?.awaitingRefresh == true {
                     generation += 1
                     event(.refreshed(stream, .success(TokenGrant(generation: generation))))
+                }
+                if streams[stream]?.awaitingMetadata == true {
+                    event(.resourceMetadata(stream, verdicts[Int(stream) % verdicts.count]))
                 }
                 if let state = streams[stream], state.inExchange, !state.requestEnded, open(stream) {
                     event(.requestData(stream, count: 0, endStream: true))
