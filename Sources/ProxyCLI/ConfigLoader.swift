@@ -78,7 +78,8 @@ struct ConfigLoader {
         do {
             try PlaceholderKey.assign(
                 &configuration,
-                stateDirectory: configuration.proxy.stateDir ?? TokenStore.defaultStateDirectory(environment: environment))
+                stateDirectory: configuration.proxy.stateDir
+                    ?? TokenStore.defaultStateDirectory(environment: environment))
         } catch let error as AuthError {
             throw CommandFailure(message: error.description)
         }

@@ -43,12 +43,14 @@ enum SecretCommand {
 
     static func locate(_ arguments: ParsedArguments, _ context: CommandContext) throws -> (name: String, state: String)
     {
-        guard let name = arguments.positionals.first, !name.isEmpty, name.utf8.allSatisfy({ byte in
-            (byte >= 0x30 && byte <= 0x39) || (byte | 0x20 >= 0x61 && byte | 0x20 <= 0x7A) || byte == 0x2D
-                || byte == 0x5F || byte == 0x2E
-        }), !name.hasPrefix(".")
+        guard let name = arguments.positionals.first, !name.isEmpty,
+            name.utf8.allSatisfy({ byte in
+                (byte >= 0x30 && byte <= 0x39) || (byte | 0x20 >= 0x61 && byte | 0x20 <= 0x7A) || byte == 0x2D
+                    || byte == 0x5F || byte == 0x2E
+            }), !name.hasPrefix(".")
         else {
-            throw CommandFailure(message: "a secret's name is letters, digits, -, _ and ., such as openai", exitCode: 64)
+            throw CommandFailure(
+                message: "a secret's name is letters, digits, -, _ and ., such as openai", exitCode: 64)
         }
         let loader = ConfigLoader(environment: context.environment)
         let configuration = try loader.load(loader.locate(flag: arguments.value("config")))
@@ -150,7 +152,8 @@ enum AuditCommand {
             if text.hasSuffix("d"), let days = Int(text.dropLast()) { milliseconds = days * 86_400_000 }
             if milliseconds == nil { milliseconds = ConfigValue.duration(text) }
             guard let milliseconds else {
-                throw UsageError(message: "--since takes a duration such as 10m, 2h or 7d", command: ["proxyctl", "audit"])
+                throw UsageError(
+                    message: "--since takes a duration such as 10m, 2h or 7d", command: ["proxyctl", "audit"])
             }
             since = Int64(time(nil)) - Int64(milliseconds / 1000)
         }

@@ -143,7 +143,8 @@ public final class StaticSecret: Sendable {
         guard value.count <= 16 << 10, value.allSatisfy({ $0 == 0x20 || $0 == 0x09 || ($0 > 0x20 && $0 < 0x7F) })
         else {
             throw AuthError.configuration(
-                reason: "\(source.name) gave a secret a header cannot carry (control or non-ASCII bytes, or over 16 KiB)"
+                reason:
+                    "\(source.name) gave a secret a header cannot carry (control or non-ASCII bytes, or over 16 KiB)"
             )
         }
     }

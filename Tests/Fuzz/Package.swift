@@ -10,7 +10,7 @@ let rootIdentity = URL(fileURLWithPath: Context.packageDirectory)
 
 let fuzzTargets = [
     "FuzzHTTPRequestHead", "FuzzHTTPResponseHead", "FuzzChunked", "FuzzConfig", "FuzzAuthority", "FuzzJSON",
-    "FuzzChallenge",
+    "FuzzChallenge", "FuzzCredentials",
     "FuzzInterceptSemantics", "FuzzConnection", "FuzzH2Session", "FuzzResponseReader",
 ]
 

@@ -335,7 +335,9 @@ extension ConfigParser {
                 origin.secret = .stored(entry.value)
             case "secret_ttl":
                 guard let value = ConfigValue.duration(entry.value), value >= 1000 else {
-                    fail("expected a duration of a second or more, such as 5m or 1h, got \"\(INIDocument.clip(entry.value))\"")
+                    fail(
+                        "expected a duration of a second or more, such as 5m or 1h, got \"\(INIDocument.clip(entry.value))\""
+                    )
                     continue
                 }
                 ttl = value / 1000
@@ -344,7 +346,9 @@ extension ConfigParser {
             case "placeholder_env":
                 let bytes = Array(entry.value.utf8)
                 guard let first = bytes.first, !ASCII.isDigit(first),
-                    bytes.allSatisfy({ ASCII.isDigit($0) || $0 == UInt8(ascii: "_") || ($0 | 0x20 >= 0x61 && $0 | 0x20 <= 0x7A) })
+                    bytes.allSatisfy({
+                        ASCII.isDigit($0) || $0 == UInt8(ascii: "_") || ($0 | 0x20 >= 0x61 && $0 | 0x20 <= 0x7A)
+                    })
                 else {
                     fail("expected an environment variable name, such as OPENAI_API_KEY")
                     continue
@@ -485,9 +489,11 @@ extension ConfigParser {
                     "missing; every origin needs the provider whose tokens it gets, or a secret (secret_file, secret_command or secret)"
                 ))
         }
-        if origin.secret != nil, let entry = section.entries.first(where: {
-            ["resource", "scopes", "token_type"].contains($0.key)
-        }) {
+        if origin.secret != nil,
+            let entry = section.entries.first(where: {
+                ["resource", "scopes", "token_type"].contains($0.key)
+            })
+        {
             errors.append(
                 ConfigError(
                     file: file, line: entry.line, section: section.label, key: entry.key,

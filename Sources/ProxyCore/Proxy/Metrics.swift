@@ -183,7 +183,8 @@ public struct MetricsRegistry: Sendable, Equatable {
                 kind: .intercepted, status: record.status, proxyError: record.answeredByProxy ? record.proxyError : nil,
                 up: up, down: down, milliseconds: milliseconds))
         // A static secret is counted under one label: its source (a path, a command) is no metric label.
-        Self.count(record, in: &providers[record.staticSecret ? "static_secret" : record.provider, default: ProviderCounts()])
+        Self.count(
+            record, in: &providers[record.staticSecret ? "static_secret" : record.provider, default: ProviderCounts()])
     }
 
     private static func count(_ record: ExchangeRecord, in counts: inout ProviderCounts) {
