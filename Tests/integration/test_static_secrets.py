@@ -97,13 +97,15 @@ def test_the_key_is_attached_in_its_header_with_no_client_help(setup, http):
     assert_no_secret(answer.body, "curl's output")
 
 
-def test_the_clients_own_key_field_is_replaced_never_doubled(setup):
+@pytest.mark.parametrize("http", ["--http1.1", "--http2"])
+def test_the_clients_own_key_field_is_replaced_never_doubled(setup, http):
     d, keys = setup["d"], setup["keys"]
     mark, log_mark = keys.mark(), d.proxy.mark()
-    answer = d.curl(url(keys, KEYS, "/replace"), "-H", "X-API-Key: the-tools-own-key", "-H", "x-api-key: another")
+    answer = d.curl(url(keys, KEYS, f"/replace{http}"), http, "-H", "X-API-Key: the-tools-own-key",
+                    "-H", "x-api-key: another")
     assert answer.status == 200, answer.body
     assert keys.since(mark)[0].values("X-API-Key") == [K1]
-    line = d.lines(log_mark, target=f"GET https://{KEYS}:{keys.port}/replace", at_least=1)[0]
+    line = d.lines(log_mark, target=f"GET https://{KEYS}:{keys.port}/replace{http}", at_least=1)[0]
     assert "client_credential=replaced" in line
 
 
