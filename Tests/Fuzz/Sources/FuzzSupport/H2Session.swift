@@ -444,7 +444,7 @@ struct H2Harness {
             lastActivity = now
         case .requestHeaders:
             lastActivity = now
-        case .bodyNotKept, .timerFired, .shutdown, .clientGone, .tunnelEnded, .requestHeadTooLarge:
+        case .bodyNotKept, .bodyBeyondBudget, .timerFired, .shutdown, .clientGone, .tunnelEnded, .requestHeadTooLarge:
             break
         }
         current = event
