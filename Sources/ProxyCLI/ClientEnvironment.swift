@@ -43,6 +43,14 @@ enum ClientEnvironment {
             ("NODE_USE_ENV_PROXY", "1"),
         ]
         var notes: [String] = []
+        // `placeholder_env`: tools that refuse to start without a key get one that is visibly none; the proxy puts
+        // the secret in its place for that origin alone.
+        for origin in configuration.origins.origins {
+            guard let variable = origin.placeholderEnv, let entry = origin.placeholders.entry(for: origin.url) else {
+                continue
+            }
+            variables.append((variable, String(decoding: entry.value, as: UTF8.self)))
+        }
         guard let stateDirectory else { return (variables, notes) }
         let files = Files(stateDirectory: stateDirectory)
         let caFiles = LocalCA.Files(stateDirectory: stateDirectory)

@@ -74,6 +74,19 @@ struct ConfigLoader {
     /// Loads the configuration. No file at the standard location means the built-in defaults (a pure
     /// passthrough proxy on 127.0.0.1:8080).
     func load(_ location: Location) throws -> Configuration {
+        var configuration = try loadWithoutPlaceholders(location)
+        do {
+            try PlaceholderKey.assign(
+                &configuration,
+                stateDirectory: configuration.proxy.stateDir
+                    ?? TokenStore.defaultStateDirectory(environment: environment))
+        } catch let error as AuthError {
+            throw CommandFailure(message: error.description)
+        }
+        return configuration
+    }
+
+    private func loadWithoutPlaceholders(_ location: Location) throws -> Configuration {
         var configuration = try loadSource(location)
         // The sidecar's variables override single keys of whatever the configuration came from.
         var overrides: [(source: String, key: String, value: String)] = []

@@ -110,9 +110,20 @@ enum ProxyRuntime {
             }
             managers[provider.name] = TokenManager(provider: provider, store: store, client: client)
         }
+        var secrets: [String: StaticSecret] = [:]
+        for origin in configuration.origins.origins {
+            guard let source = origin.secret, secrets[source.name] == nil else { continue }
+            let secret = StaticSecret(source: source, stateDirectory: stateDirectory)
+            do {
+                try secret.checkAtStart()
+            } catch {
+                throw CommandFailure(message: "\(origin.file): [origin \(origin.url)]: \(error.description)")
+            }
+            secrets[source.name] = secret
+        }
         return Interception(
             ca: ca, managers: managers, spoolDirectory: stateDirectory + "/spool", dpopKeys: keys,
-            stateDirectory: stateDirectory)
+            stateDirectory: stateDirectory, secrets: secrets)
     }
 
     /// The admin listener for `server`, when `admin_listen` is set: `/readyz` checks the listener and each
@@ -132,6 +143,7 @@ enum ProxyRuntime {
                     reasons.append("\(origin.url): no state directory for its tokens")
                     continue
                 }
+                if origin.secret != nil { continue }
                 let check = TokenReadiness.check(store, provider: origin.provider, now: now)
                 if !check.usable { reasons.append("\(origin.url): \(check.text)") }
             }
@@ -161,6 +173,11 @@ enum ProxyRuntime {
         let store = stateDirectory.map { TokenStore(stateDirectory: $0) }
         var lines: [String] = []
         for origin in configuration.origins.origins {
+            if let secret = origin.secret {
+                let placeholder = origin.placeholderEnv.map { "; placeholder in $\($0)" } ?? ""
+                lines.append("protected origin \(origin.url): static secret from \(secret.name)\(placeholder)")
+                continue
+            }
             guard let store else { continue }
             let check = TokenReadiness.check(store, provider: origin.provider, now: now)
             lines.append("protected origin \(origin.url): \(check.text)")

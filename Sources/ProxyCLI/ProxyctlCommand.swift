@@ -35,6 +35,8 @@ public enum ProxyctlCommand {
             StepUpCommand.spec,
             CACommand.spec,
             KeyCommand.spec,
+            SecretCommand.spec,
+            AuditCommand.spec,
             EnvCommand.spec,
             ExecCommand.spec,
             DoctorCommand.spec,

@@ -44,6 +44,8 @@ final class ConnectionContext {
     let tunnelBuffer: TunnelBuffer
     /// Who is on the other end of an accepted connection (a netlink socket kept across connections).
     let peers: PeerLookup
+    /// Where every use of a credential is written (`state_dir/audit.log`); nil without a state directory.
+    let audit: AuditLog?
     /// What connections tell the server: they closed, one hands over to another, exchanges and notices.
     unowned let owner: any ConnectionOwner
     /// Output buffered toward a slow receiver before its sender is paused.
@@ -73,8 +75,10 @@ final class ConnectionContext {
         loop: EventLoop, logger: Logger, frontDoor: FrontDoor, resolver: Resolver,
         tokens: TokenBroker, tlsContexts: TLSServerContexts?, tlsClients: TLSClientContexts, spoolDirectory: String,
         replayBudget: ReplayBudget, nonces: DPoPNonces,
-        keys: DPoPKeyring, pipes: PipePool, tunnelBuffer: TunnelBuffer, peers: PeerLookup, owner: any ConnectionOwner
+        keys: DPoPKeyring, pipes: PipePool, tunnelBuffer: TunnelBuffer, peers: PeerLookup, owner: any ConnectionOwner,
+        audit: AuditLog? = nil
     ) {
+        self.audit = audit
         self.loop = loop
         self.logger = logger
         self.frontDoor = frontDoor

@@ -181,9 +181,18 @@ final class ExchangeIO: TransferOwner {
         _ use: @escaping ([(name: String, value: [UInt8])]) -> Void
     ) {
         guard let credential, let tokens else { return use([]) }
-        var fields: [(name: String, value: [UInt8])] = [
-            ("Authorization", context.tokens.authorizationValue(tokens, scheme: credential.scheme))
-        ]
+        var fields: [(name: String, value: [UInt8])] = []
+        fields.reserveCapacity(credential.headers.count + 1)
+        for header in credential.headers {
+            do {
+                fields.append((header.name, try context.tokens.headerValue(header, tokens, scheme: credential.scheme)))
+            } catch {
+                return later(
+                    .credentialFailed(
+                        .providerMisconfigured(
+                            origin: origin.url, provider: origin.credentialName, reason: error.description)))
+            }
+        }
         guard credential.boundToKey else { return use(fields) }
         let provider = origin.provider
         guard let key = context.keys.cached(provider: provider, thumbprint: tokens.dpopThumbprint) else {
@@ -275,6 +284,10 @@ final class ExchangeIO: TransferOwner {
         connectionID: UInt64, peer: String, suffix: (inout LogLineBuilder) -> Void = { _ in }
     ) {
         context.owner.record(record, up: up, down: down, milliseconds: milliseconds)
+        if record.attached, let audit = context.audit {
+            // `protected_users = owner` (the default) admits only the proxy's own user to protected origins.
+            audit.record(record, client: peer, ownerAdmitted: context.settings.protectedUsers == .owner)
+        }
         guard context.logger.enabled(.info) else { return }
         var line = record.logLineBuilder(up: up, down: down, milliseconds: milliseconds)
         suffix(&line)

@@ -33,12 +33,15 @@ public struct Interception: Sendable {
     public var dpopKeys: [String: DPoPKey]
     /// Where keys are looked up again when they change.
     public var stateDirectory: String?
+    /// The static secrets of origins without a provider, by `SecretSource.name`.
+    public var secrets: [String: StaticSecret]
 
     public init(
         ca: LocalCA?, managers: [String: TokenManager], spoolDirectory: String, dpopKeys: [String: DPoPKey] = [:],
-        stateDirectory: String? = nil
+        stateDirectory: String? = nil, secrets: [String: StaticSecret] = [:]
     ) {
         self.ca = ca
+        self.secrets = secrets
         self.managers = managers
         self.spoolDirectory = spoolDirectory
         self.dpopKeys = dpopKeys
@@ -166,7 +169,8 @@ public final class ProxyServer: ConnectionOwner {
             settings: settings, credentials: credentials, boundAddress: settings.listen, origins: origins)
         self.reload = reload
         self.resolver = Resolver(overrides: settings.resolve)
-        self.tokens = TokenBroker(loop: loop, managers: interception?.managers ?? [:])
+        self.tokens = TokenBroker(
+            loop: loop, managers: interception?.managers ?? [:], secrets: interception?.secrets ?? [:])
         self.tlsContexts = try interception?.ca.map { try TLSServerContexts(ca: $0, http2: settings.http2) }
         self.spoolDirectory = interception?.spoolDirectory ?? Platform.temporaryDirectory
         self.keys = DPoPKeyring(
@@ -186,8 +190,19 @@ public final class ProxyServer: ConnectionOwner {
             tokens: tokens,
             tlsContexts: tlsContexts, tlsClients: tlsClients, spoolDirectory: spoolDirectory,
             replayBudget: replayBudget, nonces: resourceNonces,
-            keys: keys, pipes: pipes, tunnelBuffer: tunnelBuffer, peers: peers, owner: self)
+            keys: keys, pipes: pipes, tunnelBuffer: tunnelBuffer, peers: peers, owner: self, audit: currentAudit())
         context = made
+        return made
+    }
+
+    /// The audit log of the state directory, made once and again when `audit_max_size` changes.
+    private var auditLog: AuditLog?
+
+    private func currentAudit() -> AuditLog? {
+        guard let stateDirectory, settings.auditMaxSize > 0 else { return nil }
+        if let auditLog, auditLog.maxBytes == settings.auditMaxSize { return auditLog }
+        let made = AuditLog(stateDirectory: stateDirectory, maxBytes: settings.auditMaxSize, logger: logger)
+        auditLog = made
         return made
     }
 
@@ -691,7 +706,7 @@ public final class ProxyServer: ConnectionOwner {
                 do {
                     let contexts = try interception.ca.map { try TLSServerContexts(ca: $0, http2: newSettings.http2) }
                     if tokens.refreshInFlight { retiredBrokers.append(tokens) }
-                    tokens = TokenBroker(loop: loop, managers: interception.managers)
+                    tokens = TokenBroker(loop: loop, managers: interception.managers, secrets: interception.secrets)
                     tlsContexts = contexts
                     keys = DPoPKeyring(
                         loop: loop, keys: interception.dpopKeys, stateDirectory: interception.stateDirectory)

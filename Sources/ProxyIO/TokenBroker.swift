@@ -1,3 +1,4 @@
+import Dispatch
 import ProxyCore
 import ProxyOAuth
 
@@ -28,9 +29,15 @@ final class TokenBroker {
     /// Each provider's token file, for the per-request stat.
     private let tokenFiles: [String: String]
 
-    init(loop: EventLoop, managers: [String: TokenManager]) {
+    /// The static secrets of origins without a provider, by `SecretSource.name` (`TokenKey(staticSecret:)`).
+    private let secrets: [String: StaticSecret]
+    /// The files `{secret_file:PATH}` templates read.
+    let fileValues = SecretFileValues()
+
+    init(loop: EventLoop, managers: [String: TokenManager], secrets: [String: StaticSecret] = [:]) {
         self.loop = loop
         self.managers = managers
+        self.secrets = secrets
         self.tokenFiles = managers.mapValues { $0.store.path(for: $0.provider.name) }
     }
 
@@ -55,6 +62,23 @@ final class TokenBroker {
         value += tokens.accessToken.utf8
         lastAuthorization = (scheme, tokens.accessToken, value)
         return value
+    }
+
+    /// The value of the credential field `header` for `tokens` (a provider's token or a static secret), in `scheme`
+    /// where the template has one: the one place a credential becomes a header value. The default field's value is
+    /// made once per token (`authorizationValue`); a `{secret_file:PATH}` is read through `fileValues`.
+    func headerValue(_ header: CredentialHeader, _ tokens: TokenSet, scheme: String) throws(AuthError) -> [UInt8] {
+        if header == .authorizationDefault { return authorizationValue(tokens, scheme: scheme) }
+        let files = fileValues
+        do {
+            return try header.render(credential: tokens.accessToken.utf8, scheme: scheme) { path in
+                try files.value(path)
+            }
+        } catch let error as AuthError {
+            throw error
+        } catch {
+            throw AuthError.configuration(reason: "a {secret_file} of a header cannot be read")
+        }
     }
 
     /// Whether a refresh token is out at a provider with its answer not stored yet (shutdown waits for it).
@@ -87,6 +111,15 @@ final class TokenBroker {
 
     /// A usable token of `key` (as `TokenSet.view(for:)` shows it); `completion` runs on the loop.
     func tokens(_ key: TokenKey, completion: @escaping (Result<TokenSet, AuthError>) -> Void) {
+        if key.isStaticSecret {
+            guard let secret = secrets[key.provider] else {
+                return completion(.failure(.configuration(reason: "no secret named \(key.provider)")))
+            }
+            if let cached = secret.cached() { return completion(.success(cached)) }
+            return offLoop(completion) {
+                do throws(AuthError) { return .success(try secret.load()) } catch { return .failure(error) }
+            }
+        }
         if let cached = cachedTokens(key) {
             completion(.success(cached))
             return
@@ -99,6 +132,20 @@ final class TokenBroker {
     func refresh(
         _ key: TokenKey, replacing generation: Int64, completion: @escaping (Result<TokenSet, AuthError>) -> Void
     ) {
+        if key.isStaticSecret {
+            guard let secret = secrets[key.provider] else {
+                return completion(.failure(.configuration(reason: "no secret named \(key.provider)")))
+            }
+            // secret_command runs again (a vault's short-lived key), a file is read again; once for every
+            // request that was refused with the same value.
+            return offLoop(completion) {
+                do throws(AuthError) {
+                    return .success(try secret.refresh(replacing: generation))
+                } catch {
+                    return .failure(error)
+                }
+            }
+        }
         if let snapshot = snapshots[key], snapshot.tokens.generation > generation,
             !snapshot.tokens.isExpired(at: Int64(Date().timeIntervalSince1970))
         {
@@ -107,6 +154,19 @@ final class TokenBroker {
         }
         snapshots.removeValue(forKey: key)
         run(key, completion: completion) { manager in try await manager.refresh(key, replacing: generation) }
+    }
+
+    /// Runs `work` (blocking: a command, the Secret Service) on a worker thread; `completion` on the loop.
+    private func offLoop(
+        _ completion: @escaping (Result<TokenSet, AuthError>) -> Void,
+        _ work: @escaping @Sendable () -> Result<TokenSet, AuthError>
+    ) {
+        let callback = LoopBound(completion, loop: loop)
+        let loop = self.loop
+        DispatchQueue.global().async {
+            let result = work()
+            loop.post { callback.value(result) }
+        }
     }
 
     private func run(

@@ -63,9 +63,9 @@ public struct ClientKey: Sendable {
 }
 
 /// Files that hold a secret of the client (the client secret, its key): they must be the user's own and
-/// readable by nobody else, or proxyctl refuses them.
-enum SecretFile {
-    static func checkPrivate(_ path: String, what: String) throws {
+/// readable by nobody else, or proxyctl refuses them (a static secret's `secret_file` too).
+public enum SecretFile {
+    public static func checkPrivate(_ path: String, what: String) throws(AuthError) {
         var info = stat()
         guard stat(path, &info) == 0 else {
             throw AuthError.configuration(
@@ -81,7 +81,7 @@ enum SecretFile {
     }
 
     /// The secret in the file: its first line, without the line end.
-    static func read(_ path: String, what: String) throws -> [UInt8] {
+    public static func read(_ path: String, what: String) throws(AuthError) -> [UInt8] {
         try checkPrivate(path, what: what)
         guard let data = FileManager.default.contents(atPath: path) else {
             throw AuthError.configuration(reason: "\(what) \(path) cannot be read")

@@ -24,6 +24,8 @@ public struct SecretService: Sendable {
     public enum Kind: String, Sendable {
         case refreshToken = "refresh_token"
         case dpopKey = "dpop_key"
+        /// A static secret of an origin (`secret = NAME`, `proxyctl secret set NAME`): `provider` is its name.
+        case staticSecret = "static_secret"
     }
 
     public struct Failure: Error, Sendable, CustomStringConvertible {
@@ -73,7 +75,13 @@ public struct SecretService: Sendable {
 
     /// Stores (or replaces) the provider's secret of `kind`.
     public func store(_ secret: [UInt8], provider: String, kind: Kind) throws {
-        let label = "proxyctl \(kind == .refreshToken ? "refresh token" : "DPoP key") for \(provider)"
+        let what =
+            switch kind {
+            case .refreshToken: "refresh token"
+            case .dpopKey: "DPoP key"
+            case .staticSecret: "secret"
+            }
+        let label = "proxyctl \(what) for \(provider)"
         let outcome = try run(["store", "--label=\(label)"] + attributes(provider, kind), input: secret)
         guard outcome.status == 0 else {
             throw Failure(description: "the Secret Service did not store the \(kind.rawValue): \(outcome.error)")

@@ -10,7 +10,7 @@ let rootIdentity = URL(fileURLWithPath: Context.packageDirectory)
 
 let fuzzTargets = [
     "FuzzHTTPRequestHead", "FuzzHTTPResponseHead", "FuzzChunked", "FuzzConfig", "FuzzAuthority", "FuzzJSON",
-    "FuzzChallenge", "FuzzDiscovery",
+    "FuzzChallenge", "FuzzDiscovery", "FuzzCredentials",
     "FuzzInterceptSemantics", "FuzzConnection", "FuzzH2Session", "FuzzResponseReader",
 ]
 

@@ -83,8 +83,10 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
             admin_hosts = proxyctl, Metrics.Internal.
             state_dir = ~/state
             token_store = secret-service
+            audit_max_size = 1MiB
             """
         let proxy = try config(text).proxy
+        #expect(proxy.auditMaxSize == 1 << 20)
         #expect(proxy.logFormat == .json)
         #expect(proxy.adminListen == ListenAddress(host: "127.0.0.1", port: 9464, isIPv6: false))
         #expect(proxy.tokenStore == .secretService)
@@ -115,7 +117,7 @@ private func error(line: Int?, section: String? = nil, key: String? = nil) -> Co
         #expect(proxy.protectedUsers == .any && proxy.passthroughUsers == .owner)
         #expect(proxy.logLevel == .debug)
         #expect(proxy.stateDir == "/home/ada/state")
-        #expect(ConfigParser.proxyKeys.count == 31)
+        #expect(ConfigParser.proxyKeys.count == 32)
         for key in ConfigParser.proxyKeys {
             #expect(text.contains("\n\(key) = "), "\(key) is not covered")
         }

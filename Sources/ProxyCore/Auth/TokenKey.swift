@@ -17,6 +17,18 @@ public struct TokenKey: Sendable, Hashable, CustomStringConvertible {
     /// The scopes asked for when the token is obtained; nil for the provider's (the signed-in set).
     public let scopes: [String]?
     public let kind: OriginTokenKind
+    /// A static secret (`secret_file`, `secret_command`, `secret`), named in `provider` by its source: no
+    /// provider's token manager ever sees such a key.
+    public let isStaticSecret: Bool
+
+    /// The static secret named `name` (`SecretSource.name`).
+    public init(staticSecret name: String) {
+        self.provider = name
+        self.resource = nil
+        self.scopes = nil
+        self.kind = .accessToken
+        self.isStaticSecret = true
+    }
 
     public init(
         provider: String, resource: String? = nil, scopes: [String]? = nil, kind: OriginTokenKind = .accessToken
@@ -25,14 +37,18 @@ public struct TokenKey: Sendable, Hashable, CustomStringConvertible {
         self.resource = resource
         self.scopes = scopes
         self.kind = kind
+        self.isStaticSecret = false
     }
 
     /// The provider's own access token: what `proxyctl login` stores and `proxyctl token NAME` prints.
-    public var isProviderDefault: Bool { resource == nil && scopes == nil && kind == .accessToken }
+    public var isProviderDefault: Bool {
+        resource == nil && scopes == nil && kind == .accessToken && !isStaticSecret
+    }
 
     /// A stable name for the key within its provider's token file ("" for the default token).
     public var id: String {
         if isProviderDefault { return "" }
+        if isStaticSecret { return provider }
         var parts: [String] = []
         if kind == .idToken { parts.append("id_token") }
         if let resource { parts.append("resource=\(resource)") }
@@ -40,5 +56,7 @@ public struct TokenKey: Sendable, Hashable, CustomStringConvertible {
         return parts.joined(separator: ";")
     }
 
-    public var description: String { isProviderDefault ? provider : "\(provider) [\(id)]" }
+    public var description: String {
+        isProviderDefault || isStaticSecret ? provider : "\(provider) [\(id)]"
+    }
 }

@@ -98,6 +98,8 @@ public struct ProxySettings: Sendable, Equatable {
     /// What all spooled bodies may hold at once; past it (or a connection's quarter of it) a body streams on
     /// without being kept, and cannot be replayed.
     public var replaySpoolTotal = 1 << 30
+    /// The audit log (`state_dir/audit.log`) is moved to `audit.log.1` past this size; 0 turns it off.
+    public var auditMaxSize = 16 << 20
     /// Offer HTTP/2 (ALPN h2) to clients of protected origins; off keeps them on HTTP/1.1.
     public var http2 = true
     /// What a request made by a web page of another origin gets at a protected origin, unless its section says
@@ -376,6 +378,7 @@ public struct ConfigParser: Sendable {
             case "replay_spool": size(0, 1 << 40) { settings.replaySpool = $0 }
             case "replay_memory_total": size(0, 1 << 40) { settings.replayMemoryTotal = $0 }
             case "replay_spool_total": size(0, 1 << 50) { settings.replaySpoolTotal = $0 }
+            case "audit_max_size": size(0, 1 << 40) { settings.auditMaxSize = $0 }
             case "http2":
                 guard let flag = ConfigValue.bool(entry.value) else { return fail("expected on or off, \(got())") }
                 settings.http2 = flag
@@ -468,5 +471,6 @@ public struct ConfigParser: Sendable {
         "max_headers", "max_connections", "max_connections_per_client", "replay_memory", "replay_spool",
         "replay_memory_total", "replay_spool_total", "http2", "browser_requests", "upstream_client", "resolve",
         "notify_command", "log_level", "log_format", "admin_listen", "admin_hosts", "state_dir", "token_store",
+        "audit_max_size",
     ]
 }

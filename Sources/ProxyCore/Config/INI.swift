@@ -131,7 +131,8 @@ public struct INIDocument: Sendable {
                     ConfigError(file: file, line: number, key: key, "key outside a section; put it under [proxy]"))
                 continue
             }
-            if let first = seenKeys[key] {
+            // `header` is the one key a section may repeat: a credential may go in a pair of fields.
+            if key != "header", let first = seenKeys[key] {
                 errors.append(
                     ConfigError(
                         file: file, line: number, section: section.label, key: key,

@@ -1,9 +1,13 @@
-/// What to do with an `Authorization` field the client sent itself (`client_authorization`).
+/// What to do with a credential field the client sent itself (`client_credential`, or its older name for
+/// `Authorization` alone, `client_authorization`): a field named like one the origin's credential goes in, holding
+/// anything but the origin's own placeholder.
 public enum ClientAuthorizationPolicy: String, Sendable, Equatable {
     /// Leave the client's credentials alone and attach nothing (the client knows best).
     case keep
-    /// Remove the client's credentials and attach the provider's token.
+    /// Remove the client's credentials and attach the origin's own (logged).
     case replace
+    /// Answer 403: a tool that brings a key of its own for this origin is not expected (logged).
+    case refuse
 }
 
 /// An `[origin URL]` section: a protected origin, the only kind of traffic proxyctl intercepts.
@@ -16,7 +20,18 @@ public struct OriginConfig: Sendable, Equatable {
         let authority: HostPort
         let url: String
         var provider = ""
-        var clientAuthorization = ClientAuthorizationPolicy.keep
+        /// nil: `keep` for a provider's token (as before `client_credential`), `replace` for a static secret.
+        var clientAuthorization: ClientAuthorizationPolicy? = nil
+        /// The static secret, for an origin without a provider.
+        var secret: SecretSource? = nil
+        /// `header = NAME: TEMPLATE` lines; empty: `Authorization: Bearer` (or DPoP).
+        var headers: [CredentialHeader] = []
+        /// Lower-case names of the fields the credential goes in.
+        var credentialFieldNames: [String] = ["authorization"]
+        /// `placeholder_env`: the variable `env` and `exec` export with this origin's placeholder.
+        var placeholderEnv: String? = nil
+        /// Every origin's placeholder (filled in by the runtime from the state directory).
+        var placeholders = Placeholders()
         var caFile: String? = nil
         var resource: String? = nil
         var scopes: [String]? = nil
@@ -66,9 +81,57 @@ public struct OriginConfig: Sendable, Equatable {
         _modify { yield &fields.provider }
     }
     public var clientAuthorization: ClientAuthorizationPolicy {
-        get { fields.clientAuthorization }
-        _modify { yield &fields.clientAuthorization }
+        get { fields.clientAuthorization ?? (fields.secret == nil ? .keep : .replace) }
+        set { fields.clientAuthorization = newValue }
     }
+    /// The static secret this origin gets instead of a provider's token (`secret_file`, `secret_command`,
+    /// `secret`).
+    public var secret: SecretSource? {
+        get { fields.secret }
+        _modify { yield &fields.secret }
+    }
+    /// What the origin's credential is.
+    public var credentialKind: CredentialKind { fields.secret == nil ? .token : .secret }
+    /// The fields the credential goes in (`header`), the default `Authorization` when none is configured.
+    public var credentialHeaders: [CredentialHeader] {
+        fields.headers.isEmpty ? [.authorizationDefault] : fields.headers
+    }
+    /// Whether `header` lines replace the default `Authorization` field.
+    public var hasCustomHeaders: Bool { !fields.headers.isEmpty }
+    public var headers: [CredentialHeader] {
+        get { fields.headers }
+        set {
+            fields.headers = newValue
+            var names: [String] = []
+            for header in (newValue.isEmpty ? [.authorizationDefault] : newValue)
+            where !names.contains(header.lowercasedName) {
+                names.append(header.lowercasedName)
+            }
+            fields.credentialFieldNames = names
+        }
+    }
+    /// Lower-case names of the fields the origin's credential goes in: a client's field of one of these names is
+    /// removed when the proxy attaches its own (replaced, never doubled).
+    public var credentialFieldNames: [String] { fields.credentialFieldNames }
+    /// Whether the field named `name` (as received, any case) is one the credential goes in.
+    public func isCredentialField(_ name: some Collection<UInt8>) -> Bool {
+        for lower in fields.credentialFieldNames where ASCII.equalsLowercase(name, bytes: lower.utf8) {
+            return true
+        }
+        return false
+    }
+    /// `placeholder_env`: the variable `proxyctl env` and `exec` export with this origin's placeholder.
+    public var placeholderEnv: String? {
+        get { fields.placeholderEnv }
+        _modify { yield &fields.placeholderEnv }
+    }
+    /// The placeholders of every origin of the configuration (`Placeholders`), the same table in each.
+    public var placeholders: Placeholders {
+        get { fields.placeholders }
+        _modify { yield &fields.placeholders }
+    }
+    /// How the credential is named in logs, metrics and the audit log: the provider, or the secret's source.
+    public var credentialName: String { fields.secret?.name ?? fields.provider }
     /// PEM bundle to trust for the origin's TLS instead of the system roots.
     public var caFile: String? {
         get { fields.caFile }
@@ -189,14 +252,54 @@ public struct OriginConfig: Sendable, Equatable {
         clientAuthorization == .replace || !clientHasAuthorization
     }
 
-    /// The token this origin gets: it never receives one obtained for another audience.
+    /// The token this origin gets: it never receives one obtained for another audience. A static secret is named
+    /// by its source.
     public var tokenKey: TokenKey {
-        TokenKey(provider: provider, resource: resource, scopes: scopes, kind: tokenType)
+        if let secret = fields.secret { return TokenKey(staticSecret: secret.name) }
+        return TokenKey(provider: provider, resource: resource, scopes: scopes, kind: tokenType)
+    }
+
+    /// Looks at a request's credential fields and every field value for placeholders: `field(visit)` calls `visit`
+    /// with each field's name and value. `target` is searched for placeholders too.
+    public func scanCredentials(
+        target: some Collection<UInt8>,
+        _ fields: ((_ name: ArraySlice<UInt8>, _ value: ArraySlice<UInt8>) -> Void) -> Void
+    ) -> CredentialScan {
+        var scan = CredentialScan()
+        let placeholders = self.fields.placeholders
+        let own = placeholders.entry(for: url)
+        fields { name, value in
+            let found = placeholders.find(in: value)
+            if let found, found.origin != url, scan.foreign == nil { scan.foreign = found }
+            guard isCredentialField(name) else { return }
+            if let own, found == own {
+                scan.placeholderUsed = true
+            } else {
+                scan.clientCredential = true
+            }
+        }
+        if scan.foreign == nil, let found = placeholders.find(in: target), found.origin != url { scan.foreign = found }
+        return scan
+    }
+
+    /// The refusal of a request whose fields `scan` describes, if it is refused: a placeholder of another origin
+    /// (wherever it is), or a credential of the client's own with `client_credential = refuse`.
+    public func credentialRefusal(_ scan: CredentialScan) -> String? {
+        if let foreign = scan.foreign {
+            return
+                "the request carries the placeholder of \(foreign.origin) (\(foreign.variable)), which is not sent to \(url)"
+        }
+        if scan.clientCredential && clientAuthorization == .refuse {
+            let names = credentialHeaders.map(\.name).joined(separator: ", ")
+            return "the request brings its own \(names); client_credential = refuse in [origin \(url)] of \(file)"
+        }
+        return nil
     }
 
     public static let keys = [
-        "provider", "client_authorization", "ca_file", "resource", "scopes", "token_type", "browser_requests",
-        "allowed_request_origins",
+        "provider", "client_authorization", "client_credential", "ca_file", "resource", "scopes", "token_type",
+        "browser_requests", "allowed_request_origins", "secret_file", "secret_command", "secret_ttl", "secret",
+        "header", "placeholder_env",
     ]
 
     /// Parses the section argument: scheme, host and optional port; nothing else. `https://*.DOMAIN[:PORT]` is a
@@ -312,12 +415,66 @@ extension ConfigParser {
     func applyOrigin(
         _ section: INIDocument.Section, file: String, into origin: inout OriginConfig, errors: inout [ConfigError]
     ) {
+        var headerEntries: [INIDocument.Entry] = []
+        var secretEntries: [INIDocument.Entry] = []
+        var ttl: Int? = nil
         for entry in section.entries {
             func fail(_ message: String) {
                 errors.append(
                     ConfigError(file: file, line: entry.line, section: section.label, key: entry.key, message))
             }
             switch entry.key {
+            case "secret_file":
+                guard !entry.value.isEmpty else {
+                    fail("expected the path of a file readable by you alone (chmod 600) that holds the secret")
+                    continue
+                }
+                secretEntries.append(entry)
+                origin.secret = .file(resolvePath(entry.value))
+            case "secret_command":
+                let words = entry.value.split(separator: " ").map(String.init)
+                guard !words.isEmpty else {
+                    fail("expected a command that prints the secret on its first line, such as vault-key api")
+                    continue
+                }
+                secretEntries.append(entry)
+                origin.secret = .command(words, ttl: 0)
+            case "secret":
+                guard !entry.value.isEmpty, entry.value.utf8.allSatisfy(ASCII.isTchar) else {
+                    fail(
+                        "expected the name a secret was stored under with proxyctl secret set NAME (letters, digits, - and _)"
+                    )
+                    continue
+                }
+                secretEntries.append(entry)
+                origin.secret = .stored(entry.value)
+            case "secret_ttl":
+                guard let value = ConfigValue.duration(entry.value), value >= 1000 else {
+                    fail(
+                        "expected a duration of a second or more, such as 5m or 1h, got \"\(INIDocument.clip(entry.value))\""
+                    )
+                    continue
+                }
+                ttl = value / 1000
+            case "header":
+                headerEntries.append(entry)
+            case "placeholder_env":
+                let bytes = Array(entry.value.utf8)
+                guard let first = bytes.first, !ASCII.isDigit(first),
+                    bytes.allSatisfy({
+                        ASCII.isDigit($0) || $0 == UInt8(ascii: "_") || ($0 | 0x20 >= 0x61 && $0 | 0x20 <= 0x7A)
+                    })
+                else {
+                    fail("expected an environment variable name, such as OPENAI_API_KEY")
+                    continue
+                }
+                origin.placeholderEnv = entry.value
+            case "client_credential":
+                guard let policy = ClientAuthorizationPolicy(rawValue: entry.value.lowercased()) else {
+                    fail("expected replace, keep or refuse, got \"\(INIDocument.clip(entry.value))\"")
+                    continue
+                }
+                origin.clientAuthorization = policy
             case "provider":
                 guard !entry.value.isEmpty else {
                     fail("expected the name of a [provider NAME] section")
@@ -394,11 +551,78 @@ extension ConfigParser {
                 fail(KeySuggestion.message(for: entry.key, among: OriginConfig.keys))
             }
         }
-        if origin.provider.isEmpty && !section.entries.contains(where: { $0.key == "provider" }) {
+        let hasProvider = section.entries.contains(where: { $0.key == "provider" })
+        if secretEntries.count > 1 {
+            let entry = secretEntries[1]
+            errors.append(
+                ConfigError(
+                    file: file, line: entry.line, section: section.label, key: entry.key,
+                    "an origin has one secret: give one of secret_file, secret_command and secret (\(secretEntries[0].key) is on line \(secretEntries[0].line))"
+                ))
+        }
+        if hasProvider, let entry = secretEntries.first {
+            errors.append(
+                ConfigError(
+                    file: file, line: entry.line, section: section.label, key: entry.key,
+                    "an origin has either provider = NAME (OAuth tokens) or a secret, not both"))
+        }
+        if let ttl {
+            if case .command(let words, _) = origin.secret {
+                origin.secret = .command(words, ttl: ttl)
+            } else {
+                let line = section.entries.first { $0.key == "secret_ttl" }?.line ?? section.line
+                errors.append(
+                    ConfigError(
+                        file: file, line: line, section: section.label, key: "secret_ttl",
+                        "secret_ttl is how long the output of secret_command is kept: it needs secret_command"))
+            }
+        } else if case .command(let words, 0) = origin.secret {
+            origin.secret = .command(words, ttl: 300)
+        }
+        var headers: [CredentialHeader] = []
+        for entry in headerEntries {
+            switch CredentialHeader.parse(entry.value, kind: origin.credentialKind, resolvePath: resolvePath) {
+            case .success(let header):
+                if let twice = headers.first(where: { $0.lowercasedName == header.lowercasedName }) {
+                    errors.append(
+                        ConfigError(
+                            file: file, line: entry.line, section: section.label, key: "header",
+                            "\(twice.name) is given twice; one header line per field"))
+                    continue
+                }
+                headers.append(header)
+            case .failure(let error):
+                errors.append(
+                    ConfigError(file: file, line: entry.line, section: section.label, key: "header", error.message))
+            }
+        }
+        if !headers.isEmpty {
+            if !headers.contains(where: \.usesCredential) {
+                errors.append(
+                    ConfigError(
+                        file: file, line: headerEntries[0].line, section: section.label, key: "header",
+                        origin.credentialKind == .secret
+                            ? "no header holds the secret: write {secret} or {basic:USER} in one"
+                            : "no header holds the token: write {token} or {basic:USER} in one"))
+            }
+            origin.headers = headers
+        }
+        if origin.provider.isEmpty && !hasProvider && secretEntries.isEmpty {
             errors.append(
                 ConfigError(
                     file: file, line: section.line, section: section.label, key: "provider",
-                    "missing; every origin needs the provider whose tokens it gets"))
+                    "missing; every origin needs the provider whose tokens it gets, or a secret (secret_file, secret_command or secret)"
+                ))
+        }
+        if origin.secret != nil,
+            let entry = section.entries.first(where: {
+                ["resource", "scopes", "token_type"].contains($0.key)
+            })
+        {
+            errors.append(
+                ConfigError(
+                    file: file, line: entry.line, section: section.label, key: entry.key,
+                    "\(entry.key) is about a provider's tokens; this origin has a static secret"))
         }
         if origin.tokenType == .idToken && (origin.resource != nil || origin.scopes != nil) {
             let line = section.entries.first { $0.key == "token_type" }?.line ?? section.line

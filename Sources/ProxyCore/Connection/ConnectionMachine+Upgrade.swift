@@ -63,7 +63,7 @@ extension ConnectionMachine {
         guard origin.attachesToken(clientHasAuthorization: request.clientAuthorization) else {
             return connectUpgrade(upgrade, &out)
         }
-        var auth = AuthExchange(origin: origin.url, provider: origin.provider, replayable: true)
+        var auth = AuthExchange(origin: origin.url, provider: origin.credentialName, replayable: true)
         let first = auth.start()
         upgrade.auth = auth
         performUpgrade(first, upgrade, &out)
@@ -84,7 +84,8 @@ extension ConnectionMachine {
             out.append(.exchange(.refreshTokens(key: origin.tokenKey, replacing: replacing), origin))
         case .send(let generation, let nonce):
             upgrade.credential = UpstreamRequest.Credential(
-                generation: generation, dpopNonce: nonce, boundToKey: upgrade.boundToKey)
+                generation: generation, dpopNonce: nonce, boundToKey: upgrade.boundToKey,
+                headers: origin.credentialHeaders)
             connectUpgrade(upgrade, &out)
         case .respond(let answer):
             if case .signInNeeded(_, let reason) = answer {
@@ -213,7 +214,7 @@ extension ConnectionMachine {
         proxyError: String? = nil
     ) -> ExchangeRecord {
         ExchangeRecord(
-            method: upgrade.forward.method, origin: upgrade.origin.url, provider: upgrade.origin.provider,
+            method: upgrade.forward.method, origin: upgrade.origin.url, provider: upgrade.origin.credentialName,
             target: upgrade.target, status: status, attempts: upgrade.attempts,
             keptClientAuthorization: upgrade.auth == nil, attached: upgrade.credential != nil,
             refreshed: upgrade.auth?.refreshed ?? false, nonceRetried: upgrade.auth?.nonceRetried ?? false,

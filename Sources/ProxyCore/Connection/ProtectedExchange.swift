@@ -203,8 +203,9 @@ public struct ProtectedExchange: Sendable {
         // The body is replayable unless it outgrew the spool (or was known to be too large from the start).
         // Changed in place (`auth?.`), here and below: a copy out and back was a copy of its strings.
         auth = AuthExchange(
-            origin: origin.url, provider: origin.provider, replayable: !streaming, knownNonce: knownNonce,
-            checksResourceMetadata: true)
+            origin: origin.url, provider: origin.credentialName, replayable: !streaming, knownNonce: knownNonce,
+            // A static secret has no authorization server for a 401's resource metadata to contradict.
+            checksResourceMetadata: origin.secret == nil)
         guard let first = auth?.start() else { return }
         perform(first, &out)
     }
@@ -267,7 +268,8 @@ public struct ProtectedExchange: Sendable {
         case .send(let generation, let nonce):
             send(
                 credential: UpstreamRequest.Credential(
-                    generation: generation, dpopNonce: nonce, boundToKey: boundToKey),
+                    generation: generation, dpopNonce: nonce, boundToKey: boundToKey,
+                    headers: origin.credentialHeaders),
                 &out)
         case .deliver:
             // Only an origin's response leads to a delivery, and `responseComplete` handles that itself.
@@ -562,12 +564,14 @@ public struct ProtectedExchange: Sendable {
 
     private func record(close: Bool, note: String?, cutShort: Bool) -> ExchangeRecord {
         ExchangeRecord(
-            method: request.method, origin: origin.url, provider: origin.provider, target: request.target,
+            method: request.method, origin: origin.url, provider: origin.credentialName, target: request.target,
             status: delivered?.head.status ?? answered?.status ?? 0, attempts: attempts,
             keptClientAuthorization: begun && auth == nil, attached: auth != nil && generation != 0,
             refreshed: auth?.refreshed ?? false, nonceRetried: auth?.nonceRetried ?? false,
             stepUp: auth?.stepUp != nil, answeredByProxy: answered != nil, note: note, close: close,
-            cutShort: cutShort, proxyError: answered?.response.proxyStatus?.error?.rawValue)
+            cutShort: cutShort, proxyError: answered?.response.proxyStatus?.error?.rawValue,
+            clientCredentialReplaced: auth != nil && request.clientAuthorization,
+            placeholderUsed: request.placeholderUsed, staticSecret: origin.secret != nil)
     }
 }
 
@@ -593,15 +597,22 @@ public struct UpstreamRequest: Sendable, Equatable {
     /// Attach the tokens of `generation`: `Authorization: Bearer <token>` (RFC 6750 §2.1), or for a token bound to
     /// a key `Authorization: DPoP <token>` and a fresh `DPoP` proof carrying `dpopNonce` (RFC 9449 §7). The I/O
     /// layer writes the fields; which ones is decided here.
+    /// The fields are the origin's `header` lines (`CredentialHeader`), or `Authorization` with the scheme.
     public struct Credential: Sendable, Equatable {
         public let generation: Int64
         public let dpopNonce: String?
         public let boundToKey: Bool
+        /// The fields to attach, as templates the I/O layer fills in with the credential.
+        public let headers: [CredentialHeader]
 
-        public init(generation: Int64, dpopNonce: String?, boundToKey: Bool = false) {
+        public init(
+            generation: Int64, dpopNonce: String?, boundToKey: Bool = false,
+            headers: [CredentialHeader] = [.authorizationDefault]
+        ) {
             self.generation = generation
             self.dpopNonce = dpopNonce
             self.boundToKey = boundToKey
+            self.headers = headers
         }
 
         /// The `Authorization` scheme.
@@ -736,12 +747,22 @@ public final class ExchangeRecord: Sendable, Equatable {
     public let cutShort: Bool
     /// The `Proxy-Status` error type of the proxy's own answer, for the metrics.
     public let proxyError: String?
+    /// The client's own credential field was replaced by the origin's (`client_credential = replace`).
+    public let clientCredentialReplaced: Bool
+    /// The client sent the origin's placeholder where the credential goes.
+    public let placeholderUsed: Bool
+    /// The credential is a static secret (`provider` names its source), not a provider's token.
+    public let staticSecret: Bool
 
     public init(
         method: String, origin: String, provider: String, target: String, status: Int, attempts: Int,
         keptClientAuthorization: Bool, attached: Bool, refreshed: Bool, nonceRetried: Bool, stepUp: Bool,
-        answeredByProxy: Bool, note: String?, close: Bool, cutShort: Bool = false, proxyError: String? = nil
+        answeredByProxy: Bool, note: String?, close: Bool, cutShort: Bool = false, proxyError: String? = nil,
+        clientCredentialReplaced: Bool = false, placeholderUsed: Bool = false, staticSecret: Bool = false
     ) {
+        self.clientCredentialReplaced = clientCredentialReplaced
+        self.placeholderUsed = placeholderUsed
+        self.staticSecret = staticSecret
         self.method = method
         self.origin = origin
         self.provider = provider
@@ -793,6 +814,8 @@ public final class ExchangeRecord: Sendable, Equatable {
         line.append(" intercepted=")
         line.append(string: provider)
         if keptClientAuthorization { line.append(" token=client") }
+        if clientCredentialReplaced { line.append(" client_credential=replaced") }
+        if placeholderUsed { line.append(" placeholder=1") }
         if attempts > 1 {
             line.append(" attempts=")
             line.append(attempts)

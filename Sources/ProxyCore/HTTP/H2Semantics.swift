@@ -101,7 +101,10 @@ public enum H2Semantics {
             // DATA frames until END_STREAM: a length nobody knows in advance, streamed like a chunked body.
             framing = .chunked
         }
-        let clientAuthorization = regular.contains { $0.name == H2Names.authorization }
+        let scan = protected.scanCredentials(target: path.utf8) { visit in
+            for field in regular { visit(field.name[...], field.value[...]) }
+        }
+        let clientAuthorization = scan.clientCredential
         let attach = protected.attachesToken(clientHasAuthorization: clientAuthorization)
         var upstream: [(name: String, value: [UInt8])] = []
         var acceptsTrailers = false
@@ -129,17 +132,21 @@ public enum H2Semantics {
             {
                 continue
             }
-            if attach && field.name == H2Names.authorization { continue }
+            if attach && protected.isCredentialField(field.name) { continue }
             upstream.append((field.nameText, field.value))
         }
         if let refusal = protected.browserRefusal(fetchSite: fetchSite, origin: initiator, referer: referer) {
             return .failure(.browserRequest(refusal, close: false))
         }
-        return .success(
-            InterceptedRequest(
-                method: method, target: path, framing: framing, keepAlive: true, upstreamFields: upstream,
-                clientAuthorization: clientAuthorization, upgrade: false, expectsContinue: false,
-                acceptsTrailers: acceptsTrailers))
+        if let reason = protected.credentialRefusal(scan) {
+            return .failure(.credentialRefused(reason, close: false))
+        }
+        var request = InterceptedRequest(
+            method: method, target: path, framing: framing, keepAlive: true, upstreamFields: upstream,
+            clientAuthorization: clientAuthorization, upgrade: false, expectsContinue: false,
+            acceptsTrailers: acceptsTrailers)
+        request.placeholderUsed = scan.placeholderUsed
+        return .success(request)
     }
 
     /// Whether a request header block is an RFC 8441 extended CONNECT for a WebSocket.

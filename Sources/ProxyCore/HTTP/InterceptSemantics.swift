@@ -18,6 +18,8 @@ public struct InterceptedRequest: Sendable, Equatable {
     public let expectsContinue: Bool
     /// The client accepts trailer fields after the response body (`TE: trailers`, RFC 9110 §10.1.4).
     public let acceptsTrailers: Bool
+    /// A credential field held the origin's own placeholder (`placeholder_env`), for the audit log.
+    public var placeholderUsed = false
 
     public init(
         method: String, target: String, framing: BodyFraming, keepAlive: Bool,
@@ -53,6 +55,9 @@ public enum InterceptRefusal: Error, Sendable, Equatable {
     /// A web page of another origin made the request (`browser_requests = refuse`): 403, no token. `close`: the
     /// body, if any, was not read.
     case browserRequest(BrowserRefusal, close: Bool)
+    /// A placeholder of another origin, or a credential of the client's own with `client_credential = refuse`:
+    /// 403, nothing sent. `close`: the body, if any, was not read.
+    case credentialRefused(String, close: Bool)
 
     public var answer: ProxyAnswer {
         switch self {
@@ -60,6 +65,7 @@ public enum InterceptRefusal: Error, Sendable, Equatable {
         case .misdirected(let reason): .misdirected(reason: reason)
         case .unsupported(let reason): .unsupported(reason: reason)
         case .browserRequest(let refusal, let close): .browserRequestRefused(refusal, close: close)
+        case .credentialRefused(let reason, let close): .credentialRefused(reason: reason, close: close)
         }
     }
 }
@@ -122,7 +128,14 @@ extension MessageSemantics {
         }
         let options = head.listElements(named: "connection")
         let upgrade = options.contains("upgrade") && head.firstIndex(named: "upgrade").count > 0
-        let clientAuthorization = head.firstIndex(named: "authorization").count > 0
+        // The credential fields the client sent (its own, or the origin's placeholder), and any placeholder of
+        // another origin anywhere.
+        let scan = protected.scanCredentials(target: head.target.utf8) { visit in
+            for index in head.fields.indices {
+                visit(head.bytes[head.fields[index].name], head.valueBytes(at: index))
+            }
+        }
+        let clientAuthorization = scan.clientCredential
         let attach = protected.attachesToken(clientHasAuthorization: clientAuthorization)
         var fields: [(name: String, value: [UInt8])] = []
         fields.reserveCapacity(head.fields.count)
@@ -146,20 +159,24 @@ extension MessageSemantics {
             {
                 continue
             }
-            if attach && head.field(index, isNamed: "authorization") { continue }
+            if attach && protected.isCredentialField(head.bytes[head.fields[index].name]) { continue }
             fields.append((head.name(at: index), Array(head.valueBytes(at: index))))
         }
+        let keepAlive = head.version == .http1_1 && !options.contains("close")
         if let refusal = protected.browserRefusal(fetchSite: fetchSite, origin: initiator, referer: referer) {
-            let keepAlive = head.version == .http1_1 && !options.contains("close")
             return .failure(.browserRequest(refusal, close: framing != .none || !keepAlive))
         }
-        return .success(
-            InterceptedRequest(
-                method: head.method, target: target, framing: framing,
-                keepAlive: head.version == .http1_1 && !options.contains("close"), upstreamFields: fields,
-                clientAuthorization: clientAuthorization, upgrade: upgrade,
-                expectsContinue: framing != .none && head.listElements(named: "expect").contains("100-continue"),
-                acceptsTrailers: head.listElements(named: "te").contains("trailers")))
+        if let reason = protected.credentialRefusal(scan) {
+            return .failure(.credentialRefused(reason, close: framing != .none || !keepAlive))
+        }
+        var request = InterceptedRequest(
+            method: head.method, target: target, framing: framing,
+            keepAlive: head.version == .http1_1 && !options.contains("close"), upstreamFields: fields,
+            clientAuthorization: clientAuthorization, upgrade: upgrade,
+            expectsContinue: framing != .none && head.listElements(named: "expect").contains("100-continue"),
+            acceptsTrailers: head.listElements(named: "te").contains("trailers"))
+        request.placeholderUsed = scan.placeholderUsed
+        return .success(request)
     }
 
     /// The response head to send an HTTP/1.1 client for an origin's response (which libcurl already

@@ -182,7 +182,9 @@ public struct MetricsRegistry: Sendable, Equatable {
             RequestOutcome(
                 kind: .intercepted, status: record.status, proxyError: record.answeredByProxy ? record.proxyError : nil,
                 up: up, down: down, milliseconds: milliseconds))
-        Self.count(record, in: &providers[record.provider, default: ProviderCounts()])
+        // A static secret is counted under one label: its source (a path, a command) is no metric label.
+        Self.count(
+            record, in: &providers[record.staticSecret ? "static_secret" : record.provider, default: ProviderCounts()])
     }
 
     private static func count(_ record: ExchangeRecord, in counts: inout ProviderCounts) {

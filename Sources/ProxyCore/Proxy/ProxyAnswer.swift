@@ -74,6 +74,9 @@ public enum ProxyAnswer: Sendable, Equatable {
     /// A web page of another origin made the request (cross-site request forgery with the user's token):
     /// `browser_requests = refuse`. `close` when the body, if any, was not read.
     case browserRequestRefused(BrowserRefusal, close: Bool)
+    /// A placeholder of another origin, or the client's own credential where `client_credential = refuse`: 403,
+    /// nothing sent upstream. `close` when the body, if any, was not read.
+    case credentialRefused(reason: String, close: Bool)
     /// No tokens, or the provider refused the refresh token: the user must sign in.
     case signInNeeded(provider: String, reason: String)
     /// The provider is unreachable or overloaded.
@@ -264,6 +267,10 @@ public enum ProxyAnswer: Sendable, Equatable {
             return ProxyResponse(
                 status: 403, proxyStatus: ProxyStatus(error: .httpRequestDenied, details: refusal.details),
                 message: refusal.message, close: close)
+        case .credentialRefused(let reason, let close):
+            return ProxyResponse(
+                status: 403, proxyStatus: ProxyStatus(error: .httpRequestDenied, details: reason),
+                message: "proxyctl: refused: \(reason)", close: close)
         case .signInNeeded(let provider, let reason):
             return ProxyResponse(
                 status: 401,

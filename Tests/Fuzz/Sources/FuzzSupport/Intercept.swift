@@ -237,6 +237,11 @@ private func checkRefusal(
         invariant(
             !(head.indices(named: "origin").isEmpty && head.indices(named: "sec-fetch-site").isEmpty),
             "refused a tool's request (no Origin, no Sec-Fetch-Site) as a browser's: \(refused.details)")
+    case .credentialRefused:
+        invariant(response.status == 403, "a credential refusal answered \(response.status)")
+        invariant(
+            !protected.placeholders.isEmpty || protected.clientAuthorization == .refuse,
+            "a credential refusal without placeholders or client_credential = refuse")
     }
 }
 

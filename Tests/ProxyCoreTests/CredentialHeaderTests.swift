@@ -1,0 +1,174 @@
+import Testing
+
+@testable import ProxyCore
+
+/// `header = NAME: TEMPLATE`, placeholders and the client's own credential fields (issue 31).
+@Suite struct CredentialHeaderTests {
+    func render(_ header: CredentialHeader, _ credential: String = "K", scheme: String = "Bearer") -> String {
+        String(
+            decoding: header.render(credential: Array(credential.utf8), scheme: scheme) { path in
+                Array("file(\(path))".utf8)
+            }, as: UTF8.self)
+    }
+
+    @Test(arguments: [
+        ("X-API-Key: {secret}", "X-API-Key", "K"),
+        ("Authorization: Bearer {secret}", "Authorization", "Bearer K"),
+        ("authorization:Token  {secret} ", "authorization", "Token  K"),
+        ("CF-Access-Client-Id: {secret_file:/run/id}", "CF-Access-Client-Id", "file(/run/id)"),
+        ("Authorization: {basic:ada}", "Authorization", "Basic YWRhOks="),
+        ("X-Key: pre-{secret}-post", "X-Key", "pre-K-post"),
+    ])
+    func parsesAndRenders(text: String, name: String, value: String) throws {
+        let header = try CredentialHeader.parse(text, kind: .secret).get()
+        #expect(header.name == name)
+        #expect(render(header) == value)
+    }
+
+    @Test func tokenOriginsWriteToken() throws {
+        let header = try CredentialHeader.parse("X-Token: {token}", kind: .token).get()
+        #expect(render(header, "T") == "T")
+        #expect(throws: ValueError.self) { try CredentialHeader.parse("X-Token: {secret}", kind: .token).get() }
+        #expect(throws: ValueError.self) { try CredentialHeader.parse("X-Token: {token}", kind: .secret).get() }
+    }
+
+    @Test(arguments: [
+        "X-API-Key {secret}", ": {secret}", "X API: {secret}", "Host: {secret}", "Content-Length: {secret}",
+        "Proxy-Authorization: {secret}", "DPoP: {secret}", "X-Key: {nope}", "X-Key: {secret", "X-Key: }{secret}",
+        "X-Key: plain text only", "X-Key: {basic:a:b}", "X-Key: {secret_file:}", "X-Key: caf\u{e9} {secret}",
+        "X-Key: {secret}\r\nX-Evil: 1",
+    ])
+    func refusesBadTemplates(text: String) {
+        #expect(throws: ValueError.self) { try CredentialHeader.parse(text, kind: .secret).get() }
+    }
+
+    @Test func theDefaultIsTheSchemeAndTheToken() {
+        #expect(render(.authorizationDefault, "T", scheme: "DPoP") == "DPoP T")
+    }
+
+    // MARK: - Placeholders
+
+    let mine = Placeholders.Entry(
+        value: Array("proxyctl-placeholder-00112233445566778899aabbccddeeff".utf8), origin: "https://a.test",
+        variable: "A_KEY")
+    let theirs = Placeholders.Entry(
+        value: Array("proxyctl-placeholder-ffeeddccbbaa99887766554433221100".utf8), origin: "https://b.test",
+        variable: "B_KEY")
+
+    @Test func placeholdersAreFoundAnywhereAndInBasic() {
+        let table = Placeholders([mine, theirs])
+        let text = "Bearer " + String(decoding: theirs.value, as: UTF8.self) + "!"
+        #expect(table.find(in: Array(text.utf8)) == theirs)
+        #expect(table.find(in: Array("proxyctl-placeholder-nothing".utf8)) == nil)
+        let basic = "basic  " + Base64.encode(Array("me:".utf8) + mine.value)
+        #expect(table.find(in: Array(basic.utf8)) == mine)
+        #expect(Placeholders().find(in: mine.value) == nil)
+    }
+
+    func origin(_ text: String) throws -> OriginConfig {
+        let parser = ConfigParser(homeDirectory: "/home/ada", baseDirectory: "/etc/proxyctl")
+        var origin = try #require(try parser.parse(text, file: "proxy.conf").get().origins.origins.first)
+        origin.placeholders = Placeholders([mine, theirs])
+        return origin
+    }
+
+    func scan(_ origin: OriginConfig, _ fields: [(String, String)], target: String = "/") -> CredentialScan {
+        origin.scanCredentials(target: target.utf8) { visit in
+            for (name, value) in fields { visit(Array(name.utf8)[...], Array(value.utf8)[...]) }
+        }
+    }
+
+    @Test func theOwnPlaceholderIsNoClientCredentialAndAnotherIsRefused() throws {
+        let a = try origin(
+            "[origin https://a.test]\nsecret_file = /k\nheader = X-API-Key: {secret}\nplaceholder_env = A_KEY\n")
+        #expect(a.credentialFieldNames == ["x-api-key"])
+        #expect(a.clientAuthorization == .replace)
+        let own = scan(a, [("x-api-key", String(decoding: mine.value, as: UTF8.self))])
+        #expect(own.placeholderUsed && !own.clientCredential && own.foreign == nil)
+        #expect(a.credentialRefusal(own) == nil)
+        let client = scan(a, [("X-API-KEY", "sk-real"), ("Authorization", "Bearer x")])
+        #expect(client.clientCredential && !client.placeholderUsed)
+        let stolen = scan(a, [("X-Other", "x " + String(decoding: theirs.value, as: UTF8.self))])
+        #expect(stolen.foreign == theirs)
+        #expect(a.credentialRefusal(stolen)?.contains("https://b.test (B_KEY)") == true)
+        let query = scan(a, [], target: "/?k=" + String(decoding: theirs.value, as: UTF8.self))
+        #expect(query.foreign == theirs)
+    }
+
+    @Test func refuseRefusesTheClientsOwnCredential() throws {
+        let a = try origin("[origin https://a.test]\nsecret_file = /k\nclient_credential = refuse\n")
+        #expect(a.credentialRefusal(scan(a, [("authorization", "Bearer mine")]))?.contains("refuse") == true)
+        #expect(a.credentialRefusal(scan(a, [("accept", "*/*")])) == nil)
+    }
+
+    @Test func theRequestLosesTheClientsFieldAndGetsThePlaceholdersOrigin() throws {
+        let a = try origin(
+            "[origin https://a.test]\nsecret_file = /k\nheader = X-API-Key: {secret}\nheader = X-Id: {secret_file:/id}\n"
+        )
+        let head = try parseHead(
+            "GET /x HTTP/1.1\r\nHost: a.test\r\nX-API-Key: mine\r\nx-id: 1\r\nAccept: */*\r\n\r\n")
+        let request = try MessageSemantics.interceptedRequest(head, for: a).get()
+        #expect(request.upstreamFields.map(\.name) == ["Accept"])
+        #expect(request.clientAuthorization)
+        let theirsHead = try parseHead(
+            "GET /x HTTP/1.1\r\nHost: a.test\r\nX-Trace: \(String(decoding: theirs.value, as: UTF8.self))\r\n\r\n")
+        guard case .failure(.credentialRefused(let reason, _)) = MessageSemantics.interceptedRequest(theirsHead, for: a)
+        else {
+            Issue.record("a placeholder of another origin was not refused")
+            return
+        }
+        #expect(reason.contains("https://b.test"))
+    }
+
+    // MARK: - Configuration errors name the line
+
+    @Test(arguments: [
+        ("[origin https://a.test]\nsecret_file = /k\nsecret_command = vault\n", 3, "one secret"),
+        ("[origin https://a.test]\nprovider = corp\nsecret_file = /k\n", 3, "either provider"),
+        ("[origin https://a.test]\nsecret_file = /k\nheader = X-Key: {token}\n", 3, "{secret}"),
+        ("[origin https://a.test]\nsecret_file = /k\nsecret_ttl = 1m\n", 3, "needs secret_command"),
+        ("[origin https://a.test]\nsecret_file = /k\nplaceholder_env = 1BAD\n", 3, "environment variable"),
+        ("[origin https://a.test]\nsecret_file = /k\nclient_credential = maybe\n", 3, "replace, keep or refuse"),
+        ("[origin https://a.test]\nsecret_file = /k\nheader = X-Key: {secret}\nheader = x-key: {secret}\n", 4, "twice"),
+        ("[origin https://a.test]\nsecret_file = /k\nscopes = a\n", 3, "static secret"),
+        ("[origin https://a.test]\nheader = X-Key: {secret}\n", 1, "or a secret"),
+    ])
+    func configErrorsNameTheLine(text: String, line: Int, message: String) {
+        let parser = ConfigParser(homeDirectory: "/home/ada", baseDirectory: "/etc/proxyctl")
+        let provider = "[provider corp]\nissuer = https://login.example.com\nclient_id = proxyctl\n"
+        let offset = text.contains("provider = corp") ? 3 : 0
+        guard case .failure(let errors) = parser.parse((offset > 0 ? provider : "") + text, file: "proxy.conf") else {
+            Issue.record("accepted: \(text)")
+            return
+        }
+        #expect(
+            errors.errors.contains { $0.line == line + offset && $0.message.contains(message) },
+            "\(errors.description)")
+    }
+
+    @Test func aCommandHasADefaultTTLAndItsNameHidesItsArguments() throws {
+        let a = try origin("[origin https://a.test]\nsecret_command = /usr/bin/vault read secret/api\n")
+        #expect(a.secret == .command(["/usr/bin/vault", "read", "secret/api"], ttl: 300))
+        #expect(a.credentialName == "secret_command:vault")
+        #expect(a.tokenKey == TokenKey(staticSecret: "secret_command:vault"))
+    }
+
+    // MARK: - The audit log
+
+    @Test func auditLinesHoldNoQueryAndReadBack() throws {
+        let record = ExchangeRecord(
+            method: "POST", origin: "https://a.test", provider: "secret_file:/k", target: "/v1/x?api_key=SECRET#f",
+            status: 200, attempts: 2, keptClientAuthorization: false, attached: true, refreshed: true,
+            nonceRetried: false, stepUp: false, answeredByProxy: false, note: nil, close: false,
+            clientCredentialReplaced: false, placeholderUsed: true, staticSecret: true)
+        let entry = try #require(AuditEntry(record, time: 1_767_323_045, uid: 1000, client: "127.0.0.1:5000"))
+        #expect(!entry.json.contains("SECRET") && !entry.json.contains("?"))
+        #expect(entry.json.contains(#""time":"2026-01-02T03:04:05Z""#))
+        #expect(AuditEntry.parse(entry.json) == entry)
+        let none = ExchangeRecord(
+            method: "GET", origin: "https://a.test", provider: "corp", target: "/", status: 200, attempts: 1,
+            keptClientAuthorization: true, attached: false, refreshed: false, nonceRetried: false, stepUp: false,
+            answeredByProxy: false, note: nil, close: false)
+        #expect(AuditEntry(none, time: 0, uid: nil, client: "") == nil)
+    }
+}
