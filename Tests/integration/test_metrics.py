@@ -185,8 +185,8 @@ def probe(address: tuple[str, int], host_field: str, path: str = "/healthz") -> 
 
 # A process (not a thread of the test: the probes' timings must not wait for the GIL) that opens `hold`
 # connections sending half a request head and reports how many the listener still holds; on a line "churn" it
-# keeps opening more as fast as it can, each kept until it holds `hold` again, until its standard input closes;
-# then it reports how many it opened in all.
+# keeps opening more as fast as it can, each kept until it holds `hold` again (saying "churning" after the first
+# 50), until its standard input closes; then it reports how many it opened in all.
 FLOOD = r"""
 import collections, select, socket, sys, threading
 host, port, hold = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -225,6 +225,9 @@ if sys.stdin.readline().strip() == "churn":
         sys.stdin.read()
         running = False
     threading.Thread(target=stop, daemon=True).start()
+    for _ in range(50):
+        open_one()
+    print("churning", flush=True)
     while running:
         open_one()
 print("opened", opened, flush=True)
@@ -242,8 +245,12 @@ class HalfOpenFlood:
         self.held = int(line[1])
 
     def churn(self) -> None:
+        """Starts the churn, and returns once it runs (a loaded machine may start the process's loop after a
+        whole round of probes: the probes would then not have waited behind anything)."""
         self.process.stdin.write("churn\n")
         self.process.stdin.flush()
+        line = self.process.stdout.readline().split()
+        assert line[:1] == ["churning"], line
 
     def stop(self) -> int:
         """Ends the flood; how many connections it opened in all."""
