@@ -132,7 +132,9 @@ final class RequestBody {
             return true
         }
         var remaining = bytes[...]
-        if memory.count < memoryLimit {
+        // Memory holds the body's first bytes and the spool the rest: once a byte went to the spool, memory the
+        // account gets back meanwhile (another body's exchange ended) is not for this body.
+        if spooled == 0 && memory.count < memoryLimit {
             let wanted = min(memoryLimit - memory.count, remaining.count)
             let take = account?.memoryRoom(wanted) ?? wanted
             memory.append(contentsOf: remaining.prefix(take))

@@ -74,6 +74,22 @@ import Testing
         #expect(try append(next, 150) && next.replayable)
     }
 
+    @Test func memoryGivenBackMidBodyIsNotUsedOnceTheSpoolBegan() throws {
+        // A body that spooled part of itself while memory was short, then finds memory free again (another
+        // body's exchange ended): its next bytes still go to the spool, after the others, so it reads back in
+        // order. The second HTTP/2 upload test under AddressSanitizer caught the body arriving reordered.
+        let budget = ReplayBudget(.init(memory: 400, spool: 4_000))  // a connection: 100 and 1,000
+        let account = ReplayAccount(budget)
+        var other: RequestBody? = RequestBody(memoryLimit: 1_000, spoolDirectory: spool, account: account)
+        #expect(try append(other!, 80, 9))
+        let body = RequestBody(memoryLimit: 1_000, spoolDirectory: spool, account: account)
+        #expect(try append(body, 50, 1), "20 in memory, 30 to the spool")
+        other = nil  // 80 bytes of memory come back
+        #expect(try append(body, 50, 2))
+        #expect(account.memory == 20 && account.spool == 80)
+        #expect(read(body, from: 0, 100) == bytes(50, 1) + bytes(50, 2), "the body in the order it came")
+    }
+
     @Test func aBodyWithinItsOwnLimitNeedsNoSpoolWhenMemoryIsLeft() throws {
         let budget = ReplayBudget(.init(memory: 64 << 20, spool: 1 << 30))
         let account = ReplayAccount(budget)
