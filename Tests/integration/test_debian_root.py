@@ -97,7 +97,8 @@ def test_the_package_installs_and_runs_where_there_is_no_swift(root):
                      "/usr/share/fish/vendor_completions.d/proxyctl.fish"):
         assert expected in files, files
     completed = root.run("bash", "-c", "source /usr/share/bash-completion/completions/proxyctl; "
-                         "COMP_WORDS=(proxyctl se); COMP_CWORD=1; _proxyctl; echo ${COMPREPLY[*]}")
+                         "COMP_WORDS=(proxyctl ser); COMP_CWORD=1; _proxyctl; echo ${COMPREPLY[*]}")
+    # "ser", not "se": `secret` (issue 31) shares the first two letters.
     assert completed.stdout == "serve\n", completed.stdout + completed.stderr
 
 
