@@ -225,23 +225,7 @@ enum InitCommand {
         let text = configurationText(
             provider: provider, origins: origins, dpop: dpop, resolve: arguments.value("resolve"),
             issuer: metadata.issuer, listen: listen.address, originCAFile: originCA)
-        // Check what is written with the parser that will read it.
-        let directory = PathText.parent(file)
-        let parser = ConfigParser(
-            homeDirectory: context.environment["HOME"], baseDirectory: directory.isEmpty ? "." : directory)
-        let configuration: Configuration
-        switch parser.parse(text, file: file) {
-        case .success(let parsed): configuration = parsed
-        case .failure(let errors): throw CommandFailure(message: "internal error in the written file:\n\(errors)")
-        }
-        do {
-            if !directory.isEmpty {
-                try FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
-            }
-            try SecureFile.write(Array(text.utf8), to: file, mode: 0o600)
-        } catch {
-            throw CommandFailure(message: "cannot write \(file): \(error)")
-        }
+        let configuration = try writeChecked(text, to: file, context)
         context.err("Wrote \(file):")
         for line in report { context.err("  \(line)") }
         context.err("  sign-in redirect: \(redirect.uri) (redirect_port = \(redirect.port)\(redirect.note))")
@@ -326,6 +310,28 @@ enum InitCommand {
     }
 
     /// A commented proxy.conf for one provider and its origins.
+    /// Writes the configuration `text` to `file` (0600, atomically, its directory made) once the parser that will
+    /// read it accepted it; what it parsed to.
+    static func writeChecked(_ text: String, to file: String, _ context: CommandContext) throws -> Configuration {
+        let directory = PathText.parent(file)
+        let parser = ConfigParser(
+            homeDirectory: context.environment["HOME"], baseDirectory: directory.isEmpty ? "." : directory)
+        let configuration: Configuration
+        switch parser.parse(text, file: file) {
+        case .success(let parsed): configuration = parsed
+        case .failure(let errors): throw CommandFailure(message: "internal error in the written file:\n\(errors)")
+        }
+        do {
+            if !directory.isEmpty {
+                try FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
+            }
+            try SecureFile.write(Array(text.utf8), to: file, mode: 0o600)
+        } catch {
+            throw CommandFailure(message: "cannot write \(file): \(error)")
+        }
+        return configuration
+    }
+
     static func configurationText(
         provider: ProviderConfig, origins: [String], dpop: Bool, resolve: String?, issuer: String,
         listen: String = "127.0.0.1:8080", originCAFile: String? = nil, originResource: String? = nil,

@@ -341,22 +341,7 @@ extension InitCommand {
             provider: provider, origins: [originURL], dpop: dpop, resolve: arguments.value("resolve"),
             issuer: issuer, listen: listen.address, originCAFile: originCAFile, originResource: resource.resource,
             provenance: provenance)
-        let directory = PathText.parent(file)
-        let parser = ConfigParser(
-            homeDirectory: context.environment["HOME"], baseDirectory: directory.isEmpty ? "." : directory)
-        let configuration: Configuration
-        switch parser.parse(written, file: file) {
-        case .success(let parsed): configuration = parsed
-        case .failure(let errors): throw CommandFailure(message: "internal error in the written file:\n\(errors)")
-        }
-        do {
-            if !directory.isEmpty {
-                try FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
-            }
-            try SecureFile.write(Array(written.utf8), to: file, mode: 0o600)
-        } catch {
-            throw CommandFailure(message: "cannot write \(file): \(error)")
-        }
+        let configuration = try writeChecked(written, to: file, context)
         context.err("Wrote \(file):")
         context.err("  issuer \(issuer), as the origin's metadata names it and its own metadata confirms")
         if arguments.value("name") == nil {
