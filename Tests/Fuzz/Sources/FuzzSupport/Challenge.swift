@@ -41,7 +41,9 @@ private func checkParameters(_ challenges: [Challenge]) {
         invariant(
             challenges.contains { ($0.scheme == "bearer" || $0.scheme == "dpop") && $0["resource_metadata"] == url },
             "resource_metadata \(url.debugDescription) from no Bearer or DPoP challenge")
-        invariant(url.hasPrefix("https://") || url.lowercased().hasPrefix("http://"), "not a web URL: \(url)")
+        // RFC 3986 §3.1: a scheme is case-insensitive ("HTTPS://" is an https URL, and libcurl reads it so).
+        let lowered = url.lowercased()
+        invariant(lowered.hasPrefix("https://") || lowered.hasPrefix("http://"), "not a web URL: \(url)")
     }
     for challenge in challenges {
         if let scopes = challenge.insufficientScope {
