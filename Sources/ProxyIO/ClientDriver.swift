@@ -44,10 +44,9 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
     private var upstream: OpaquePointer?
     /// The upstream bufferevent is connecting (its first event is CONNECTED or the failure).
     private var upstreamConnecting = false
-    /// The TLS session the proxy runs over the upstream connection (an upgrade to an https origin), and
-    /// whether its handshake is still under way.
-    private var upstreamSSL: OpaquePointer?
-    private var upstreamTLSConnecting = false
+    /// The own client's connection to a protected origin that answered an upgrade with 101, from the exchange's
+    /// end until the tunnel takes it.
+    private var switched: OriginConnection?
     private var addresses: [SocketAddress] = []
     /// Counts the resolves asked for: an answer is taken only while it is for the latest.
     private var resolving = 0
@@ -264,18 +263,12 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
             bufferevent_free(upstream)
             upstream = nil
             upstreamConnecting = false
-            upstreamSSL = nil
-            upstreamTLSConnecting = false
             upstreamThrottled = false
             clientThrottled = false
             updateClientReading()
         case .writeUpstream(let bytes):
             Buffers.append(bytes, to: upstreamOutput)
             throttleClientIfNeeded()
-        case .writeUpstreamHead(let head, let credential, let method, let url):
-            writeUpstreamHead(head, credential: credential, method: method, url: url)
-        case .startUpstreamTLS(let serverName, let caFile):
-            startUpstreamTLS(serverName: serverName, caFile: caFile)
         case .consumeUpstream(let count):
             evbuffer_drain(upstreamInput, count)
         case .moveClientToUpstream(let count):
@@ -520,18 +513,6 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
     fileprivate func upstreamEvent(_ events: Int16) {
         let what = Int32(events)
         guard let upstream else { return }
-        if upstreamTLSConnecting {
-            upstreamTLSConnecting = false
-            lastActivity = EventLoop.monotonicMilliseconds()
-            if what & Int32(BEV_EVENT_CONNECTED) != 0 {
-                handle(.upstreamTLSEstablished)
-            } else if let ssl = upstreamSSL, let reason = tlsVerifyFailure(ssl) {
-                handle(.upstreamTLSFailed(.certificate, detail: reason))
-            } else {
-                handle(.upstreamTLSFailed(.tls, detail: "TLS handshake failed: \(Self.tlsErrors(upstream))"))
-            }
-            return
-        }
         if what & Int32(BEV_EVENT_CONNECTED) != 0 {
             upstreamConnecting = false
             let fd = bufferevent_getfd(upstream)
@@ -560,6 +541,11 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
     /// the first bytes of each direction.
     private func startTunnel(label: TunnelLabel, status: Int) {
         handOverTLSSocket()
+        var upstreamSSL: OpaquePointer? = nil
+        if upstream == nil, let switched {
+            self.switched = nil
+            (upstream, upstreamSSL) = adopt(switched)
+        }
         guard let clientBev = client, let upstreamBev = upstream else {
             return close()
         }
@@ -576,7 +562,6 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
             client = nil
             ssl = nil
             upstream = nil
-            upstreamSSL = nil
             context.owner.adopt(relay)
             finishHandOff()
             relay.begin()
@@ -601,6 +586,30 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
             upstreamFD: upstreamFD, toUpstream: toUpstream, toClient: toClient)
         context.owner.adopt(tunnel)
         finishHandOff()
+    }
+
+    /// A bufferevent on the socket of the own client's connection the origin switched protocols on (OpenSSL's
+    /// on its TLS session, already open, for an https origin); what the origin sent after its 101 goes to the
+    /// client first, what waited to be written to the origin to it.
+    private func adopt(_ connection: OriginConnection) -> (OpaquePointer?, OpaquePointer?) {
+        guard let (fd, tls, received, unsent) = connection.handOver() else { return (nil, nil) }
+        let options = Int32(BEV_OPT_CLOSE_ON_FREE.rawValue | BEV_OPT_DEFER_CALLBACKS.rawValue)
+        let made: OpaquePointer?
+        if let tls {
+            made = bufferevent_openssl_socket_new(context.loop.base, fd, tls, BUFFEREVENT_SSL_OPEN, options)
+            if made == nil { SSL_free(tls) }
+            if let made { bufferevent_openssl_set_allow_dirty_shutdown(made, 1) }
+        } else {
+            made = bufferevent_socket_new(context.loop.base, fd, options)
+        }
+        guard let made else {
+            Platform.closeDescriptor(fd)
+            return (nil, nil)
+        }
+        Self.tune(made)
+        Buffers.append(received, to: clientOutput)
+        Buffers.append(unsent, to: bufferevent_get_output(made))
+        return (made, tls)
     }
 
     /// Everything in `buffer`, removed from it. A bufferevent's buffers are frozen (the output at its front)
@@ -730,54 +739,6 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
         throttleClientIfNeeded()
     }
 
-    /// An upgrade request head to the origin with its credential's fields (`HTTPHead.withFields`, ProxyCore's).
-    private func writeUpstreamHead(
-        _ head: [UInt8], credential: UpstreamRequest.Credential?, method: String, url: String
-    ) {
-        guard credential != nil, let io = exchangeIO else {
-            Buffers.append(head, to: upstreamOutput)
-            return
-        }
-        let upstreamAtStart = upstream
-        io.credentialFields(credential, method: method, url: url) { [weak self] fields in
-            // A key read off the loop may come back after the connection went.
-            guard let self, !closed, upstream != nil, upstream == upstreamAtStart else { return }
-            Buffers.append(HTTPHead.withFields(head, fields), to: upstreamOutput)
-        }
-    }
-
-    /// TLS to the origin over the connected upstream socket (an upgrade to an https origin): a filter
-    /// bufferevent on top of the socket's, which then stands for the upstream connection.
-    private func startUpstreamTLS(serverName: String, caFile: String?) {
-        guard let socket = upstream else { return }
-        let ssl: OpaquePointer
-        do {
-            ssl = try context.tlsClients.makeSSL(serverName: serverName, caFile: caFile)
-        } catch {
-            queued.append(.upstreamTLSFailed(.tls, detail: "\(error)"))
-            return
-        }
-        bufferevent_setcb(socket, nil, nil, nil, nil)
-        let options = Int32(BEV_OPT_CLOSE_ON_FREE.rawValue | BEV_OPT_DEFER_CALLBACKS.rawValue)
-        guard
-            let filter = bufferevent_openssl_filter_new(
-                context.loop.base, socket, ssl, BUFFEREVENT_SSL_CONNECTING, options)
-        else {
-            SSL_free(ssl)
-            bufferevent_setcb(
-                socket, upstreamReadCallback, upstreamWriteCallback, upstreamEventCallback, contextPointer)
-            queued.append(.upstreamTLSFailed(.tls, detail: "cannot start TLS"))
-            return
-        }
-        bufferevent_openssl_set_allow_dirty_shutdown(filter, 1)
-        upstream = filter
-        upstreamSSL = ssl
-        upstreamTLSConnecting = true
-        bufferevent_setcb(filter, upstreamReadCallback, upstreamWriteCallback, upstreamEventCallback, contextPointer)
-        Self.tune(filter)
-        bufferevent_enable(filter, Int16(EV_READ | EV_WRITE))
-    }
-
     // MARK: - ExchangeDriver (at the top of the loop, never inside `handle`; only the current exchange's)
 
     func exchange(_ io: ExchangeIO, event: ExchangeIO.Event) {
@@ -839,6 +800,8 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
 
     /// The exchange ended: its line in the log and its counts; its transfer stops.
     private func exchangeFinished(_ record: ExchangeRecord) {
+        // After a 101 the exchange's connection is the tunnel's (`.startTunnel` follows).
+        if record.status == 101 { switched = exchangeIO?.takeSwitched() }
         if let io = exchangeIO {
             io.finish(record, peer: peer)
         } else {

@@ -100,6 +100,9 @@ final class ExchangeIO: TransferOwner {
     /// Whether a transfer runs.
     var hasTransfer: Bool { transfer != nil }
 
+    /// The connection the origin switched protocols on (after a 101 to an upgrade request), for the tunnel.
+    func takeSwitched() -> OriginConnection? { transfer?.takeSwitched() }
+
     // MARK: - The exchange's outputs that are I/O
 
     /// Carries out an output of `ProtectedExchange` that is I/O; the others (the response, the proxy's answers,

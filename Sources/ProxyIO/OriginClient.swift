@@ -25,6 +25,9 @@ protocol UpstreamTransfer: AnyObject {
     func resume()
     /// Stops the transfer: no callback of it reaches the owner any more. Safe inside its callbacks.
     func cancel()
+    /// The connection the origin switched protocols on (its 101 delivered), taken once: the owner makes it a
+    /// tunnel's. nil before a 101, or once taken.
+    func takeSwitched() -> OriginConnection?
 }
 
 /// Who receives an upstream transfer's callbacks (the client connection's driver).
@@ -305,6 +308,32 @@ final class OriginConnection {
         }
         if fd >= 0 { socketClose(fd) }
         fd = -1
+    }
+
+    /// Gives the socket (and its TLS session) away, for a tunnel after a 101: with the bytes read but not taken
+    /// and those written but not yet sent. The connection is closed without closing them; nil when it was not
+    /// open.
+    func handOver() -> (fd: Int32, ssl: OpaquePointer?, received: [UInt8], unsent: [UInt8])? {
+        guard phase == .open else { return nil }
+        if let ssl {
+            // A bufferevent reads only when the socket is readable: what OpenSSL holds goes first, and records
+            // are read one at a time from now on, as it expects.
+            TLSSocket.readBuffered(ssl, into: input)
+            SSL_set_read_ahead(ssl, 0)
+        }
+        let handed = (fd: fd, ssl: ssl, received: Self.take(input), unsent: Self.take(output))
+        fd = -1
+        ssl = nil
+        close()
+        return handed
+    }
+
+    private static func take(_ buffer: OpaquePointer) -> [UInt8] {
+        let count = evbuffer_get_length(buffer)
+        guard count > 0 else { return [] }
+        var bytes = [UInt8](repeating: 0, count: count)
+        bytes.withUnsafeMutableBytes { _ = evbuffer_remove(buffer, $0.baseAddress, count) }
+        return bytes
     }
 
     func startReading() {
@@ -588,6 +617,8 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
     private let caFile: String?
     /// The connection the request is on, once there is one (HTTP/1.1).
     private var connection: OriginConnection?
+    /// The connection after the origin's 101, until the owner takes it for a tunnel.
+    private var switched: OriginConnection?
     /// The HTTP/2 connection the request is a stream of, and the stream, once there is one.
     private var session: OriginH2Session?
     private var stream: Int32 = 0
@@ -662,7 +693,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
         machine = OriginExchange(
             request: OriginExchange.Request(
                 method: request.method, url: url, target: request.requestTarget, fields: request.fields,
-                body: request.originBody, credential: authorization, proxy: proxy),
+                body: request.originBody, credential: authorization, proxy: proxy, upgrade: request.upgrade),
             connectTimeout: request.connectTimeout, idleTimeout: request.idleTimeout,
             limits: request.responseHeadLimits)
     }
@@ -670,6 +701,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
     deinit {
         dialing?.close()
         connection?.close()
+        switched?.close()
         session?.release(stream)
         if let timer { context.spareTimer(timer) }
     }
@@ -718,6 +750,11 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
         if let session, stream != 0 { session.resumeBody(stream) }
         // At the top of the loop, not inside the owner's call.
         later(nil)
+    }
+
+    func takeSwitched() -> OriginConnection? {
+        defer { switched = nil }
+        return switched
     }
 
     func cancel() {
@@ -797,6 +834,16 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
                 handle(.bodyRewound(owner?.transferSeek(self, 0) ?? false))
             case .writeBody(let count):
                 bodyPiece.withUnsafeBytes { connection?.send(UnsafeRawBufferPointer(rebasing: $0[..<count])) }
+            case .switchProtocols(let headBytes):
+                // Before the 101 reaches the owner, which starts the tunnel with this connection: the head's
+                // bytes go, what follows them stays in the input for the tunnel (`readable` drains nothing more).
+                guard let used = connection else { continue }
+                connection = nil
+                used.stopReading()
+                used.user = nil
+                evbuffer_drain(used.input, headBytes)
+                timer?.cancel()
+                switched = used
             }
         }
     }
@@ -830,7 +877,8 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
     private static func isOrdered(_ action: OriginExchange.Action) -> Bool {
         switch action {
         case .deliverHead, .deliverBody, .deliverTrailers, .release, .finish: true
-        case .connect, .arm, .write, .log, .readBody, .writeBody, .submit, .rewindBody, .startTLS: false
+        case .connect, .arm, .write, .log, .readBody, .writeBody, .submit, .rewindBody, .startTLS, .switchProtocols:
+            false
         }
     }
 

@@ -142,7 +142,7 @@ final class TLSSocket {
         }
         // The bufferevent reads only when the socket is readable: take what OpenSSL holds first, and read
         // record by record from now on, as it expects.
-        readBuffered(ssl)
+        Self.readBuffered(ssl, into: input)
         SSL_set_read_ahead(ssl, 0)
         freeEvents()
         guard let bev = bufferevent_openssl_socket_new(loop.base, fd, ssl, BUFFEREVENT_SSL_OPEN, options) else {
@@ -336,7 +336,10 @@ final class TLSSocket {
 
     /// Moves the plaintext of the records OpenSSL holds complete into `input` (no socket read: a partial
     /// record stays with OpenSSL, which reads the rest when the socket brings it).
-    private func readBuffered(_ ssl: OpaquePointer) {
+    /// Reads into `input` what OpenSSL holds of `ssl` already (decrypted, or read ahead from the socket), before
+    /// a bufferevent takes the session over: it reads only when the socket is readable, so bytes left in OpenSSL
+    /// would wait there.
+    static func readBuffered(_ ssl: OpaquePointer, into input: OpaquePointer) {
         while SSL_has_pending(ssl) != 0 {
             var vector = iovec()
             guard evbuffer_reserve_space(input, Self.recordSize, &vector, 1) == 1 else { return }

@@ -36,6 +36,8 @@ struct Playbook {
     var outcomes: [RequestOutcome] = []
     /// Every upstream connection opened, in order (the index of the address each used).
     var connects: [Int] = []
+    /// The request the exchange last sent (`.send`): what the own client's reader reads the response for.
+    var sent: UpstreamRequest?
 
     init(_ machine: ConnectionMachine, start: Bool = true) {
         self.machine = machine
@@ -132,16 +134,27 @@ struct Playbook {
         now = until
     }
 
-    /// A transfer's response head, handed over line by line as libcurl's header callback does.
+    /// A transfer's response heads (interim ones, then the final) as the own client hands them over: read by
+    /// `ResponseReader` for the request last sent (its method, whether it asked to upgrade), each head parsed once.
+    /// A head the reader cannot read ends the transfer as `OriginExchange` ends it (`.transferFinished` with
+    /// the failure).
     mutating func transferHead(_ text: String) {
-        // Bytes, not Characters: "\r\n" is one Character in Swift.
-        let bytes = Array(text.utf8)
-        var start = 0
-        for index in bytes.indices where bytes[index] == 0x0A {
-            let line = Array(bytes[start...index])
-            start = index + 1
+        var reader = ResponseReader(
+            requestMethod: sent?.method ?? "GET", upgradeRequested: sent?.upgrade ?? false,
+            limits: sent?.responseHeadLimits ?? HTTPHeadLimits())
+        var outputs: [ResponseReader.Output] = []
+        _ = Array(text.utf8).withUnsafeBytes { reader.read($0, &outputs) }
+        for output in outputs {
             var actions: [Action] = []
-            line.withUnsafeBytes { machine.transferHeaderLines($0, now: now, &actions) }
+            switch output {
+            case .head(let received):
+                machine.transferResponseHead(received, now: now, &actions)
+            case .failed(let error):
+                event(.transferFinished(OriginExchange.failure(error), detail: "\(error)"))
+                continue
+            default:
+                continue
+            }
             apply(actions)
         }
     }
@@ -180,19 +193,6 @@ struct Playbook {
             case .writeUpstream(let bytes):
                 #expect(upstreamOpen, "writing to an upstream that is not open")
                 upstreamOut += bytes
-            case .writeUpstreamHead(let bytes, let credential, _, _):
-                #expect(upstreamOpen, "writing to an upstream that is not open")
-                // What the I/O layer adds for a credential, visible to the test as a marker line.
-                if let credential {
-                    upstreamOut +=
-                        bytes.dropLast(2) + Array("Authorization: <token \(credential.generation)>\r\n\r\n".utf8)
-                } else {
-                    upstreamOut += bytes
-                }
-                notable.append(action)
-            case .startUpstreamTLS:
-                #expect(upstreamOpen, "TLS on an upstream that is not open")
-                notable.append(action)
             case .keepBody(let count):
                 #expect(count > 0 && count <= clientIn.count)
                 keptBody += clientIn.prefix(count)
@@ -228,6 +228,9 @@ struct Playbook {
                 notable.append(action)
             case .exchange(.getTokens, _):
                 tokensAsked = true
+                notable.append(action)
+            case .exchange(.send(let request), _):
+                sent = request
                 notable.append(action)
             case .resolve, .exchange, .writeResponseBody, .exchangeFinished:
                 notable.append(action)

@@ -31,24 +31,32 @@ import Testing
             case .writeBody(let count): "writeBody(\(count))"
             case .rewindBody: "rewindBody"
             case .startTLS: "startTLS"
+            case .switchProtocols(let headBytes): "switchProtocols(headBytes: \(headBytes))"
             case .submit(let fields, let body): "submit(\(fields.count) fields, body: \(body))"
             }
         }
     }
 
-    static func make(_ method: String = "GET", body: OriginExchange.Body = .none) -> OriginExchange {
+    static func make(
+        _ method: String = "GET", body: OriginExchange.Body = .none, upgrade: Bool = false
+    )
+        -> OriginExchange
+    {
         OriginExchange(
             request: OriginExchange.Request(
                 method: method,
                 url: AbsoluteURL(
                     scheme: "https", authority: HostPort(host: "api.test", port: 443, kind: .name), pathAndQuery: "/a"),
-                fields: [], body: body, credential: [("Authorization", Array("Bearer t".utf8))]),
+                fields: upgrade ? [("Connection", Array("Upgrade".utf8)), ("Upgrade", Array("websocket".utf8))] : [],
+                body: body, credential: [("Authorization", Array("Bearer t".utf8))], upgrade: upgrade),
             connectTimeout: 3000, idleTimeout: 9000)
     }
 
     /// Starts an exchange and plays `steps`; returns the actions of each step (the start's first).
-    static func play(_ steps: [Step], method: String = "GET", body: OriginExchange.Body = .none) -> [[String]] {
-        var exchange = make(method, body: body)
+    static func play(
+        _ steps: [Step], method: String = "GET", body: OriginExchange.Body = .none, upgrade: Bool = false
+    ) -> [[String]] {
+        var exchange = make(method, body: body, upgrade: upgrade)
         var out: [OriginExchange.Action] = []
         exchange.start(&out)
         var all = [render(out)]
@@ -80,6 +88,38 @@ import Testing
                     "head(HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n)", "body(hello)", "release(reusable: true)",
                     "finish(complete)",
                 ],
+            ])
+    }
+
+    /// An upgrade goes on a new connection (never one the pool keeps for others, nor a shared HTTP/2 one), and the
+    /// 101 hands that connection over before its head reaches the owner: the head's bytes dropped, the new
+    /// protocol's first bytes left in it, nothing released to the pool.
+    @Test func anUpgradeGetsANewConnectionWhichA101HandsOver() {
+        let head = "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+        let actions = Self.play([.event(.connected(reused: false)), .bytes(head + "\u{81}\u{00}")], upgrade: true)
+        #expect(
+            actions == [
+                ["arm(3000)", "connect(reuse: false)"],
+                [
+                    "write(GET /a HTTP/1.1\r\nHost: api.test\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nAuthorization: Bearer t\r\n\r\n)",
+                    "arm(9000)",
+                ],
+                ["switchProtocols(headBytes: \(head.utf8.count))", "head(\(head))", "finish(complete)", "untaken(3)"],
+            ])
+        // Any other answer is an ordinary response (the origin declined the upgrade; RFC 9110 §7.8): read whole,
+        // and the connection stays HTTP/1.1, kept.
+        let refused = Self.play(
+            [.event(.connected(reused: false)), .bytes("HTTP/1.1 403 Forbidden\r\nContent-Length: 2\r\n\r\nno")],
+            upgrade: true)
+        #expect(
+            refused.last == [
+                "head(HTTP/1.1 403 Forbidden\r\nContent-Length: 2\r\n\r\n)", "body(no)", "release(reusable: true)",
+                "finish(complete)",
+            ])
+        // HTTP/2 is not offered for an upgrade; an origin that chose it anyway is broken.
+        #expect(
+            Self.play([.event(.connected(reused: false, http2: true))], upgrade: true).last == [
+                "release(reusable: false)", "finish(protocolError, the origin chose HTTP/2 for an upgrade request)",
             ])
     }
 

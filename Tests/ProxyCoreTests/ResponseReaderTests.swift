@@ -11,6 +11,7 @@ import Testing
         case trailers(String)
         case end(reusable: Bool)
         case failed(HTTPParseError.Code)
+        case switched
 
         var description: String {
             switch self {
@@ -19,6 +20,7 @@ import Testing
             case .trailers(let text): "trailers(\(text.debugDescription))"
             case .end(let reusable): "end(reusable: \(reusable))"
             case .failed(let code): "failed(\(code))"
+            case .switched: "switched"
             }
         }
     }
@@ -26,11 +28,11 @@ import Testing
     /// Feeds `reads` one after the other (then the origin's close, when asked), and returns the events, body
     /// bytes of consecutive reads merged, and the bytes left untaken in the last read.
     static func play(
-        _ reads: [String], method: String = "GET", close: Bool = false
+        _ reads: [String], method: String = "GET", close: Bool = false, upgrade: Bool = false
     ) -> (
         events: [Event], untaken: Int
     ) {
-        var reader = ResponseReader(requestMethod: method)
+        var reader = ResponseReader(requestMethod: method, upgradeRequested: upgrade)
         var events: [Event] = []
         var untaken = 0
         func add(_ event: Event) {
@@ -52,6 +54,7 @@ import Testing
                 case .trailers(let lines): add(.trailers(String(decoding: lines, as: UTF8.self)))
                 case .end(let reusable): add(.end(reusable: reusable))
                 case .failed(let error): add(.failed(error.code))
+                case .switched: add(.switched)
                 }
             }
         }
@@ -87,6 +90,26 @@ import Testing
         #expect(events == [.head(Self.okHead), .body("hello"), .end(reusable: true)])
         #expect(untaken == 0)
         Self.expectSplitInvariant(Self.okHead + "hello")
+    }
+
+    /// RFC 9110 §15.2.2: after a 101 to an upgrade request the connection speaks the new protocol; its first bytes
+    /// (a WebSocket frame in the same read) are not the reader's.
+    @Test func a101ToAnUpgradeEndsTheReadingAndLeavesTheNewProtocolsBytes() {
+        let interim = "HTTP/1.1 100 Continue\r\n\r\n"
+        let head = "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+        let frame = "\u{81}\u{05}hello"
+        let (events, untaken) = Self.play([interim + head + frame], upgrade: true)
+        #expect(events == [.head(interim), .head(head), .switched])
+        #expect(untaken == frame.utf8.count)
+        for cut in 1..<(interim + head).utf8.count {
+            let bytes = Array((interim + head).utf8)
+            let split = Self.play(
+                [String(decoding: bytes[..<cut], as: UTF8.self), String(decoding: bytes[cut...], as: UTF8.self)],
+                upgrade: true)
+            #expect(split.events == events && split.untaken == 0, "cut at \(cut)")
+        }
+        // Not asked for: the response cannot be read (a tunnel nobody asked for is not opened).
+        #expect(Self.play([head]).events == [.head(head), .failed(.malformed)])
     }
 
     @Test func bytesAfterTheResponseAreNotTaken() {

@@ -117,19 +117,6 @@ extension ConnectionMachine {
             startTunnel(label: .connect(target), status: 200, &out)
         case .forward(let forward, let retried):
             beginForwarding(forward, hop: connecting.hop, reused: false, retried: retried, &out)
-        case .protectedUpgrade(let upgrade):
-            if let proxy = upgrade.proxy {
-                // The upstream proxy opens a tunnel to the origin; the upgrade goes through it.
-                let target = upgrade.origin.authority
-                state = .proxyHandshake(
-                    ProxyHandshake(
-                        target: target, proxy: proxy,
-                        parser: HTTPHeadParser(kind: .response, limits: settings.headLimits), then: upgrade))
-                out.append(.writeUpstream(proxy.connectRequest(to: target)))
-                out.append(.arm(.connect, milliseconds: settings.connectTimeout))
-            } else {
-                upgradeConnected(upgrade, &out)
-            }
         }
     }
 
@@ -160,9 +147,6 @@ extension ConnectionMachine {
         case .complete(let head, _):
             if let refusal = handshake.proxy.connectRefusal(status: head.status) {
                 answerConnectFailure(refusal, log: target, &out)
-            } else if let upgrade = handshake.then {
-                out.append(.disarm(.connect))
-                upgradeConnected(upgrade, &out)
             } else {
                 out.append(.writeClient(Self.connectEstablished))
                 startTunnel(label: .connect(handshake.target), status: 200, &out)
@@ -174,23 +158,15 @@ extension ConnectionMachine {
 
     mutating func beginForwarding(
         _ forward: FrontDoorDecision.Forward, hop: HostPort, reused: Bool, retried: Bool,
-        protected: ProtectedUpgrade? = nil, _ out: inout [Action]
+        _ out: inout [Action]
     ) {
         var forwarding = Forwarding(
             forward: forward, hop: hop, started: now,
             request: BodyProgress(forward.framing == .untilClose ? .none : forward.framing),
             parser: HTTPHeadParser(kind: .response, limits: settings.headLimits), reused: reused, retried: retried)
         forwarding.bytesUp = forward.head.count
-        forwarding.protected = protected
         state = .forwarding(forwarding)
-        if let upgrade = protected {
-            out.append(
-                .writeUpstreamHead(
-                    forward.head, credential: upgrade.credential, method: forward.method,
-                    url: upgrade.origin.url + upgrade.target))
-        } else {
-            out.append(.writeUpstream(forward.head))
-        }
+        out.append(.writeUpstream(forward.head))
         out.append(.arm(.idle, milliseconds: settings.idleTimeout))
         out.append(.readClient(true))
     }
@@ -294,13 +270,6 @@ extension ConnectionMachine {
                     forwarding.clientSawResponse = true
                     continue
                 }
-                var proxyStatus: ProxyStatus? = nil
-                if forwarding.protected != nil {
-                    // An upgrade with a token: its answer may not be the client's (refresh, replay).
-                    let decision = upgradeResponse(head, &forwarding, &out)
-                    guard decision.deliver else { return }
-                    proxyStatus = decision.proxyStatus
-                }
                 forwarding.serverCloses = semantics.serverCloses
                 forwarding.closeAfter =
                     !forwarding.forward.keepAlive || semantics.framing == .untilClose || clientEOF || draining
@@ -309,7 +278,6 @@ extension ConnectionMachine {
                 if forwarding.closeAfter && !semantics.switchesProtocols && head.version == .http1_1 {
                     extra.append(("Connection", "close"))
                 }
-                if let proxyStatus { extra.append(("Proxy-Status", proxyStatus.fieldValue)) }
                 let outgoing = head.serialized(drop: { semantics.dropped.contains($0) }, extra: extra)
                 out.append(.writeClient(outgoing))
                 forwarding.bytesDown += outgoing.count
@@ -398,10 +366,6 @@ extension ConnectionMachine {
     }
 
     func logForwarded(_ forwarding: Forwarding, note: String?, _ out: inout [Action]) {
-        if let upgrade = forwarding.protected {
-            out.append(.exchangeFinished(upgradeRecord(upgrade, status: forwarding.status, note: note)))
-            return
-        }
         var line = LogLineBuilder()
         line.append(string: forwarding.forward.method)
         line.append(" ")
@@ -536,7 +500,6 @@ extension ConnectionMachine.Connecting {
         switch purpose {
         case .tunnel(_, let proxy): proxy != nil
         case .forward(let forward, _): forward.upstream != nil
-        case .protectedUpgrade(let upgrade): upgrade.proxy != nil
         }
     }
 
@@ -545,7 +508,6 @@ extension ConnectionMachine.Connecting {
         switch purpose {
         case .tunnel(let target, _): "CONNECT \(target)"
         case .forward(let forward, _): "\(forward.method) \(LogText.url(forward.url))"
-        case .protectedUpgrade(let upgrade): "\(upgrade.forward.method) \(LogText.url(upgrade.forward.url))"
         }
     }
 }

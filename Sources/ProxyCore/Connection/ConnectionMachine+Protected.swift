@@ -1,15 +1,30 @@
 /// Requests to protected origins on an HTTP/1.1 connection: the body read into the replay store, the
 /// `ProtectedExchange` run, its response framed for an HTTP/1.1 client.
+///
+/// An upgrade (WebSocket, RFC 6455) is such a request too, on either way in (inside an intercepted TLS tunnel, or
+/// a plain request to a protected `http://` origin; an HTTP/2 client's RFC 8441 stream reaches it as one): the
+/// exchange attaches the credential and reads the answer like any other (a 401 refreshed once and replayed once,
+/// a DPoP nonce retried once, the origin's resource metadata checked, a step-up passed on), on a new connection of
+/// the proxy's own client; after the origin's 101 that connection and the client's become a tunnel.
 extension ConnectionMachine {
     static let continueResponse = Array("HTTP/1.1 100 Continue\r\n\r\n".utf8)
 
     mutating func beginProtected(
         _ request: InterceptedRequest, origin: OriginConfig, kept: HostPort?, head: HTTPHead, _ out: inout [Action]
     ) {
-        // One rule for both ways in (an https tunnel, a plain http:// origin): an upgrade (WebSocket) goes on a
-        // connection of the proxy's own, which becomes a tunnel after the 101.
+        var kept = kept
         if request.upgrade {
-            return beginProtectedUpgrade(request, origin: origin, kept: kept, head: head, &out)
+            if kept != nil {
+                // The tunnel's upstream is the exchange's connection: a kept one of a forwarded request goes.
+                out.append(.disarm(.upstreamKeepAlive))
+                out.append(.closeUpstream)
+                kept = nil
+            }
+            if request.framing != .none {
+                return refuse(
+                    head, origin: origin, .unsupported(reason: "an upgrade request with a body is not supported"),
+                    &out)
+            }
         }
         state = .intercepting(
             Intercepting(
@@ -159,7 +174,9 @@ extension ConnectionMachine {
     ) -> ExchangeRecord? {
         switch output {
         case .deliverHead(let response):
-            let close = !intercepting.exchange.request.keepAlive || draining
+            // A 101 keeps the connection: it becomes the tunnel.
+            let close =
+                !response.semantics.switchesProtocols && (!intercepting.exchange.request.keepAlive || draining)
             let (head, framing) = MessageSemantics.interceptedResponseHead(
                 response, requestMethod: intercepting.exchange.request.method, close: close)
             intercepting.framing = framing
@@ -192,6 +209,12 @@ extension ConnectionMachine {
             record.close || !intercepting.exchange.isBodyComplete || !intercepting.exchange.request.keepAlive
             || clientEOF || draining
         let kept = intercepting.kept
+        if record.status == 101 && intercepting.exchange.request.upgrade {
+            // The driver takes the exchange's connection to the origin (`OriginExchange`'s `.switchProtocols`).
+            let url = AbsoluteURL.parse(record.origin + record.target).map(LogText.url)
+            return startTunnel(
+                label: .request("\(record.method) \((try? url.get()) ?? record.origin)"), status: 101, &out)
+        }
         if close {
             closeAfterFlush(&out)
         } else {

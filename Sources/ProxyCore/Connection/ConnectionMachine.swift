@@ -65,9 +65,6 @@ public struct ConnectionMachine: Sendable {
         case transferBody(count: Int)
         /// The upstream transfer ended (`failure` nil: complete).
         case transferFinished(UpstreamFailure?, detail: String)
-        /// The TLS handshake with the origin (`.startUpstreamTLS`) finished, or failed.
-        case upstreamTLSEstablished
-        case upstreamTLSFailed(UpstreamFailure, detail: String)
     }
 
     public enum Action: Sendable, Equatable {
@@ -92,19 +89,14 @@ public struct ConnectionMachine: Sendable {
         /// Close the upstream connection (a kept one, a failed attempt, or one that is done).
         case closeUpstream
         case writeUpstream([UInt8])
-        /// Write a request head to the upstream with the credential for it added (`Authorization`, and with
-        /// DPoP a proof for `method` and `url`) before its last line; nil: as it is.
-        indirect case writeUpstreamHead([UInt8], credential: UpstreamRequest.Credential?, method: String, url: String)
-        /// Start TLS to the origin on the upstream connection: SNI and certificate check for `serverName`,
-        /// trusting `caFile` (nil: the system's roots); ALPN http/1.1.
-        case startUpstreamTLS(serverName: String, caFile: String?)
         case consumeUpstream(Int)
         /// Move body bytes from the client's input to the upstream's output, unchanged.
         case moveClientToUpstream(Int)
         /// Move body bytes from the upstream's input to the client's output, unchanged.
         case moveUpstreamToClient(Int)
         /// Hand both connections to a blind tunnel, with what their buffers hold; `label` and `status` name it
-        /// in the log line written when it ends.
+        /// in the log line written when it ends. After a protected origin's 101 the upstream is the connection the
+        /// exchange's transfer handed over (`OriginExchange`'s `.switchProtocols`).
         case startTunnel(label: TunnelLabel, status: Int)
         /// Answer `200 Connection established`, then terminate TLS for the protected origin on the socket.
         case startInterception(OriginConfig, answer: [UInt8])
@@ -149,13 +141,8 @@ public struct ConnectionMachine: Sendable {
         /// A forwarded request and its response in flight. -> `.readingHead` (keep-alive), `.connecting`
         /// (a resend), `.handedOff` (101), `.closing`
         case forwarding(Forwarding)
-        /// A request to a protected origin in flight. -> `.readingHead`, `.closing`
+        /// A request to a protected origin in flight. -> `.readingHead`, `.closing`, `.handedOff` (101)
         case intercepting(Intercepting)
-        /// An upgrade to a protected origin waits for tokens or a refresh; no upstream connection.
-        /// -> `.connecting`, `.closing`
-        indirect case awaitingUpgradeTokens(ProtectedUpgrade)
-        /// TLS handshake with the origin of an upgrade. -> `.forwarding`, `.closing`
-        indirect case upstreamTLS(ProtectedUpgrade)
         /// The last bytes go to the client, then the connection closes. -> `.closed`
         case closing
         /// A tunnel or a TLS session took the connection over. Terminal.
@@ -178,7 +165,6 @@ public struct ConnectionMachine: Sendable {
     enum Purpose: Sendable {
         case tunnel(target: HostPort, proxy: UpstreamProxy?)
         case forward(FrontDoorDecision.Forward, retried: Bool)
-        case protectedUpgrade(ProtectedUpgrade)
     }
 
     struct Connecting: Sendable {
@@ -196,8 +182,6 @@ public struct ConnectionMachine: Sendable {
         let target: HostPort
         let proxy: UpstreamProxy
         var parser: HTTPHeadParser
-        /// The upgrade that goes on once the tunnel is open (else the tunnel is the client's).
-        var then: ProtectedUpgrade? = nil
     }
 
     struct Forwarding: Sendable {
@@ -220,8 +204,6 @@ public struct ConnectionMachine: Sendable {
         var headBytesRead = 0
         /// A byte of a response reached the client: no answer of ours can follow.
         var clientSawResponse = false
-        /// An upgrade to a protected origin (its token decisions, its log record).
-        @Boxed var protected: ProtectedUpgrade? = nil
     }
 
     struct Intercepting: Sendable {
@@ -369,20 +351,13 @@ public struct ConnectionMachine: Sendable {
         case .abort(let reason):
             abort(reason: reason, &out)
         case .tokens(let result):
-            if case .awaitingUpgradeTokens = state { upgradeTokens(result, refreshed: false, &out) }
             exchangeEvent(&out) { exchange, outputs in exchange.tokens(result, &outputs) }
         case .refreshed(let result):
-            if case .awaitingUpgradeTokens = state { upgradeTokens(result, refreshed: true, &out) }
             exchangeEvent(&out) { exchange, outputs in exchange.refreshed(result, &outputs) }
         case .resourceMetadata(let verdict):
             exchangeEvent(&out) { exchange, outputs in exchange.resourceMetadata(verdict, &outputs) }
         case .credentialFailed(let answer):
-            upgradeCredentialFailed(answer, &out)
             exchangeEvent(&out) { exchange, outputs in exchange.credentialFailed(answer, &outputs) }
-        case .upstreamTLSEstablished:
-            upstreamTLSEstablished(&out)
-        case .upstreamTLSFailed(let failure, let detail):
-            upstreamTLSFailed(failure, detail: detail, &out)
         case .bodyNotKept(let directory):
             exchangeEvent(&out) { exchange, outputs in exchange.bodyNotKept(directory: directory, &outputs) }
         case .bodyBeyondBudget:
@@ -453,7 +428,7 @@ public struct ConnectionMachine: Sendable {
             if !intercepting.exchange.isBodyComplete { abort(reason: "client closed during the request body", &out) }
         case .modifying:
             preconditionFailure("ConnectionMachine: a state was not put back after a change")
-        case .connecting, .proxyHandshake, .closing, .handedOff, .closed, .awaitingUpgradeTokens, .upstreamTLS:
+        case .connecting, .proxyHandshake, .closing, .handedOff, .closed:
             // The answer can still be delivered when the client only half-closed.
             break
         }
@@ -490,7 +465,7 @@ public struct ConnectionMachine: Sendable {
                 }
             case .modifying:
                 preconditionFailure("ConnectionMachine: a state was not put back after a change")
-            case .handshaking, .connecting, .handedOff, .closed, .awaitingUpgradeTokens, .upstreamTLS:
+            case .handshaking, .connecting, .handedOff, .closed:
                 break
             }
             if (clientOffset, upstreamOffset, stateTag) == before { return }
@@ -509,8 +484,6 @@ public struct ConnectionMachine: Sendable {
         case .closing: 6
         case .handedOff: 7
         case .closed: 8
-        case .awaitingUpgradeTokens: 9
-        case .upstreamTLS: 10
         case .modifying: preconditionFailure("ConnectionMachine: a state was not put back after a change")
         }
     }
@@ -675,8 +648,6 @@ public struct ConnectionMachine: Sendable {
         switch state {
         case .forwarding(let forwarding):
             logForwarded(forwarding, note: reason ?? "aborted", &out)
-        case .awaitingUpgradeTokens(let upgrade), .upstreamTLS(let upgrade):
-            out.append(.exchangeFinished(upgradeRecord(upgrade, status: 0, note: reason ?? "aborted")))
         case .intercepting(var intercepting):
             var outputs: [ProtectedExchange.Output] = []
             intercepting.exchange.abort(&outputs)
@@ -708,8 +679,8 @@ public struct ConnectionMachine: Sendable {
         case .readingHead(let reading): reading.kept != nil
         case .intercepting(let intercepting): intercepting.kept != nil
         case .connecting(let connecting): connecting.attempting
-        case .proxyHandshake, .forwarding, .upstreamTLS: true
-        case .handshaking, .closing, .handedOff, .closed, .awaitingUpgradeTokens: false
+        case .proxyHandshake, .forwarding: true
+        case .handshaking, .closing, .handedOff, .closed: false
         case .modifying: preconditionFailure("ConnectionMachine: a state was not put back after a change")
         }
     }
@@ -748,11 +719,6 @@ public struct ConnectionMachine: Sendable {
         case (.connect, .proxyHandshake(let handshake)):
             answerConnectFailure(
                 .upstreamProxyTimeout(handshake.proxy.address), log: "CONNECT \(handshake.target)", &out)
-        case (.connect, .upstreamTLS):
-            upstreamTLSFailed(
-                .timeout,
-                detail: "the TLS handshake did not finish within \(LogText.duration(Int64(settings.connectTimeout)))",
-                &out)
         case (.idle, .forwarding(let forwarding)):
             if let remaining = idleRemaining(lastActivity) {
                 out.append(.arm(.idle, milliseconds: remaining))

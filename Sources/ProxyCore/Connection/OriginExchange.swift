@@ -84,6 +84,10 @@ public struct OriginExchange: Sendable {
         case deliverBody(Range<Int>)
         /// The trailer section of a chunked body (its field lines and the blank line), for the owner.
         case deliverTrailers([UInt8])
+        /// The origin switched protocols (a 101 to an upgrade request; its `.deliverHead` follows): the connection
+        /// becomes the owner's, for a tunnel, after the first `headBytes` bytes of the input just received (the end
+        /// of the 101's head) are dropped; what follows them is the new protocol's. Nothing goes back to the pool.
+        case switchProtocols(headBytes: Int)
         /// Done with the connection (or the attempt to make one, or the stream): back to the pool if `reusable`,
         /// else closed (a stream still open is reset).
         case release(reusable: Bool)
@@ -115,11 +119,16 @@ public struct OriginExchange: Sendable {
         /// The upstream proxy the request goes through: a CONNECT tunnel to an https origin, the absolute-form
         /// request (with its `Proxy-Authorization`) to an http one.
         public let proxy: UpstreamProxy?
+        /// An upgrade request (its `Connection: Upgrade` and `Upgrade` among `fields`): it goes on a new
+        /// HTTP/1.1 connection, and a 101 hands that connection over (`.switchProtocols`).
+        public let upgrade: Bool
 
         public init(
             method: String, url: AbsoluteURL, target: String? = nil, fields: [(name: String, value: [UInt8])],
-            body: Body = .none, credential: [(name: String, value: [UInt8])], proxy: UpstreamProxy? = nil
+            body: Body = .none, credential: [(name: String, value: [UInt8])], proxy: UpstreamProxy? = nil,
+            upgrade: Bool = false
         ) {
+            self.upgrade = upgrade
             self.method = method
             self.url = url
             self.target = target
@@ -207,7 +216,7 @@ public struct OriginExchange: Sendable {
         self.connectTimeout = connectTimeout
         self.idleTimeout = idleTimeout
         self.limits = limits
-        reader = ResponseReader(requestMethod: request.method, limits: limits)
+        reader = ResponseReader(requestMethod: request.method, upgradeRequested: request.upgrade, limits: limits)
     }
 
     public var isFinished: Bool {
@@ -218,13 +227,18 @@ public struct OriginExchange: Sendable {
 
     public mutating func start(_ out: inout [Action]) {
         out.append(.arm(milliseconds: connectTimeout))
-        out.append(.connect(reuse: true))
+        // An upgrade takes its connection away for good: a new one, never one the pool keeps for others.
+        out.append(.connect(reuse: !request.upgrade))
     }
 
     public mutating func handle(_ event: Event, _ out: inout [Action]) {
         switch (event, phase) {
         case (_, .done):
             break
+        case (.connected(_, true), .connecting) where request.upgrade:
+            // HTTP/2 is not offered for an upgrade (RFC 8441's extended CONNECT is not spoken to origins).
+            out.append(.release(reusable: false))
+            finish(.protocolError, "the origin chose HTTP/2 for an upgrade request", &out)
         case (.connected(let reused, let http2), .connecting(let resent)):
             phase = .exchanging(reused: reused, answered: false, resent: resent, http2: http2)
             if http2 {
@@ -499,7 +513,10 @@ public struct OriginExchange: Sendable {
         for output in outputs {
             switch output {
             case .head(let received):
+                if received.semantics?.switchesProtocols == true { out.append(.switchProtocols(headBytes: consumed)) }
                 out.append(.deliverHead(received))
+            case .switched:
+                finish(nil, "", &out)
             case .body(let range):
                 out.append(.deliverBody(range))
             case .trailers(let lines):
@@ -550,7 +567,7 @@ public struct OriginExchange: Sendable {
     }
 
     /// What a response that cannot be read means to the proxy's answer.
-    static func failure(_ error: HTTPParseError) -> UpstreamFailure {
+    public static func failure(_ error: HTTPParseError) -> UpstreamFailure {
         switch error.code {
         case .headTooLarge, .startLineTooLong: .headTooLarge
         case .malformed, .versionNotSupported, .badFraming, .badChunk: .protocolError

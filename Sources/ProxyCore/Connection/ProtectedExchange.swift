@@ -317,15 +317,21 @@ public struct ProtectedExchange: Sendable {
         case .contentLength(let length): body = .length(Int(clamping: length))
         case .chunked: body = .streaming
         }
+        var fields = request.upstreamFields
+        if request.upgrade {
+            // Upgrade and Connection are hop-by-hop: the proxy asks the origin for the same protocols itself.
+            fields.append(("Connection", Array("Upgrade".utf8)))
+            fields.append(("Upgrade", request.upgradeProtocols))
+        }
         let upstream = UpstreamRequest(
             method: request.method,
             // `OPTIONS *` (asterisk-form): the URL names the origin, the target is sent as it came.
             url: request.target == "*" ? origin.url + "/" : origin.url + request.target,
-            requestTarget: request.target == "*" ? "*" : nil, fields: request.upstreamFields,
-            credential: credential, body: body, http2: origin.scheme == "https",
+            requestTarget: request.target == "*" ? "*" : nil, fields: fields,
+            credential: credential, body: body, http2: origin.scheme == "https" && !request.upgrade,
             connectTimeout: settings.connectTimeout, idleTimeout: settings.idleTimeout,
             caFile: origin.caFile, upstreamProxy: settings.upstreamProxy, attempt: attempts,
-            responseHeadLimits: settings.responseHeadLimits)
+            responseHeadLimits: settings.responseHeadLimits, upgrade: request.upgrade)
         out.append(.send(upstream))
     }
 
@@ -346,7 +352,8 @@ public struct ProtectedExchange: Sendable {
     /// A response head the proxy's own client read (`OriginExchange`): parsed once, with this exchange's limits,
     /// so not again line by line. Interim (1xx) heads are skipped, as `upstreamHeaderLine` skips them.
     public mutating func upstreamResponseHead(_ received: ReceivedHead, _ out: inout [Output]) {
-        guard phase == .sending, received.head.status >= 200 else { return }
+        guard phase == .sending, received.head.status >= 200 || received.semantics?.switchesProtocols == true
+        else { return }
         responseComplete(received.head, checked: received.semantics, &out)
     }
 
@@ -397,7 +404,7 @@ public struct ProtectedExchange: Sendable {
         if let checked {
             semantics = checked
         } else {
-            switch MessageSemantics.response(head, requestMethod: request.method, upgradeRequested: false) {
+            switch MessageSemantics.response(head, requestMethod: request.method, upgradeRequested: request.upgrade) {
             case .failure(let error):
                 fail(.invalidResponse(origin.authority, reason: error.reason), &out)
                 return
@@ -454,6 +461,12 @@ public struct ProtectedExchange: Sendable {
         phase = .delivering
         delivered = response
         out.append(.deliverHead(response))
+        if response.semantics.switchesProtocols {
+            // A 101 to the upgrade request: the exchange is over, its connection the tunnel's (the transfer's end
+            // that follows is not waited for).
+            transferRunning = false
+            finish(close: true, note: "switched protocols", &out)
+        }
     }
 
     /// Bytes of a response that is not the client's business (a 401 before a retry) are read to the end
@@ -644,6 +657,7 @@ public struct UpstreamRequest: Sendable, Equatable {
         var upstreamProxy: UpstreamProxy?
         var attempt: Int
         var responseHeadLimits: HTTPHeadLimits
+        var upgrade: Bool
     }
 
     @Boxed private var stored: Fields
@@ -666,6 +680,8 @@ public struct UpstreamRequest: Sendable, Equatable {
     public var upstreamProxy: UpstreamProxy? { stored.upstreamProxy }
     /// 1 for the first send, 2 for a replay or retry.
     public var attempt: Int { stored.attempt }
+    /// An upgrade request (`Connection: Upgrade` among `fields`): a new HTTP/1.1 connection, handed over on a 101.
+    public var upgrade: Bool { stored.upgrade }
     /// The limits of the response head (the own client reads it once, with these).
     public var responseHeadLimits: HTTPHeadLimits {
         get { stored.responseHeadLimits }
@@ -676,14 +692,14 @@ public struct UpstreamRequest: Sendable, Equatable {
         method: String, url: String, requestTarget: String?, fields: [(name: String, value: [UInt8])],
         credential: Credential?, body: Body, http2: Bool, connectTimeout: Int, idleTimeout: Int, caFile: String?,
         upstreamProxy: UpstreamProxy?, attempt: Int,
-        responseHeadLimits: HTTPHeadLimits = HTTPHeadLimits()
+        responseHeadLimits: HTTPHeadLimits = HTTPHeadLimits(), upgrade: Bool = false
     ) {
         _stored = Boxed(
             wrappedValue: Fields(
                 method: method, url: url, requestTarget: requestTarget, fields: fields, credential: credential,
                 body: body, http2: http2, connectTimeout: connectTimeout, idleTimeout: idleTimeout, caFile: caFile,
                 upstreamProxy: upstreamProxy, attempt: attempt,
-                responseHeadLimits: responseHeadLimits))
+                responseHeadLimits: responseHeadLimits, upgrade: upgrade))
     }
 
     public static func == (lhs: Self, rhs: Self) -> Bool {
@@ -693,7 +709,7 @@ public struct UpstreamRequest: Sendable, Equatable {
             && lhs.body == rhs.body && lhs.http2 == rhs.http2 && lhs.connectTimeout == rhs.connectTimeout
             && lhs.idleTimeout == rhs.idleTimeout && lhs.caFile == rhs.caFile
             && lhs.upstreamProxy == rhs.upstreamProxy && lhs.attempt == rhs.attempt
-            && lhs.responseHeadLimits == rhs.responseHeadLimits
+            && lhs.responseHeadLimits == rhs.responseHeadLimits && lhs.upgrade == rhs.upgrade
     }
 }
 

@@ -12,7 +12,8 @@ public struct InterceptedRequest: Sendable, Equatable {
     public let upstreamFields: [(name: String, value: [UInt8])]
     /// The client sent its own Authorization field.
     public let clientAuthorization: Bool
-    /// The client asked for a protocol upgrade (not supported on intercepted connections).
+    /// The client asked for a protocol upgrade (WebSocket): the request goes on a new connection of the proxy's
+    /// own client, which becomes a tunnel after the origin's 101.
     public let upgrade: Bool
     /// `Expect: 100-continue` with a body: the proxy, which keeps the body before sending it, answers 100.
     public let expectsContinue: Bool
@@ -20,6 +21,9 @@ public struct InterceptedRequest: Sendable, Equatable {
     public let acceptsTrailers: Bool
     /// A credential field held the origin's own placeholder (`placeholder_env`), for the audit log.
     public var placeholderUsed = false
+    /// The protocols of the `Upgrade` fields (joined as one list) when `upgrade`: the proxy asks the origin for
+    /// the same ones, Upgrade being hop-by-hop.
+    public var upgradeProtocols: [UInt8] = []
 
     public init(
         method: String, target: String, framing: BodyFraming, keepAlive: Bool,
@@ -43,6 +47,7 @@ public struct InterceptedRequest: Sendable, Equatable {
             && lhs.upstreamFields.map(\.value) == rhs.upstreamFields.map(\.value)
             && lhs.clientAuthorization == rhs.clientAuthorization && lhs.upgrade == rhs.upgrade
             && lhs.expectsContinue == rhs.expectsContinue && lhs.acceptsTrailers == rhs.acceptsTrailers
+            && lhs.placeholderUsed == rhs.placeholderUsed && lhs.upgradeProtocols == rhs.upgradeProtocols
     }
 }
 
@@ -176,6 +181,12 @@ extension MessageSemantics {
             expectsContinue: framing != .none && head.listElements(named: "expect").contains("100-continue"),
             acceptsTrailers: head.listElements(named: "te").contains("trailers"))
         request.placeholderUsed = scan.placeholderUsed
+        if upgrade {
+            for index in head.indices(named: "upgrade") {
+                if !request.upgradeProtocols.isEmpty { request.upgradeProtocols += Array(", ".utf8) }
+                request.upgradeProtocols += head.valueBytes(at: index)
+            }
+        }
         return .success(request)
     }
 

@@ -17,6 +17,9 @@ public struct ResponseReader: Sendable {
         case end(reusable: Bool)
         /// The response cannot be read on: the connection must be closed.
         case failed(HTTPParseError)
+        /// The origin switched protocols (101 to an upgrade request, after its `.head`): the connection is no
+        /// longer HTTP's; what follows the head (not taken) is the new protocol's.
+        case switched
     }
 
     private enum Phase: Sendable, Equatable {
@@ -29,14 +32,17 @@ public struct ResponseReader: Sendable {
     }
 
     public let requestMethod: String
+    /// The request asked to switch protocols (`Upgrade`): a 101 ends the reading.
+    public let upgradeRequested: Bool
     private var parser: HTTPHeadParser
     private var phase = Phase.head
     private var chunks = ChunkedScanner()
     private var trailerSection: [UInt8] = []
     private var serverCloses = false
 
-    public init(requestMethod: String, limits: HTTPHeadLimits = HTTPHeadLimits()) {
+    public init(requestMethod: String, upgradeRequested: Bool = false, limits: HTTPHeadLimits = HTTPHeadLimits()) {
         self.requestMethod = requestMethod
+        self.upgradeRequested = upgradeRequested
         parser = HTTPHeadParser(kind: .response, limits: limits)
     }
 
@@ -57,9 +63,15 @@ public struct ResponseReader: Sendable {
                     return fail(error, at: offset, &out)
                 case .complete(let head, let consumed):
                     offset += consumed
-                    let checked = MessageSemantics.response(head, requestMethod: requestMethod, upgradeRequested: false)
+                    let checked = MessageSemantics.response(
+                        head, requestMethod: requestMethod, upgradeRequested: upgradeRequested)
                     out.append(.head(ReceivedHead(head: head, semantics: try? checked.get())))
                     if let error = begin(checked, &out) { return fail(error, at: offset, &out) }
+                    if case .success(let semantics) = checked, semantics.switchesProtocols {
+                        phase = .done
+                        out.append(.switched)
+                        return offset
+                    }
                 }
             case .length(let remaining):
                 let take = Int(min(remaining, UInt64(input.count - offset)))
@@ -134,7 +146,8 @@ public struct ResponseReader: Sendable {
         case .failure(let error): return error
         case .success(let checked): semantics = checked
         }
-        if semantics.isInterim { return nil }  // the final response follows: read on (the parser starts over)
+        // The final response follows: read on (the parser starts over). After a 101, the new protocol does.
+        if semantics.isInterim || semantics.switchesProtocols { return nil }
         serverCloses = semantics.serverCloses
         switch semantics.framing {
         case .none: finish(&out)

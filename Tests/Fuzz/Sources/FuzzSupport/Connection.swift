@@ -90,13 +90,14 @@ private let upstreamTemplates: [String] = [
 
 private let transferTemplates: [String] = [
     "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n",
-    "HTTP/2 401 \r\nwww-authenticate: Bearer error=\"invalid_token\"\r\n\r\n",
+    "HTTP/1.1 401 \r\nwww-authenticate: Bearer error=\"invalid_token\"\r\n\r\n",
     "HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: DPoP error=\"use_dpop_nonce\"\r\nDPoP-Nonce: n1\r\n\r\n",
     "HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer error=\"insufficient_user_authentication\", acr_values=\"mfa\"\r\n\r\n",
     "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n",
     "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 204 No Content\r\n\r\n",
     "HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer resource_metadata=\"https://api.test/.well-known/oauth-protected-resource\"\r\nContent-Length: 2\r\n\r\n",
     "HTTP/1.1 403 Forbidden\r\nWWW-Authenticate: Bearer error=\"insufficient_scope\", scope=\"admin\"\r\n\r\n",
+    "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
 ]
 
 struct ConnectionHarness {
@@ -113,6 +114,8 @@ struct ConnectionHarness {
     /// `.send` was issued and the transfer has delivered nothing yet (when the driver could still fail to
     /// attach the credential instead of starting it).
     var transferFresh = false
+    /// The request the exchange last sent: what the own client's reader reads the response for.
+    var lastSent: UpstreamRequest?
     /// `.getTokens` was issued and not answered (the I/O layer answers each ask once, and only an ask).
     var tokensAsked = false
     /// Request heads written upstream since the last response head came back, to spot resends.
@@ -218,15 +221,29 @@ struct ConnectionHarness {
         event(.upstreamData)
     }
 
+    /// The transfer's response heads as the own client hands them over: read by `ResponseReader` for the request
+    /// last sent; a head it cannot read ends the transfer with the failure, as `OriginExchange` ends it.
     mutating func transferHead(_ bytes: [UInt8]) {
         transferFresh = false
-        var start = 0
-        for index in bytes.indices where bytes[index] == 0x0A || index == bytes.count - 1 {
-            let line = Array(bytes[start...index])
-            start = index + 1
-            var actions: [Action] = []
-            line.withUnsafeBytes { machine.transferHeaderLines($0, now: now, &actions) }
-            apply(actions)
+        var reader = ResponseReader(
+            requestMethod: lastSent?.method ?? "GET", upgradeRequested: lastSent?.upgrade ?? false,
+            limits: lastSent?.responseHeadLimits ?? HTTPHeadLimits())
+        var outputs: [ResponseReader.Output] = []
+        _ = bytes.withUnsafeBytes { reader.read($0, &outputs) }
+        for output in outputs {
+            switch output {
+            case .head(let received):
+                var actions: [Action] = []
+                machine.transferResponseHead(received, now: now, &actions)
+                apply(actions)
+            case .failed(let error):
+                guard transferRunning else { return }
+                transferRunning = false
+                event(.transferFinished(OriginExchange.failure(error), detail: "\(error)"))
+                return
+            default:
+                break
+            }
         }
     }
 
@@ -268,11 +285,6 @@ struct ConnectionHarness {
             case .writeUpstream(let bytes):
                 invariant(upstreamOpen, "writing to a closed upstream")
                 checkResend(bytes)
-            case .writeUpstreamHead(let bytes, _, _, _):
-                invariant(upstreamOpen, "writing to a closed upstream")
-                invariant(bytes.suffix(4) == Array("\r\n\r\n".utf8), "an upgrade head without its end")
-            case .startUpstreamTLS:
-                invariant(upstreamOpen, "TLS on a closed upstream")
             case .connect:
                 invariant(!upstreamOpen, "connect while an upstream connection is open")
                 upstreamOpen = true
@@ -292,7 +304,9 @@ struct ConnectionHarness {
                 exchangeOutput(output, origin: origin)
             case .arm(_, let milliseconds):
                 invariant(milliseconds > 0, "a timer armed for \(milliseconds) ms")
-            case .exchangeFinished:
+            case .exchangeFinished(let record):
+                // After a 101 the transfer ends by itself: its connection is the tunnel's.
+                if record.status == 101 { transferRunning = false }
                 invariant(!transferRunning, "an exchange finished with its transfer running")
             case .disarm, .readClient, .resolve, .writeResponseBody, .log, .requestFinished:
                 break
@@ -309,6 +323,7 @@ struct ConnectionHarness {
         case .getTokens:
             tokensAsked = true
         case .send(let request):
+            lastSent = request
             invariant(!transferRunning, "a second transfer while one runs")
             transferRunning = true
             transferFresh = true

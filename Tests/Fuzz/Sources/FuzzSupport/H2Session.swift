@@ -380,7 +380,15 @@ struct H2Harness {
         if log.inExchange || log.tunnel { checkAccepted(stream, log) }
         if !log.inExchange && log.answered {
             invariant(outcomes == outcomesBefore + 1, "stream \(stream): a refusal not counted")
-            invariant([400, 421, 501].contains(log.status ?? 0), "stream \(stream): refused with \(log.status ?? 0)")
+            // 403: a web page of another origin made the request (W3C Fetch Metadata, `browser_requests`), or a
+            // credential field the origin's rules refuse (a placeholder of another origin, `client_credential`).
+            let browserOrCredential = log.fields.contains { field in
+                ["origin", "referer", "sec-fetch-site", "authorization"].contains(where: { bytes($0) == field.name })
+                    || field.valueText.contains("proxyctl-placeholder-")
+            }
+            invariant(
+                [400, 421, 501].contains(log.status ?? 0) || (log.status == 403 && browserOrCredential),
+                "stream \(stream): refused with \(log.status ?? 0)")
             invariant(!misdirected || log.status == 421, "stream \(stream): misdirected but \(log.status ?? 0)")
         }
         if log.reset {

@@ -56,6 +56,10 @@ private func record(_ output: ResponseReader.Output, _ bytes: [UInt8], _ reporte
     case .trailers(let lines): event = .trailers(lines)
     case .end(let reusable): event = .end(reusable: reusable)
     case .failed(let error): event = .failed(error.code)
+    case .switched:
+        // The reader here reads for requests that asked for no upgrade: a 101 fails, it never switches.
+        invariant(false, "switched protocols without an upgrade request")
+        return
     }
     if case .body(let more) = event, case .body(let body)? = reported.last {
         reported[reported.count - 1] = .body(body + more)
@@ -157,6 +161,7 @@ private func driveOriginExchange(
             case .finish: finished = true
             case .arm, .log: break
             case .submit, .rewindBody, .startTLS: invariant(false, "\(action) on an HTTP/1.1 connection")
+            case .switchProtocols: invariant(false, "switched protocols without an upgrade request")
             }
         }
     }
