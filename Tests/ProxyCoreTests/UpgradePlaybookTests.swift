@@ -113,6 +113,79 @@ import Testing
         #expect(!actions.contains { if case .startTunnel = $0 { true } else { false } })
     }
 
+    /// A 401 to the upgrade naming the origin's resource metadata: checked as a plain request's 401 is (issue 30),
+    /// before any refresh. Another authorization server: the client gets the 401's head (no body) with Proxy-Status
+    /// naming the mismatch, the user is told which init to run, nothing is refreshed and no tunnel starts. The
+    /// provider's own: the usual refresh and replay on a new connection.
+    @Test(arguments: [true, false])
+    func a401NamingMetadataOfAnotherServerIsCheckedAsAPlainRequestsIs(other: Bool) {
+        var p = Self.tunnel()
+        p.client(Self.request)
+        _ = p.next()
+        p.event(.tokens(.success(TokenGrant(generation: 7))))
+        _ = p.next()
+        Self.connectsWithTLS(&p, token: 7)
+        p.upstream(
+            "HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer resource_metadata=\"https://api.test/.well-known/oauth-protected-resource\"\r\nContent-Length: 5\r\n\r\nnope!"
+        )
+        #expect(p.clientGot() == "", "the refusal is not the client's before the check")
+        let checking = p.next()
+        #expect(checking.first == .closeUpstream)
+        #expect(
+            Self.outputs(checking) == [
+                .checkResourceMetadata(url: "https://api.test/.well-known/oauth-protected-resource")
+            ])
+        guard other else {
+            p.event(.resourceMetadata(.consistent))
+            #expect(Self.outputs(p.next()) == [.refreshTokens(key: TokenKey(provider: "corp"), replacing: 7)])
+            p.event(.refreshed(.success(TokenGrant(generation: 8))))
+            #expect(p.next() == [.resolve(hop("api.test:443"))])
+            Self.connectsWithTLS(&p, token: 8)
+            p.upstream(Self.switched)
+            #expect(p.clientGot() == Self.switched)
+            #expect(Self.record(p.next())?.refreshed == true)
+            return
+        }
+        p.event(.resourceMetadata(.otherServers(["https://login.other.example"])))
+        let actions = p.next()
+        #expect(Self.outputs(actions).contains(.wrongAuthorizationServer(["https://login.other.example"])))
+        #expect(!Self.outputs(actions).contains { if case .refreshTokens = $0 { true } else { false } })
+        let head = p.clientGot()
+        #expect(head.hasPrefix("HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer resource_metadata="), "\(head)")
+        #expect(head.contains("Content-Length: 0\r\n") && !head.contains("Content-Length: 5"), "\(head)")
+        #expect(head.hasSuffix("\r\n\r\n"), "no body: it was not kept while the check ran")
+        #expect(
+            head.contains(
+                "Proxy-Status: proxyctl; error=proxy_configuration_error; received-status=401; details=\"the origin's resource metadata names the authorization server https://login.other.example, not the issuer of [provider corp]; set it up with: proxyctl init --origin https://api.test\""
+            ), "\(head)")
+        let record = Self.record(actions)
+        #expect(record?.status == 401 && record?.refreshed == false && record?.attempts == 1)
+        #expect(actions.contains(.closeAfterFlush))
+        #expect(!actions.contains { if case .startTunnel = $0 { true } else { false } })
+    }
+
+    /// A static secret has no authorization server for the metadata to contradict: its upgrade's 401 is handled
+    /// as any other (the secret fetched again), with no metadata check.
+    @Test func aStaticSecretsUpgradeChecksNoMetadata() {
+        var origin = Origins.https
+        origin.secret = .file("/nonexistent/secret")
+        var p = Playbook.intercepted(origin)
+        p.event(.tlsEstablished(serverName: "api.test", protocol: "http/1.1"))
+        p.client(Self.request)
+        _ = p.next()
+        p.event(.tokens(.success(TokenGrant(generation: 7))))
+        _ = p.next()
+        p.connectUpstream()
+        p.event(.upstreamTLSEstablished)
+        _ = p.next()
+        p.upstream(
+            "HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer resource_metadata=\"https://api.test/.well-known/oauth-protected-resource\"\r\nContent-Length: 0\r\n\r\n"
+        )
+        let outputs = Self.outputs(p.next())
+        #expect(!outputs.contains { if case .checkResourceMetadata = $0 { true } else { false } })
+        #expect(outputs.contains { if case .refreshTokens = $0 { true } else { false } })
+    }
+
     @Test func aStepUpChallengeIsPassedOnAndRecorded() {
         var p = Self.tunnel()
         p.client(Self.request)

@@ -4,7 +4,8 @@
 /// An upgrade is a forwarded exchange on a connection of the proxy's own (the driver's upstream bufferevent,
 /// not yet the own client's `OriginConnection`): the token rides on the upgrade request, the origin's answer goes through `AuthExchange`
 /// like any other (a 401 is refreshed once and replayed once on a new connection, a DPoP nonce challenge
-/// retried once, a step-up challenge passed on with Proxy-Status), and after `101 Switching Protocols` both
+/// retried once, a step-up challenge passed on with Proxy-Status, a 401 naming the origin's resource metadata
+/// checked against the provider first, as a plain request's is), and after `101 Switching Protocols` both
 /// sides become a tunnel. An https origin gets TLS from the proxy (`.startUpstreamTLS`), through the upstream
 /// proxy's CONNECT when one applies.
 extension ConnectionMachine {
@@ -19,6 +20,9 @@ extension ConnectionMachine {
         /// The tokens last granted are bound to a key (they go with a DPoP proof).
         var boundToKey = false
         let proxy: UpstreamProxy?
+        /// The origin's 401 while its resource metadata is checked (`.checkResourceMetadata`): the client's
+        /// answer, without its body, when the metadata names another authorization server.
+        var held: HTTPHead? = nil
         var attempts = 0
         let started: Int64
 
@@ -63,7 +67,11 @@ extension ConnectionMachine {
         guard origin.attachesToken(clientHasAuthorization: request.clientAuthorization) else {
             return connectUpgrade(upgrade, &out)
         }
-        var auth = AuthExchange(origin: origin.url, provider: origin.credentialName, replayable: true)
+        var auth = AuthExchange(
+            origin: origin.url, provider: origin.credentialName, replayable: true,
+            // As for a plain request (`ProtectedExchange`): a static secret has no authorization server for the
+            // metadata to contradict.
+            checksResourceMetadata: origin.secret == nil)
         let first = auth.start()
         upgrade.auth = auth
         performUpgrade(first, upgrade, &out)
@@ -95,10 +103,32 @@ extension ConnectionMachine {
         case .deliver:
             preconditionFailure("ConnectionMachine: an upgrade delivery without a response")
         case .checkResourceMetadata:
-            // An upgrade's exchange does not check the origin's metadata (`checksResourceMetadata` false): a
-            // refused upgrade is sent again on a new connection, as any other 401.
-            preconditionFailure("ConnectionMachine: an upgrade never checks resource metadata")
+            // Only the origin's answer leads to a check, and `upgradeResponse` handles that.
+            preconditionFailure("ConnectionMachine: an upgrade's metadata check without a response")
         }
+    }
+
+    /// The answer to the upgrade's `.checkResourceMetadata`: another authorization server ends the upgrade with
+    /// the origin's 401 (its head; the body went with the connection) and Proxy-Status naming the mismatch, and
+    /// the user is told which `proxyctl init --origin` to run; otherwise the usual refresh and replay.
+    mutating func upgradeMetadata(_ verdict: ResourceMetadataVerdict, _ out: inout [Action]) {
+        guard case .awaitingUpgradeTokens(var upgrade) = state, let held = upgrade.held, var auth = upgrade.auth
+        else { return }
+        upgrade.held = nil
+        let action = auth.handle(.resourceMetadata(verdict))
+        upgrade.auth = auth
+        guard case .deliver(let proxyStatus) = action else { return performUpgrade(action, upgrade, &out) }
+        let origin = upgrade.origin
+        if let servers = auth.otherServers { out.append(.exchange(.wrongAuthorizationServer(servers), origin)) }
+        let status = proxyStatus ?? ProxyStatus(receivedStatus: held.status)
+        let framing = Set(held.indices(named: "content-length") + held.indices(named: "transfer-encoding"))
+        let hopByHop = Set(held.indices(named: "connection") + held.indices(named: "keep-alive"))
+        let response = held.serialized(
+            drop: { framing.contains($0) || hopByHop.contains($0) },
+            extra: [("Content-Length", "0"), ("Connection", "close"), ("Proxy-Status", status.fieldValue)])
+        out.append(.writeClient(response))
+        out.append(.exchangeFinished(upgradeRecord(upgrade, status: held.status, note: status.details)))
+        closeAfterFlush(&out)
     }
 
     /// The answer to the tokens (or the refresh) the upgrade waits for.
@@ -185,8 +215,15 @@ extension ConnectionMachine {
         case .deliver(let proxyStatus):
             if let challenge = auth.stepUp { out.append(.exchange(.recordStepUp(challenge), origin)) }
             return (true, proxyStatus)
-        case .checkResourceMetadata:
-            preconditionFailure("ConnectionMachine: an upgrade never checks resource metadata")
+        case .checkResourceMetadata(let url):
+            // The 401 is the client's if the metadata names another server: its head is kept meanwhile; the
+            // connection (and the body) goes, as for a refresh.
+            out.append(.closeUpstream)
+            out.append(.disarm(.idle))
+            upgrade.held = head
+            state = .awaitingUpgradeTokens(upgrade)
+            out.append(.exchange(.checkResourceMetadata(url: url), origin))
+            return (false, nil)
         case .send, .refresh, .respond, .getTokens:
             // This connection's answer is not the client's: it goes, and the upgrade goes on without it.
             out.append(.closeUpstream)

@@ -151,7 +151,8 @@ public struct ConnectionMachine: Sendable {
         case forwarding(Forwarding)
         /// A request to a protected origin in flight. -> `.readingHead`, `.closing`
         case intercepting(Intercepting)
-        /// An upgrade to a protected origin waits for tokens or a refresh; no upstream connection.
+        /// An upgrade to a protected origin waits for tokens, a refresh or the check of the origin's resource
+        /// metadata; no upstream connection.
         /// -> `.connecting`, `.closing`
         indirect case awaitingUpgradeTokens(ProtectedUpgrade)
         /// TLS handshake with the origin of an upgrade. -> `.forwarding`, `.closing`
@@ -375,6 +376,7 @@ public struct ConnectionMachine: Sendable {
             if case .awaitingUpgradeTokens = state { upgradeTokens(result, refreshed: true, &out) }
             exchangeEvent(&out) { exchange, outputs in exchange.refreshed(result, &outputs) }
         case .resourceMetadata(let verdict):
+            if case .awaitingUpgradeTokens = state { upgradeMetadata(verdict, &out) }
             exchangeEvent(&out) { exchange, outputs in exchange.resourceMetadata(verdict, &outputs) }
         case .credentialFailed(let answer):
             upgradeCredentialFailed(answer, &out)
