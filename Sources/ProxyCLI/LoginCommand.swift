@@ -77,10 +77,7 @@ enum LoginCommand {
         if !environment.provider.needsSignIn {
             return try machineGrant(environment, context: context)
         }
-        // A wildcard origin's resource names each host's with "*": its hosts are not known before they are used.
-        options.originResources = environment.configuration.origins.origins.filter {
-            $0.provider == environment.provider.name
-        }.compactMap(\.resource).filter { !$0.contains("*") }
+        options.resourcesOfOrigins(environment.configuration, provider: environment.provider.name)
         let provider = environment.provider
         if !arguments.flag("device"), provider.redirectPort > 0,
             !LoopbackReceiver.canListen(port: provider.redirectPort),
@@ -263,5 +260,20 @@ enum Prompt {
         let answer = line.trimmingOWS().lowercased()
         if answer.isEmpty { return defaultAnswer }
         return answer.hasPrefix("y")
+    }
+}
+
+extension LoginOptions {
+    /// The resources of the provider's origins (RFC 8707), and whether any of them uses the provider's own token.
+    /// A wildcard origin's resource names each host's with "*": its hosts are not known before they are used, and
+    /// each host's token comes from a refresh with its resource on first use.
+    mutating func resourcesOfOrigins(_ configuration: Configuration, provider: String) {
+        let origins = configuration.origins.origins.filter { $0.provider == provider && $0.secret == nil }
+        var resources: [String] = []
+        for resource in origins.compactMap(\.resource) where !resource.contains("*") && !resources.contains(resource) {
+            resources.append(resource)
+        }
+        originResources = resources
+        providerTokenUsed = origins.contains { $0.tokenKey.isProviderDefault }
     }
 }

@@ -401,6 +401,37 @@ def test_a_401_naming_another_authorization_server_is_passed_on_and_nothing_swit
             assert deployment.stop() is None
 
 
+def test_the_code_exchange_asks_for_the_origin_as_resource_and_its_first_request_needs_no_refresh(tmp_path, rs):
+    """RFC 8707 on the token request too (issue 30): with the one origin init --origin writes (its resource in its
+    [origin]), login's code exchange carries `resource` = the origin, as the authorization request does, and the
+    token it brings is the origin's own from the start: the first request through serve reaches the API with
+    `aud` = the resource and no refresh token is spent on it."""
+    with FakeIdP(access_token_format="jwt") as fake:
+        resource = rs.url("", API)
+        rs.trust(fake.issuer, fake.url("jwks"))
+        rs.audiences[API] = resource
+        sections = (config.provider("p", fake.issuer, scopes="openid profile")
+                    + config.origin(resource, "p", ca_file=rs.ca_pem, resource=resource))
+        ws = Workspace(tmp_path / "ws", sections, f"{API}=127.0.0.1")
+        ws.ca_init()
+        ws.login_fake("p")
+        authorization = fake.requests("authorize")[-1]
+        assert authorization.query.get("resource") == resource, authorization.query
+        [exchange] = [r for r in fake.requests("token") if r.form.get("grant_type") == "authorization_code"]
+        assert exchange.form.get("resource") == resource, exchange.form
+        deployment = Deployment(ws, ws.start_proxy())
+        try:
+            answer = deployment.curl(rs.url("/me", API))
+            assert answer.status == 200, answer
+            assert resource in json.loads(answer.body)["aud"], answer.body
+            assert fake.count("token", grant_type="refresh_token") == 0
+            status = ws.cli("status")
+            assert f"its own token (resource {resource}), valid until" in status.stdout, status.stdout
+            assert "the provider ignored the resource indicator" not in status.stdout
+        finally:
+            assert deployment.stop() is None
+
+
 @needs_glewlwyd
 def test_insufficient_scope_is_surfaced_like_a_step_up_and_step_up_asks_for_the_scope(tmp_path, rs,
                                                                                       glewlwyd_registering):

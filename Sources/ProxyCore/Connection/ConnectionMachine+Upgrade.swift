@@ -133,7 +133,10 @@ extension ConnectionMachine {
 
     /// The answer to the tokens (or the refresh) the upgrade waits for.
     mutating func upgradeTokens(_ result: Result<TokenGrant, TokenFailure>, refreshed: Bool, _ out: inout [Action]) {
-        guard case .awaitingUpgradeTokens(var upgrade) = state, var auth = upgrade.auth else { return }
+        // While the metadata is checked nothing was asked of the tokens: an answer then is not this upgrade's.
+        guard case .awaitingUpgradeTokens(var upgrade) = state, upgrade.held == nil, var auth = upgrade.auth else {
+            return
+        }
         let event: AuthExchange.Event
         switch result {
         case .success(let grant):
