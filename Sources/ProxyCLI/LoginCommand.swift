@@ -77,7 +77,9 @@ enum LoginCommand {
         if !environment.provider.needsSignIn {
             return try machineGrant(environment, context: context)
         }
-        options.resourcesOfOrigins(environment.configuration, provider: environment.provider.name)
+        options.resourcesOfOrigins(
+            environment.configuration, provider: environment.provider.name,
+            stateDirectory: environment.store.stateDirectory)
         let provider = environment.provider
         if !arguments.flag("device"), provider.redirectPort > 0,
             !LoopbackReceiver.canListen(port: provider.redirectPort),
@@ -270,13 +272,28 @@ enum Prompt {
 
 extension LoginOptions {
     /// The resources of the provider's origins (RFC 8707), and whether any of them uses the provider's own token.
-    /// A wildcard origin's resource names each host's with "*": its hosts are not known before they are used, and
-    /// each host's token comes from a refresh with its resource on first use.
-    mutating func resourcesOfOrigins(_ configuration: Configuration, provider: String) {
+    /// A wildcard origin's resource names each host's with "*": its hosts are not known before they are used. Those
+    /// a serve has met (`SeenHosts`, in the state directory) are asked for, the most recent
+    /// `SeenHosts.askedAtLogin`, so that a provider that keeps refreshes to the resources of the sign-in (glewlwyd)
+    /// gives each of them its own token; a host met later gets its token from a refresh with its resource, which
+    /// such a provider refuses until the next login (which then covers it).
+    mutating func resourcesOfOrigins(_ configuration: Configuration, provider: String, stateDirectory: String?) {
         let origins = configuration.origins.origins.filter { $0.provider == provider && $0.secret == nil }
         var resources: [String] = []
-        for resource in origins.compactMap(\.resource) where !resource.contains("*") && !resources.contains(resource) {
-            resources.append(resource)
+        func add(_ resource: String) {
+            if !resource.contains("*") && !resources.contains(resource) { resources.append(resource) }
+        }
+        for resource in origins.compactMap(\.resource) { add(resource) }
+        let seen = stateDirectory.map { SeenHosts.load(stateDirectory: $0) } ?? SeenHosts()
+        for wildcard in origins where wildcard.isWildcard && wildcard.resource != nil {
+            for host in seen.recent(of: wildcard.url, count: SeenHosts.askedAtLogin) {
+                // The host's origin as serve makes it, if the configuration still gives it this wildcard.
+                guard case .success(let url) = AbsoluteURL.parse(host),
+                    let origin = configuration.origins.match(scheme: url.scheme, authority: url.authority),
+                    origin.pattern == wildcard.url, let resource = origin.resource
+                else { continue }
+                add(resource)
+            }
         }
         originResources = resources
         providerTokenUsed = origins.contains { $0.tokenKey.isProviderDefault }
