@@ -22,6 +22,8 @@ struct AuthEnvironment {
     let store: TokenStore
     let loopThread: LoopThread
     let client: ProviderClient
+    /// The HTTP client of `client` (and of a registration `login` makes again).
+    let transport: any HTTPTransport
 
     static let configOption = OptionSpec.option(
         "config", short: "c", value: "file", help: "The configuration file (proxy.conf).")
@@ -51,7 +53,8 @@ struct AuthEnvironment {
             resolve: configuration.proxy.resolve)
         return AuthEnvironment(
             configuration: configuration, provider: provider, store: TokenStore(stateDirectory: stateDirectory),
-            loopThread: loopThread, client: ProviderClient(config: provider, transport: transport))
+            loopThread: loopThread, client: ProviderClient(config: provider, transport: transport), transport: transport
+        )
     }
 
     static func pick(
@@ -113,6 +116,17 @@ struct AuthEnvironment {
         } catch let error as AuthError {
             throw error.commandFailure
         }
+    }
+
+    /// The same environment for `provider` (changed by `login` registering its client again).
+    func with(_ provider: ProviderConfig) -> AuthEnvironment {
+        var configuration = configuration
+        if let index = configuration.providers.firstIndex(where: { $0.name == provider.name }) {
+            configuration.providers[index] = provider
+        }
+        return AuthEnvironment(
+            configuration: configuration, provider: provider, store: store, loopThread: loopThread,
+            client: ProviderClient(config: provider, transport: transport), transport: transport)
     }
 
     func manager() -> TokenManager {

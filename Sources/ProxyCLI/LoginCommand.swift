@@ -72,27 +72,31 @@ enum LoginCommand {
             throw UsageError(
                 message: "--device already opens no browser; give one of them", command: ["proxyctl", "login"])
         }
-        let environment = try AuthEnvironment.load(arguments, context, command: "login")
+        var environment = try AuthEnvironment.load(arguments, context, command: "login")
         defer { environment.loopThread.stop() }
         if !environment.provider.needsSignIn {
             return try machineGrant(environment, context: context)
         }
-        // A wildcard origin's resource names each host's with "*": its hosts are not known before they are used.
-        options.originResources = environment.configuration.origins.origins.filter {
-            $0.provider == environment.provider.name
-        }.compactMap(\.resource).filter { !$0.contains("*") }
+        options.resourcesOfOrigins(
+            environment.configuration, provider: environment.provider.name,
+            stateDirectory: environment.store.stateDirectory)
         let provider = environment.provider
         if !arguments.flag("device"), provider.redirectPort > 0,
             !LoopbackReceiver.canListen(port: provider.redirectPort),
             let kept = RegistrationStore(stateDirectory: environment.store.stateDirectory).load(
                 issuer: provider.issuer),
-            kept.clientID == provider.clientID,
-            let origin = environment.configuration.origins.origins.first(where: { $0.provider == provider.name })
+            kept.clientID == provider.clientID
         {
             // The client init registered allows its one redirect URI: a taken port is a registration to make again.
-            context.err(
-                "Port \(provider.redirectPort) is taken, and the client proxyctl registered at \(provider.issuer) allows only http://127.0.0.1:\(provider.redirectPort)\(provider.redirectPath): free it, or run proxyctl init --origin \(origin.resource ?? origin.url)\(arguments.value("config").map { " --config \(EnvCommand.quote($0))" } ?? "") --force to register again on a free port."
-            )
+            if let registered = try registerAgain(environment, kept: kept, context: context) {
+                environment = environment.with(registered)
+            } else if let origin = environment.configuration.origins.origins.first(where: {
+                $0.provider == provider.name
+            }) {
+                context.err(
+                    "Port \(provider.redirectPort) is taken, and the client proxyctl registered at \(provider.issuer) allows only http://127.0.0.1:\(provider.redirectPort)\(provider.redirectPath): free it, or run proxyctl init --origin \(origin.resource ?? origin.url)\(arguments.value("config").map { " --config \(EnvCommand.quote($0))" } ?? "") --force to register again on a free port."
+                )
+            }
         }
         _ = try signIn(
             environment, options: options, device: arguments.flag("device"), noBrowser: arguments.flag("no-browser"),
@@ -263,5 +267,143 @@ enum Prompt {
         let answer = line.trimmingOWS().lowercased()
         if answer.isEmpty { return defaultAnswer }
         return answer.hasPrefix("y")
+    }
+}
+
+extension LoginOptions {
+    /// The resources of the provider's origins (RFC 8707), and whether any of them uses the provider's own token.
+    /// A wildcard origin's resource names each host's with "*": its hosts are not known before they are used. Those
+    /// a serve has met (`SeenHosts`, in the state directory) are asked for, the most recent
+    /// `SeenHosts.askedAtLogin`, so that a provider that keeps refreshes to the resources of the sign-in (glewlwyd)
+    /// gives each of them its own token; a host met later gets its token from a refresh with its resource, which
+    /// such a provider refuses until the next login (which then covers it).
+    mutating func resourcesOfOrigins(_ configuration: Configuration, provider: String, stateDirectory: String?) {
+        let origins = configuration.origins.origins.filter { $0.provider == provider && $0.secret == nil }
+        var resources: [String] = []
+        func add(_ resource: String) {
+            if !resource.contains("*") && !resources.contains(resource) { resources.append(resource) }
+        }
+        for resource in origins.compactMap(\.resource) { add(resource) }
+        let seen = stateDirectory.map { SeenHosts.load(stateDirectory: $0) } ?? SeenHosts()
+        for wildcard in origins where wildcard.isWildcard && wildcard.resource != nil {
+            for host in seen.recent(of: wildcard.url, count: SeenHosts.askedAtLogin) {
+                // The host's origin as serve makes it, if the configuration still gives it this wildcard.
+                guard case .success(let url) = AbsoluteURL.parse(host),
+                    let origin = configuration.origins.match(scheme: url.scheme, authority: url.authority),
+                    origin.pattern == wildcard.url, let resource = origin.resource
+                else { continue }
+                add(resource)
+            }
+        }
+        originResources = resources
+        providerTokenUsed = origins.contains { $0.tokenKey.isProviderDefault }
+    }
+}
+
+extension LoginCommand {
+    /// The client `proxyctl init` registered allows its one loopback redirect URI, whose port something else holds
+    /// now: registers a client again at the provider on a free port, under init's rules (RFC 7591: a native public
+    /// client, no secret, the authorization code and refresh token grants and the device grant where offered, the
+    /// configured scopes, DPoP-bound with `token_binding = dpop`), keeps the new registration (0600, replaced
+    /// atomically) and writes its client id and port into the configuration file (`ConfigEdit`: the rest of the
+    /// file as it was), saying so. Nil when the configuration is not a file this can change (the caller says what
+    /// to do instead).
+    static func registerAgain(
+        _ environment: AuthEnvironment, kept: ClientRegistration, context: CommandContext
+    ) throws -> ProviderConfig? {
+        let provider = environment.provider
+        guard let file = environment.configuration.source, FileManager.default.fileExists(atPath: file),
+            let text = try? String(contentsOfFile: file, encoding: .utf8)
+        else { return nil }
+        let taken = "http://127.0.0.1:\(provider.redirectPort)\(provider.redirectPath)"
+        context.err(
+            "Port \(provider.redirectPort) is taken, and client \(kept.clientID), which proxyctl registered at \(provider.issuer), allows only \(taken): registering a client again on a free port (RFC 7591)."
+        )
+        let client = environment.client
+        let metadata: ProviderMetadata
+        do {
+            metadata = try runBlocking { try await client.discover() }
+        } catch let error as AuthError {
+            throw error.commandFailure
+        }
+        guard let endpoint = metadata.registrationEndpoint else {
+            throw CommandFailure(
+                message:
+                    "\(provider.issuer) has no registration endpoint any more (registration_endpoint, RFC 7591): free port \(provider.redirectPort), or register a public client with a redirect URI http://127.0.0.1:PORT\(provider.redirectPath) there and set client_id and redirect_port in [provider \(provider.name)] of \(file)"
+            )
+        }
+        let chosen = InitCommand.chooseRedirectPort(
+            given: nil, replacing: "", provider: provider.name, context: context)
+        guard chosen.port != provider.redirectPort, LoopbackReceiver.canListen(port: chosen.port) else {
+            throw CommandFailure(
+                message:
+                    "no free port for the sign-in redirect: free port \(provider.redirectPort) and run the login again")
+        }
+        let device = metadata.deviceAuthorizationEndpoint != nil
+        let dpop = provider.tokenBinding == .dpop
+        var request = ClientRegistrationRequest(
+            redirectURI: chosen.uri, device: device, scopes: provider.scopes, dpopBound: dpop)
+        let discovery = OriginDiscovery(
+            fetcher: MetadataFetcher(transport: environment.transport, caFile: provider.caFile))
+        let issuer = provider.issuer
+        context.err("Registering \(request.summary) at \(TargetText.withoutQuery(endpoint)) ...")
+        var registration: ClientRegistration
+        do {
+            do {
+                registration = try runBlocking { [request] in
+                    try await discovery.register(request, at: endpoint, issuer: issuer)
+                }
+            } catch let refused as OriginDiscovery.RegistrationRefused
+                where device && refused.error?.error == "invalid_client_metadata"
+            {
+                // As init: glewlwyd 2.7.5 refuses the device grant it lists; once more without it.
+                request = ClientRegistrationRequest(
+                    redirectURI: chosen.uri, device: false, scopes: provider.scopes, dpopBound: dpop)
+                registration = try runBlocking { [request] in
+                    try await discovery.register(request, at: endpoint, issuer: issuer)
+                }
+            }
+        } catch let refused as OriginDiscovery.RegistrationRefused {
+            throw CommandFailure(
+                message:
+                    "\(issuer) refused to register a client again (\(refused.description)): free port \(provider.redirectPort) and run the login again, or register a public client with the redirect URI \(chosen.uri) there and set client_id and redirect_port = \(chosen.port) in [provider \(provider.name)] of \(file)"
+            )
+        } catch {
+            throw CommandFailure(message: "cannot register a client again at \(issuer): \(error)")
+        }
+        let store = RegistrationStore(stateDirectory: environment.store.stateDirectory)
+        do {
+            try store.save(registration)
+        } catch {
+            throw CommandFailure(
+                message:
+                    "\(issuer) registered client \(registration.clientID), but it cannot be kept in \(store.file(for: issuer)): \(error)"
+            )
+        }
+        let values = [("client_id", registration.clientID), ("redirect_port", String(chosen.port))]
+        guard
+            let edited = ConfigEdit.setting(values, inSection: "provider", argument: provider.name, of: text),
+            case .success(let parsed) = ConfigParser(
+                homeDirectory: context.environment["HOME"], baseDirectory: PathText.parent(file)
+            ).parse(edited, file: file),
+            let updated = parsed.providers.first(where: { $0.name == provider.name }),
+            updated.clientID == registration.clientID, updated.redirectPort == chosen.port
+        else {
+            throw CommandFailure(
+                message:
+                    "registered client \(registration.clientID) at \(issuer) with the redirect URI \(chosen.uri) (kept in \(store.file(for: issuer))), but \(file) cannot be changed by proxyctl: set client_id = \(registration.clientID) and redirect_port = \(chosen.port) in [provider \(provider.name)] and run the login again"
+            )
+        }
+        _ = try InitCommand.writeChecked(edited, to: file, context)
+        context.err(
+            "Registered client \(registration.clientID) at \(issuer) with the redirect URI \(chosen.uri) (kept in \(store.file(for: issuer))); \(file) now says client_id = \(registration.clientID) and redirect_port = \(chosen.port)."
+        )
+        if registration.secretIgnored {
+            context.err("The provider sent a client secret nobody asked for; it was not kept.")
+        }
+        if ServeState.running(stateDirectory: environment.store.stateDirectory) != nil {
+            context.err("A running proxyctl serve uses the new client once it reloads its configuration (kill -HUP).")
+        }
+        return updated
     }
 }

@@ -105,11 +105,12 @@ enum StatusCommand {
             }
             text.append(line)
             if origin.isWildcard {
-                // The hosts below the domain a running serve has intercepted (its record's origins).
+                // The hosts below the domain serves have intercepted (running ones' records, and the state
+                // directory's `SeenHosts` across restarts).
                 let hosts = seen[origin.url] ?? []
                 text.append(
                     "      hosts seen: "
-                        + (hosts.isEmpty ? "none yet (by a running proxyctl serve)" : hosts.joined(separator: ", ")))
+                        + (hosts.isEmpty ? "none yet" : hosts.joined(separator: ", ")))
                 report["hosts_seen"] = .array(hosts.map { .string($0) })
             }
             reports.append(.object(report))
@@ -148,6 +149,17 @@ enum StatusCommand {
             for url in state.origins.keys {
                 guard let wildcard = configuration.origins.wildcard(covering: url) else { continue }
                 if !(seen[wildcard.url] ?? []).contains(url) { seen[wildcard.url, default: []].append(url) }
+            }
+        }
+        // And those kept in the state directory, served by earlier serves (a host since given a section of its own
+        // is not listed under the wildcard).
+        let kept = SeenHosts.load(stateDirectory: stateDirectory)
+        for wildcard in configuration.origins.origins where wildcard.isWildcard {
+            for url in kept.hosts(of: wildcard.url)
+            where configuration.origins.wildcard(covering: url)?.url == wildcard.url
+                && !(seen[wildcard.url] ?? []).contains(url)
+            {
+                seen[wildcard.url, default: []].append(url)
             }
         }
         for key in seen.keys { seen[key]?.sort() }

@@ -82,6 +82,8 @@ enum StepUpCommand {
         let environment = try AuthEnvironment.load(args, context, command: "step-up")
         defer { environment.loopThread.stop() }
         var options = LoginOptions()
+        options.resourcesOfOrigins(
+            environment.configuration, provider: provider.name, stateDirectory: environment.store.stateDirectory)
         options.acrValues = challenge.acrValues
         options.maxAge = challenge.maxAge
         if let scope = challenge.scope {

@@ -369,13 +369,46 @@ public final class ProxyServer: ConnectionOwner {
     private var serveState: ServeState?
     private var serveStateDirty = false
     private var serveStateTimer: LoopTimer?
+    /// Hosts wildcard origins served, kept in the state directory across restarts (`SeenHosts`).
+    private var seenHosts = SeenHosts()
+    private var seenHostsDirty = false
+    /// The wildcard (its URL) covering each host this serve has served under one.
+    private var wildcardOfHost: [String: String] = [:]
 
     /// Counts an intercepted exchange for `proxyctl status` and the metrics.
     func record(_ record: ExchangeRecord, up: Int, down: Int, milliseconds: Int64) {
         metrics.update { $0.recordExchange(record, up: up, down: down, milliseconds: milliseconds) }
         guard serveState != nil else { return }
+        // Every configured origin has its counts from the start: an origin without them is a host a wildcard
+        // section covers, met for the first time.
+        if serveState!.origins[record.origin] == nil,
+            let wildcard = frontDoor.origins.wildcard(covering: record.origin)
+        {
+            wildcardOfHost[record.origin] = wildcard.url
+        }
+        if let wildcard = wildcardOfHost[record.origin],
+            seenHosts.record(record.origin, under: wildcard, at: Int64(time(nil)))
+        {
+            seenHostsDirty = true
+        }
         Self.count(record, in: &serveState!.origins[record.origin, default: ServeState.OriginCounts()])
         serveStateDirty = true
+    }
+
+    /// Writes the hosts wildcard origins served, off the loop (a file merged and replaced, fsynced).
+    private func writeSeenHosts() {
+        guard seenHostsDirty, let stateDirectory else { return }
+        seenHostsDirty = false
+        let seen = seenHosts
+        let wildcards = Set(frontDoor.origins.origins.filter(\.isWildcard).map(\.url))
+        let logger = self.logger
+        notices.async {
+            do {
+                try seen.save(stateDirectory: stateDirectory, wildcards: wildcards)
+            } catch {
+                logger.warn("cannot write \(SeenHosts.path(stateDirectory: stateDirectory)): \(error)")
+            }
+        }
     }
 
     private static func count(_ record: ExchangeRecord, in counts: inout ServeState.OriginCounts) {
@@ -428,6 +461,7 @@ public final class ProxyServer: ConnectionOwner {
         writeServeState()
         let timer = LoopTimer(loop: loop) { [unowned self] in
             if serveStateDirty { writeServeState() }
+            writeSeenHosts()
             serveStateTimer?.schedule(milliseconds: 5000)
         }
         timer.schedule(milliseconds: 5000)
@@ -448,6 +482,13 @@ public final class ProxyServer: ConnectionOwner {
     public func removeServeState() {
         guard let serveState, let stateDirectory else { return }
         serveState.remove(stateDirectory: stateDirectory)
+        // The hosts met since the last write, after any write still queued.
+        if seenHostsDirty {
+            seenHostsDirty = false
+            let seen = seenHosts
+            let wildcards = Set(frontDoor.origins.origins.filter(\.isWildcard).map(\.url))
+            notices.sync { try? seen.save(stateDirectory: stateDirectory, wildcards: wildcards) }
+        }
     }
 
     // MARK: - Telling the user
@@ -741,6 +782,8 @@ public final class ProxyServer: ConnectionOwner {
                 state.origins = counts
                 serveState = state
                 writeServeState()
+                // The wildcards may have changed: each host is looked up again when next served.
+                wildcardOfHost = [:]
             }
             let protected = origins.origins.map(\.url).joined(separator: ", ")
             if reloaded.notApplied.isEmpty {

@@ -128,6 +128,9 @@ public struct LoginOptions: Sendable, Equatable {
     /// The resource indicators of the provider's origins (RFC 8707 §2.1): the grant covers each of them, so
     /// that refreshes can ask for a token per origin.
     public var originResources: [String] = []
+    /// Some origin of the provider gets the provider's own token (`TokenKey.isProviderDefault`): the token the
+    /// sign-in obtains then keeps the provider's audience instead of an origin's resource.
+    public var providerTokenUsed = true
 
     /// The `prompt` values `proxyctl login --prompt` accepts.
     public static let promptValues = ["login", "select_account", "consent"]
@@ -179,11 +182,36 @@ public struct AuthorizationRequest: Sendable {
         let prompts = (options.create ? ["create"] : []) + (options.prompt.map { [$0] } ?? [])
         if !prompts.isEmpty { parameters.append(("prompt", prompts.joined(separator: " "))) }
         if let dpopThumbprint { parameters.append(("dpop_jkt", dpopThumbprint)) }
-        var resources = provider.resources
-        for resource in options.originResources where !resources.contains(resource) { resources.append(resource) }
         for resource in resources { parameters.append(("resource", resource)) }
         for (name, value) in provider.extraParameters { parameters.append((name, value)) }
         return parameters
+    }
+
+    /// The resources the grant covers (RFC 8707 §2.1): the provider's own and every origin's, so that refreshes
+    /// can ask for a token per origin.
+    public var resources: [String] {
+        var resources = provider.resources
+        for resource in options.originResources where !resources.contains(resource) { resources.append(resource) }
+        return resources
+    }
+
+    /// The `resource` of the token request that ends the sign-in (the code exchange, the device code's; RFC 8707
+    /// §2.2): the provider's own resources when it has any (its token is for them); else the one resource of the
+    /// provider's origins when no origin uses the provider's own token (`proxyctl init --origin` writes such a
+    /// configuration), so that the token is for that origin from the start; else none, the provider's token
+    /// keeping its default audience (several resources in one token request would ask for one token for all of
+    /// them, the opposite of a token per origin; those come from refreshes with each origin's resource).
+    public var tokenResources: [String] {
+        if !provider.resources.isEmpty { return provider.resources }
+        guard !options.providerTokenUsed, options.originResources.count == 1 else { return [] }
+        return options.originResources
+    }
+
+    /// The origin's token the sign-in's token is also (`tokenResources`' one origin resource): stored for its key
+    /// too, so that the origin's first request needs no refresh.
+    public var audienceKey: TokenKey? {
+        guard provider.resources.isEmpty, let resource = tokenResources.first else { return nil }
+        return TokenKey(provider: provider.name, resource: resource)
     }
 
     /// What came back to the redirect URI.
@@ -368,15 +396,17 @@ public struct LoginFlow: Sendable {
                 throw failure
             case .success(.code(let code)):
                 console.say("Received the authorization code; exchanging it for tokens.")
-                let parameters: [(String, String)] = [
+                var parameters: [(String, String)] = [
                     ("grant_type", "authorization_code"), ("code", code), ("redirect_uri", request.redirectURI),
                     ("client_id", provider.clientID), ("code_verifier", request.pkce.verifier),
                 ]
+                for resource in request.tokenResources { parameters.append(("resource", resource)) }
                 // The browser's page waits for this: it says signed in only once the tokens are stored.
                 do {
                     let response = try await exchange(parameters, what: "the authorization code")
                     let tokens = try await store(
-                        response, nonce: request.nonce, maxAge: currentOptions.maxAge, scopes: request.scopes)
+                        response, nonce: request.nonce, maxAge: currentOptions.maxAge, scopes: request.scopes,
+                        audience: request.audienceKey)
                     await receiver.finish(
                         .signedIn(provider: provider.name, account: tokens.identity.map(SignInEnd.account)))
                     return tokens
@@ -460,7 +490,7 @@ public struct LoginFlow: Sendable {
             ("client_id", provider.clientID), ("scope", request.scopes.joined(separator: " ")),
         ]
         if let acr = options.acrValues ?? provider.acrValues { parameters.append(("acr_values", acr)) }
-        for resource in provider.resources { parameters.append(("resource", resource)) }
+        for resource in request.resources { parameters.append(("resource", resource)) }
         let response = try await client.postForm(endpoint, parameters)
         guard response.status == 200, let object = response.jsonObject, let deviceCode = object["device_code"]?.string,
             let userCode = object["user_code"]?.string, let verificationURI = object["verification_uri"]?.string
@@ -486,13 +516,15 @@ public struct LoginFlow: Sendable {
         defer { console.waitEnded() }
         while true {
             try await Task.sleep(for: .seconds(interval))
-            let outcome = try await client.postToken([
-                ("grant_type", "urn:ietf:params:oauth:grant-type:device_code"), ("device_code", deviceCode),
-                ("client_id", provider.clientID),
-            ])
+            let outcome = try await client.postToken(
+                [
+                    ("grant_type", "urn:ietf:params:oauth:grant-type:device_code"), ("device_code", deviceCode),
+                    ("client_id", provider.clientID),
+                ] + request.tokenResources.map { ("resource", $0) })
             switch outcome {
             case .success(let tokens):
-                return try await store(tokens, nonce: nil, maxAge: options.maxAge, scopes: request.scopes)
+                return try await store(
+                    tokens, nonce: nil, maxAge: options.maxAge, scopes: request.scopes, audience: request.audienceKey)
             case .failure(.oauth(let error, _, _)):
                 switch error.error {
                 case "authorization_pending":
@@ -541,7 +573,10 @@ public struct LoginFlow: Sendable {
     }
 
     /// Validates the ID token, then replaces the stored tokens (under the provider's lock).
-    func store(_ response: TokenResponse, nonce: String?, maxAge: Int?, scopes: [String]) async throws -> TokenSet {
+    /// `audience`: the origin's key the token was asked for too (`AuthorizationRequest.audienceKey`).
+    func store(
+        _ response: TokenResponse, nonce: String?, maxAge: Int?, scopes: [String], audience: TokenKey? = nil
+    ) async throws -> TokenSet {
         guard let type = TokenEndpoint.normalizedType(response.tokenType) else {
             throw AuthError.configuration(
                 reason: "the provider issued an unsupported token type \(AuthText.clip(response.tokenType, 20))")
@@ -585,6 +620,11 @@ public struct LoginFlow: Sendable {
                 scope: response.scope ?? scopes.joined(separator: " "), identity: finalIdentity,
                 generation: ((previous ?? nil)?.generation ?? 0) + 1)
             tokens.dpopThumbprint = thumbprint
+            if let audience {
+                tokens.audienceTokens[audience.id] = TokenSet.AudienceToken(
+                    accessToken: tokens.accessToken, tokenType: type, issuedAt: issuedAt, expiresAt: tokens.expiresAt,
+                    scope: tokens.scope, generation: tokens.generation, dpopThumbprint: thumbprint)
+            }
             try store.save(tokens)
             return tokens
         }

@@ -148,3 +148,28 @@ public struct ServeState: Sendable, Equatable {
         allRunning(stateDirectory: stateDirectory).first
     }
 }
+
+/// The hosts wildcard origins served (`SeenHosts`), in `<state_dir>/wildcard-hosts.json`: written by `serve` when
+/// a host is new (or an hour later), read by `proxyctl status`. Several serves may share the state directory:
+/// each merges what it saw into the file's contents before replacing it (0600 in the 0700 state directory,
+/// atomically).
+extension SeenHosts {
+    public static func path(stateDirectory: String) -> String { stateDirectory + "/wildcard-hosts.json" }
+
+    /// What the file holds; empty when there is none or it cannot be read.
+    public static func load(stateDirectory: String) -> SeenHosts {
+        guard let data = FileManager.default.contents(atPath: path(stateDirectory: stateDirectory)),
+            case .success(let json) = JSON.parse(Array(data))
+        else { return SeenHosts() }
+        return SeenHosts(json: json)
+    }
+
+    /// Merges these hosts into the file's and writes the result, forgetting wildcards not in `wildcards`.
+    public func save(stateDirectory: String, wildcards: Set<String>) throws {
+        let merged = Self.load(stateDirectory: stateDirectory).merged(with: self).keeping(wildcards)
+        try SecureFile.makePrivateDirectory(stateDirectory)
+        try SecureFile.write(
+            Array((JSON.serialize(merged.json) + "\n").utf8), to: Self.path(stateDirectory: stateDirectory),
+            mode: 0o600)
+    }
+}

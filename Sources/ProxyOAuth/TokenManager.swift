@@ -628,7 +628,7 @@ public actor TokenManager {
                 // RFC 8707 §2: the resource is unknown to the provider or not covered by the grant.
                 return .configuration(
                     reason:
-                        "the provider refused the resource asked for (\(error.summary)); check resource in the [origin] section, that the provider knows it, and that its refresh tokens keep every resource of the sign-in"
+                        "the provider refused the resource asked for (\(error.summary)); check resource in the [origin] section, that the provider knows it, and that its refresh tokens keep every resource of the sign-in (a host under a wildcard origin is asked for by the next proxyctl login \(provider.name), once a request met it)"
                 )
             default:
                 return .recoverable(reason: "the provider refused the refresh (\(error.summary))", retryAfter: nil)

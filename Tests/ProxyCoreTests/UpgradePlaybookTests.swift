@@ -110,6 +110,45 @@ import Testing
         #expect(!actions.contains { if case .startTunnel = $0 { true } else { false } })
     }
 
+    /// The metadata naming the provider's own server: the usual refresh and replay follow.
+    @Test func consistentMetadataLeadsToTheRefresh() {
+        var p = Self.tunnel()
+        p.client(Self.request)
+        p.event(.tokens(.success(TokenGrant(generation: 7))))
+        _ = p.next()
+        p.transferHead(
+            "HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer resource_metadata=\"https://api.test/.well-known/oauth-protected-resource\"\r\nContent-Length: 0\r\n\r\n"
+        )
+        p.event(.transferFinished(nil, detail: ""))
+        _ = p.next()
+        p.event(.resourceMetadata(.consistent))
+        #expect(Self.outputs(p.next()) == [.refreshTokens(key: TokenKey(provider: "corp"), replacing: 7)])
+        p.event(.refreshed(.success(TokenGrant(generation: 8))))
+        #expect(Self.sends(p.next()).first?.credential?.generation == 8)
+        p.transferHead(Self.switched)
+        #expect(p.clientGot() == Self.switched)
+        #expect(Self.record(p.next())?.refreshed == true)
+    }
+
+    /// A static secret has no authorization server for the metadata to contradict: its upgrade's 401 is handled
+    /// as any other (the secret fetched again), with no metadata check.
+    @Test func aStaticSecretsUpgradeChecksNoMetadata() {
+        var origin = Origins.https
+        origin.secret = .file("/nonexistent/secret")
+        var p = Self.tunnel(origin)
+        p.client(Self.request)
+        _ = p.next()
+        p.event(.tokens(.success(TokenGrant(generation: 7))))
+        _ = p.next()
+        p.transferHead(
+            "HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer resource_metadata=\"https://api.test/.well-known/oauth-protected-resource\"\r\nContent-Length: 0\r\n\r\n"
+        )
+        p.event(.transferFinished(nil, detail: ""))
+        let outputs = Self.outputs(p.next())
+        #expect(!outputs.contains { if case .checkResourceMetadata = $0 { true } else { false } })
+        #expect(outputs.contains { if case .refreshTokens = $0 { true } else { false } })
+    }
+
     @Test func aStepUpChallengeIsPassedOnAndRecorded() {
         var p = Self.tunnel()
         p.client(Self.request)

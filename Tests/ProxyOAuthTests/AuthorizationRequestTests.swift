@@ -121,6 +121,34 @@ private func isBase64URL(_ text: String) -> Bool {
         #expect(values(parameters, "ui_locales") == ["de"])
     }
 
+    /// RFC 8707 §2.2 on the token request that ends the sign-in: the provider's own resources; else the one
+    /// resource of its origins when none of them uses the provider's own token (what `init --origin` writes),
+    /// that origin's key then getting the token too; else none (several resources would ask for one token for
+    /// all of them).
+    @Test func theTokenRequestAsksForTheOneOriginsResourceOrTheProvidersOwn() {
+        var alone = LoginOptions()
+        alone.originResources = ["https://api.example.com"]
+        alone.providerTokenUsed = false
+        let single = request(options: alone) { _ in }
+        #expect(values(single.parameters, "resource") == ["https://api.example.com"])
+        #expect(single.tokenResources == ["https://api.example.com"])
+        #expect(single.audienceKey == TokenKey(provider: "test", resource: "https://api.example.com"))
+
+        var shared = alone
+        shared.providerTokenUsed = true
+        #expect(request(options: shared) { _ in }.tokenResources.isEmpty, "another origin uses the provider's token")
+        #expect(request(options: shared) { _ in }.audienceKey == nil)
+
+        var several = alone
+        several.originResources = ["https://api.example.com", "https://files.example.com"]
+        let both = request(options: several) { _ in }
+        #expect(values(both.parameters, "resource") == ["https://api.example.com", "https://files.example.com"])
+        #expect(both.tokenResources.isEmpty && both.audienceKey == nil)
+
+        let own = request(options: alone) { provider in provider.resources = ["https://gateway.example.com"] }
+        #expect(own.tokenResources == ["https://gateway.example.com"] && own.audienceKey == nil)
+    }
+
     @Test func optionsOverrideTheConfiguredAcrAndHint() {
         var options = LoginOptions()
         options.acrValues = "gold"

@@ -1123,8 +1123,10 @@ class FakeIdP:
             return (400, {"error": "invalid_grant", "error_description": "no code_challenge was sent"})
         if code.dpop_jkt and code.dpop_jkt != jkt:
             return (400, {"error": "invalid_dpop_proof", "error_description": "dpop_jkt mismatch"})
+        # RFC 8707 §2.2: a resource on the code exchange is the access token's audience.
         return (200, self._token_response(code.scope, code.client_id, code.nonce, code.auth_time, jkt, defects,
-                                          with_refresh=self.issue_refresh_token, with_id_token=True))
+                                          with_refresh=self.issue_refresh_token, with_id_token=True,
+                                          resource=form.get("resource")))
 
     def _grant_refresh(self, form, jkt, defects) -> Tuple[int, dict]:
         token = form.get("refresh_token", "")

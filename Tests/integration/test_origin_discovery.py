@@ -401,6 +401,37 @@ def test_a_401_naming_another_authorization_server_is_passed_on_and_nothing_swit
             assert deployment.stop() is None
 
 
+def test_the_code_exchange_asks_for_the_origin_as_resource_and_its_first_request_needs_no_refresh(tmp_path, rs):
+    """RFC 8707 on the token request too (issue 30): with the one origin init --origin writes (its resource in its
+    [origin]), login's code exchange carries `resource` = the origin, as the authorization request does, and the
+    token it brings is the origin's own from the start: the first request through serve reaches the API with
+    `aud` = the resource and no refresh token is spent on it."""
+    with FakeIdP(access_token_format="jwt") as fake:
+        resource = rs.url("", API)
+        rs.trust(fake.issuer, fake.url("jwks"))
+        rs.audiences[API] = resource
+        sections = (config.provider("p", fake.issuer, scopes="openid profile")
+                    + config.origin(resource, "p", ca_file=rs.ca_pem, resource=resource))
+        ws = Workspace(tmp_path / "ws", sections, f"{API}=127.0.0.1")
+        ws.ca_init()
+        ws.login_fake("p")
+        authorization = fake.requests("authorize")[-1]
+        assert authorization.query.get("resource") == resource, authorization.query
+        [exchange] = [r for r in fake.requests("token") if r.form.get("grant_type") == "authorization_code"]
+        assert exchange.form.get("resource") == resource, exchange.form
+        deployment = Deployment(ws, ws.start_proxy())
+        try:
+            answer = deployment.curl(rs.url("/me", API))
+            assert answer.status == 200, answer
+            assert resource in json.loads(answer.body)["aud"], answer.body
+            assert fake.count("token", grant_type="refresh_token") == 0
+            status = ws.cli("status")
+            assert f"its own token (resource {resource}), valid until" in status.stdout, status.stdout
+            assert "the provider ignored the resource indicator" not in status.stdout
+        finally:
+            assert deployment.stop() is None
+
+
 @needs_glewlwyd
 def test_insufficient_scope_is_surfaced_like_a_step_up_and_step_up_asks_for_the_scope(tmp_path, rs,
                                                                                       glewlwyd_registering):
@@ -435,6 +466,83 @@ def test_insufficient_scope_is_surfaced_like_a_step_up_and_step_up_asks_for_the_
         assert deployment.stop() is None
 
 
+@needs_glewlwyd
+def test_login_registers_again_on_a_free_port_when_the_registered_one_is_taken(home, rs, glewlwyd_registering,
+                                                                               tmp_path):
+    """The issue's "a loopback redirect URI on a port proxyctl keeps for this provider and registers again when it
+    cannot bind it", at login: init registered a client at glewlwyd for one port; with that port held by a socket,
+    `proxyctl login` registers a new client (RFC 7591, init's rules) on a free port, says so on stderr, keeps the
+    new registration (0600, replaced atomically) and writes its client id and port into proxy.conf (the rest of
+    the file as it was), signs in with it, and serve reaches the API with the new client's token."""
+    import socket
+    idp = glewlwyd_registering
+    resource = rs.url("", API)
+    idp.set_plugin_parameters("oidc", **{
+        "register-client-allowed": True, "register-client-auth-scope": [],
+        "resource-allowed": True, "resource-scope": {"api": [resource]}, "resource-client-property": "",
+        "resource-scope-and-client-property": False})
+    rs.trust(idp.issuer(), idp.discovery()["jwks_uri"])
+    rs.audiences[API] = resource
+    rs.publish_metadata({"resource": "{origin}", "authorization_servers": [idp.issuer()], "scopes_supported": ["api"]})
+    port = free_port()
+    init = init_origin(home, rs, "--yes", "--redirect-port", str(port))
+    assert init.returncode == 0, init.stderr
+    before = conf_of(home).read_text()
+    old_client = re.search(r"^client_id = (\S+)$", before, re.M).group(1)
+    [kept] = list((state_of(home) / "registrations").iterdir())
+    old_token = json.loads(kept.read_text())["registration_access_token"]
+
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    try:
+        login = run(home, "login", BROWSER=BROWSER, PROXYCTL_TEST_BROWSER="glewlwyd",
+                    PROXYCTL_TEST_IDP_URL=idp.base_url, PROXYCTL_TEST_IDP_USER=idp.username,
+                    PROXYCTL_TEST_IDP_PASSWORD=idp.password)
+    finally:
+        holder.close()
+    assert login.returncode == 0, login.stderr
+    after = conf_of(home).read_text()
+    new_client = re.search(r"^client_id = (\S+)$", after, re.M).group(1)
+    new_port = int(re.search(r"^redirect_port = (\d+)$", after, re.M).group(1))
+    assert new_client != old_client and new_port != port
+    uri = f"http://127.0.0.1:{new_port}/callback"
+    err = login.stderr
+    assert (f"Port {port} is taken, and client {old_client}, which proxyctl registered at {idp.issuer()}, allows "
+            f"only http://127.0.0.1:{port}/callback: registering a client again on a free port (RFC 7591).") in err, err
+    assert (f"Registered client {new_client} at {idp.issuer()} with the redirect URI {uri} (kept in {kept}); "
+            f"{conf_of(home)} now says client_id = {new_client} and redirect_port = {new_port}.") in err, err
+    assert f"Signed in to default as" in err
+    # Only those two values changed in proxy.conf; the comments saying where values came from stay.
+    assert after == before.replace(f"client_id = {old_client}\n", f"client_id = {new_client}\n").replace(
+        f"redirect_port = {port}\n", f"redirect_port = {new_port}\n")
+    assert stat.S_IMODE(conf_of(home).stat().st_mode) == 0o600
+    # The registration kept is the new one, 0600, its access token never printed.
+    assert [p.name for p in (state_of(home) / "registrations").iterdir()] == [kept.name]
+    registration = json.loads(kept.read_text())
+    assert registration["client_id"] == new_client and registration["redirect_uris"] == [uri]
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o600
+    assert registration["registration_access_token"] != old_token
+    assert registration["registration_access_token"] not in login.stdout + login.stderr
+    client = idp.admin("GET", "/client/" + new_client).json()
+    assert client["confidential"] is False and client["redirect_uri"] == [uri]
+    assert json.loads((state_of(home) / "tokens" / "default.json").read_text())["client_id"] == new_client
+
+    proxy = Proxy(tmp_path / "serve", None, listen="127.0.0.1:0", args=("--config", str(conf_of(home))))
+    proxy.env = env_for(home)
+    proxy.start()
+    try:
+        done = subprocess.run(["curl", "-sS", "--proxy", proxy.url, "--cacert",
+                               str(state_of(home) / "ca" / "ca.pem"), resource + "/me"],
+                              capture_output=True, text=True, timeout=60, env=clean_env())
+        assert done.returncode == 0, done.stderr
+        answer = json.loads(done.stdout)
+        assert answer["client_id"] == new_client, answer
+    finally:
+        assert proxy.stop() == 0
+
+
 def test_a_registration_is_reused_while_its_port_is_free_and_made_again_when_it_is_not(home, rs):
     """A second init for the same issuer (--force) reuses the kept registration and its redirect port; when that
     port is taken, it registers again on a free one and keeps the new registration."""
@@ -467,16 +575,16 @@ def test_a_registration_is_reused_while_its_port_is_free_and_made_again_when_it_
         assert new_port != port and fake.registered[-1]["redirect_uris"] == [f"http://127.0.0.1:{new_port}/callback"]
         [kept] = list((state_of(home) / "registrations").iterdir())
         assert json.loads(kept.read_text())["redirect_uris"] == [f"http://127.0.0.1:{new_port}/callback"]
-        # login on a taken port says what registers again.
+        # login on a taken port registers again itself (the glewlwyd test below shows the whole way).
         holder = socket.socket()
         holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         holder.bind(("127.0.0.1", new_port))
         holder.listen()
         try:
-            login = run(home, "login", "--no-browser")
+            login = run(home, "login", BROWSER=BROWSER, PROXYCTL_TEST_BROWSER="fake")
         finally:
             holder.close()
-        assert login.returncode == 1, login.stderr
-        assert (f"Port {new_port} is taken, and the client proxyctl registered at {fake.issuer} allows only "
-                f"http://127.0.0.1:{new_port}/callback: free it, or run proxyctl init --origin {rs.url('', API)} "
-                "--force to register again on a free port.") in login.stderr, login.stderr
+        assert login.returncode == 0, login.stderr
+        assert fake.count("register") == 3, login.stderr
+        assert f"Port {new_port} is taken, and client " in login.stderr, login.stderr
+        assert re.search(r"^redirect_port = (\d+)$", conf_of(home).read_text(), re.M).group(1) != str(new_port)

@@ -172,6 +172,36 @@ def test_a_401_after_the_refresh_reaches_the_client_with_proxy_status(deployment
     assert fake.count("token", grant_type="refresh_token") == before + 1
 
 
+def test_a_401_naming_another_authorization_server_is_passed_on_without_a_refresh(deployment, fake, wss):
+    """An upgrade's 401 naming the origin's resource metadata, which names another authorization server (issue 30):
+    checked as a plain request's 401 is, so the client gets the 401 with Proxy-Status naming the mismatch and the
+    `proxyctl init --origin` to run, nothing is refreshed and the upgrade is not sent again."""
+    before = fake.count("token", grant_type="refresh_token")
+    mark, seen = deployment.proxy.mark(), wss.mark()
+    wss.metadata_servers = ["https://login.other.test"]
+    wss.reject_next(1)
+    try:
+        with pytest.raises(InvalidStatus) as refused:
+            with client(deployment, wss.url("/elsewhere")):
+                pass
+    finally:
+        wss.metadata_servers = None
+        wss.reject_next(0)
+    response = refused.value.response
+    assert response.status_code == 401
+    assert "resource_metadata=" in response.headers["WWW-Authenticate"]
+    assert response.headers["Proxy-Status"] == (
+        'proxyctl; error=proxy_configuration_error; received-status=401; details="the origin\'s resource metadata '
+        'names the authorization server https://login.other.test, not the issuer of [provider fake]; set it up '
+        f'with: proxyctl init --origin {wss.origin_url}"'), response.headers
+    assert [u["status"] for u in wss.since(seen)] == [401]
+    assert wss.metadata_fetches >= 1
+    assert fake.count("token", grant_type="refresh_token") == before
+    log = poll(lambda: "wrong authorization server" in deployment.proxy.log_since(mark)
+               and deployment.proxy.log_since(mark), 10, message="the log line")
+    assert f"proxyctl init --origin {wss.origin_url}" in log, log
+
+
 def test_a_step_up_challenge_is_passed_on_untouched(deployment, fake, wss):
     before = fake.count("token", grant_type="refresh_token")
     seen = wss.mark()

@@ -6,6 +6,7 @@ the running serve has seen."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import ssl
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fixtures import config
-from fixtures.deployment import Deployment, Workspace
+from fixtures.deployment import BROWSER, Deployment, Workspace
 from fixtures.http import free_port, open_tunnel
 from fixtures.pki import CertificateAuthority
 from fixtures.proxy import poll
@@ -120,3 +121,102 @@ def test_a_wildcard_origin_protects_every_host_below_it_and_nothing_else(world, 
     except AssertionError as error:
         raise AssertionError(f"{error}; the last status:\n{last[0] if last else ''}") from None
     assert f"https://*.corp.test:{rs.port}: the provider's access token" in out, out
+
+
+def test_the_hosts_seen_under_a_wildcard_outlive_the_serve_that_saw_them(world):
+    """Hosts served under a wildcard are kept in the state directory (wildcard-hosts.json, 0600 in the 0700 state
+    directory, replaced atomically, at most 256 per wildcard): `proxyctl status` lists them after that serve
+    stopped, and beside a new serve that has not seen them; a host with a section of its own is not among them."""
+    import stat
+    rs, ws, deployment, _ = world
+    for host in ("a.corp.test", "b.deep.corp.test", "api.corp.test"):
+        assert deployment.curl(rs.url("/seen", host)).status in (200, 401)
+    assert deployment.stop() is None
+    kept = ws.state / "wildcard-hosts.json"
+    assert kept.exists(), sorted(p.name for p in ws.state.iterdir())
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o600 and stat.S_IMODE(ws.state.stat().st_mode) == 0o700
+    hosts = json.loads(kept.read_text())["wildcards"][f"https://*.corp.test:{rs.port}"]
+    assert sorted(hosts) == [f"https://a.corp.test:{rs.port}", f"https://b.deep.corp.test:{rs.port}"], hosts
+    listed = f"hosts seen: https://a.corp.test:{rs.port}, https://b.deep.corp.test:{rs.port}\n"
+    status = ws.cli("status")
+    assert listed in status.stdout, status.stdout
+    again = ws.start_proxy("again")
+    try:
+        status = ws.cli("status")
+        assert listed in status.stdout, status.stdout
+        report = json.loads(ws.cli("status", "--json").stdout)
+        [wildcard] = [o for p in report["providers"] for o in p.get("origin_tokens", [])
+                      if o["origin"] == f"https://*.corp.test:{rs.port}"]
+        assert wildcard["hosts_seen"] == [f"https://a.corp.test:{rs.port}", f"https://b.deep.corp.test:{rs.port}"]
+    finally:
+        assert again.stop() == 0
+
+
+def test_each_host_under_a_wildcard_gets_a_token_for_its_own_resource_once_a_sign_in_covers_it(tmp_path):
+    """`resource = https://*.corp.test:PORT` in a wildcard section (issue 30 item 3: "its own resource token where
+    the provider honours RFC 8707, the same machinery as per-origin tokens"). Its hosts are not known at the first
+    login (a "*" is no resource a provider knows), so each host's first request asks for its token by a refresh
+    with the host's resource. glewlwyd keeps refreshes to the resources of the sign-in and refuses it, naming the
+    login to run; the host is kept as seen (the state directory), and the next `proxyctl login` asks for the
+    resources of the hosts seen: from then on each host gets a token for its own audience, obtained once, reused,
+    never sent to another host. (A provider that accepts any known resource on a refresh, the fake one, needs no
+    second login: the per-origin machinery covers first use.)"""
+    if not glewlwyd_available():
+        pytest.skip("glewlwyd is not installed (scripts/bootstrap test)")
+    rs = ResourceServer(tmp_path / "rs", HOSTS)
+    a, b = f"https://a.corp.test:{rs.port}", f"https://b.deep.corp.test:{rs.port}"
+    rs.audiences.update({"a.corp.test": a, "b.deep.corp.test": b})
+    callback = free_port()
+    try:
+        with Glewlwyd(redirect_ports=[callback], log_level=os.environ.get("GLEWLWYD_LOG_LEVEL", "WARNING")) as idp:
+            idp.set_plugin_parameters("oidc", **{
+                "resource-allowed": True, "resource-scope": {"api": [a, b]}, "resource-client-property": "",
+                "resource-scope-and-client-property": False, "refresh-token-rolling": False,
+                "refresh-token-one-use": "never"})
+            rs.trust(idp.issuer(), idp.discovery()["jwks_uri"])
+            wildcard = f"https://*.corp.test:{rs.port}"
+            sections = (config.provider("glew", idp.issuer(), scopes="openid profile email api",
+                                        redirect_port=callback)
+                        + config.origin(wildcard, "glew", ca_file=rs.ca_pem, client_authorization="replace",
+                                        resource=wildcard))
+            ws = Workspace(tmp_path / "ws", sections, ", ".join(f"{h}=127.0.0.1" for h in HOSTS))
+            ws.ca_init()
+
+            def login():
+                done = ws.cli("login", "glew", BROWSER=BROWSER, PROXYCTL_TEST_BROWSER="glewlwyd",
+                              PROXYCTL_TEST_IDP_URL=idp.base_url, PROXYCTL_TEST_IDP_USER=idp.username,
+                              PROXYCTL_TEST_IDP_PASSWORD=idp.password,
+                              PROXYCTL_TEST_IDP_SCOPE="openid profile email api")
+                assert done.returncode == 0, done.stderr
+
+            login()
+            deployment = Deployment(ws, ws.start_proxy())
+            try:
+                # First use: the refresh with the host's resource is refused, and says what to run.
+                refused = deployment.curl(rs.url("/me", "a.corp.test"))
+                assert refused.status == 500, refused
+                assert b"proxyctl login glew" in refused.body, refused.body
+                assert deployment.curl(rs.url("/me", "b.deep.corp.test")).status == 500
+                kept = ws.state / "wildcard-hosts.json"
+                poll(lambda: kept.exists() and len(json.loads(kept.read_text())["wildcards"][wildcard]) == 2, 15,
+                     message="the hosts seen kept in the state directory")
+                # The next login covers the hosts seen; the same serve then gets each host its own token.
+                login()
+                mark = rs.mark()
+                for host in ("a.corp.test", "b.deep.corp.test", "a.corp.test", "b.deep.corp.test"):
+                    answer = deployment.curl(rs.url("/me", host))
+                    assert answer.status == 200, (host, answer.status, answer.body[:300])
+                for host, resource in (("a.corp.test", a), ("b.deep.corp.test", b)):
+                    seen = [s for s in rs.since(mark, host) if s.path == "/me"]
+                    assert len(seen) == 2 and all(s.error is None for s in seen), [s.error for s in seen]
+                    claims = [json.loads(base64.urlsafe_b64decode(s.token.split(".")[1] + "==")) for s in seen]
+                    assert all(c["aud"] == resource or c["aud"] == [resource] for c in claims), claims
+                    assert len({c["jti"] for c in claims}) == 1, "obtained once, reused"
+                assert not {s.token for s in rs.since(mark, "a.corp.test")} & {
+                    s.token for s in rs.since(mark, "b.deep.corp.test")}
+                tokens = json.dumps(ws.tokens("glew"))
+                assert f"resource={a}" in tokens and f"resource={b}" in tokens
+            finally:
+                assert deployment.stop() is None
+    finally:
+        rs.close()

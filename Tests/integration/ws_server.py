@@ -2,7 +2,8 @@
 plain ws), on a thread of its own. Every upgrade needs `Authorization: Bearer <JWT>` verified against the
 trusted issuer's JWKS (fixtures.jose), else 401 with WWW-Authenticate, as an API gateway refuses a WebSocket;
 `reject_next(n)` refuses the next n otherwise good tokens (error="invalid_token"), `step_up_next(n)` asks for
-a stronger sign-in (RFC 9470). Connected clients get every message echoed back; the text "bye" makes the
+a stronger sign-in (RFC 9470); with `metadata_servers` set, its 401s name its protected resource metadata
+(RFC 9728 `resource_metadata`), served at the well-known URL with those authorization servers. Connected clients get every message echoed back; the text "bye" makes the
 server close with code 1000.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import http
+import json
 import threading
 from pathlib import Path
 
@@ -33,6 +35,9 @@ class WebSocketOrigin:
         self.upgrades: list[dict] = []
         self._reject = 0
         self._step_up = 0
+        # The authorization servers its RFC 9728 metadata names; None: no metadata and no resource_metadata.
+        self.metadata_servers: list[str] | None = None
+        self.metadata_fetches = 0
         self.loop = asyncio.new_event_loop()
         started = threading.Event()
         self.port = 0
@@ -95,6 +100,13 @@ class WebSocketOrigin:
             await self._stop
 
     def _check(self, connection, request) -> Response | None:
+        if request.path.startswith("/.well-known/oauth-protected-resource") and self.metadata_servers is not None:
+            with self.lock:
+                self.metadata_fetches += 1
+            document = json.dumps({"resource": self.origin_url,
+                                   "authorization_servers": self.metadata_servers}).encode()
+            return Response(200, "OK", Headers([("Content-Type", "application/json"),
+                                                ("Content-Length", str(len(document)))]), document)
         authorization = request.headers.get("Authorization", "")
         scheme, _, token = authorization.partition(" ")
         record = {"path": request.path, "token": token or None, "status": 101, "sub": None,
@@ -122,6 +134,8 @@ class WebSocketOrigin:
                     refusal = 'Bearer realm="ws", error="invalid_token", error_description="rejected by the test"'
         if refusal is None:
             return None
+        if self.metadata_servers is not None:
+            refusal += f', resource_metadata="{self.origin_url}/.well-known/oauth-protected-resource"'
         record["status"] = 401
         body = b"a valid bearer token is required\n"
         headers = Headers([("WWW-Authenticate", refusal), *extra, ("Content-Type", "text/plain"),
