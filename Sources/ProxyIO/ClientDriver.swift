@@ -754,10 +754,8 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
         case .transferFinished(let failure, let detail): handle(.transferFinished(failure, detail: detail))
         case .responseHead(let received):
             transferEvent { machine, now, out in machine.transferResponseHead(received, now: now, &out) }
-        case .responseTrailers(let lines):
-            lines.withUnsafeBytes { lines in
-                transferEvent { machine, now, out in machine.transferHeaderLines(lines, now: now, &out) }
-            }
+        case .responseTrailers(let fields):
+            transferEvent { machine, now, out in machine.transferTrailers(fields, now: now, &out) }
         }
     }
 

@@ -47,8 +47,8 @@ final class ExchangeIO: TransferOwner {
         case resourceMetadata(ResourceMetadataVerdict)
         /// The transfer's response head, parsed once.
         case responseHead(ReceivedHead)
-        /// The response's trailer section (field lines and the blank line).
-        case responseTrailers([UInt8])
+        /// The response's trailer fields.
+        case responseTrailers([H2Field])
         /// The transfer ended (`failure` nil: the response was complete).
         case transferFinished(UpstreamFailure?, detail: String)
     }
@@ -317,9 +317,9 @@ final class ExchangeIO: TransferOwner {
 
     private func current(_ from: any UpstreamTransfer) -> Bool { !finished && from === transfer }
 
-    func transferHeader(_ from: any UpstreamTransfer, _ lines: UnsafeRawBufferPointer) {
+    func transferResponseTrailers(_ from: any UpstreamTransfer, _ fields: [H2Field]) {
         guard current(from) else { return }
-        driver?.exchange(self, event: .responseTrailers(Array(lines)))
+        driver?.exchange(self, event: .responseTrailers(fields))
     }
 
     func transferResponseHead(_ from: any UpstreamTransfer, _ received: ReceivedHead) {
@@ -362,7 +362,7 @@ final class ExchangeIO: TransferOwner {
     /// with its chunked framing).
     var requestTrailers: [H2Field] = []
 
-    func transferTrailers(_ from: any UpstreamTransfer) -> [H2Field] {
+    func transferRequestTrailers(_ from: any UpstreamTransfer) -> [H2Field] {
         current(from) ? requestTrailers : []
     }
 

@@ -721,10 +721,8 @@ final class H2Driver: ServerConnection, ExchangeDriver {
         case .transferFinished(let failure, let detail): handle(.transferFinished(stream, failure, detail: detail))
         case .responseHead(let received):
             transferEvent { machine, now, out in machine.transferResponseHead(stream, received, now: now, &out) }
-        case .responseTrailers(let lines):
-            lines.withUnsafeBytes { lines in
-                transferEvent { machine, now, out in machine.transferHeaderLines(stream, lines, now: now, &out) }
-            }
+        case .responseTrailers(let fields):
+            transferEvent { machine, now, out in machine.transferTrailers(stream, fields, now: now, &out) }
         }
     }
 

@@ -32,8 +32,8 @@ protocol UpstreamTransfer: AnyObject {
 
 /// Who receives an upstream transfer's callbacks (the client connection's driver).
 protocol TransferOwner: AnyObject {
-    /// The trailer section of the response (its field lines and the blank line).
-    func transferHeader(_ transfer: any UpstreamTransfer, _ lines: UnsafeRawBufferPointer)
+    /// The response's trailer fields (parsed by the own client).
+    func transferResponseTrailers(_ transfer: any UpstreamTransfer, _ fields: [H2Field])
     /// The response head, parsed once (`OriginExchange`).
     func transferResponseHead(_ transfer: any UpstreamTransfer, _ received: ReceivedHead)
     /// Response body bytes; returns the count taken, or `proxyctl_writefunc_pause()` (the owner's client is slow:
@@ -46,7 +46,7 @@ protocol TransferOwner: AnyObject {
     /// not kept.
     func transferSeek(_ transfer: any UpstreamTransfer, _ offset: Int) -> Bool
     /// The trailer fields to send after a request body of unknown length (the client's own, or none).
-    func transferTrailers(_ transfer: any UpstreamTransfer) -> [H2Field]
+    func transferRequestTrailers(_ transfer: any UpstreamTransfer) -> [H2Field]
     func transferFinished(_ transfer: any UpstreamTransfer, _ failure: UpstreamFailure?, detail: String)
 }
 
@@ -806,8 +806,8 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
                 stream = opened
             case .deliverHead(let received):
                 owner?.transferResponseHead(self, received)
-            case .deliverTrailers(let bytes):
-                bytes.withUnsafeBytes { owner?.transferHeader(self, $0) }
+            case .deliverTrailers(let fields):
+                owner?.transferResponseTrailers(self, fields)
             case .deliverBody(let range):
                 guard let input else { continue }
                 let data = UnsafeRawBufferPointer(rebasing: input[range])
@@ -865,7 +865,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
             if count == proxyctl_readfunc_pause() {
                 handle(.bodyPaused)
             } else if count == 0 {
-                handle(.bodyEnded(trailers: owner?.transferTrailers(self) ?? []))
+                handle(.bodyEnded(trailers: owner?.transferRequestTrailers(self) ?? []))
             } else {
                 lastActivity = EventLoop.monotonicMilliseconds()
                 handle(.bodyRead(count))
@@ -1100,7 +1100,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
     }
 
     func streamTrailers() -> [H2Field] {
-        owner?.transferTrailers(self) ?? []
+        owner?.transferRequestTrailers(self) ?? []
     }
 
     private func release(reusable: Bool) {

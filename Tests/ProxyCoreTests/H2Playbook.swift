@@ -171,24 +171,43 @@ struct H2Playbook {
         event(.refreshed(stream, .success(TokenGrant(generation: generation))))
     }
 
-    /// A transfer's response head (or its trailer lines), line by line as libcurl's header callback hands
-    /// them over.
+    /// A transfer's response heads (interim ones, then the final) as the own client hands them over: read by
+    /// `ResponseReader` for the stream's last request; a head it cannot read ends the transfer with the failure,
+    /// as `OriginExchange` ends it.
     mutating func transferHead(_ stream: Stream, _ text: String) {
-        transferLines(stream, Array(text.utf8))
-    }
-
-    mutating func transferLines(_ stream: Stream, _ bytes: [UInt8]) {
         streams[stream]?.transfer?.fresh = false
         lastActivity = now
-        var start = 0
-        for index in bytes.indices where bytes[index] == 0x0A || index == bytes.count - 1 {
-            let line = Array(bytes[start...index])
-            start = index + 1
-            var actions: [Action] = []
-            line.withUnsafeBytes { session.transferHeaderLines(stream, $0, now: now, &actions) }
-            apply(actions)
-            afterEvent()
+        let sent = streams[stream]?.sends.last
+        var reader = ResponseReader(
+            requestMethod: sent?.method ?? "GET", upgradeRequested: sent?.upgrade ?? false,
+            limits: sent?.responseHeadLimits ?? HTTPHeadLimits())
+        var outputs: [ResponseReader.Output] = []
+        _ = Array(text.utf8).withUnsafeBytes { reader.read($0, &outputs) }
+        for output in outputs {
+            switch output {
+            case .head(let received):
+                var actions: [Action] = []
+                session.transferResponseHead(stream, received, now: now, &actions)
+                apply(actions)
+                afterEvent()
+            case .failed(let error):
+                event(.transferFinished(stream, OriginExchange.failure(error), detail: "\(error)"))
+                return
+            default:
+                break
+            }
         }
+    }
+
+    /// The trailer fields after a transfer's body (`text`: a trailer section's field lines), as the own client
+    /// parses and hands them over.
+    mutating func transferTrailers(_ stream: Stream, _ text: String) {
+        lastActivity = now
+        var actions: [Action] = []
+        session.transferTrailers(
+            stream, HTTPHeadParser.trailerFields(Array(text.utf8), limits: HTTPHeadLimits()), now: now, &actions)
+        apply(actions)
+        afterEvent()
     }
 
     /// Advances the clock by `milliseconds` and fires the timers that are due, in deadline order.
@@ -481,7 +500,7 @@ struct H2Playbook {
                     event(.requestData(stream, count: 0, endStream: true))
                 }
                 if streams[stream]?.transfer != nil {
-                    transferHead(stream, "HTTP/2 204 \r\n\r\n")
+                    transferHead(stream, "HTTP/1.1 204 \r\n\r\n")
                     if streams[stream]?.transfer != nil {
                         event(.transferFinished(stream, nil, detail: ""))
                     }

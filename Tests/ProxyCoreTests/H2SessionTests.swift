@@ -95,7 +95,7 @@ import Testing
             ])
 
         p.transferHead(
-            1, "HTTP/2 200 \r\ncontent-type: application/json\r\ncontent-length: 5\r\nx-request-id: r-1\r\n\r\n")
+            1, "HTTP/1.1 200 \r\ncontent-type: application/json\r\ncontent-length: 5\r\nx-request-id: r-1\r\n\r\n")
         #expect(
             p.next() == [
                 .submitResponse(
@@ -107,8 +107,8 @@ import Testing
         p.event(.transferBody(1, count: 3))
         p.event(.transferBody(1, count: 2))
         #expect(p.next() == [.writeBody(1), .writeBody(1)])
-        // libcurl hands trailer fields to the header callback after the body.
-        p.transferHead(1, "x-checksum: abc\r\nGrpc-Status: 0\r\n\r\n")
+        // The own client hands the trailer fields over after the body.
+        p.transferTrailers(1, "x-checksum: abc\r\nGrpc-Status: 0\r\n")
         #expect(p.next() == [])
         p.now = 1_700
         p.event(.transferFinished(1, nil, detail: ""))
@@ -129,7 +129,7 @@ import Testing
         p.request(1, H2Playbook.request("HEAD", "/file"))
         p.tokens(1)
         _ = p.next()
-        p.transferHead(1, "HTTP/2 200 \r\ncontent-length: 1234\r\n\r\n")
+        p.transferHead(1, "HTTP/1.1 200 \r\ncontent-length: 1234\r\n\r\n")
         p.event(.transferFinished(1, nil, detail: ""))
         #expect(
             p.next() == [
@@ -200,7 +200,7 @@ import Testing
             "POST", "/items", [("content-type", "application/json")], generation: 1, body: .length(4))
         #expect(p.next() == [Self.exchange(1, .send(first))])
         p.transferHead(
-            1, "HTTP/2 401 \r\nwww-authenticate: Bearer error=\"invalid_token\"\r\ncontent-length: 12\r\n\r\n")
+            1, "HTTP/1.1 401 \r\nwww-authenticate: Bearer error=\"invalid_token\"\r\ncontent-length: 12\r\n\r\n")
         p.event(.transferBody(1, count: 12))
         #expect(p.next() == [], "the 401 is not the client's business")
         p.event(.transferFinished(1, nil, detail: ""))
@@ -209,7 +209,7 @@ import Testing
         let replay = Self.upstream(
             "POST", "/items", [("content-type", "application/json")], generation: 2, body: .length(4), attempt: 2)
         #expect(p.next() == [Self.exchange(1, .send(replay))])
-        p.transferHead(1, "HTTP/2 200 \r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n")
+        p.transferHead(1, "HTTP/1.1 200 \r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n")
         p.event(.transferBody(1, count: 2))
         p.event(.transferFinished(1, nil, detail: ""))
         #expect(
@@ -235,7 +235,7 @@ import Testing
                     1, .send(Self.upstream("POST", "/pkg.Greeter/Hello", grpc, generation: 1, body: .streaming)))
             ])
         let unauthenticated =
-            "HTTP/2 200 \r\ncontent-type: application/grpc\r\ngrpc-status: 16\r\ngrpc-message: token expired\r\n\r\n"
+            "HTTP/1.1 200 \r\ncontent-type: application/grpc\r\ngrpc-status: 16\r\ngrpc-message: token expired\r\n\r\n"
         p.transferHead(1, unauthenticated)
         #expect(p.next() == [])
         p.event(.transferFinished(1, nil, detail: ""))
@@ -287,7 +287,7 @@ import Testing
             p.next().last
                 == Self.exchange(
                     1, .send(Self.upstream("POST", "/pkg.Chat/Talk", grpc, generation: 1, body: .streaming))))
-        p.transferHead(1, "HTTP/2 200 \r\ncontent-type: application/grpc\r\ngrpc-status: 16\r\n\r\n")
+        p.transferHead(1, "HTTP/1.1 200 \r\ncontent-type: application/grpc\r\ngrpc-status: 16\r\n\r\n")
         #expect(
             p.next() == [
                 Self.exchange(1, .refreshTokens(key: Self.key, replacing: 1)),
@@ -319,7 +319,7 @@ import Testing
         _ = p.next()
         p.transferHead(
             1,
-            "HTTP/2 200 \r\ncontent-type: application/grpc\r\ngrpc-status: 16\r\nwww-authenticate: DPoP error=\"use_dpop_nonce\"\r\ndpop-nonce: n-1\r\n\r\n"
+            "HTTP/1.1 200 \r\ncontent-type: application/grpc\r\ngrpc-status: 16\r\nwww-authenticate: DPoP error=\"use_dpop_nonce\"\r\ndpop-nonce: n-1\r\n\r\n"
         )
         let out = p.next()
         #expect(out.first == Self.exchange(1, .rememberNonce("n-1")), "the next call carries the new nonce")
@@ -334,7 +334,7 @@ import Testing
 
     @Test func aTrailersOnlyResponseOutlivesItsStreamUntilTheTransferEnds() {
         var p = Self.sending("/pkg.Greeter/Hello")
-        p.transferHead(1, "HTTP/2 200 \r\ncontent-type: application/grpc\r\ngrpc-status: 5\r\n\r\n")
+        p.transferHead(1, "HTTP/1.1 200 \r\ncontent-type: application/grpc\r\ngrpc-status: 5\r\n\r\n")
         #expect(
             p.next() == [
                 .submitResponse(
@@ -355,14 +355,14 @@ import Testing
         p.tokens(1, dpopNonce: "n-0")
         #expect(p.next().last == Self.exchange(1, .send(Self.upstream("GET", "/d", [], generation: 1, nonce: "n-0"))))
         p.transferHead(
-            1, "HTTP/2 401 \r\nwww-authenticate: DPoP error=\"use_dpop_nonce\"\r\ndpop-nonce: n-1\r\n\r\n")
+            1, "HTTP/1.1 401 \r\nwww-authenticate: DPoP error=\"use_dpop_nonce\"\r\ndpop-nonce: n-1\r\n\r\n")
         #expect(p.next() == [Self.exchange(1, .rememberNonce("n-1"))])
         p.event(.transferFinished(1, nil, detail: ""))
         #expect(
             p.next() == [
                 Self.exchange(1, .send(Self.upstream("GET", "/d", [], generation: 1, nonce: "n-1", attempt: 2)))
             ])
-        p.transferHead(1, "HTTP/2 204 \r\ndpop-nonce: n-2\r\n\r\n")
+        p.transferHead(1, "HTTP/1.1 204 \r\ndpop-nonce: n-2\r\n\r\n")
         p.event(.transferFinished(1, nil, detail: ""))
         #expect(
             p.next() == [
@@ -376,7 +376,7 @@ import Testing
         var p = Self.sending("/admin")
         p.transferHead(
             1,
-            "HTTP/2 401 \r\nwww-authenticate: Bearer error=\"insufficient_user_authentication\", acr_values=\"urn:mfa\"\r\ncontent-length: 0\r\n\r\n"
+            "HTTP/1.1 401 \r\nwww-authenticate: Bearer error=\"insufficient_user_authentication\", acr_values=\"urn:mfa\"\r\ncontent-length: 0\r\n\r\n"
         )
         let challenge = Challenge(
             scheme: "bearer", parameters: [("error", "insufficient_user_authentication"), ("acr_values", "urn:mfa")])
@@ -483,7 +483,7 @@ import Testing
 
     @Test func anUnusableHeadStopsTheTransferAndIsAnswered502() {
         var p = Self.sending()
-        p.transferHead(1, "HTTP/2 200 \r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\n")
+        p.transferHead(1, "HTTP/1.1 200 \r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\n")
         let (fields, body) = Self.answer(
             502,
             proxyStatus:
@@ -504,7 +504,7 @@ import Testing
 
     @Test func aResponseCutShortByTheOriginResetsTheStream() {
         var p = Self.sending()
-        p.transferHead(1, "HTTP/2 200 \r\ncontent-length: 10\r\n\r\n")
+        p.transferHead(1, "HTTP/1.1 200 \r\ncontent-length: 10\r\n\r\n")
         p.event(.transferBody(1, count: 4))
         _ = p.next()
         p.event(.transferFinished(1, .incomplete, detail: "HTTP/2 stream 1 was reset"))
@@ -543,7 +543,7 @@ import Testing
         p.event(.requestData(1, count: 0, endStream: true))
         #expect(p.next() == [Self.exchange(1, .bodyEnded)])
         // A 401 now cannot be replayed: it is passed on, saying why.
-        p.transferHead(1, "HTTP/2 401 \r\nwww-authenticate: Bearer\r\ncontent-length: 0\r\n\r\n")
+        p.transferHead(1, "HTTP/1.1 401 \r\nwww-authenticate: Bearer\r\ncontent-length: 0\r\n\r\n")
         #expect(
             p.next() == [
                 .submitResponse(
@@ -571,7 +571,7 @@ import Testing
         _ = p.next()
         p.event(.requestData(1, count: 0, endStream: true))
         #expect(p.next() == [Self.exchange(1, .bodyEnded)])
-        p.transferHead(1, "HTTP/2 401 \r\nwww-authenticate: Bearer\r\ncontent-length: 0\r\n\r\n")
+        p.transferHead(1, "HTTP/1.1 401 \r\nwww-authenticate: Bearer\r\ncontent-length: 0\r\n\r\n")
         let answer = p.next()
         #expect(!answer.contains { if case .exchange(_, .refreshTokens, _) = $0 { true } else { false } })
         #expect(
@@ -629,7 +629,7 @@ import Testing
 
     @Test func aClientResetMidResponseAbortsTheExchange() {
         var p = Self.sending()
-        p.transferHead(1, "HTTP/2 200 \r\ncontent-length: 10\r\n\r\n")
+        p.transferHead(1, "HTTP/1.1 200 \r\ncontent-length: 10\r\n\r\n")
         p.event(.transferBody(1, count: 4))
         _ = p.next()
         p.now += 50
@@ -836,11 +836,11 @@ import Testing
                 Self.exchange(5, .send(Self.upstream("POST", "/c", [], generation: 2, body: .length(2)))),
                 Self.exchange(1, .send(Self.upstream("GET", "/a", [], generation: 3))),
             ])
-        p.transferHead(1, "HTTP/2 200 \r\ncontent-length: 1\r\n\r\n")
+        p.transferHead(1, "HTTP/1.1 200 \r\ncontent-length: 1\r\n\r\n")
         p.event(.requestData(5, count: 2, endStream: true))
-        p.transferHead(3, "HTTP/2 401 \r\nwww-authenticate: Bearer error=\"invalid_token\"\r\n\r\n")
+        p.transferHead(3, "HTTP/1.1 401 \r\nwww-authenticate: Bearer error=\"invalid_token\"\r\n\r\n")
         p.event(.transferBody(1, count: 1))
-        p.transferHead(5, "HTTP/2 202 \r\ncontent-length: 0\r\n\r\n")
+        p.transferHead(5, "HTTP/1.1 202 \r\ncontent-length: 0\r\n\r\n")
         p.event(.transferFinished(3, nil, detail: ""))
         p.event(.transferFinished(1, nil, detail: ""))
         #expect(
@@ -885,7 +885,7 @@ import Testing
         p.request(5, H2Playbook.request("GET", "/c"))
         #expect(p.next() == [.resetStream(5, .refusedStream)])
         #expect(p.session.activeStreams == 2 && p.session.requests == 3)
-        p.transferHead(1, "HTTP/2 204 \r\n\r\n")
+        p.transferHead(1, "HTTP/1.1 204 \r\n\r\n")
         p.event(.transferFinished(1, nil, detail: ""))
         #expect(
             p.next() == [
@@ -928,7 +928,7 @@ import Testing
         var p = Self.sending()
         p.wait(20_000)
         #expect(p.next() == [], "no keep-alive timeout while a stream is in flight")
-        p.transferHead(1, "HTTP/2 204 \r\n\r\n")
+        p.transferHead(1, "HTTP/1.1 204 \r\n\r\n")
         p.event(.transferFinished(1, nil, detail: ""))
         _ = p.next()
         #expect(p.timers == [.keepAlive: 31_000])
@@ -941,7 +941,7 @@ import Testing
         p.request(3, H2Playbook.request("GET", "/waiting"))
         _ = p.next()
         p.wait(20_000)
-        p.transferHead(1, "HTTP/2 200 \r\ncontent-length: 9\r\n\r\n")
+        p.transferHead(1, "HTTP/1.1 200 \r\ncontent-length: 9\r\n\r\n")
         _ = p.next()
         #expect(p.lastActivity == 21_000)
         p.wait(10_000)
@@ -965,7 +965,7 @@ import Testing
     @Test func clientGoneAbortsEveryStream() {
         var p = Self.sending("/a")
         p.request(3, H2Playbook.request("POST", "/b", [("content-length", "10")]), endStream: false)
-        p.transferHead(1, "HTTP/2 200 \r\n\r\n")
+        p.transferHead(1, "HTTP/1.1 200 \r\n\r\n")
         _ = p.next()
         p.event(.clientGone)
         #expect(
@@ -1006,7 +1006,7 @@ import Testing
         p.tokens(1)
         p.event(.requestData(1, count: 100, endStream: false))
         p.transferHead(
-            1, "HTTP/2 401 \r\nwww-authenticate: Bearer error=\"invalid_token\"\r\ncontent-length: 0\r\n\r\n")
+            1, "HTTP/1.1 401 \r\nwww-authenticate: Bearer error=\"invalid_token\"\r\ncontent-length: 0\r\n\r\n")
         _ = p.next()
         return p
     }
@@ -1058,7 +1058,7 @@ import Testing
         ))
     func aStreamTheClientResetIsNotResetAgain() {
         var p = P.sending()
-        p.transferHead(1, "HTTP/2 200 \r\ncontent-length: 10\r\n\r\n")
+        p.transferHead(1, "HTTP/1.1 200 \r\ncontent-length: 10\r\n\r\n")
         _ = p.next()
         p.event(.streamClosed(1, errorCode: H2ErrorCode.cancel.rawValue))
         #expect(

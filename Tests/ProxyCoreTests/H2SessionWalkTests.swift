@@ -25,8 +25,8 @@ import Testing
 
     static func sending(_ p: H2Playbook, _ stream: Int32) -> Bool { p.streams[stream]?.transfer != nil }
 
-    static let unauthorized = "HTTP/2 401 \r\nwww-authenticate: Bearer error=\"invalid_token\"\r\n\r\n"
-    static let unauthenticated = "HTTP/2 200 \r\ncontent-type: application/grpc\r\ngrpc-status: 16\r\n\r\n"
+    static let unauthorized = "HTTP/1.1 401 \r\nwww-authenticate: Bearer error=\"invalid_token\"\r\n\r\n"
+    static let unauthenticated = "HTTP/1.1 200 \r\ncontent-type: application/grpc\r\ngrpc-status: 16\r\n\r\n"
 
     /// The events of one stream.
     static func events(_ stream: Int32) -> [Event] {
@@ -39,7 +39,7 @@ import Testing
                 run: { $0.refreshed(stream) }),
             Event(
                 name: "ok\(stream)", applies: { sending($0, stream) },
-                run: { $0.transferHead(stream, "HTTP/2 200 \r\ncontent-length: 2\r\n\r\n") }),
+                run: { $0.transferHead(stream, "HTTP/1.1 200 \r\ncontent-length: 2\r\n\r\n") }),
             Event(
                 name: "401-\(stream)", applies: { sending($0, stream) },
                 run: { $0.transferHead(stream, unauthorized) }),
@@ -177,18 +177,18 @@ import Testing
     ]
 
     static let heads: [String] = [
-        "HTTP/2 200 \r\ncontent-length: 3\r\n\r\n",
-        "HTTP/2 200 \r\n\r\n",
-        "HTTP/2 204 \r\n\r\n",
+        "HTTP/1.1 200 \r\ncontent-length: 3\r\n\r\n",
+        "HTTP/1.1 200 \r\n\r\n",
+        "HTTP/1.1 204 \r\n\r\n",
         unauthorized,
         unauthenticated,
-        "HTTP/2 200 \r\ncontent-type: application/grpc\r\ngrpc-status: 0\r\n\r\n",
-        "HTTP/2 401 \r\nwww-authenticate: DPoP error=\"use_dpop_nonce\"\r\ndpop-nonce: n\r\n\r\n",
-        "HTTP/2 401 \r\nwww-authenticate: Bearer error=\"insufficient_user_authentication\"\r\n\r\n",
+        "HTTP/1.1 200 \r\ncontent-type: application/grpc\r\ngrpc-status: 0\r\n\r\n",
+        "HTTP/1.1 401 \r\nwww-authenticate: DPoP error=\"use_dpop_nonce\"\r\ndpop-nonce: n\r\n\r\n",
+        "HTTP/1.1 401 \r\nwww-authenticate: Bearer error=\"insufficient_user_authentication\"\r\n\r\n",
         "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n",
-        "HTTP/2 200 \r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n",
+        "HTTP/1.1 200 \r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n",
         "grpc-status: 0\r\nx-trailer: 1\r\n\r\n",
-        "HTTP/2 401 \r\nwww-authenticate: Bearer\r\ncontent-length: 70000\r\n\r\n",
+        "HTTP/1.1 401 \r\nwww-authenticate: Bearer\r\ncontent-length: 70000\r\n\r\n",
     ]
 
     /// One random step: any event the driver could deliver, unsolicited token answers and stray callbacks

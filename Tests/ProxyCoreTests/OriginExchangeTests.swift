@@ -22,7 +22,8 @@ import Testing
             case .write(let bytes): "write(\(String(decoding: bytes, as: UTF8.self)))"
             case .deliverHead(let bytes): "head(\(String(decoding: bytes.bytes, as: UTF8.self)))"
             case .deliverBody(let range): "body(\(String(decoding: input[range], as: UTF8.self)))"
-            case .deliverTrailers(let bytes): "trailers(\(String(decoding: bytes, as: UTF8.self)))"
+            case .deliverTrailers(let fields):
+                "trailers(\(fields.map { "\($0.nameText): \(String(decoding: $0.value, as: UTF8.self))" }.joined(separator: ", ")))"
             case .release(let reusable): "release(reusable: \(reusable))"
             case .finish(let failure, let detail):
                 failure.map { "finish(\($0), \(detail))" } ?? "finish(complete)"
@@ -272,7 +273,7 @@ import Testing
             actions.last == [
                 "head(HTTP/1.1 103 Early Hints\r\nLink: </s.css>\r\n\r\n)",
                 "head(HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n)", "body(abc)",
-                "trailers(grpc-status: 0\r\n\r\n)", "release(reusable: true)", "finish(complete)",
+                "trailers(grpc-status: 0)", "release(reusable: true)", "finish(complete)",
             ])
     }
 
@@ -627,7 +628,7 @@ import Testing
                 ["head(HTTP/1.1 103 \r\nlink: </s.css>\r\n\r\n)"],
                 ["head(HTTP/1.1 200 \r\ncontent-type: text/plain\r\n\r\n)"],
                 ["body(hello)"],
-                ["trailers(grpc-status: 0\r\n\r\n)"],
+                ["trailers(grpc-status: 0)"],
                 ["release(reusable: true)", "finish(complete)"],
             ])
     }
@@ -823,12 +824,17 @@ import Testing
         #expect(error.code == .headTooLarge)
     }
 
-    @Test func trailersBecomeATrailerSection() {
-        #expect(
-            String(
-                decoding: H2Semantics.trailerSection([H2Field("grpc-status", "0"), H2Field("grpc-message", "")]),
-                as: UTF8.self)
-                == "grpc-status: 0\r\ngrpc-message: \r\n\r\n")
+    /// A trailer section is read by the head parser's rule for field lines: what is not a field line is dropped,
+    /// and the section stops at the head's limits.
+    @Test func aTrailerSectionIsReadAsFieldLines() {
+        let fields = HTTPHeadParser.trailerFields(
+            Array("grpc-status: 0\r\ngrpc-message:  \r\nbad line\r\n x-folded: 1\r\nx-sum:\tab \nname : v\r\n".utf8),
+            limits: HTTPHeadLimits())
+        #expect(fields == [H2Field("grpc-status", "0"), H2Field("grpc-message", ""), H2Field("x-sum", "ab")])
+        let limited = HTTPHeadParser.trailerFields(
+            Array("a: 1\r\nb: 2\r\nc: 3\r\n".utf8),
+            limits: HTTPHeadLimits(maxStartLine: 100, maxHeadBytes: 100, maxFields: 2))
+        #expect(limited == [H2Field("a", "1"), H2Field("b", "2")])
     }
 }
 

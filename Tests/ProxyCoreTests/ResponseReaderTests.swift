@@ -51,7 +51,9 @@ import Testing
                 switch output {
                 case .head(let head): add(.head(String(decoding: head.bytes, as: UTF8.self)))
                 case .body(let range): add(.body(String(decoding: bytes[range], as: UTF8.self)))
-                case .trailers(let lines): add(.trailers(String(decoding: lines, as: UTF8.self)))
+                case .trailers(let fields):
+                    let lines = fields.map { "\($0.nameText): \(String(decoding: $0.value, as: UTF8.self))\r\n" }
+                    add(.trailers(lines.joined()))
                 case .end(let reusable): add(.end(reusable: reusable))
                 case .failed(let error): add(.failed(error.code))
                 case .switched: add(.switched)

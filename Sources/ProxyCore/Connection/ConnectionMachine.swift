@@ -372,14 +372,11 @@ public struct ConnectionMachine: Sendable {
         pump(client: client, upstream: upstream, &out)
     }
 
-    /// Lines of the upstream transfer's response head or trailers (its trailer section; tests give heads too), terminators
-    /// included: one line or several (a whole head in one event costs one state change instead of one a line).
-    public mutating func transferHeaderLines(_ lines: UnsafeRawBufferPointer, now: Int64, _ out: inout [Action]) {
+    /// The trailer fields of the upstream transfer's response (after its body).
+    public mutating func transferTrailers(_ fields: [H2Field], now: Int64, _ out: inout [Action]) {
         checkNotModifying()
         self.now = now
-        exchangeEvent(&out) { exchange, outputs in
-            ASCII.forEachLine(lines) { exchange.upstreamHeaderLine($0, &outputs) }
-        }
+        exchangeEvent(&out) { exchange, _ in exchange.upstreamTrailers(fields) }
     }
 
     /// A response head the proxy's own client read and parsed (`OriginExchange`): not parsed again.

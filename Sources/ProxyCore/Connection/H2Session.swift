@@ -218,15 +218,10 @@ public struct H2Session: Sendable {
         }
     }
 
-    /// Lines of a stream's transfer response head or trailers (its trailer section; tests give heads too), terminators
-    /// included: one line or several.
-    public mutating func transferHeaderLines(
-        _ stream: Stream, _ lines: UnsafeRawBufferPointer, now: Int64, _ out: inout [Action]
-    ) {
+    /// The trailer fields of a stream's transfer response (after its body; gRPC's status).
+    public mutating func transferTrailers(_ stream: Stream, _ fields: [H2Field], now: Int64, _ out: inout [Action]) {
         self.now = now
-        exchange(stream, &out) { exchange, outputs in
-            ASCII.forEachLine(lines) { exchange.upstreamHeaderLine($0, &outputs) }
-        }
+        exchange(stream, &out) { exchange, _ in exchange.upstreamTrailers(fields) }
     }
 
     /// A stream's response head as the proxy's own client read and parsed it (`OriginExchange`).

@@ -82,8 +82,8 @@ public struct OriginExchange: Sendable {
         case deliverHead(ReceivedHead)
         /// Body bytes at this range of the input just received, for the owner.
         case deliverBody(Range<Int>)
-        /// The trailer section of a chunked body (its field lines and the blank line), for the owner.
-        case deliverTrailers([UInt8])
+        /// The response's trailer fields (a chunked body's trailer section, parsed; HTTP/2 trailers), for the owner.
+        case deliverTrailers([H2Field])
         /// The origin switched protocols (a 101 to an upgrade request; its `.deliverHead` follows): the connection
         /// becomes the owner's, for a tunnel, after the first `headBytes` bytes of the input just received (the end
         /// of the 101's head) are dropped; what follows them is the new protocol's. Nothing goes back to the pool.
@@ -341,7 +341,8 @@ public struct OriginExchange: Sendable {
                 out.append(.release(reusable: false))
                 return finish(.protocolError, "trailer fields before the response", &out)
             }
-            out.append(.deliverTrailers(H2Semantics.trailerSection(fields)))
+            // Pseudo-fields have no place in trailers (RFC 9113 §8.1): nghttp2 refuses them; none reaches the owner.
+            out.append(.deliverTrailers(fields.filter { $0.name.first != UInt8(ascii: ":") }))
         case (.streamEnded, .exchanging(_, _, _, true)):
             guard finalHead else {
                 out.append(.release(reusable: false))
@@ -519,8 +520,8 @@ public struct OriginExchange: Sendable {
                 finish(nil, "", &out)
             case .body(let range):
                 out.append(.deliverBody(range))
-            case .trailers(let lines):
-                out.append(.deliverTrailers(lines + [ASCII.cr, ASCII.lf]))
+            case .trailers(let fields):
+                out.append(.deliverTrailers(fields))
             case .end(let reusable):
                 // A response that came before the whole request body went out (a 401, a 413) leaves the
                 // connection in the middle of a request: it is closed.

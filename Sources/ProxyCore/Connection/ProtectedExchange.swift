@@ -110,7 +110,6 @@ public struct ProtectedExchange: Sendable {
     private var generation: Int64 = 0
     /// The tokens of `generation` are bound to a key (they go with a DPoP proof).
     private var boundToKey = false
-    private var responseHead: HTTPHeadParser
     private var attempts = 0
     private var delivered: UpstreamResponse?
     private var answered: ProxyAnswer?
@@ -124,7 +123,6 @@ public struct ProtectedExchange: Sendable {
         self.request = request
         self.origin = origin
         self.settings = settings
-        self.responseHead = HTTPHeadParser(kind: .response, limits: settings.responseHeadLimits)
         self.attach = origin.attachesToken(clientHasAuthorization: request.clientAuthorization)
         self.knownNonce = knownNonce
         if request.framing == .none { bodyComplete = true }
@@ -247,7 +245,7 @@ public struct ProtectedExchange: Sendable {
     /// Only right after `.send`: the I/O layer then started no transfer.
     public mutating func credentialFailed(_ answer: ProxyAnswer, _ out: inout [Output]) {
         assert(phase == .sending, "ProtectedExchange: a credential failure without a .send")
-        guard phase == .sending, !responseHead.hasPartialHead else { return }
+        guard phase == .sending else { return }
         transferRunning = false
         fail(answer, &out)
     }
@@ -307,7 +305,6 @@ public struct ProtectedExchange: Sendable {
 
     private mutating func send(credential: UpstreamRequest.Credential?, _ out: inout [Output]) {
         attempts += 1
-        responseHead = HTTPHeadParser(kind: .response, limits: settings.responseHeadLimits)
         phase = .sending
         transferRunning = true
         let body: UpstreamRequest.Body
@@ -335,67 +332,22 @@ public struct ProtectedExchange: Sendable {
         out.append(.send(upstream))
     }
 
-    /// One line of a response head (status line, field line or the empty line; the playbooks hand heads over so),
-    /// with its line terminator. Interim (1xx) heads are skipped; lines after the head are trailer fields.
-    public mutating func upstreamHeaderLine(_ line: UnsafeRawBufferPointer, _ out: inout [Output]) {
-        if phase == .delivering { return trailerLine(line) }
-        guard phase == .sending else { return }
-        // libcurl names HTTP/2 and HTTP/3 responses "HTTP/2 200": read their status line as HTTP/1.1's.
-        if line.count > 7, line.starts(with: "HTTP/".utf8), line[6] == ASCII.space, line[5] != UInt8(ascii: "1") {
-            let fixed: [UInt8] = Array("HTTP/1.1".utf8) + line[6...]
-            fixed.withUnsafeBytes { responseHeadLine($0, &out) }
-        } else {
-            responseHeadLine(line, &out)
-        }
-    }
-
-    /// A response head the proxy's own client read (`OriginExchange`): parsed once, with this exchange's limits,
-    /// so not again line by line. Interim (1xx) heads are skipped, as `upstreamHeaderLine` skips them.
+    /// A response head the proxy's own client read (`OriginExchange`): parsed once, with this exchange's limits.
+    /// Interim (1xx) heads are the client's business (the transfer reads past them); a 101 to an upgrade is final.
     public mutating func upstreamResponseHead(_ received: ReceivedHead, _ out: inout [Output]) {
         guard phase == .sending, received.head.status >= 200 || received.semantics?.switchesProtocols == true
         else { return }
         responseComplete(received.head, checked: received.semantics, &out)
     }
 
-    /// Trailer fields of the response being delivered, up to the limits of a head.
+    /// Trailer fields of the response being delivered (parsed by the own client: `HTTPHeadParser.trailerFields`,
+    /// or HTTP/2's), passed on at the body's end.
     private var trailers: [H2Field] = []
-    private var trailerBytes = 0
 
-    private mutating func trailerLine(_ line: UnsafeRawBufferPointer) {
-        var end = line.count
-        while end > 0 && (line[end - 1] == ASCII.lf || line[end - 1] == ASCII.cr) { end -= 1 }
-        guard end > 0, let colon = line[..<end].firstIndex(of: ASCII.colon), colon > 0 else { return }
-        trailerBytes += end
-        guard trailerBytes <= settings.responseHeadLimits.maxHeadBytes,
-            trailers.count < settings.responseHeadLimits.maxFields
-        else { return }
-        let name = Array(line[..<colon])
-        guard name.allSatisfy({ ASCII.isTchar($0) }) else { return }
-        var value = line[(colon + 1)..<end]
-        while let first = value.first, first == ASCII.space || first == ASCII.tab { value = value.dropFirst() }
-        while let last = value.last, last == ASCII.space || last == ASCII.tab { value = value.dropLast() }
-        guard value.allSatisfy({ ASCII.isFieldValue($0) }) else { return }
-        trailers.append(H2Field(name, Array(value)))
-    }
-
-    private mutating func responseHeadLine(_ line: UnsafeRawBufferPointer, _ out: inout [Output]) {
-        switch responseHead.parse(line) {
-        case .needMore:
-            return
-        case .failed(let error):
-            // An unusable head: the transfer stops now (its body could be endless), the client is answered.
-            let hop = origin.authority
-            fail(
-                error.code == .headTooLarge
-                    ? .responseHeadTooLarge(hop) : .invalidResponse(hop, reason: error.reason), &out)
-        case .complete(let head, _):
-            if head.status < 200 {
-                // 1xx answers are the transfer's business (`ResponseReader` skips them).
-                responseHead = HTTPHeadParser(kind: .response, limits: settings.responseHeadLimits)
-                return
-            }
-            responseComplete(head, checked: nil, &out)
-        }
+    /// The trailer fields after the response's body.
+    public mutating func upstreamTrailers(_ fields: [H2Field]) {
+        guard phase == .delivering else { return }
+        trailers = fields
     }
 
     /// `checked`: the head's semantics when the reader that parsed it found them sound.

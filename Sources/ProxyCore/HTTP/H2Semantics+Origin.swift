@@ -67,15 +67,5 @@ extension H2Semantics {
         }
     }
 
-    /// The origin's trailer fields as the field lines of a chunked body's trailer section, ended by the empty
-    /// line (what `ResponseReader` hands over for an HTTP/1.1 origin).
-    public static func trailerSection(_ fields: [H2Field]) -> [UInt8] {
-        var bytes: [UInt8] = []
-        for field in fields where field.name.first != UInt8(ascii: ":") {
-            bytes += field.name + Array(": ".utf8) + field.value + [ASCII.cr, ASCII.lf]
-        }
-        return bytes + [ASCII.cr, ASCII.lf]
-    }
-
     public static let statusName = Array(":status".utf8)
 }

@@ -378,6 +378,29 @@ public struct HTTPHeadParser: Sendable {
         }
     }
 
+    /// The field lines of a chunked body's trailer section (RFC 9112 §7.1.2: each ending in CRLF or a bare LF,
+    /// the blank line that ends the section left out), read as a head's field lines are. A line that is not a
+    /// field line is dropped (RFC 9110 §6.5: a recipient may discard trailers), and the section stops at the
+    /// head's limits (`maxHeadBytes`, `maxFields`).
+    public static func trailerFields(_ section: [UInt8], limits: HTTPHeadLimits) -> [H2Field] {
+        var fields: [H2Field] = []
+        section.withUnsafeBufferPointer { bytes in
+            var start = 0
+            while start < bytes.count, fields.count < limits.maxFields {
+                var end = start
+                while end < bytes.count && bytes[end] != ASCII.lf { end += 1 }
+                guard end <= limits.maxHeadBytes else { return }
+                let next = end + 1
+                if end > start && bytes[end - 1] == ASCII.cr { end -= 1 }
+                if end > start, case .field(let nameEnd, let value) = scanFieldLine(bytes, start..<end) {
+                    fields.append(H2Field(Array(bytes[start..<nameEnd]), Array(bytes[value])))
+                }
+                start = next
+            }
+        }
+        return fields
+    }
+
     private enum FieldScan {
         case field(nameEnd: Int, value: Range<Int>)
         case obsFold, badName

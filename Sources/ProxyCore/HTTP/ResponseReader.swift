@@ -11,8 +11,9 @@ public struct ResponseReader: Sendable {
         case head(ReceivedHead)
         /// Body bytes at this range of the input just read (chunk framing left out).
         case body(Range<Int>)
-        /// The trailer field lines of a chunked body as received (each with its CRLF), before its end.
-        case trailers([UInt8])
+        /// The trailer fields of a chunked body (`HTTPHeadParser.trailerFields`: lines that are not field lines
+        /// dropped, within the head's limits), before its end.
+        case trailers([H2Field])
         /// The response is complete; `reusable`: the connection may carry another request.
         case end(reusable: Bool)
         /// The response cannot be read on: the connection must be closed.
@@ -106,7 +107,11 @@ public struct ResponseReader: Sendable {
                     return fail(error, at: offset, &out)
                 case .done:
                     // The section ends with the blank line that ends the body: the lines are what comes before it.
-                    if trailerSection.count > 2 { out.append(.trailers(Array(trailerSection.dropLast(2)))) }
+                    if trailerSection.count > 2 {
+                        let fields = HTTPHeadParser.trailerFields(
+                            Array(trailerSection.dropLast(2)), limits: parser.limits)
+                        if !fields.isEmpty { out.append(.trailers(fields)) }
+                    }
                     trailerSection = []
                     finish(&out)
                 }

@@ -114,25 +114,26 @@ private let trailerTemplates: [[H2Field]] = [
     pairs([("host", "evil.test")]), pairs([("content-length", "9")]),
 ]
 
-/// Response heads (and trailer lines) as libcurl's header callback hands them over.
+/// Response heads as an origin sends them (the own client reads them with `ResponseReader`), and a trailer
+/// section's field lines.
 private let headTemplates: [String] = [
-    "HTTP/2 200 \r\ncontent-type: text/plain\r\ncontent-length: 3\r\n\r\n",
-    "HTTP/2 200 \r\n\r\n",
-    "HTTP/2 204 \r\n\r\n",
-    "HTTP/2 304 \r\netag: \"x\"\r\n\r\n",
-    "HTTP/2 401 \r\nwww-authenticate: Bearer error=\"invalid_token\"\r\n\r\n",
-    "HTTP/2 200 \r\ncontent-type: application/grpc\r\ngrpc-status: 16\r\ngrpc-message: expired\r\n\r\n",
-    "HTTP/2 200 \r\ncontent-type: application/grpc\r\ngrpc-status: 0\r\n\r\n",
-    "HTTP/2 401 \r\nwww-authenticate: DPoP error=\"use_dpop_nonce\"\r\ndpop-nonce: n-1\r\n\r\n",
-    "HTTP/2 401 \r\nwww-authenticate: Bearer error=\"insufficient_user_authentication\", max_age=5\r\n\r\n",
+    "HTTP/1.1 200 \r\ncontent-type: text/plain\r\ncontent-length: 3\r\n\r\n",
+    "HTTP/1.1 200 \r\n\r\n",
+    "HTTP/1.1 204 \r\n\r\n",
+    "HTTP/1.1 304 \r\netag: \"x\"\r\n\r\n",
+    "HTTP/1.1 401 \r\nwww-authenticate: Bearer error=\"invalid_token\"\r\n\r\n",
+    "HTTP/1.1 200 \r\ncontent-type: application/grpc\r\ngrpc-status: 16\r\ngrpc-message: expired\r\n\r\n",
+    "HTTP/1.1 200 \r\ncontent-type: application/grpc\r\ngrpc-status: 0\r\n\r\n",
+    "HTTP/1.1 401 \r\nwww-authenticate: DPoP error=\"use_dpop_nonce\"\r\ndpop-nonce: n-1\r\n\r\n",
+    "HTTP/1.1 401 \r\nwww-authenticate: Bearer error=\"insufficient_user_authentication\", max_age=5\r\n\r\n",
     "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: close, x-a\r\nX-A: 1\r\n\r\n",
-    "HTTP/2 200 \r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n",
-    "grpc-status: 0\r\nX-Trailer: 1\r\nContent-Length: 5\r\n\r\n",
-    "HTTP/2 401 \r\nwww-authenticate: Bearer\r\ncontent-length: 70000\r\n\r\n",
+    "HTTP/1.1 200 \r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n",
+    "grpc-status: 0\r\nX-Trailer: 1\r\nContent-Length: 5\r\n",
+    "HTTP/1.1 401 \r\nwww-authenticate: Bearer\r\ncontent-length: 70000\r\n\r\n",
     "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nKeep-Alive: timeout=5\r\nTrailer: x\r\n\r\n",
-    "HTTP/2 503 \r\nretry-after: 1\r\n\r\n",
-    "HTTP/2 401 \r\nwww-authenticate: Bearer resource_metadata=\"https://api.test/.well-known/oauth-protected-resource\"\r\ncontent-length: 2\r\n\r\n",
-    "HTTP/2 403 \r\nwww-authenticate: Bearer error=\"insufficient_scope\", scope=\"admin\"\r\n\r\n",
+    "HTTP/1.1 503 \r\nretry-after: 1\r\n\r\n",
+    "HTTP/1.1 401 \r\nwww-authenticate: Bearer resource_metadata=\"https://api.test/.well-known/oauth-protected-resource\"\r\ncontent-length: 2\r\n\r\n",
+    "HTTP/1.1 403 \r\nwww-authenticate: Bearer error=\"insufficient_scope\", scope=\"admin\"\r\n\r\n",
 ]
 
 private let verdicts: [ResourceMetadataVerdict] = [
@@ -173,6 +174,8 @@ struct H2Harness {
         var finished = false
         var transferRunning = false
         var transferFresh = false
+        /// The request the stream's exchange last sent (what the own client's reader reads the answer for).
+        var lastSent: UpstreamRequest?
         var awaitingTokens = false
         var awaitingRefresh = false
         var awaitingMetadata = false
@@ -501,19 +504,40 @@ struct H2Harness {
         afterEvent()
     }
 
+    /// A transfer's response heads as the own client hands them over (`ResponseReader` for the stream's last
+    /// request; a head it cannot read ends the transfer with the failure), or, when `bytes` has no status line,
+    /// trailer fields (`HTTPHeadParser.trailerFields`).
     mutating func transferLines(_ stream: Stream, _ bytes: [UInt8]) {
         streams[stream]?.transferFresh = false
         lastActivity = now
-        var start = 0
-        for index in bytes.indices where bytes[index] == 0x0A || index == bytes.count - 1 {
-            let line = Array(bytes[start...index])
-            start = index + 1
+        guard bytes.starts(with: Array("HTTP/".utf8)) else {
             var actions: [Action] = []
-            line.withUnsafeBytes { session.transferHeaderLines(stream, $0, now: now, &actions) }
-            if debugging { FileHandle.standardError.write(Data("line \(line)\n  -> \(actions)\n".utf8)) }
+            session.transferTrailers(
+                stream, HTTPHeadParser.trailerFields(bytes, limits: HTTPHeadLimits()), now: now, &actions)
             apply(actions)
             afterEvent()
+            return
+        }
+        let sent = streams[stream]?.lastSent
+        var reader = ResponseReader(
+            requestMethod: sent?.method ?? "GET", limits: sent?.responseHeadLimits ?? HTTPHeadLimits())
+        var outputs: [ResponseReader.Output] = []
+        _ = bytes.withUnsafeBytes { reader.read($0, &outputs) }
+        for output in outputs {
             guard streams[stream]?.transferRunning == true else { return }
+            var actions: [Action] = []
+            switch output {
+            case .head(let received):
+                session.transferResponseHead(stream, received, now: now, &actions)
+            case .failed(let error):
+                event(.transferFinished(stream, OriginExchange.failure(error), detail: "\(error)"))
+                return
+            default:
+                continue
+            }
+            if debugging { FileHandle.standardError.write(Data("\(output)\n  -> \(actions)\n".utf8)) }
+            apply(actions)
+            afterEvent()
         }
     }
 
@@ -705,6 +729,7 @@ struct H2Harness {
             invariant(!log.transferRunning, "\(action) while a transfer runs")
             log.transferRunning = true
             log.transferFresh = true
+            log.lastSent = request
             invariant(request.url.hasPrefix(origin.url + "/"), "\(action): a request to \(request.url)")
             let expected = expectedUpstream(log)
             invariant(

@@ -292,30 +292,22 @@ private func fuzzInterceptedResponse(_ input: [UInt8]) {
         invariant(outputs.contains { if case .send = $0 { true } else { false } }, "the exchange did not send")
         return exchange
     }
+    // The proxy's own client reads the head once (`ResponseReader`) and hands it over whole; a head it cannot
+    // read ends the transfer with the failure (`OriginExchange`).
     var exchange = sending()
     var outputs: [ProtectedExchange.Output] = []
-    // What the exchange decided when the head was complete: its first outputs.
-    var atHead: [ProtectedExchange.Output]?
-    for line in headerLines(input) {
-        line.withUnsafeBytes { exchange.upstreamHeaderLine($0, &outputs) }
-        if atHead == nil && !outputs.isEmpty { atHead = outputs }
-    }
-    exchange.transferFinished(nil, &outputs)
-
-    // The proxy's own client reads the head once (`ResponseReader`) and hands it over whole: the exchange must
-    // decide exactly as it does from the lines.
     var reader = ResponseReader(requestMethod: method)
     var read: [ResponseReader.Output] = []
     _ = input.withUnsafeBytes { reader.read($0, &read) }
-    for case .head(let received) in read where received.head.status >= 200 {
-        var twin = sending()
-        var twinOutputs: [ProtectedExchange.Output] = []
-        twin.upstreamResponseHead(received, &twinOutputs)
-        invariant(
-            twinOutputs == atHead ?? [],
-            "the head handed over whole decided \(twinOutputs), its lines \(atHead ?? [])")
-        break
+    var failure: (UpstreamFailure, detail: String)?
+    for output in read {
+        switch output {
+        case .head(let received): exchange.upstreamResponseHead(received, &outputs)
+        case .failed(let error): failure = failure ?? (OriginExchange.failure(error), "\(error)")
+        default: break
+        }
     }
+    exchange.transferFinished(failure, &outputs)
 
     var delivered: UpstreamResponse?
     var answered: ProxyAnswer?

@@ -53,7 +53,9 @@ private func record(_ output: ResponseReader.Output, _ bytes: [UInt8], _ reporte
     switch output {
     case .head(let head): event = .head(head.bytes)
     case .body(let range): event = .body(Array(bytes[range]))
-    case .trailers(let lines): event = .trailers(lines)
+    case .trailers(let fields):
+        // Rendered as field lines, so that reports compare whichever way they came.
+        event = .trailers(fields.flatMap { $0.name + Array(": ".utf8) + $0.value + [0x0D, 0x0A] })
     case .end(let reusable): event = .end(reusable: reusable)
     case .failed(let error): event = .failed(error.code)
     case .switched:
@@ -156,7 +158,7 @@ private func driveOriginExchange(
                 if case .length(let length) = body { invariant(bodyWritten <= length, "more body than its length") }
             case .deliverHead(let received): record(.head(received), bytes, &reported)
             case .deliverBody(let range): record(.body(range), bytes, &reported)
-            case .deliverTrailers(let lines): record(.trailers(Array(lines.dropLast(2))), lines, &reported)
+            case .deliverTrailers(let fields): record(.trailers(fields), bytes, &reported)
             case .release: connected = false
             case .finish: finished = true
             case .arm, .log: break
