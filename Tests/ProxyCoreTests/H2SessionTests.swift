@@ -14,7 +14,9 @@ import Testing
 
     static func fields(_ pairs: (String, String)...) -> [H2Field] { H2Playbook.fields(pairs) }
 
-    static func exchange(_ stream: Int32, _ output: ProtectedExchange.Output) -> Action {
+    static func exchange(
+        _ stream: Int32, _ output: ProtectedExchange.Output, _ origin: OriginConfig = Self.origin
+    ) -> Action {
         .exchange(stream, output, origin)
     }
 
@@ -167,14 +169,25 @@ import Testing
         }
     }
 
-    @Test func aClientWithItsOwnAuthorizationKeepsIt() {
-        var p = H2Playbook()
+    @Test func aClientWithItsOwnAuthorizationKeepsItUnderKeep() {
+        var origin = H2Playbook.origin
+        origin.clientAuthorization = .keep
+        var p = H2Playbook(origin: origin)
         p.request(1, H2Playbook.request("GET", "/x", [("authorization", "Basic dTpw")]))
         #expect(
             p.next() == [
-                Self.exchange(1, .bodyEnded),
-                Self.exchange(1, .send(Self.upstream("GET", "/x", [("authorization", "Basic dTpw")], generation: nil))),
+                Self.exchange(1, .bodyEnded, origin),
+                Self.exchange(
+                    1, .send(Self.upstream("GET", "/x", [("authorization", "Basic dTpw")], generation: nil)), origin),
             ])
+    }
+
+    /// Issue 31: by default (`client_credential = replace`) the client's own Authorization gives way to the token.
+    @Test func aClientsOwnAuthorizationIsReplacedByDefault() {
+        var p = H2Playbook()
+        p.request(1, H2Playbook.request("GET", "/x", [("authorization", "Basic dTpw")]))
+        #expect(
+            p.next() == [Self.exchange(1, .bodyEnded), Self.exchange(1, .getTokens(key: TokenKey(provider: "corp")))])
     }
 
     @Test func optionsAsteriskGoesToTheOriginAsTheAsteriskForm() {

@@ -225,12 +225,34 @@ import Testing
         #expect((p.clientClosed != nil) == closes, "a keep-alive connection outlives an answer about tokens")
     }
 
-    @Test func theClientsOwnAuthorizationIsKeptAndNothingAttached() {
-        var p = Self.tunnel()
+    @Test func theClientsOwnAuthorizationIsKeptAndNothingAttachedUnderKeep() {
+        var origin = Self.origin
+        origin.clientAuthorization = .keep
+        var p = Playbook.intercepted(origin)
+        p.event(.tlsEstablished(serverName: "api.test", protocol: "http/1.1"))
         p.client("GET /x HTTP/1.1\r\nHost: api.test\r\nAuthorization: Basic dTpw\r\n\r\n")
         let sent = Self.sends(p.next())
         #expect(sent.first?.credential == nil)
         #expect(sent.first?.fields.map(\.name) == ["Authorization"])
+    }
+
+    /// Issue 31: by default (`client_credential = replace`) the token replaces the client's own Authorization, and
+    /// the record says so (the log's `client_credential=replaced`, the audit line's `client_credential_replaced`).
+    @Test func theClientsOwnAuthorizationIsReplacedByDefault() {
+        var p = Self.tunnel()
+        p.client("GET /x HTTP/1.1\r\nHost: api.test\r\nAuthorization: Basic dTpw\r\nAccept: */*\r\n\r\n")
+        #expect(Self.outputs(p.next()) == [.bodyEnded, .getTokens(key: TokenKey(provider: "corp"))])
+        p.event(.tokens(.success(TokenGrant(generation: 7))))
+        let sent = Self.sends(p.next())
+        #expect(sent.first?.credential?.generation == 7)
+        #expect(sent.first?.fields.map(\.name) == ["Accept"])
+        p.transferHead("HTTP/1.1 204 No Content\r\n\r\n")
+        p.event(.transferFinished(nil, detail: ""))
+        guard case .exchangeFinished(let record) = p.next().last else {
+            Issue.record("the exchange did not finish")
+            return
+        }
+        #expect(record.clientCredentialReplaced && !record.keptClientAuthorization)
     }
 
     @Test func aChunkedBodyStreamsAsItArrivesAndIsKept() {
