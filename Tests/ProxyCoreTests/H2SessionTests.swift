@@ -69,6 +69,23 @@ import Testing
         return p
     }
 
+    /// Issue 31: a stream carrying another origin's placeholder is answered 403 without a transfer, and the audit
+    /// log gets a refused use naming whose placeholder it was.
+    @Test func anotherOriginsPlaceholderIsRefusedAndAudited() {
+        let placeholder = "proxyctl-placeholder-ffeeddccbbaa99887766554433221100"
+        var origin = H2Playbook.origin
+        origin.placeholders = Placeholders([
+            Placeholders.Entry(
+                value: Array(placeholder.utf8), origin: "https://b.test", variable: "B_KEY", credential: "secret:b")
+        ])
+        var p = H2Playbook(origin: origin)
+        p.request(1, H2Playbook.request("GET", "/steal", [("authorization", "Bearer \(placeholder)")]))
+        _ = p.next()
+        #expect(p.streams[1]?.status == 403 && p.streams[1]?.transfer == nil)
+        #expect(p.refusals.map(\.refusal.origin) == ["https://b.test"])
+        #expect(p.refusals.first?.origin == "https://api.test" && p.refusals.first?.target == "/steal")
+    }
+
     // MARK: - One stream, start to end
 
     @Test func aGetStreamAttachesTheTokenAndDeliversTheResponseWithTrailers() {

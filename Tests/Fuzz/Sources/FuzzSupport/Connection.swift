@@ -294,7 +294,7 @@ struct ConnectionHarness {
                 invariant(milliseconds > 0, "a timer armed for \(milliseconds) ms")
             case .exchangeFinished:
                 invariant(!transferRunning, "an exchange finished with its transfer running")
-            case .disarm, .readClient, .resolve, .writeResponseBody, .log, .requestFinished:
+            case .disarm, .readClient, .resolve, .writeResponseBody, .log, .requestFinished, .auditRefusal:
                 break
             }
         }
