@@ -165,8 +165,11 @@ static inline int proxyctl_set_linger_reset(int fd) {
 // connection costs a send and a receive, not a socket's creation; `sequence` numbers the queries. An answer is
 // taken only when it carries this query's number and the ports of the socket asked about; anything else
 // (a late answer to an earlier query) is read past, and a socket in doubt is closed and set to -1.
+// `inode` receives the client socket's inode (idiag_inode, 0 when the kernel gave none), by which the audit log
+// finds the process holding it in /proc/PID/fd (Platform.socketHolders).
 // Linux only: elsewhere -1 (Platform.namesSocketOwner is false there).
-static inline long proxyctl_tcp_peer_uid(int fd, int *link, unsigned *sequence) {
+static inline long proxyctl_tcp_peer_socket(int fd, int *link, unsigned *sequence, unsigned long long *inode) {
+    *inode = 0;
 #if !defined(__linux__)
     (void)fd, (void)link, (void)sequence;
     return -1;
@@ -233,6 +236,7 @@ static inline long proxyctl_tcp_peer_uid(int fd, int *link, unsigned *sequence) 
         if (found->id.idiag_sport != message.request.id.idiag_sport ||
             found->id.idiag_dport != message.request.id.idiag_dport)
             return -1;
+        *inode = found->idiag_inode;
         return found->idiag_uid;
     }
     close(*link);

@@ -15,32 +15,54 @@ import ProxyCore
 /// (0600, O_APPEND: the serves and the exec proxies of one state directory write to one file, a line in one write),
 /// moved to `audit.log.1` when it passes `maxBytes` (the one before is dropped). Loop thread only. A write that
 /// fails is said once in the log and the proxy goes on: the audit log records, it does not gate.
+///
+/// A line names the client's user, pid and executable where the kernel says (`PeerLookup.client`): it is written
+/// when the connection's process is known, a moment after the exchange ended at most (the lookup began with the
+/// connection's interception), with the time the exchange ended.
 final class AuditLog {
     let path: String
     let maxBytes: Int
     private let logger: Logger
+    private let peers: PeerLookup
     private var fd: Int32 = -1
     private var warned = false
     private let uid = Int(geteuid())
 
-    init(stateDirectory: String, maxBytes: Int, logger: Logger) {
+    init(stateDirectory: String, maxBytes: Int, logger: Logger, peers: PeerLookup) {
         self.path = stateDirectory + "/audit.log"
         self.maxBytes = maxBytes
         self.logger = logger
+        self.peers = peers
     }
 
     deinit {
         if fd >= 0 { close(fd) }
     }
 
-    /// The exchange's line, if the proxy attached a credential in it. `ownerAdmitted`: the kernel named the client's
-    /// user as the proxy's own (`protected_users = owner` admits no other).
-    func record(_ record: ExchangeRecord, client: String, ownerAdmitted: Bool) {
-        guard
+    /// The exchange's line, if the proxy attached a credential in it. `ownerAdmitted`: the front door admitted only
+    /// the proxy's own user (`protected_users = owner`), which names the user where the kernel did not.
+    func record(_ record: ExchangeRecord, connection: UInt64, client: String, ownerAdmitted: Bool) {
+        guard record.attached else { return }
+        let now = Int64(time(nil))
+        peers.client(connection: connection) { [self] known in
+            guard
+                let entry = AuditEntry(
+                    record, time: now, uid: known.uid ?? (ownerAdmitted ? uid : nil), process: known.process,
+                    client: client)
+            else { return }
+            append(Array((entry.json + "\n").utf8))
+        }
+    }
+
+    /// The line of a request refused for carrying another origin's placeholder (a refused use of that origin's
+    /// credential; the placeholder is not in it).
+    func refused(_ use: RefusedCredentialUse, connection: UInt64, client: String, ownerAdmitted: Bool) {
+        let now = Int64(time(nil))
+        peers.client(connection: connection) { [self] known in
             let entry = AuditEntry(
-                record, time: Int64(time(nil)), uid: ownerAdmitted ? uid : nil, client: client)
-        else { return }
-        append(Array((entry.json + "\n").utf8))
+                use, time: now, uid: known.uid ?? (ownerAdmitted ? uid : nil), process: known.process, client: client)
+            append(Array((entry.json + "\n").utf8))
+        }
     }
 
     private func append(_ line: [UInt8]) {

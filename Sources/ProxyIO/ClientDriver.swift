@@ -95,7 +95,8 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
         self.lastActivity = started
         machine = ConnectionMachine(
             role: .frontDoor, frontDoor: context.frontDoor, hasLocalCA: context.tlsContexts != nil,
-            peer: context.peers.identify(fd, settings: context.frontDoor))
+            peer: context.peers.identify(fd, connection: id, settings: context.frontDoor, audited: context.audit != nil)
+        )
         self.client = bufferevent_socket_new(context.loop.base, fd, Int32(BEV_OPT_CLOSE_ON_FREE.rawValue))
         _ = proxyctl_set_nodelay(fd)
         setUpClient()
@@ -216,6 +217,7 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
                 case .log(let line): log(line)
                 case .exchangeFinished(let record): exchangeFinished(record)
                 case .requestFinished(let outcome): context.owner.count(outcome)
+                case .auditRefusal(let use): context.audit(use, connection: id, client: peer)
                 default: continue
                 }
                 continue
@@ -303,6 +305,8 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
             log(line)
         case .requestFinished(let outcome):
             context.owner.count(outcome)
+        case .auditRefusal(let use):
+            context.audit(use, connection: id, client: peer)
         }
     }
 
@@ -678,6 +682,8 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
         }
         context.owner.adopt(session)
         context.owner.interceptionStarted()
+        // The audit log's client process: looked for during the handshake, while the client waits.
+        if context.audit != nil { context.peers.resolve(connection: id) }
         finishHandOff()
     }
 

@@ -98,6 +98,11 @@ final class ConnectionContext {
 
     var settings: ProxySettings { frontDoor.settings }
 
+    /// A request refused for carrying another origin's placeholder, in the audit log (when there is one).
+    func audit(_ use: RefusedCredentialUse, connection: UInt64, client: String) {
+        audit?.refused(use, connection: connection, client: client, ownerAdmitted: settings.protectedUsers == .owner)
+    }
+
     /// The DPoP nonce to put in the next proof to `origin` with `tokens`: none for Bearer tokens, which carry
     /// no proof (and so need no URL parsed and no lock taken per request).
     func dpopNonce(for tokens: TokenSet, origin: OriginConfig?) -> String? {

@@ -90,6 +90,8 @@ final class ExchangeIO: TransferOwner {
         self.connectionID = connectionID
         body = RequestBody(
             memoryLimit: context.settings.replayMemory, spoolDirectory: context.spoolDirectory, account: replay)
+        // The audit line names the client's process: found while the client waits (once per connection).
+        if context.audit != nil { context.peers.resolve(connection: connectionID) }
     }
 
     deinit {
@@ -289,7 +291,9 @@ final class ExchangeIO: TransferOwner {
         context.owner.record(record, up: up, down: down, milliseconds: milliseconds)
         if record.attached, let audit = context.audit {
             // `protected_users = owner` (the default) admits only the proxy's own user to protected origins.
-            audit.record(record, client: peer, ownerAdmitted: context.settings.protectedUsers == .owner)
+            audit.record(
+                record, connection: connectionID, client: peer, ownerAdmitted: context.settings.protectedUsers == .owner
+            )
         }
         guard context.logger.enabled(.info) else { return }
         var line = record.logLineBuilder(up: up, down: down, milliseconds: milliseconds)

@@ -407,6 +407,8 @@ final class H2Driver: ServerConnection, ExchangeDriver {
             timers[timer]?.cancel()
         case .requestFinished(let outcome):
             context.owner.count(outcome)
+        case .auditRefusal(let use):
+            context.audit(use, connection: id, client: peer)
         case .log(let line):
             log(line)
         case .openTunnel(let stream, let head):

@@ -109,8 +109,8 @@ public final class ProxyServer: ConnectionOwner {
     private let tunnelBuffer = TunnelBuffer()
     /// What request bodies kept for replays hold in the whole process (`replay_memory_total`, `replay_spool_total`).
     private let replayBudget: ReplayBudget
-    /// Peer lookups for the "owner" rules.
-    private let peers = PeerLookup()
+    /// Peer lookups for the "owner" rules and the audit log's client processes.
+    private let peers: PeerLookup
     /// The latest DPoP nonce of each protected origin, from every response (RFC 9449 §9).
     let resourceNonces = DPoPNonces()
     /// What new connections get; replaced on SIGHUP (connections in flight keep theirs).
@@ -161,6 +161,7 @@ public final class ProxyServer: ConnectionOwner {
         self.fileLimit = fileLimit ?? Self.openFileLimit()
         self.admission = Admission(settings: settings, fileLimit: self.fileLimit)
         self.loop = loop
+        self.peers = PeerLookup(loop: loop)
         self.logger = logger
         self.settings = settings
         self.replayBudget = ReplayBudget(Self.replayLimits(settings))
@@ -201,7 +202,8 @@ public final class ProxyServer: ConnectionOwner {
     private func currentAudit() -> AuditLog? {
         guard let stateDirectory, settings.auditMaxSize > 0 else { return nil }
         if let auditLog, auditLog.maxBytes == settings.auditMaxSize { return auditLog }
-        let made = AuditLog(stateDirectory: stateDirectory, maxBytes: settings.auditMaxSize, logger: logger)
+        let made = AuditLog(
+            stateDirectory: stateDirectory, maxBytes: settings.auditMaxSize, logger: logger, peers: peers)
         auditLog = made
         return made
     }
@@ -616,7 +618,7 @@ public final class ProxyServer: ConnectionOwner {
     private func stopAfterRefreshes() {
         retiredBrokers.removeAll { !$0.refreshInFlight }
         guard tokens.refreshInFlight || !retiredBrokers.isEmpty else {
-            loop.stop()
+            stopLoop()
             return
         }
         if refreshPoll == nil {
@@ -624,6 +626,12 @@ public final class ProxyServer: ConnectionOwner {
             refreshPoll = LoopTimer(loop: loop) { [unowned self] in stopAfterRefreshes() }
         }
         refreshPoll?.schedule(milliseconds: 20)
+    }
+
+    /// Stops the loop; audit lines still waiting for their client's process are written without it first.
+    private func stopLoop() {
+        peers.answerWaiting()
+        loop.stop()
     }
 
     /// Open client connections (for tests and status).
@@ -650,7 +658,7 @@ public final class ProxyServer: ConnectionOwner {
                 // Every connection ends here, its transfers cancelled, before the loop stops: nothing of theirs
                 // is left to run while the server and its pools are torn down.
                 for connection in Array(connections.values) { connection.abort("second signal") }
-                loop.stop()
+                stopLoop()
                 return
             }
             beginShutdown()
@@ -684,7 +692,7 @@ public final class ProxyServer: ConnectionOwner {
         let timer = LoopTimer(loop: loop) { [unowned self] in
             logger.info("grace period over: closing \(connections.count) connection(s)")
             for connection in Array(connections.values) { connection.abort("shutdown") }
-            loop.stop()
+            stopLoop()
         }
         timer.schedule(milliseconds: settings.shutdownGrace)
         graceTimer = timer

@@ -270,7 +270,7 @@ public enum PlaceholderKey {
             entries.append(
                 Placeholders.Entry(
                     value: placeholder(key: key, origin: origin.url, variable: variable), origin: origin.url,
-                    variable: variable))
+                    variable: variable, credential: origin.credentialName, staticSecret: origin.secret != nil))
         }
         let table = Placeholders(entries)
         configuration.origins = OriginTable(

@@ -34,6 +34,8 @@ struct Playbook {
     var logs: [LogLine] = []
     /// What each finished request counted as (the metrics).
     var outcomes: [RequestOutcome] = []
+    /// Requests refused for a credential they carried, as the audit log gets them.
+    var refusals: [RefusedCredentialUse] = []
     /// Every upstream connection opened, in order (the index of the address each used).
     var connects: [Int] = []
     /// The request the exchange last sent (`.send`): what the own client's reader reads the response for.
@@ -219,6 +221,8 @@ struct Playbook {
                 logs.append(line)
             case .requestFinished(let outcome):
                 outcomes.append(outcome)
+            case .auditRefusal(let use):
+                refusals.append(use)
             case .closeAfterFlush, .closeNow, .resetClient:
                 clientClosed = action
                 notable.append(action)

@@ -53,7 +53,7 @@ import Testing
         variable: "A_KEY")
     let theirs = Placeholders.Entry(
         value: Array("proxyctl-placeholder-ffeeddccbbaa99887766554433221100".utf8), origin: "https://b.test",
-        variable: "B_KEY")
+        variable: "B_KEY", credential: "secret:b", staticSecret: true)
 
     @Test func placeholdersAreFoundAnywhereAndInBasic() {
         let table = Placeholders([mine, theirs])
@@ -112,12 +112,30 @@ import Testing
         #expect(request.clientAuthorization)
         let theirsHead = try parseHead(
             "GET /x HTTP/1.1\r\nHost: a.test\r\nX-Trace: \(String(decoding: theirs.value, as: UTF8.self))\r\n\r\n")
-        guard case .failure(.credentialRefused(let reason, _)) = MessageSemantics.interceptedRequest(theirsHead, for: a)
+        guard
+            case .failure(let refusal) = MessageSemantics.interceptedRequest(theirsHead, for: a),
+            case .placeholderRefused(let placeholder, close: false) = refusal
         else {
             Issue.record("a placeholder of another origin was not refused")
             return
         }
-        #expect(reason.contains("https://b.test"))
+        #expect(placeholder.reason.contains("https://b.test"))
+        #expect(refusal.answer.status == 403)
+        // What the audit log gets: whose placeholder, which credential, never the placeholder.
+        let use = try #require(refusal.refusedUse(origin: a, method: "GET", target: "/x?k=1"))
+        #expect(use.origin == "https://a.test" && use.refusal.origin == "https://b.test")
+        #expect(use.refusal.variable == "B_KEY" && use.refusal.credential == "secret:b" && use.refusal.staticSecret)
+        #expect(!String(describing: use).contains("proxyctl-placeholder-"))
+        // The client's own credential under refuse is no placeholder refusal, and no audit line.
+        let refusing = try origin("[origin https://a.test]\nsecret_file = /k\nclient_credential = refuse\n")
+        let own = try parseHead("GET /x HTTP/1.1\r\nHost: a.test\r\nAuthorization: Bearer mine\r\n\r\n")
+        guard case .failure(let other) = MessageSemantics.interceptedRequest(own, for: refusing),
+            case .credentialRefused = other
+        else {
+            Issue.record("the client's own credential was not refused")
+            return
+        }
+        #expect(other.refusedUse(origin: refusing, method: "GET", target: "/x") == nil)
     }
 
     // MARK: - Configuration errors name the line
@@ -170,5 +188,89 @@ import Testing
             keptClientAuthorization: true, attached: false, refreshed: false, nonceRetried: false, stepUp: false,
             answeredByProxy: false, note: nil, close: false)
         #expect(AuditEntry(none, time: 0, uid: nil, client: "") == nil)
+    }
+
+    @Test func auditLinesNameTheClientsProcessWhereKnown() throws {
+        let record = ExchangeRecord(
+            method: "GET", origin: "https://a.test", provider: "corp", target: "/v1", status: 200, attempts: 1,
+            keptClientAuthorization: false, attached: true, refreshed: false, nonceRetried: false, stepUp: false,
+            answeredByProxy: false, note: nil, close: false)
+        let curl = ClientProcess(pid: 4242, executable: "/usr/bin/curl")
+        let entry = try #require(AuditEntry(record, time: 0, uid: 1000, process: curl, client: "127.0.0.1:5000"))
+        #expect(entry.json.contains(#""uid":1000,"pid":4242,"executable":"/usr/bin/curl","client""#))
+        #expect(AuditEntry.parse(entry.json) == entry)
+        #expect(entry.text.hasSuffix("GET https://a.test/v1 200 token corp (uid=1000, pid=4242 /usr/bin/curl)"))
+        // Unknown: absent, not empty or zero.
+        let unknown = try #require(AuditEntry(record, time: 0, uid: nil, process: nil, client: "127.0.0.1:5000"))
+        #expect(!unknown.json.contains("pid") && !unknown.json.contains("executable") && !unknown.json.contains("uid"))
+        let forked = try #require(
+            AuditEntry(record, time: 0, uid: 7, process: ClientProcess(pid: nil, executable: "/bin/x"), client: ""))
+        #expect(!forked.json.contains("pid") && AuditEntry.parse(forked.json) == forked)
+        #expect(forked.text.hasSuffix("(uid=7, /bin/x)"))
+    }
+
+    @Test func aRefusedPlaceholderIsARefusedUseOfItsOwnersCredential() throws {
+        let refusal = PlaceholderRefusal(reason: "the request carries the placeholder of https://b.test", owner: theirs)
+        let use = RefusedCredentialUse(
+            origin: "http://127.0.0.1:8000", method: "POST", target: "http://127.0.0.1:8000/up?key=x", refusal: refusal)
+        let entry = AuditEntry(use, time: 0, uid: 1000, process: nil, client: "127.0.0.1:5000")
+        #expect(entry.status == 403 && entry.attempts == 0 && entry.path == "/up")
+        #expect(entry.credential == "secret:b" && entry.kind == "secret" && entry.origin == "http://127.0.0.1:8000")
+        #expect(
+            entry.json.contains(#""refused":"placeholder","placeholder_of":"https://b.test","placeholder_env":"B_KEY""#)
+        )
+        #expect(!entry.json.contains("proxyctl-placeholder-") && !entry.json.contains("key=x"))
+        #expect(AuditEntry.parse(entry.json) == entry)
+        #expect(
+            entry.text.hasSuffix(
+                "POST http://127.0.0.1:8000/up 403 refused: the placeholder of https://b.test (B_KEY), for secret secret:b (uid=1000)"
+            ))
+    }
+
+    @Test(arguments: [
+        ("/a/b?c#d", "/a/b"), ("http://127.0.0.1:8000/x?y", "/x"), ("https://h.test", "/"), ("*", "*"), ("", ""),
+    ])
+    func auditPathsHaveNoQueryNorAuthority(target: String, path: String) {
+        #expect(AuditEntry.pathOnly(target) == path)
+    }
+}
+
+/// What the holders of a client's socket name in the audit log (`ClientProcess`): a field is absent rather than
+/// wrong.
+@Suite struct ClientProcessTests {
+    typealias Holder = ClientProcess.Holder
+
+    @Test func oneHolderIsNamed() {
+        #expect(
+            ClientProcess.from(holders: [Holder(pid: 10, executable: "/usr/bin/curl")])
+                == ClientProcess(pid: 10, executable: "/usr/bin/curl"))
+        #expect(
+            ClientProcess.from(holders: [Holder(pid: 10, executable: nil)]) == ClientProcess(pid: 10, executable: nil))
+    }
+
+    @Test func severalHoldersNameNoPid() {
+        let same = [Holder(pid: 10, executable: "/usr/bin/python3"), Holder(pid: 11, executable: "/usr/bin/python3")]
+        #expect(ClientProcess.from(holders: same) == ClientProcess(pid: nil, executable: "/usr/bin/python3"))
+        let different = [Holder(pid: 10, executable: "/bin/sh"), Holder(pid: 11, executable: "/usr/bin/curl")]
+        #expect(ClientProcess.from(holders: different) == nil)
+        #expect(
+            ClientProcess.from(holders: [Holder(pid: 10, executable: nil), Holder(pid: 11, executable: nil)]) == nil)
+        #expect(ClientProcess.from(holders: []) == nil)
+    }
+
+    @Test(arguments: [
+        ("socket:[12345]", UInt64?(12345)), ("socket:[0]", 0), ("socket:[]", nil), ("socket:[12a]", nil),
+        ("pipe:[12345]", nil), ("/dev/null", nil), ("socket:[123", nil), ("socket:[18446744073709551616]", nil),
+        ("anon_inode:[eventpoll]", nil),
+    ])
+    func socketLinks(link: String, inode: UInt64?) {
+        #expect(ClientProcess.socketInode(link: Array(link.utf8)) == inode)
+    }
+
+    @Test(arguments: [
+        ("1", 1), ("4194304", 4_194_304), ("self", nil), ("0", nil), ("01", nil), ("", nil), ("12345678901", nil),
+    ])
+    func procEntries(name: String, pid: Int?) {
+        #expect(ClientProcess.pid(directoryName: Array(name.utf8)) == pid)
     }
 }

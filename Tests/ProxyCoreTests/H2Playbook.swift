@@ -58,6 +58,8 @@ struct H2Playbook {
     var notable: [Action] = []
     var logs: [LogLine] = []
     var outcomes: [RequestOutcome] = []
+    /// Streams refused for a credential they carried, as the audit log gets them.
+    var refusals: [RefusedCredentialUse] = []
     var streams: [Stream: StreamLog] = [:]
     var goaways: [H2ErrorCode] = []
     /// `closeAfterFlush` came: the driver reads nothing more from the client.
@@ -259,6 +261,9 @@ struct H2Playbook {
         case .requestFinished(let outcome):
             if outcome.kind != .intercepted { violation("a stream counted as \(outcome.kind)") }
             outcomes.append(outcome)
+            return
+        case .auditRefusal(let use):
+            refusals.append(use)
             return
         case .goaway(let code):
             if code != .noError { violation("GOAWAY \(code)") }

@@ -14,7 +14,9 @@ import Testing
 
     static func fields(_ pairs: (String, String)...) -> [H2Field] { H2Playbook.fields(pairs) }
 
-    static func exchange(_ stream: Int32, _ output: ProtectedExchange.Output) -> Action {
+    static func exchange(
+        _ stream: Int32, _ output: ProtectedExchange.Output, _ origin: OriginConfig = Self.origin
+    ) -> Action {
         .exchange(stream, output, origin)
     }
 
@@ -65,6 +67,23 @@ import Testing
         p.tokens(stream)
         _ = p.next()
         return p
+    }
+
+    /// Issue 31: a stream carrying another origin's placeholder is answered 403 without a transfer, and the audit
+    /// log gets a refused use naming whose placeholder it was.
+    @Test func anotherOriginsPlaceholderIsRefusedAndAudited() {
+        let placeholder = "proxyctl-placeholder-ffeeddccbbaa99887766554433221100"
+        var origin = H2Playbook.origin
+        origin.placeholders = Placeholders([
+            Placeholders.Entry(
+                value: Array(placeholder.utf8), origin: "https://b.test", variable: "B_KEY", credential: "secret:b")
+        ])
+        var p = H2Playbook(origin: origin)
+        p.request(1, H2Playbook.request("GET", "/steal", [("authorization", "Bearer \(placeholder)")]))
+        _ = p.next()
+        #expect(p.streams[1]?.status == 403 && p.streams[1]?.transfer == nil)
+        #expect(p.refusals.map(\.refusal.origin) == ["https://b.test"])
+        #expect(p.refusals.first?.origin == "https://api.test" && p.refusals.first?.target == "/steal")
     }
 
     // MARK: - One stream, start to end
@@ -167,14 +186,25 @@ import Testing
         }
     }
 
-    @Test func aClientWithItsOwnAuthorizationKeepsIt() {
-        var p = H2Playbook()
+    @Test func aClientWithItsOwnAuthorizationKeepsItUnderKeep() {
+        var origin = H2Playbook.origin
+        origin.clientAuthorization = .keep
+        var p = H2Playbook(origin: origin)
         p.request(1, H2Playbook.request("GET", "/x", [("authorization", "Basic dTpw")]))
         #expect(
             p.next() == [
-                Self.exchange(1, .bodyEnded),
-                Self.exchange(1, .send(Self.upstream("GET", "/x", [("authorization", "Basic dTpw")], generation: nil))),
+                Self.exchange(1, .bodyEnded, origin),
+                Self.exchange(
+                    1, .send(Self.upstream("GET", "/x", [("authorization", "Basic dTpw")], generation: nil)), origin),
             ])
+    }
+
+    /// Issue 31: by default (`client_credential = replace`) the client's own Authorization gives way to the token.
+    @Test func aClientsOwnAuthorizationIsReplacedByDefault() {
+        var p = H2Playbook()
+        p.request(1, H2Playbook.request("GET", "/x", [("authorization", "Basic dTpw")]))
+        #expect(
+            p.next() == [Self.exchange(1, .bodyEnded), Self.exchange(1, .getTokens(key: TokenKey(provider: "corp")))])
     }
 
     @Test func optionsAsteriskGoesToTheOriginAsTheAsteriskForm() {

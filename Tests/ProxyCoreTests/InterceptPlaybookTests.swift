@@ -52,6 +52,28 @@ import Testing
         #expect(p.machine.isIdle && p.timers[.keepAlive] != nil)
     }
 
+    /// Issue 31: a request carrying another origin's placeholder is answered 403 and nothing is sent; the machine
+    /// hands the audit log a refused use naming whose placeholder it was, without the placeholder.
+    @Test func anotherOriginsPlaceholderIsRefusedAndAudited() {
+        let placeholder = "proxyctl-placeholder-ffeeddccbbaa99887766554433221100"
+        var origin = Self.origin
+        origin.placeholders = Placeholders([
+            Placeholders.Entry(
+                value: Array(placeholder.utf8), origin: "https://b.test", variable: "B_KEY", credential: "secret:b")
+        ])
+        var p = Playbook.intercepted(origin)
+        p.event(.tlsEstablished(serverName: "api.test", protocol: "http/1.1"))
+        p.client("GET /steal?q=1 HTTP/1.1\r\nHost: api.test\r\nX-Key: \(placeholder)\r\n\r\n")
+        let actions = p.next()
+        #expect(Self.outputs(actions).isEmpty)
+        #expect(p.clientGot().hasPrefix("HTTP/1.1 403 "))
+        #expect(p.refusals.count == 1)
+        let use = p.refusals.first
+        #expect(use?.origin == "https://api.test" && use?.method == "GET" && use?.target == "/steal?q=1")
+        #expect(use?.refusal.origin == "https://b.test" && use?.refusal.variable == "B_KEY")
+        #expect(use?.refusal.credential == "secret:b")
+    }
+
     /// An origin with its own audience and scopes asks for the token of its key, for the first request and
     /// for the refresh after a 401 alike: never the provider's default token, never another origin's.
     @Test func anOriginWithItsOwnAudienceAsksForItsOwnToken() {
@@ -225,12 +247,34 @@ import Testing
         #expect((p.clientClosed != nil) == closes, "a keep-alive connection outlives an answer about tokens")
     }
 
-    @Test func theClientsOwnAuthorizationIsKeptAndNothingAttached() {
-        var p = Self.tunnel()
+    @Test func theClientsOwnAuthorizationIsKeptAndNothingAttachedUnderKeep() {
+        var origin = Self.origin
+        origin.clientAuthorization = .keep
+        var p = Playbook.intercepted(origin)
+        p.event(.tlsEstablished(serverName: "api.test", protocol: "http/1.1"))
         p.client("GET /x HTTP/1.1\r\nHost: api.test\r\nAuthorization: Basic dTpw\r\n\r\n")
         let sent = Self.sends(p.next())
         #expect(sent.first?.credential == nil)
         #expect(sent.first?.fields.map(\.name) == ["Authorization"])
+    }
+
+    /// Issue 31: by default (`client_credential = replace`) the token replaces the client's own Authorization, and
+    /// the record says so (the log's `client_credential=replaced`, the audit line's `client_credential_replaced`).
+    @Test func theClientsOwnAuthorizationIsReplacedByDefault() {
+        var p = Self.tunnel()
+        p.client("GET /x HTTP/1.1\r\nHost: api.test\r\nAuthorization: Basic dTpw\r\nAccept: */*\r\n\r\n")
+        #expect(Self.outputs(p.next()) == [.bodyEnded, .getTokens(key: TokenKey(provider: "corp"))])
+        p.event(.tokens(.success(TokenGrant(generation: 7))))
+        let sent = Self.sends(p.next())
+        #expect(sent.first?.credential?.generation == 7)
+        #expect(sent.first?.fields.map(\.name) == ["Accept"])
+        p.transferHead("HTTP/1.1 204 No Content\r\n\r\n")
+        p.event(.transferFinished(nil, detail: ""))
+        guard case .exchangeFinished(let record) = p.next().last else {
+            Issue.record("the exchange did not finish")
+            return
+        }
+        #expect(record.clientCredentialReplaced && !record.keptClientAuthorization)
     }
 
     @Test func aChunkedBodyStreamsAsItArrivesAndIsKept() {

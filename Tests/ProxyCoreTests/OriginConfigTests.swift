@@ -24,6 +24,21 @@ import Testing
         )
     }
 
+    /// Issue 31: a client's own credential is replaced by default, for an origin with a provider as for one with a
+    /// secret; `keep` (or the older `client_authorization = keep`) only when written.
+    @Test func theClientsOwnCredentialIsReplacedByDefaultForProvidersToo() throws {
+        let config = try parse(
+            provider + "[origin https://a.example.com]\nprovider = corp\n"
+                + "[origin https://b.example.com]\nprovider = corp\nclient_authorization = keep\n"
+                + "[origin https://c.example.com]\nprovider = corp\nclient_credential = keep\n"
+                + "[origin https://d.example.com]\nsecret_file = /k\n"
+        ).get()
+        let policies = config.origins.origins.map { ($0.url, $0.clientAuthorization) }
+        #expect(policies.map(\.0) == (["a", "b", "c", "d"].map { "https://\($0).example.com" }))
+        #expect(policies.map(\.1) == [.replace, .keep, .keep, .replace])
+        #expect(config.origins.origins[0].attachesToken(clientHasAuthorization: true))
+    }
+
     @Test(arguments: [
         ("https", "api.example.com.evil.test", 443), ("https", "evil.test", 443), ("https", "api.example.com", 8443),
         ("https", "sub.api.example.com", 443), ("http", "api.example.com", 80), ("https", "example.com", 443),

@@ -5,7 +5,9 @@ tests.
 test CA of its own (`ca_pem`, the origin's `ca_file`). A request whose `header` field is exactly `key` (compared
 as given: `Bearer K`, `Basic ...`, or the bare key) gets 200 with JSON naming the method, the path and the header
 field names it received (never a value: the tests search every output for the key); anything else gets 401 with
-`WWW-Authenticate: Bearer`. `key` can be changed while it runs (a key that rotated); every request is recorded
+`WWW-Authenticate: Bearer`. `KeyOrigin(directory, names, shape={"CF-Access-Client-Id": ID, ...})` accepts only
+that shape: each of its fields exactly once with exactly its value, and no other credential field
+(`CREDENTIAL_FIELDS`), so that a pair with one field missing, doubled or joined by an `Authorization` is refused. `key` can be changed while it runs (a key that rotated); every request is recorded
 (`requests`: method, path, the fields exactly as received, status) for the tests to check what the origin saw.
 """
 
@@ -31,6 +33,11 @@ class Received:
         return [v for k, v in self.headers if k.lower() == name.lower()]
 
 
+# Fields that carry credentials: in shape mode a request with one the shape does not name is refused.
+CREDENTIAL_FIELDS = ("authorization", "proxy-authorization", "x-api-key", "cf-access-client-id",
+                     "cf-access-client-secret", "cookie")
+
+
 class _Handler(QuietHandler):
     protocol_version = "HTTP/1.1"
 
@@ -39,9 +46,12 @@ class _Handler(QuietHandler):
         self.read_body()
         headers = list(self.headers.items())
         with origin.lock:
-            expected_name, expected = origin.header, origin.key
-        given = [v for k, v in headers if k.lower() == expected_name.lower()]
-        ok = given == [expected]
+            shape = dict(origin.shape) if origin.shape else {origin.header: origin.key}
+            strict = origin.shape is not None
+        ok = all([v for k, v in headers if k.lower() == name.lower()] == [value] for name, value in shape.items())
+        if strict:
+            named = {name.lower() for name in shape}
+            ok = ok and not any(k.lower() in CREDENTIAL_FIELDS and k.lower() not in named for k, _ in headers)
         status = 200 if ok else 401
         with origin.lock:
             origin.requests.append(Received(self.command, self.path, headers, status))
@@ -60,10 +70,13 @@ class _Handler(QuietHandler):
 
 
 class KeyOrigin:
-    def __init__(self, directory: Path, names: list[str], header: str, key: str):
+    def __init__(self, directory: Path, names: list[str], header: str = "", key: str = "",
+                 shape: dict[str, str] | None = None):
+        assert (shape is None) != (not header), "either header and key, or a shape"
         self.identity = ServerIdentity.make(directory, "key origin", names)
         self.header = header
         self.key = key
+        self.shape = shape
         self.lock = threading.Lock()
         self.requests: list[Received] = []
         self.server = TLSHTTPServer(_Handler, tls=self.identity.server_context(), owner=self).start()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shutil
 import stat
 import subprocess
 from pathlib import Path
@@ -29,6 +28,7 @@ from fixtures import config
 from fixtures.http import free_port, run_curl
 from fixtures.jose import unverified_claims
 from fixtures.proxy import clean_env, poll, proxyctl_bin
+from fixtures.secret_service import HeadlessSecretService
 from idp_fake import FakeIdP
 from idp_glewlwyd import Glewlwyd, glewlwyd_available
 from resource_server import ResourceServer
@@ -438,74 +438,6 @@ def test_logout_end_session_with_glewlwyd(sws, idp):
 
 
 # MARK: - token_store = secret-service (gnome-keyring-daemon, headless, on a private D-Bus session)
-
-
-class HeadlessSecretService:
-    """A private D-Bus session bus and gnome-keyring-daemon's Secret Service on it, with an unlocked login
-    keyring; `lookup` reads an item with secret-tool, as another program of the user would."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.runtime = root / "xdg-runtime"
-        self.address = f"unix:path={self.runtime / 'bus'}"
-        self.env = clean_env(HOME=str(root / "home"), XDG_RUNTIME_DIR=str(self.runtime),
-                             XDG_DATA_HOME=str(root / "xdg-data"), DBUS_SESSION_BUS_ADDRESS=self.address)
-        self.processes: list[subprocess.Popen] = []
-
-    def start(self) -> "HeadlessSecretService":
-        for tool in ("dbus-daemon", "gnome-keyring-daemon", "secret-tool"):
-            if shutil.which(tool) is None:
-                pytest.skip(f"{tool} is not installed (scripts/bootstrap test installs dbus-daemon, gnome-keyring, "
-                            "libsecret-tools)")
-        self.runtime.mkdir(parents=True, exist_ok=True)
-        self.runtime.chmod(0o700)
-        bus = subprocess.Popen(["dbus-daemon", "--session", f"--address={self.address}", "--nofork", "--nopidfile"],
-                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env=self.env)
-        self.processes.append(bus)
-        poll(lambda: (self.runtime / "bus").exists(), 10, message="the D-Bus session socket")
-        keyring = subprocess.Popen(["gnome-keyring-daemon", "--foreground", "--login", "--components=secrets"],
-                                   stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                   env=self.env)
-        keyring.stdin.write(b"keyring-password")
-        keyring.stdin.close()
-        self.processes.append(keyring)
-        # `--start` must reach this daemon (its control socket), not start another one without the login keyring.
-        try:
-            poll(lambda: (self.runtime / "keyring" / "control").exists(), 10, message="gnome-keyring's control socket")
-        except AssertionError as error:
-            self.stop()
-            pytest.skip(f"no headless Secret Service could start here: {error}")
-        started = subprocess.run(["gnome-keyring-daemon", "--start", "--components=secrets"], env=self.env,
-                                 capture_output=True, timeout=20)
-
-        def stored():
-            # The login keyring appears a moment after the daemon took its password.
-            done = subprocess.run(["secret-tool", "store", "--label=probe", "application", "probe"], input=b"x",
-                                  env=self.env, capture_output=True, timeout=20)
-            return done if done.returncode == 0 else None
-        try:
-            probe = poll(stored, 10, interval=0.1, message="the Secret Service's login keyring")
-        except AssertionError as error:
-            probe = subprocess.CompletedProcess([], 1, b"", str(error).encode())
-        if started.returncode != 0 or probe.returncode != 0:
-            self.stop()
-            pytest.skip(f"no headless Secret Service could start here: {probe.stderr.decode()[:200]}")
-        return self
-
-    def lookup(self, *attributes: str) -> str | None:
-        done = subprocess.run(["secret-tool", "lookup", *attributes], env=self.env, capture_output=True, timeout=20)
-        return done.stdout.decode() if done.returncode == 0 else None
-
-    def stop(self) -> None:
-        for process in reversed(self.processes):
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(5)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait(5)
 
 
 def status_text(sws, **env: str) -> str:

@@ -102,7 +102,8 @@ def main_sections(idp, rs) -> str:
             + provider_section("glew3", idp.issuer(), redirect_port=cb)
             + provider_section("nobody", idp.issuer(), redirect_port=cb)
             + origin_section(f"https://{API}:{rs.port}", "glew", ca_file=rs.ca_pem)
-            + origin_section(f"https://{REPLACE}:{rs.port}", "glew", client_authorization="replace", ca_file=rs.ca_pem)
+            # The default (issue 31: client_credential = replace, for tokens as for secrets).
+            + origin_section(f"https://{REPLACE}:{rs.port}", "glew", client_authorization=None, ca_file=rs.ca_pem)
             + origin_section(f"https://{SHORT}:{rs.port}", "glew3", ca_file=rs.ca_pem)
             + origin_section(f"https://{NOLOGIN}:{rs.port}", "nobody", ca_file=rs.ca_pem))
 
@@ -1025,7 +1026,9 @@ def test_field_values_with_obs_text_pass_both_ways_byte_for_byte(main, rs):
     assert answer.header("X-Latin-1-Echo").encode("latin-1") == raw, answer
 
 
-def test_client_authorization_replace_attaches_the_proxys_token(main, rs):
+def test_by_default_the_clients_own_authorization_is_replaced_and_logged(main, rs):
+    """Issue 31: `client_credential = replace` is the default for an origin with a provider too (REPLACE's
+    section says nothing): the proxy's token replaces the client's, the log line and the audit line say so."""
     path = unique("/me")
     mark, seen_mark = main.proxy.mark(), rs.mark()
     answer = main.curl(rs.url(path, REPLACE), "-H", "Authorization: Bearer client-own-value")
@@ -1035,7 +1038,11 @@ def test_client_authorization_replace_attaches_the_proxys_token(main, rs):
     assert seen.header_values("Authorization") == [f"Bearer {tokens['access_token']}"]
     assert answer.json()["sub"] == tokens["identity"]["sub"]
     line = assert_one_intercepted(main, mark, f"GET https://{REPLACE}:{rs.port}{path}", "status=200")
-    assert "token=client" not in line
+    assert "token=client" not in line and "client_credential=replaced" in line
+    audit = main.ws.state / "audit.log"
+    entry = poll(lambda: [json.loads(text) for text in audit.read_text().splitlines() if f'"{path}"' in text],
+                 message="the audit line")[0]
+    assert entry["client_credential_replaced"] is True and entry["credential"] == "glew", entry
 
 
 # MARK: - 10. The CA's life cycle and `proxyctl env`

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,26 @@ def setup(tmp_path_factory):
 
 def url(origin: KeyOrigin, host: str, path: str = "/anything") -> str:
     return f"https://{host}:{origin.port}{path}"
+
+
+CURL = os.path.realpath(shutil.which("curl") or "curl")
+
+
+def audit_entry(ws: Workspace, path: str) -> dict:
+    """The audit line of the request to `path` (waiting for it: a line is written as its exchange ends), read
+    with jq from `proxyctl audit --json`."""
+    jq = shutil.which("jq")
+    assert jq, "jq is needed (scripts/bootstrap test)"
+
+    def found():
+        done = ws.cli("audit", "--json")
+        assert done.returncode == 0, done.stderr
+        read = subprocess.run([jq, "-c", f"select(.path == {json.dumps(path)})"], input=done.stdout,
+                              capture_output=True, text=True, check=True)
+        return [json.loads(line) for line in read.stdout.splitlines()]
+    entries = poll(found, message=f"the audit line of {path}")
+    assert len(entries) == 1, entries
+    return entries[0]
 
 
 def assert_no_secret(text: str | bytes, where: str) -> None:
@@ -145,6 +166,19 @@ def test_a_placeholder_sent_to_another_origin_is_refused(setup, http, where):
     assert vault.since(mark) == []
     found = d.lines(log_mark, needle="status=403", target=f"/stolen-{where}", at_least=1)
     assert f"https://{KEYS}:{keys.port}" in found[0]
+    # The audit log has it too: a refused use of the keys origin's credential at the vault, naming whose
+    # placeholder it was and never the placeholder (nor the query that carried it).
+    entry = audit_entry(setup["ws"], f"/stolen-{where}{http}")
+    assert entry["origin"] == f"https://{VAULT}:{vault.port}" and entry["status"] == 403, entry
+    assert entry["refused"] == "placeholder" and entry["placeholder_of"] == f"https://{KEYS}:{keys.port}", entry
+    assert entry["placeholder_env"] == "KEYS_API_KEY" and entry["kind"] == "secret", entry
+    assert entry["credential"].startswith("secret_file:") and entry["attempts"] == 0, entry
+    assert entry["executable"] == CURL, entry
+    audit = (setup["ws"].state / "audit.log").read_text()
+    assert placeholder not in audit and "?key" not in audit
+    text = setup["ws"].cli("audit", "--origin", f"https://{VAULT}:{vault.port}").stdout
+    assert f"GET https://{VAULT}:{vault.port}/stolen-{where}{http} 403 refused: the placeholder of " \
+        f"https://{KEYS}:{keys.port} (KEYS_API_KEY)" in text, text
 
 
 def test_an_unprotected_host_sees_no_key(setup):
@@ -239,6 +273,64 @@ def test_the_audit_log_says_which_credential_went_where_and_holds_no_secret(setu
     for text, where in ((audit.read_text(), "the audit log"), (done.stdout, "proxyctl audit --json"),
                         (everything.stdout, "proxyctl audit")):
         assert_no_secret(text, where)
+
+
+@pytest.mark.parametrize("http", ["--http1.1", "--http2"])
+def test_the_audit_line_names_the_clients_process_as_the_kernel_says(setup, http):
+    """Issue 31: the client's pid and executable where the kernel says: the process that holds the other end of
+    the client's loopback connection (found once per connection, off the loop), read with jq."""
+    d, keys = setup["d"], setup["keys"]
+    path = f"/whose{http}"
+    curl = subprocess.Popen(["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "--suppress-connect-headers",
+                             http, url(keys, KEYS, path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=d.client_env(), text=True)
+    out, err = curl.communicate(timeout=60)
+    assert out == "200", err
+    entry = audit_entry(setup["ws"], path)
+    assert entry["pid"] == curl.pid and entry["executable"] == CURL, entry
+    assert entry["uid"] == os.geteuid(), entry
+    text = setup["ws"].cli("audit", "--origin", f"https://{KEYS}:{keys.port}").stdout
+    assert f"pid={curl.pid} {CURL}" in text, text
+
+
+FORKED_CLIENT = """
+import os, socket, ssl, sys
+proxy_port, authority, cafile, path = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+sock = socket.create_connection(("127.0.0.1", proxy_port))
+hold, release = os.pipe()
+if os.fork() == 0:                      # a child holding the same socket until the parent is done
+    os.close(release)
+    os.read(hold, 1)
+    os._exit(0)
+sock.sendall(f"CONNECT {authority} HTTP/1.1\\r\\nHost: {authority}\\r\\n\\r\\n".encode())
+head = b""
+while b"\\r\\n\\r\\n" not in head:
+    head += sock.recv(1)
+assert head.startswith(b"HTTP/1.1 200"), head
+tls = ssl.create_default_context(cafile=cafile).wrap_socket(sock, server_hostname=authority.split(":")[0])
+tls.sendall(f"GET {path} HTTP/1.1\\r\\nHost: {authority}\\r\\nConnection: close\\r\\n\\r\\n".encode())
+answer = b""
+while chunk := tls.recv(65536):
+    answer += chunk
+print(answer.split(b"\\r\\n", 1)[0].decode())
+os.close(release)
+os.wait()
+"""
+
+
+def test_a_socket_two_processes_hold_names_no_pid(setup, tmp_path):
+    """A client that forked after connecting: two processes hold the socket, so no pid is named (absent rather
+    than a guess); both run the same program, which is named."""
+    d, keys = setup["d"], setup["keys"]
+    script = tmp_path / "forked_client.py"
+    script.write_text(FORKED_CLIENT)
+    done = subprocess.run([sys.executable, str(script), str(d.proxy.port), f"{KEYS}:{keys.port}",
+                           d.exports["SSL_CERT_FILE"], "/forked"], capture_output=True, text=True, timeout=60,
+                          env=d.client_env())
+    assert done.stdout.strip() == "HTTP/1.1 200 OK", done.stdout + done.stderr
+    entry = audit_entry(setup["ws"], "/forked")
+    assert "pid" not in entry, entry
+    assert entry["executable"] == os.path.realpath(sys.executable), entry
 
 
 def test_no_secret_in_the_log_stdout_or_metrics(setup):

@@ -43,7 +43,8 @@ def world(tmp_path, idp):
     sections = (config.provider("glew", idp.issuer(), scopes="openid profile email", redirect_port=idp.callback_port)
                 + config.origin(f"https://*.corp.test:{rs.port}", "glew", ca_file=rs.ca_pem,
                                 client_authorization="replace")
-                + config.origin(f"https://api.corp.test:{rs.port}", "glew", ca_file=rs.ca_pem))
+                + config.origin(f"https://api.corp.test:{rs.port}", "glew", ca_file=rs.ca_pem,
+                                client_authorization="keep"))
     ws = Workspace(tmp_path / "ws", sections, ", ".join(f"{h}=127.0.0.1" for h in HOSTS))
     made = ws.ca_init()
     ws.login_glewlwyd("glew", idp)

@@ -17,11 +17,19 @@ public struct Placeholders: Sendable, Equatable {
         public let origin: String
         /// The variable it is exported as.
         public let variable: String
+        /// The credential it stands in for (`OriginConfig.credentialName`: the provider, or the secret's source),
+        /// and whether that is a static secret: what the audit line of a request refused for carrying it names.
+        public let credential: String
+        public let staticSecret: Bool
 
-        public init(value: [UInt8], origin: String, variable: String) {
+        public init(
+            value: [UInt8], origin: String, variable: String, credential: String = "", staticSecret: Bool = true
+        ) {
             self.value = value
             self.origin = origin
             self.variable = variable
+            self.credential = credential
+            self.staticSecret = staticSecret
         }
     }
 
@@ -88,4 +96,43 @@ public struct CredentialScan: Sendable, Equatable {
     public var foreign: Placeholders.Entry?
 
     public init() {}
+}
+
+/// A request to one protected origin refused for carrying the placeholder of another (issue 31): the reason the
+/// client is told (`Proxy-Status`), and whose placeholder it was, without the placeholder itself. The audit log
+/// records it as a refused use of that origin's credential (`RefusedCredentialUse`).
+public struct PlaceholderRefusal: Sendable, Equatable {
+    /// What `Proxy-Status` says (`OriginConfig.credentialRefusal`).
+    public let reason: String
+    /// The origin the placeholder belongs to, the variable it is exported as, and that origin's credential.
+    public let origin: String
+    public let variable: String
+    public let credential: String
+    public let staticSecret: Bool
+
+    public init(reason: String, owner: Placeholders.Entry) {
+        self.reason = reason
+        origin = owner.origin
+        variable = owner.variable
+        credential = owner.credential
+        staticSecret = owner.staticSecret
+    }
+}
+
+/// A request refused because of a credential it carried, as the audit log records it: where it went and what it
+/// asked (the target's query is cut when the line is made), and the placeholder refusal. The I/O layer adds the
+/// client (address, user, process) and writes the line.
+public struct RefusedCredentialUse: Sendable, Equatable {
+    /// The protected origin the request was sent to (`OriginConfig.url`).
+    public let origin: String
+    public let method: String
+    public let target: String
+    public let refusal: PlaceholderRefusal
+
+    public init(origin: String, method: String, target: String, refusal: PlaceholderRefusal) {
+        self.origin = origin
+        self.method = method
+        self.target = target
+        self.refusal = refusal
+    }
 }

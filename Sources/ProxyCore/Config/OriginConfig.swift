@@ -4,7 +4,7 @@
 public enum ClientAuthorizationPolicy: String, Sendable, Equatable {
     /// Leave the client's credentials alone and attach nothing (the client knows best).
     case keep
-    /// Remove the client's credentials and attach the origin's own (logged).
+    /// Remove the client's credentials and attach the origin's own (logged): the default.
     case replace
     /// Answer 403: a tool that brings a key of its own for this origin is not expected (logged).
     case refuse
@@ -20,7 +20,8 @@ public struct OriginConfig: Sendable, Equatable {
         let authority: HostPort
         let url: String
         var provider = ""
-        /// nil: `keep` for a provider's token (as before `client_credential`), `replace` for a static secret.
+        /// nil: not written, `replace` (issue 31: for a provider's token as for a static secret, logged). Before
+        /// `client_credential` an origin with a provider kept the client's own `Authorization` by default.
         var clientAuthorization: ClientAuthorizationPolicy? = nil
         /// The static secret, for an origin without a provider.
         var secret: SecretSource? = nil
@@ -81,7 +82,7 @@ public struct OriginConfig: Sendable, Equatable {
         _modify { yield &fields.provider }
     }
     public var clientAuthorization: ClientAuthorizationPolicy {
-        get { fields.clientAuthorization ?? (fields.secret == nil ? .keep : .replace) }
+        get { fields.clientAuthorization ?? .replace }
         set { fields.clientAuthorization = newValue }
     }
     /// The static secret this origin gets instead of a provider's token (`secret_file`, `secret_command`,

@@ -123,6 +123,8 @@ public struct ConnectionMachine: Sendable {
         case log(LogLine)
         /// A request ended (an answer of the proxy's own, or a forwarded exchange): for the metrics.
         indirect case requestFinished(RequestOutcome)
+        /// A request was refused for a credential it carried (another origin's placeholder): its audit line.
+        indirect case auditRefusal(RefusedCredentialUse)
     }
 
     // MARK: - State
@@ -580,6 +582,9 @@ public struct ConnectionMachine: Sendable {
         }
         switch MessageSemantics.interceptedRequest(head, for: origin) {
         case .failure(let refusal):
+            if let use = refusal.refusedUse(origin: origin, method: head.method, target: head.target) {
+                out.append(.auditRefusal(use))
+            }
             refuse(head, origin: origin, refusal.answer, &out)
         case .success(let request):
             beginProtected(request, origin: origin, kept: kept, head: head, &out)

@@ -63,6 +63,8 @@ public struct H2Session: Sendable {
         case exchangeFinished(Stream, ExchangeRecord)
         /// A stream the proxy answered itself, for the metrics.
         case requestFinished(RequestOutcome)
+        /// A stream was refused for a credential it carried (another origin's placeholder): its audit line.
+        case auditRefusal(RefusedCredentialUse)
         /// GOAWAY with this code; no new stream is accepted.
         case goaway(H2ErrorCode)
         /// Close the connection once what was submitted is written.
@@ -257,6 +259,9 @@ public struct H2Session: Sendable {
         }
         switch H2Semantics.interceptedRequest(fields, endStream: endStream, for: origin) {
         case .failure(let refusal):
+            if let use = refusal.refusedUse(origin: origin, method: method, target: path) {
+                out.append(.auditRefusal(use))
+            }
             refuse(stream, method: method, path: path, refusal.answer, &out)
         case .success(let request):
             var exchange = ProtectedExchange(

@@ -138,8 +138,8 @@ public enum H2Semantics {
         if let refusal = protected.browserRefusal(fetchSite: fetchSite, origin: initiator, referer: referer) {
             return .failure(.browserRequest(refusal, close: false))
         }
-        if let reason = protected.credentialRefusal(scan) {
-            return .failure(.credentialRefused(reason, close: false))
+        if let refusal = InterceptRefusal.credential(scan, for: protected, close: false) {
+            return .failure(refusal)
         }
         var request = InterceptedRequest(
             method: method, target: path, framing: framing, keepAlive: true, upstreamFields: upstream,

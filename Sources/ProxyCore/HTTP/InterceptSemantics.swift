@@ -60,9 +60,12 @@ public enum InterceptRefusal: Error, Sendable, Equatable {
     /// A web page of another origin made the request (`browser_requests = refuse`): 403, no token. `close`: the
     /// body, if any, was not read.
     case browserRequest(BrowserRefusal, close: Bool)
-    /// A placeholder of another origin, or a credential of the client's own with `client_credential = refuse`:
-    /// 403, nothing sent. `close`: the body, if any, was not read.
+    /// A credential of the client's own with `client_credential = refuse`: 403, nothing sent. `close`: the body, if
+    /// any, was not read.
     case credentialRefused(String, close: Bool)
+    /// A placeholder of another origin, anywhere in the request: 403, nothing sent, and an audit line (a refused
+    /// use of that origin's credential). `close` as above.
+    case placeholderRefused(PlaceholderRefusal, close: Bool)
 
     public var answer: ProxyAnswer {
         switch self {
@@ -71,7 +74,25 @@ public enum InterceptRefusal: Error, Sendable, Equatable {
         case .unsupported(let reason): .unsupported(reason: reason)
         case .browserRequest(let refusal, let close): .browserRequestRefused(refusal, close: close)
         case .credentialRefused(let reason, let close): .credentialRefused(reason: reason, close: close)
+        case .placeholderRefused(let refusal, let close): .credentialRefused(reason: refusal.reason, close: close)
         }
+    }
+
+    /// The refusal of a request whose credential fields `scan` describes, if it is refused
+    /// (`OriginConfig.credentialRefusal`): a placeholder of another origin, or the client's own credential under
+    /// `client_credential = refuse`.
+    static func credential(_ scan: CredentialScan, for protected: OriginConfig, close: Bool) -> InterceptRefusal? {
+        guard let reason = protected.credentialRefusal(scan) else { return nil }
+        if let foreign = scan.foreign {
+            return .placeholderRefused(PlaceholderRefusal(reason: reason, owner: foreign), close: close)
+        }
+        return .credentialRefused(reason, close: close)
+    }
+
+    /// The refused use of another origin's credential this refusal is, for the audit log; nil for other refusals.
+    public func refusedUse(origin: OriginConfig, method: String, target: String) -> RefusedCredentialUse? {
+        guard case .placeholderRefused(let refusal, _) = self else { return nil }
+        return RefusedCredentialUse(origin: origin.url, method: method, target: target, refusal: refusal)
     }
 }
 
@@ -171,8 +192,8 @@ extension MessageSemantics {
         if let refusal = protected.browserRefusal(fetchSite: fetchSite, origin: initiator, referer: referer) {
             return .failure(.browserRequest(refusal, close: framing != .none || !keepAlive))
         }
-        if let reason = protected.credentialRefusal(scan) {
-            return .failure(.credentialRefused(reason, close: framing != .none || !keepAlive))
+        if let refusal = InterceptRefusal.credential(scan, for: protected, close: framing != .none || !keepAlive) {
+            return .failure(refusal)
         }
         var request = InterceptedRequest(
             method: head.method, target: target, framing: framing,

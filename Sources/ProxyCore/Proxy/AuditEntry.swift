@@ -21,12 +21,21 @@ public struct AuditEntry: Sendable, Equatable {
     public var placeholder: Bool
     /// The user whose process sent the request, when the kernel said so.
     public var uid: Int?
+    /// The process that sent it and its executable, where the kernel names them (`ClientProcess`).
+    public var pid: Int?
+    public var executable: String?
     /// The client's address and port.
     public var client: String
+    /// Why the proxy refused the request instead of attaching the credential (`placeholder`: it carried the
+    /// placeholder of `placeholderOf`, exported as `placeholderEnv`); nil for a use.
+    public var refused: String?
+    public var placeholderOf: String?
+    public var placeholderEnv: String?
 
     public init(
         time: Int64, origin: String, method: String, path: String, credential: String, kind: String, status: Int,
-        attempts: Int, refreshed: Bool, replacedClientCredential: Bool, placeholder: Bool, uid: Int?, client: String
+        attempts: Int, refreshed: Bool, replacedClientCredential: Bool, placeholder: Bool, uid: Int?, client: String,
+        process: ClientProcess? = nil
     ) {
         self.time = time
         self.origin = origin
@@ -41,25 +50,49 @@ public struct AuditEntry: Sendable, Equatable {
         self.placeholder = placeholder
         self.uid = uid
         self.client = client
+        pid = process?.pid
+        executable = process?.executable
     }
 
     /// The entry of an exchange in which the proxy attached its credential; nil when it attached none.
-    public init?(_ record: ExchangeRecord, time: Int64, uid: Int?, client: String) {
+    public init?(_ record: ExchangeRecord, time: Int64, uid: Int?, process: ClientProcess? = nil, client: String) {
         guard record.attached else { return nil }
         self.init(
             time: time, origin: record.origin, method: record.method, path: Self.pathOnly(record.target),
             credential: record.provider, kind: record.staticSecret ? "secret" : "token", status: record.status,
             attempts: record.attempts, refreshed: record.refreshed,
             replacedClientCredential: record.clientCredentialReplaced, placeholder: record.placeholderUsed, uid: uid,
-            client: client)
+            client: client, process: process)
     }
 
-    /// The target without its query or fragment (a query may carry a key: `?api_key=...`).
+    /// The entry of a request refused for carrying another origin's placeholder: a refused use (403, nothing
+    /// sent) of that origin's credential, at the origin the request went to. The placeholder is not in it.
+    public init(_ use: RefusedCredentialUse, time: Int64, uid: Int?, process: ClientProcess? = nil, client: String) {
+        let refusal = use.refusal
+        self.init(
+            time: time, origin: use.origin, method: use.method, path: Self.pathOnly(use.target),
+            credential: refusal.credential, kind: refusal.staticSecret ? "secret" : "token", status: 403, attempts: 0,
+            refreshed: false, replacedClientCredential: false, placeholder: true, uid: uid, client: client,
+            process: process)
+        refused = "placeholder"
+        placeholderOf = refusal.origin
+        placeholderEnv = refusal.variable
+    }
+
+    /// The target's path: without its query or fragment (a query may carry a key: `?api_key=...`), and without
+    /// the scheme and authority of an absolute-form target (a request to a loopback `http://` origin).
     public static func pathOnly(_ target: String) -> String {
         var path: [UInt8] = []
         for byte in target.utf8 {
             if byte == UInt8(ascii: "?") || byte == UInt8(ascii: "#") { break }
             path.append(byte)
+        }
+        if path.first != UInt8(ascii: "/"), let colon = path.firstIndex(of: UInt8(ascii: ":")),
+            path[colon...].starts(with: Array("://".utf8))
+        {
+            let authority = colon + 3
+            path = Array(path[(path[authority...].firstIndex(of: UInt8(ascii: "/")) ?? path.endIndex)...])
+            if path.isEmpty { path = [UInt8(ascii: "/")] }
         }
         return String(decoding: path, as: UTF8.self)
     }
@@ -95,7 +128,14 @@ public struct AuditEntry: Sendable, Equatable {
             ("refreshed", .bool(refreshed)), ("client_credential_replaced", .bool(replacedClientCredential)),
             ("placeholder", .bool(placeholder)),
         ]
+        if let refused {
+            members.append(("refused", .string(refused)))
+            if let placeholderOf { members.append(("placeholder_of", .string(placeholderOf))) }
+            if let placeholderEnv { members.append(("placeholder_env", .string(placeholderEnv))) }
+        }
         if let uid { members.append(("uid", .int(Int64(uid)))) }
+        if let pid { members.append(("pid", .int(Int64(pid)))) }
+        if let executable { members.append(("executable", .string(executable))) }
         members.append(("client", .string(client)))
         return JSON.serialize(.object(JSONObject(members)))
     }
@@ -117,11 +157,21 @@ public struct AuditEntry: Sendable, Equatable {
         if case .number(let text)? = object["attempts"] { attempts = Int(text) ?? 1 }
         var client = ""
         if case .string(let given)? = object["client"] { client = given }
-        return AuditEntry(
+        func text(_ key: String) -> String? { if case .string(let value)? = object[key] { value } else { nil } }
+        var process: ClientProcess? = nil
+        if case .number(let text)? = object["pid"] { process = ClientProcess(pid: Int(text), executable: nil) }
+        if let executable = text("executable") {
+            process = ClientProcess(pid: process?.pid, executable: executable)
+        }
+        var entry = AuditEntry(
             time: time, origin: origin, method: method, path: path, credential: credential, kind: kind,
             status: Int(status) ?? 0, attempts: attempts, refreshed: flag("refreshed"),
             replacedClientCredential: flag("client_credential_replaced"), placeholder: flag("placeholder"), uid: uid,
-            client: client)
+            client: client, process: process)
+        entry.refused = text("refused")
+        entry.placeholderOf = text("placeholder_of")
+        entry.placeholderEnv = text("placeholder_env")
+        return entry
     }
 
     /// One line for people.
@@ -130,9 +180,21 @@ public struct AuditEntry: Sendable, Equatable {
         if attempts > 1 { notes.append("attempts=\(attempts)") }
         if refreshed { notes.append("refreshed") }
         if replacedClientCredential { notes.append("client credential replaced") }
-        if placeholder { notes.append("placeholder") }
+        if placeholder && refused == nil { notes.append("placeholder") }
         if let uid { notes.append("uid=\(uid)") }
+        switch (pid, executable) {
+        case (let pid?, let executable?): notes.append("pid=\(pid) \(executable)")
+        case (let pid?, nil): notes.append("pid=\(pid)")
+        case (nil, let executable?): notes.append(executable)
+        case (nil, nil): break
+        }
         let tail = notes.isEmpty ? "" : " (" + notes.joined(separator: ", ") + ")"
-        return "\(Self.timestamp(time)) \(method) \(origin)\(path) \(status) \(kind) \(credential)\(tail)"
+        let start = "\(Self.timestamp(time)) \(method) \(origin)\(path) \(status)"
+        if refused == "placeholder", let placeholderOf {
+            return
+                "\(start) refused: the placeholder of \(placeholderOf) (\(placeholderEnv ?? "?")), for \(kind) \(credential)\(tail)"
+        }
+        if let refused { return "\(start) refused: \(refused), for \(kind) \(credential)\(tail)" }
+        return "\(start) \(kind) \(credential)\(tail)"
     }
 }

@@ -1,4 +1,5 @@
 import CLibevent
+import ProxyCore
 
 #if canImport(Glibc)
     import Glibc
@@ -9,6 +10,13 @@ import CLibevent
 // MARK: - Whose process is on the other end of a TCP connection (Linux: NETLINK_SOCK_DIAG)
 
 extension Platform {
+    /// The client end of an accepted loopback TCP connection, as the kernel names it: the user that owns it and
+    /// the socket's inode (0 when the kernel gave none), by which `socketHolders` finds the process.
+    struct ClientSocket: Equatable {
+        let uid: Int
+        let inode: UInt64
+    }
+
     /// Asks the kernel which user's process holds the other end of accepted loopback TCP connections: one
     /// NETLINK_SOCK_DIAG query per connection, as ss(8) makes, on a netlink socket kept for the lookup's life
     /// (opening one per connection was four more system calls on every new connection). Where the kernel cannot
@@ -20,12 +28,72 @@ extension Platform {
 
         deinit { if link >= 0 { close(link) } }
 
-        /// The uid owning the client end of `fd`, or nil when it is not known (a peer on another machine, no
-        /// netlink, or a system that cannot say).
-        func uid(ofClient fd: Int32) -> Int? {
+        /// The client end of `fd`, or nil when it is not known (a peer on another machine, no netlink, or a
+        /// system that cannot say).
+        func socket(ofClient fd: Int32) -> ClientSocket? {
             guard Platform.namesSocketOwner else { return nil }
-            let uid = proxyctl_tcp_peer_uid(fd, &link, &sequence)
-            return uid < 0 ? nil : Int(uid)
+            var inode: UInt64 = 0
+            let uid = proxyctl_tcp_peer_socket(fd, &link, &sequence, &inode)
+            return uid < 0 ? nil : ClientSocket(uid: Int(uid), inode: inode)
         }
+
+        /// The uid owning the client end of `fd`, or nil when it is not known.
+        func uid(ofClient fd: Int32) -> Int? { socket(ofClient: fd)?.uid }
+    }
+
+    // MARK: - Which processes hold a socket (Linux: /proc/PID/fd)
+
+    /// The processes holding each socket of `inodes` (owned by one of `uids`), as ss(8) -p finds them: for every
+    /// process of those users in /proc, readlink(2) on each entry of its fd directory, compared with `socket:[N]`;
+    /// the executable from /proc/PID/exe. Blocking file-system work: off the loop. Bounded: at most `budget`
+    /// descriptors are read in all (past that the holders found so far are the answer; `ClientProcess.from`
+    /// decides what they name). The proxy's own process is skipped (it holds the other end, not this one).
+    /// Processes of other users are read only if the proxy may (root), and the kernel refuses the rest.
+    /// Elsewhere than Linux: nothing (no /proc; the audit log then has no pid, docs/porting.md).
+    static func socketHolders(inodes: Set<UInt64>, uids: Set<Int>, budget: Int) -> [UInt64: [ClientProcess.Holder]] {
+        var found: [UInt64: [ClientProcess.Holder]] = [:]
+        guard linux, !inodes.isEmpty, let proc = opendir("/proc") else { return found }
+        defer { closedir(proc) }
+        let own = Int(getpid())
+        var remaining = budget
+        var link = [CChar](repeating: 0, count: 64)
+        while remaining > 0, let entry = readdir(proc) {
+            let name = withUnsafeBytes(of: entry.pointee.d_name) { Array($0.prefix { $0 != 0 }) }
+            guard let pid = ClientProcess.pid(directoryName: name), pid != own else { continue }
+            var info = stat()
+            guard fstatat(dirfd(proc), name.map { CChar(bitPattern: $0) } + [0], &info, 0) == 0,
+                uids.contains(Int(info.st_uid)), let fds = opendir("/proc/\(pid)/fd")
+            else { continue }
+            var holds: [UInt64] = []
+            while remaining > 0, let descriptor = readdir(fds) {
+                let fdName = withUnsafeBytes(of: descriptor.pointee.d_name) { Array($0.prefix { $0 != 0 }) }
+                guard fdName.first != UInt8(ascii: ".") else { continue }
+                remaining -= 1
+                let length = link.withUnsafeMutableBufferPointer { buffer in
+                    readlinkat(
+                        dirfd(fds), fdName.map { CChar(bitPattern: $0) } + [0], buffer.baseAddress!, buffer.count)
+                }
+                guard length > 0,
+                    let inode = ClientProcess.socketInode(link: link[..<length].map { UInt8(bitPattern: $0) }),
+                    inodes.contains(inode)
+                else { continue }
+                if !holds.contains(inode) { holds.append(inode) }
+            }
+            closedir(fds)
+            guard !holds.isEmpty else { continue }
+            let executable = readLink("/proc/\(pid)/exe")
+            for inode in holds {
+                found[inode, default: []].append(ClientProcess.Holder(pid: pid, executable: executable))
+            }
+        }
+        return found
+    }
+
+    /// readlink(2) of `path`; nil when it cannot be read.
+    private static func readLink(_ path: String) -> String? {
+        var buffer = [CChar](repeating: 0, count: 4096)
+        let length = buffer.withUnsafeMutableBufferPointer { readlink(path, $0.baseAddress!, $0.count) }
+        guard length > 0, length < buffer.count else { return nil }
+        return String(decoding: buffer[..<length].map { UInt8(bitPattern: $0) }, as: UTF8.self)
     }
 }

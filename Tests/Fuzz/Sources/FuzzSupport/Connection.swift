@@ -308,7 +308,7 @@ struct ConnectionHarness {
                 // After a 101 the transfer ends by itself: its connection is the tunnel's.
                 if record.status == 101 { transferRunning = false }
                 invariant(!transferRunning, "an exchange finished with its transfer running")
-            case .disarm, .readClient, .resolve, .writeResponseBody, .log, .requestFinished:
+            case .disarm, .readClient, .resolve, .writeResponseBody, .log, .requestFinished, .auditRefusal:
                 break
             }
         }

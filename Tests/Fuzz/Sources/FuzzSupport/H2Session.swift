@@ -562,7 +562,7 @@ struct H2Harness {
     private mutating func apply(_ action: Action) {
         if gone {
             switch action {
-            case .log, .exchangeFinished, .requestFinished: break
+            case .log, .exchangeFinished, .requestFinished, .auditRefusal: break
             default: invariant(false, "\(action) after the client went away")
             }
         }
@@ -587,6 +587,8 @@ struct H2Harness {
         case .requestFinished(let outcome):
             invariant(outcome.kind == .intercepted && outcome.proxyError != nil, "counted \(outcome)")
             outcomes += 1
+        case .auditRefusal(let use):
+            invariant(use.refusal.origin != use.origin, "a placeholder refused at its own origin: \(use)")
         case .goaway(let code):
             invariant(code == .noError, "GOAWAY \(code)")
             goaway = true

@@ -239,9 +239,12 @@ private func checkRefusal(
             "refused a tool's request (no Origin, no Sec-Fetch-Site) as a browser's: \(refused.details)")
     case .credentialRefused:
         invariant(response.status == 403, "a credential refusal answered \(response.status)")
+        invariant(protected.clientAuthorization == .refuse, "a client credential refused without refuse")
+    case .placeholderRefused(let refusal, _):
+        invariant(response.status == 403, "a placeholder refusal answered \(response.status)")
         invariant(
-            !protected.placeholders.isEmpty || protected.clientAuthorization == .refuse,
-            "a credential refusal without placeholders or client_credential = refuse")
+            protected.placeholders.entries.contains { $0.origin == refusal.origin && $0.origin != protected.url },
+            "refused for the placeholder of \(refusal.origin), not another origin's placeholder of the table")
     }
 }
 
@@ -251,6 +254,8 @@ private func checkRefusal(
 private let responseOrigin: OriginConfig = {
     var origin = OriginConfig(scheme: "https", authority: HostPort(host: "api.example.com", port: 443, kind: .name))
     origin.provider = "corp"
+    // The harness's request without a token brings its own Authorization, to be kept (replace is the default).
+    origin.clientAuthorization = .keep
     return origin
 }()
 
