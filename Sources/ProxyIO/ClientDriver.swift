@@ -293,6 +293,8 @@ final class ClientDriver: ServerConnection, ExchangeDriver {
 
         case .keepBody(let count):
             keepBody(count)
+        case .requestTrailers(let fields):
+            exchangeIO?.requestTrailers = fields
         case .exchange(let output, let origin):
             exchange(for: origin).perform(output)
         case .writeResponseBody:

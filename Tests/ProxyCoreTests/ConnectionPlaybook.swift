@@ -236,7 +236,7 @@ struct Playbook {
             case .exchange(.send(let request), _):
                 sent = request
                 notable.append(action)
-            case .resolve, .exchange, .writeResponseBody, .exchangeFinished:
+            case .resolve, .exchange, .writeResponseBody, .exchangeFinished, .requestTrailers:
                 notable.append(action)
             }
         }

@@ -286,9 +286,38 @@ import Testing
         #expect(Self.sends(p.next()).first?.body == .streaming, "chunked stays chunked")
         #expect(p.keptBody == Array("abc".utf8))
         p.client("2\r\nde\r\n0\r\nX-Trailer: 1\r\n\r\n")
-        #expect(Self.outputs(p.next()) == [.bodyEnded])
+        let actions = p.next()
+        #expect(Self.outputs(actions) == [.bodyEnded])
+        #expect(actions.first == .requestTrailers([H2Field("X-Trailer", "1")]), "the trailers go before the end")
         #expect(p.keptBody == Array("abcde".utf8))
         #expect(p.clientIn.isEmpty)
+    }
+
+    /// RFC 9112 §7.1.2: a chunked request's trailer fields reach the origin with the last chunk (once dropped on the
+    /// way to a protected origin); arriving a byte at a time changes nothing, and those a trailer must not carry
+    /// are left out where the last chunk is written (`ChunkedFraming.last`).
+    @Test func aChunkedRequestsTrailersGoOnToTheOrigin() {
+        let body = "3\r\nabc\r\n0\r\nx-checksum: sha256=1\r\nHost: evil.test\r\ngrpc-timeout: 1S\r\n\r\n"
+        for split in [false, true] {
+            var p = Self.tunnel()
+            p.client("POST /t HTTP/1.1\r\nHost: api.test\r\nTransfer-Encoding: chunked\r\n\r\n")
+            var actions: [Playbook.Action] = []
+            if split {
+                for byte in body.utf8 {
+                    p.client([byte])
+                    actions += p.next()
+                }
+            } else {
+                p.client(body)
+                actions = p.next()
+            }
+            let trailers = actions.compactMap { if case .requestTrailers(let fields) = $0 { fields } else { nil } }
+            let read = [H2Field("x-checksum", "sha256=1"), H2Field("Host", "evil.test"), H2Field("grpc-timeout", "1S")]
+            #expect(trailers == [read], "split: \(split)")
+            #expect(
+                String(decoding: ChunkedFraming.last(trailers: read), as: UTF8.self)
+                    == "0\r\nx-checksum: sha256=1\r\ngrpc-timeout: 1S\r\n\r\n")
+        }
     }
 
     @Test func aContentLengthStaysAContentLength() {

@@ -246,6 +246,25 @@ def test_request_trailers_and_response_trailers_cross_in_http2(deployment, origi
     assert response.trailers["x-checksum"] == hashlib.sha256(response.body).hexdigest()
 
 
+def test_an_http1_clients_request_trailers_reach_the_origin(deployment, origin):
+    """RFC 9112 §7.1.2: the trailer fields of an HTTP/1.1 client's chunked request reach the origin with the body
+    (they were dropped on the way to a protected origin), read as field lines are; those a trailer must not carry
+    (Host, framing) do not travel."""
+    client = Http1Client(deployment, origin)
+    try:
+        client.tls.sendall(
+            f"POST /echo-trailers-h1 HTTP/1.1\r\nHost: {origin.authority}\r\nTransfer-Encoding: chunked\r\n"
+            "TE: trailers\r\n\r\n7\r\npart-1,\r\n6\r\npart-2\r\n0\r\nx-request-sum: abc\r\n"
+            "Host: evil.test\r\nx-second: 2\r\n\r\n".encode())
+        answer = client.reader.read_response("POST")
+    finally:
+        client.close()
+    assert answer.status == 200, answer
+    info = json.loads(answer.body)
+    assert info["body_size"] == 13, info
+    assert info["trailers"] == {"x-request-sum": "abc", "x-second": "2"}, info
+
+
 @pytest.mark.parametrize("side", CLIENTS)
 def test_an_origin_that_breaks_http2_is_named_for_it(deployment, broken, side):
     """The proxy's HTTP/2 client ends a connection whose first frame is not SETTINGS (GOAWAY PROTOCOL_ERROR) and

@@ -60,7 +60,13 @@ extension ConnectionMachine {
                 if scanner.pendingData == 0 {
                     var consumed = 0
                     client.forEachSegment(from: clientOffset) { segment in
+                        let before = scanner.position
                         let (taken, outcome) = scanner.scanFraming(segment)
+                        if let start = scanner.trailerStart, start < before + UInt64(taken) {
+                            // Bytes of the trailer section (its lines, then the blank line that ends the body).
+                            let from = start > before ? Int(start - before) : 0
+                            intercepting.body.trailerSection += UnsafeRawBufferPointer(rebasing: segment[from..<taken])
+                        }
                         consumed += taken
                         if case .failed(let error) = outcome {
                             failure = error
@@ -74,7 +80,18 @@ extension ConnectionMachine {
                     }
                     intercepting.body.chunks = scanner
                     if failure != nil { break }
-                    if scanner.isFinished { intercepting.body.done = true }
+                    if scanner.isFinished {
+                        intercepting.body.done = true
+                        // The fields, read as a head's are: what goes on with the last chunk to the origin
+                        // (`ChunkedFraming.last` leaves out those a trailer must not carry).
+                        let section = intercepting.body.trailerSection
+                        if section.count > 2 {
+                            let fields = HTTPHeadParser.trailerFields(
+                                Array(section.dropLast(2)), limits: settings.headLimits)
+                            if !fields.isEmpty { out.append(.requestTrailers(fields)) }
+                        }
+                        intercepting.body.trailerSection = []
+                    }
                     continue
                 }
                 let count = Int(min(scanner.pendingData, UInt64(available)))

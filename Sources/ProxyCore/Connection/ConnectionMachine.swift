@@ -111,6 +111,8 @@ public struct ConnectionMachine: Sendable {
         // The exchange with a protected origin
         /// Copy this many bytes from the client's input into the request body kept for replay.
         case keepBody(Int)
+        /// The trailer fields of the request's chunked body (RFC 9112 §7.1.2), for the last chunk to the origin.
+        case requestTrailers([H2Field])
         /// An action of the exchange with `origin` the I/O layer carries out as it is (tokens, the transfer,
         /// notices).
         indirect case exchange(ProtectedExchange.Output, OriginConfig)
@@ -224,6 +226,8 @@ public struct ConnectionMachine: Sendable {
         var remaining: UInt64
         var chunks: ChunkedScanner?
         var done: Bool
+        /// A chunked body's trailer section as it came (bounded by `ChunkedScanner.maxTrailers`).
+        var trailerSection: [UInt8] = []
 
         init(_ framing: BodyFraming) {
             switch framing {

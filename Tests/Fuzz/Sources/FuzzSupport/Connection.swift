@@ -308,6 +308,8 @@ struct ConnectionHarness {
                 // After a 101 the transfer ends by itself: its connection is the tunnel's.
                 if record.status == 101 { transferRunning = false }
                 invariant(!transferRunning, "an exchange finished with its transfer running")
+            case .requestTrailers(let fields):
+                invariant(!fields.isEmpty, "empty request trailers")
             case .disarm, .readClient, .resolve, .writeResponseBody, .log, .requestFinished, .auditRefusal:
                 break
             }
