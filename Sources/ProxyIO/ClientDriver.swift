@@ -1,4 +1,3 @@
-import CCurl
 import CLibevent
 import COpenSSL
 import ProxyCore
@@ -18,9 +17,9 @@ import ProxyTLS
 
 /// Runs one client connection's `ConnectionMachine` on libevent: plain sockets and TLS-terminated ones
 /// alike (the bufferevent differs, the machine does not). It reports what happens as events, and carries
-/// out the actions: bytes between buffers, the upstream connection of a forwarded request or an upgrade,
-/// timers, the exchange with a protected origin (its `ExchangeIO`, whose transfer runs on the proxy's own
-/// client), tunnels, logs.
+/// out the actions: bytes between buffers, the upstream connection of a forwarded request, timers, the exchange
+/// with a protected origin (its `ExchangeIO`, whose transfer runs on the proxy's own client; after a 101 to an
+/// upgrade, that transfer's connection becomes the tunnel's), tunnels, logs.
 ///
 /// It decides nothing about HTTP. What it does decide is mechanics: flow control (a reader is paused while
 /// the buffer toward its destination holds more than `highWater` bytes).

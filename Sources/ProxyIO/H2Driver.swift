@@ -1,4 +1,3 @@
-import CCurl
 import CLibevent
 import CNghttp2
 import COpenSSL
