@@ -173,7 +173,10 @@ def test_a_placeholder_sent_to_another_origin_is_refused(setup, http, where):
     assert entry["refused"] == "placeholder" and entry["placeholder_of"] == f"https://{KEYS}:{keys.port}", entry
     assert entry["placeholder_env"] == "KEYS_API_KEY" and entry["kind"] == "secret", entry
     assert entry["credential"].startswith("secret_file:") and entry["attempts"] == 0, entry
-    assert entry["executable"] == CURL, entry
+    # The client's process, where the kernel still said: curl may have gone (the 403 comes at once) before the scan
+    # of /proc for its socket ran, and then the line names no process rather than a wrong one
+    # (test_the_audit_line_names_the_clients_process_as_the_kernel_says checks that it is named).
+    assert entry.get("executable", CURL) == CURL, entry
     audit = (setup["ws"].state / "audit.log").read_text()
     assert placeholder not in audit and "?key" not in audit
     text = setup["ws"].cli("audit", "--origin", f"https://{VAULT}:{vault.port}").stdout

@@ -58,7 +58,7 @@ extension Platform {
         var remaining = budget
         var link = [CChar](repeating: 0, count: 64)
         while remaining > 0, let entry = readdir(proc) {
-            let name = withUnsafeBytes(of: entry.pointee.d_name) { Array($0.prefix { $0 != 0 }) }
+            let name = entryName(entry)
             guard let pid = ClientProcess.pid(directoryName: name), pid != own else { continue }
             var info = stat()
             guard fstatat(dirfd(proc), name.map { CChar(bitPattern: $0) } + [0], &info, 0) == 0,
@@ -66,7 +66,7 @@ extension Platform {
             else { continue }
             var holds: [UInt64] = []
             while remaining > 0, let descriptor = readdir(fds) {
-                let fdName = withUnsafeBytes(of: descriptor.pointee.d_name) { Array($0.prefix { $0 != 0 }) }
+                let fdName = entryName(descriptor)
                 guard fdName.first != UInt8(ascii: ".") else { continue }
                 remaining -= 1
                 let length = link.withUnsafeMutableBufferPointer { buffer in
@@ -87,6 +87,16 @@ extension Platform {
             }
         }
         return found
+    }
+
+    /// The name of a directory entry readdir(3) returned. Read where it lies, up to its NUL: `d_name` is declared
+    /// 256 bytes long, but the kernel's record is only as long as the name, so copying the field (as
+    /// `entry.pointee.d_name` does) reads past the end of the last record in readdir's buffer (AddressSanitizer
+    /// caught it: heap-buffer-overflow, 2 bytes past a 32 KiB DIR buffer).
+    private static func entryName(_ entry: UnsafeMutablePointer<dirent>) -> [UInt8] {
+        let offset = MemoryLayout<dirent>.offset(of: \.d_name)!
+        let start = (UnsafeRawPointer(entry) + offset).assumingMemoryBound(to: CChar.self)
+        return Array(UnsafeRawBufferPointer(start: start, count: strlen(start)))
     }
 
     /// readlink(2) of `path`; nil when it cannot be read.
