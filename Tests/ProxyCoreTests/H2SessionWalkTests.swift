@@ -1,4 +1,3 @@
-import Dispatch
 import Testing
 
 @testable import ProxyCore
@@ -285,14 +284,5 @@ import Testing
             return
         }
         #expect(streamsSeen > 2_500, "\(streamsSeen) streams")
-    }
-}
-
-/// Runs a walk on a thread of its own rather than on Swift's cooperative pool: the walks take about 12
-/// CPU-seconds, and on a 2-core machine they held both of the pool's threads, so a task another test started
-/// could wait 10 s before it first ran (TokenManagerFaultTests failed that way once).
-func offThePool<T: Sendable>(_ work: @escaping @Sendable () -> T) async -> T {
-    await withCheckedContinuation { continuation in
-        DispatchQueue.global().async { continuation.resume(returning: work()) }
     }
 }

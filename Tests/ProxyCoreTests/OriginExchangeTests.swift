@@ -295,7 +295,13 @@ import Testing
 
     /// Every sequence of up to five events from every point: one finish at most, nothing after it, a write
     /// only on a connection, one connection at a time, a second connect only for an idempotent method.
-    @Test(arguments: ["GET", "POST"]) func everySequenceKeepsTheInvariants(method: String) {
+    @Test(arguments: ["GET", "POST"]) func everySequenceKeepsTheInvariants(method: String) async {
+        let broken = await offThePool { Self.firstBrokenSequence(method: method) }
+        #expect(broken == nil, "\(broken ?? "")")
+    }
+
+    /// The walk of `everySequenceKeepsTheInvariants`: the first sequence that breaks a rule, or nil.
+    static func firstBrokenSequence(method: String) -> String? {
         let alphabet: [Step] = [
             .event(.connected(reused: true)), .event(.connected(reused: false)), .event(.closed),
             .event(.broken(detail: "x")), .event(.timerFired(idle: 1)), .event(.timerFired(idle: 9000)),
@@ -351,9 +357,9 @@ import Testing
                     && out[(after + 1)...].allSatisfy { if case .release = $0 { true } else { false } }
             }
             valid = valid && connects <= (method == "GET" ? 2 : 1)
-            #expect(valid, "\(sequence.map { "\(alphabet[$0])" })")
-            if !valid { return }
+            if !valid { return "\(sequence.map { "\(alphabet[$0])" })" }
         }
+        return nil
     }
 
     @Test func theBodysFramingAndWhetherTheRequestMayGoTwice() {
@@ -485,7 +491,13 @@ import Testing
     @Test(arguments: [
         ("GET", OriginExchange.Body.none), ("POST", .length(3)), ("POST", .chunked), ("PUT", .none),
     ])
-    func everySequenceWithABodyKeepsTheInvariants(method: String, body: OriginExchange.Body) {
+    func everySequenceWithABodyKeepsTheInvariants(method: String, body: OriginExchange.Body) async {
+        let broken = await offThePool { Self.firstBrokenSequenceWithABody(method: method, body: body) }
+        #expect(broken == nil, "\(broken ?? "")")
+    }
+
+    /// The walk of `everySequenceWithABodyKeepsTheInvariants`: the first sequence that breaks a rule, or nil.
+    static func firstBrokenSequenceWithABody(method: String, body: OriginExchange.Body) -> String? {
         let alphabet: [Step] = [
             .event(.connected(reused: true)), .event(.connected(reused: false)), .event(.closed),
             .event(.broken(detail: "x")), .event(.timerFired(idle: 9000)), .event(.cancel),
@@ -552,9 +564,9 @@ import Testing
                 out += step
             }
             valid = valid && connects - 1 <= (mayResend ? 2 : 1)
-            #expect(valid, "\(sequence.map { "\(alphabet[$0])" })")
-            if !valid { return }
+            if !valid { return "\(sequence.map { "\(alphabet[$0])" })" }
         }
+        return nil
     }
 }
 
@@ -707,7 +719,13 @@ import Testing
     /// Every sequence of up to five stream events: one finish at most, a stream opened only on a connection, at
     /// most two streams, the second only after a refusal or for a request RetryPolicy lets go again.
     @Test(arguments: [("GET", OriginExchange.Body.none), ("POST", .length(3)), ("PATCH", .none)])
-    func everySequenceKeepsTheInvariants(method: String, body: OriginExchange.Body) {
+    func everySequenceKeepsTheInvariants(method: String, body: OriginExchange.Body) async {
+        let broken = await offThePool { Self.firstBrokenSequence(method: method, body: body) }
+        #expect(broken == nil, "\(broken ?? "")")
+    }
+
+    /// The walk of `everySequenceKeepsTheInvariants`: the first sequence that breaks a rule, or nil.
+    static func firstBrokenSequence(method: String, body: OriginExchange.Body) -> String? {
         let alphabet: [Step] = [
             .event(.connected(reused: true, http2: true)), .event(.connected(reused: false, http2: true)),
             .event(.streamHead(Self.ok)), .event(.streamHead([H2Field(":status", "100")])), .data("x"),
@@ -765,9 +783,9 @@ import Testing
                 }
             }
             valid = valid && submits <= 2 && (submits < 2 || mayResend || refusals > 0)
-            #expect(valid, "\(sequence.map { "\(alphabet[$0])" })")
-            if !valid { return }
+            if !valid { return "\(sequence.map { "\(alphabet[$0])" })" }
         }
+        return nil
     }
 }
 

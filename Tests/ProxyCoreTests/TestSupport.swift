@@ -1,3 +1,4 @@
+import Foundation
 import Testing
 
 @testable import ProxyCore
@@ -79,5 +80,33 @@ func parseHead(
     case .failed(let error):
         Issue.record("head did not parse: \(error)", sourceLocation: sourceLocation)
         throw TestSetupError(description: "head did not parse: \(error)")
+    }
+}
+
+/// Runs CPU-bound work (an exhaustive walk) on a thread of its own, outside Swift's cooperative pool and
+/// behind it for the cores, and returns its result.
+///
+/// The pool has one thread per core and takes jobs in order. A synchronous walk on it holds a thread for
+/// seconds, and every task another test starts meanwhile (a token refresh in ProxyOAuthTests) waits behind
+/// it; on a 2-core machine two walks held the whole pool, refreshes outlived their 30 s `token_timeout`
+/// without having run, and five tests failed with "has not answered the token refresh ... in 30s". On Linux
+/// `DispatchQueue.global()` is no way out: the Swift runtime enqueues its jobs on that same default-QoS root
+/// queue. A thread of its own is, but a dozen walks in parallel would then take the cores from the pool, so
+/// the thread runs at nice 19 (Linux keeps the nice value per thread): the walks get what the rest of the
+/// suite leaves.
+///
+/// A test whose work takes more than a fraction of a second of CPU without an `await` belongs here. `work`
+/// records no issues (it runs outside the test's task): it returns what the test then checks.
+func offThePool<T: Sendable>(_ work: @escaping @Sendable () -> T) async -> T {
+    await withCheckedContinuation { continuation in
+        let thread = Thread {
+            #if os(Linux)
+                _ = setpriority(__priority_which_t(PRIO_PROCESS.rawValue), 0, 19)
+            #endif
+            continuation.resume(returning: work())
+        }
+        thread.qualityOfService = .background
+        thread.stackSize = 8 << 20
+        thread.start()
     }
 }

@@ -571,9 +571,10 @@ private final class Latch: Sendable {
     }
 }
 
-/// Polls `condition` every 10 ms for up to 60 s. A liveness wait, not a timing check: on a 2-core machine the
-/// exhaustive walks of the debug build (`H2SessionWalk`, about 9 s of CPU) hold the cooperative threads, and a
-/// task started by a test can wait that long before it first runs (10 s was exceeded once, 2026-12-02).
+/// Polls `condition` every 10 ms for up to 60 s. A liveness wait, not a timing check: on a busy 2-core machine
+/// a task started by a test can wait seconds before it first runs (10 s was exceeded once, 2026-12-02, while the
+/// exhaustive walks of ProxyCoreTests still held the cooperative threads; they run on threads of their own
+/// now, see `offThePool` there).
 private func pollUntil(_ condition: () throws -> Bool) async throws {
     let deadline = ContinuousClock.now + .seconds(60)
     while try !condition() {
