@@ -38,7 +38,7 @@ private struct Harness {
 
     init(
         initial: TokenSet? = storedTokens(issuedAt: start - 3700, expiresAt: start - 100),
-        delay: Duration = .zero, tokenTimeout: Int = 30_000,
+        delay: Duration = .zero, tokenTimeout: Int = unhurriedTokenTimeout,
         tokenReply: @escaping @Sendable (FakeProvider.TokenRequest) async throws -> HTTPResponse
     ) async throws {
         temporary = try TemporaryDirectory()
