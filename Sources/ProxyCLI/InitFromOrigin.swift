@@ -246,25 +246,16 @@ extension InitCommand {
             registrationReport.append("client: the Client ID Metadata Document \(url)")
         case .register(let endpoint):
             let device = metadata.deviceAuthorizationEndpoint != nil
-            var request = ClientRegistrationRequest(
+            let request = ClientRegistrationRequest(
                 redirectURI: redirect.uri, device: device, scopes: scopes, dpopBound: dpop)
             context.err("Registering \(request.summary) at \(TargetText.withoutQuery(endpoint)) ...")
-            var registration: ClientRegistration
+            let registration: ClientRegistration
             do {
-                do {
-                    registration = try runBlocking { [request] in
-                        try await discovery.register(request, at: endpoint, issuer: issuer)
-                    }
-                } catch let refused as OriginDiscovery.RegistrationRefused
-                    where device && refused.error?.error == "invalid_client_metadata"
-                {
-                    // glewlwyd 2.7.5 lists urn:ietf:params:oauth:grant-type:device_code in grant_types_supported
-                    // and refuses it in a registration (it wants a name of its own): once more without it.
-                    request = ClientRegistrationRequest(
-                        redirectURI: redirect.uri, device: false, scopes: scopes, dpopBound: dpop)
-                    registration = try runBlocking { [request] in
-                        try await discovery.register(request, at: endpoint, issuer: issuer)
-                    }
+                let made = try runBlocking {
+                    try await discovery.registerDroppingRefusedDeviceGrant(request, at: endpoint, issuer: issuer)
+                }
+                registration = made.registration
+                if let refused = made.deviceRefused {
                     registrationReport.append(
                         "device flow: \(issuer) refused the device grant in the registration (\(refused.description)); browser sign-in only"
                     )

@@ -341,28 +341,17 @@ extension LoginCommand {
         }
         let device = metadata.deviceAuthorizationEndpoint != nil
         let dpop = provider.tokenBinding == .dpop
-        var request = ClientRegistrationRequest(
+        let request = ClientRegistrationRequest(
             redirectURI: chosen.uri, device: device, scopes: provider.scopes, dpopBound: dpop)
         let discovery = OriginDiscovery(
             fetcher: MetadataFetcher(transport: environment.transport, caFile: provider.caFile))
         let issuer = provider.issuer
         context.err("Registering \(request.summary) at \(TargetText.withoutQuery(endpoint)) ...")
-        var registration: ClientRegistration
+        let registration: ClientRegistration
         do {
-            do {
-                registration = try runBlocking { [request] in
-                    try await discovery.register(request, at: endpoint, issuer: issuer)
-                }
-            } catch let refused as OriginDiscovery.RegistrationRefused
-                where device && refused.error?.error == "invalid_client_metadata"
-            {
-                // As init: glewlwyd 2.7.5 refuses the device grant it lists; once more without it.
-                request = ClientRegistrationRequest(
-                    redirectURI: chosen.uri, device: false, scopes: provider.scopes, dpopBound: dpop)
-                registration = try runBlocking { [request] in
-                    try await discovery.register(request, at: endpoint, issuer: issuer)
-                }
-            }
+            registration = try runBlocking {
+                try await discovery.registerDroppingRefusedDeviceGrant(request, at: endpoint, issuer: issuer)
+            }.registration
         } catch let refused as OriginDiscovery.RegistrationRefused {
             throw CommandFailure(
                 message:

@@ -213,6 +213,23 @@ public struct OriginDiscovery: Sendable {
     }
 
     /// Registers `request` at `endpoint` (RFC 7591 §3.1).
+    /// `register`, once more without the device grant when the provider refused the request for its metadata
+    /// while the request asked for that grant: glewlwyd 2.7.5 lists urn:ietf:params:oauth:grant-type:device_code in
+    /// grant_types_supported and refuses it in a registration (it wants a name of its own). The refusal that
+    /// dropped the grant comes back with the registration (nil when the first request was taken).
+    public func registerDroppingRefusedDeviceGrant(
+        _ request: ClientRegistrationRequest, at endpoint: String, issuer: String
+    ) async throws -> (registration: ClientRegistration, deviceRefused: RegistrationRefused?) {
+        let device = request.grantTypes.contains(ClientRegistrationRequest.deviceGrant)
+        do {
+            return (try await register(request, at: endpoint, issuer: issuer), nil)
+        } catch let refused as RegistrationRefused where device && refused.error?.error == "invalid_client_metadata" {
+            var without = request
+            without.grantTypes.removeAll { $0 == ClientRegistrationRequest.deviceGrant }
+            return (try await register(without, at: endpoint, issuer: issuer), refused)
+        }
+    }
+
     public func register(
         _ request: ClientRegistrationRequest, at endpoint: String, issuer: String
     ) async throws -> ClientRegistration {
