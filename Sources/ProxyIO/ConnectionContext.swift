@@ -133,6 +133,27 @@ protocol ConnectionOwner: AnyObject {
 }
 
 /// A connection the server keeps track of: a client connection, an intercepted TLS session, or a tunnel.
+/// Who a client connection is, for its log lines, counts and audit records; what takes the connection over (a
+/// tunnel, the TLS session of an interception, HTTP/2) goes on under the same names.
+struct ConnectionIdentity {
+    let id: UInt64
+    /// The client as the log names it (address and port).
+    let peer: String
+    /// The client's address (without the port).
+    let client: String
+    /// When the driver took the connection.
+    let started: Int64
+}
+
+/// Queued events for a driver's machine: one is handled at a time, and the ones raised meanwhile (by its actions,
+/// by callbacks inside them) wait behind it, so the views the machine saw stay valid; `actions` is the array the
+/// machine writes its actions into, reused.
+struct MachineQueue<Event, Action> {
+    var handling = false
+    var events: [Event] = []
+    var actions: [Action] = []
+}
+
 protocol ServerConnection: AnyObject {
     /// The client's address (without the port), for `max_connections_per_client`.
     var clientAddress: String { get }

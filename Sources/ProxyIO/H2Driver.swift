@@ -23,295 +23,178 @@ import ProxyTLS
 /// buffer is below the high-water mark.
 final class H2Driver: ServerConnection, ExchangeDriver {
     let context: ConnectionContext
-    let id: UInt64
-    let peer: String
-    let clientAddress: String
+    let identity: ConnectionIdentity
     private var machine: H2Session
     private var client: OpaquePointer?
-    private var session: OpaquePointer?
+    private var frames: H2ServerSession?
     private var streams = StreamTable()
-    private var timers: [ConnectionTimer: LoopTimer] = [:]
+    private var timers = TimerSlots()
     private var lastActivity: Int64
-    private let started: Int64
-    private var closed = false
-    private var closingAfterFlush = false
-    /// The last frame went out and the sending side is shut: input is read and dropped until the client closes
-    /// (or `lingerTimer` fires). See `LingeringClose`.
-    private var lingering = false
-    private var lingerTimer: LoopTimer?
-    /// Bounds the wait for a client that stops reading while the last responses are still going out.
-    private var flushDeadline: LoopTimer?
-    /// Events raised inside nghttp2's callbacks (or while actions run) wait until the current call returned.
-    private var queued: [H2Session.Event] = []
+    private var phase = ClosePhase.open
     /// What this connection's request bodies keep for replays, of the process's budget.
     private lazy var replay = ReplayAccount(context.replayBudget)
-    private var handling = false
-    private var actions: [H2Session.Action] = []
-    private var afterHandling: [() -> Void] = []
+    /// Events raised inside nghttp2's callbacks (or while actions run) wait until the current call returned.
+    private var queue = MachineQueue<H2Session.Event, H2Session.Action>()
     /// Runs `flush` at the end of the loop's pass (`flushSoon`).
     private lazy var flushTask = LoopTimer(loop: context.loop) { [unowned self] in flush() }
-
-    /// The per-stream state the I/O needs: the body store, the transfer, the response bytes waiting for the
-    /// client's flow-control window.
-    final class StreamIO {
-        let id: Int32
-        var fields: [H2Field] = []
-        var fieldBytes = 0
-        /// Why the header block being received is over the limits (its further fields are not kept).
-        var overLimit: String?
-        /// The stream's exchange with the origin (its body, tokens and transfer): from its request head on.
-        var exchange: ExchangeIO?
-        /// Bytes of the request body received but not yet acknowledged to the client (flow control).
-        var unacknowledged = 0
-        /// Response bytes waiting for the client's window: a chain of blocks, so what the client took is freed
-        /// as it goes (an array with a start offset grew by every byte taken while bytes were left in it).
-        let pending = evbuffer_new()!
-        var responseEnded = false
-        var trailers: [H2Field] = []
-        /// The data provider returned NGHTTP2_ERR_DEFERRED: resume it when bytes come.
-        var deferred = false
-        /// nghttp2 closed the stream.
-        var closed = false
-        /// An exchange runs for the stream (from its first action to `exchangeFinished`).
-        var inExchange = false
-        /// A WebSocket stream: our end of the pair whose other end an HTTP/1.1 `ClientDriver` reads.
-        var tunnel: TunnelEnd?
-        /// The machine wants no more of the request body (`dropRequestBody`).
-        var bodyUnwanted = false
-
-        init(id: Int32) { self.id = id }
-
-        deinit { evbuffer_free(pending) }
-
-        var pendingCount: Int { evbuffer_get_length(pending) }
-    }
+    /// The response bytes of the transfer's current callback (`.writeBody` takes them).
+    private var transferData: UnsafeRawBufferPointer?
 
     init(
         context: ConnectionContext, id: UInt64, peer: String, client clientAddress: String, origin: OriginConfig,
         bufferevent: OpaquePointer, misdirected: String?
     ) {
         self.context = context
-        self.id = id
-        self.peer = peer
-        self.clientAddress = clientAddress
-        self.started = EventLoop.monotonicMilliseconds()
-        self.lastActivity = started
+        self.identity = ConnectionIdentity(
+            id: id, peer: peer, client: clientAddress, started: EventLoop.monotonicMilliseconds())
+        self.lastActivity = identity.started
         self.client = bufferevent
         machine = H2Session(
             origin: origin, frontDoor: context.frontDoor, misdirected: misdirected,
             keySeed: UInt64.random(in: 1...UInt64.max))
-        setUpSession()
+        frames = H2ServerSession(driver: self, settings: context.settings)
     }
 
     /// Starts serving, once the server's table holds this connection.
     func begin() {
         guard let client else { return }
-        bufferevent_setcb(client, h2ReadCallback, h2WriteCallback, h2EventCallback, contextPointer)
+        guard frames != nil else {
+            context.logger.error("conn=\(id) cannot set up HTTP/2")
+            return close()
+        }
+        bufferevent_setcb(
+            client, h2ReadCallback, h2WriteCallback, h2EventCallback, Unmanaged.passUnretained(self).toOpaque())
         bufferevent_enable(client, Int16(EV_READ | EV_WRITE))
-        actions.removeAll(keepingCapacity: true)
-        machine.start(now: started, &actions)
-        run(actions)
+        queue.actions.removeAll(keepingCapacity: true)
+        machine.start(now: identity.started, &queue.actions)
+        run(queue.actions)
         // The client's connection preface may have come with the handshake.
         readable()
     }
 
-    deinit {
-        if let session { nghttp2_session_del(session) }
-    }
-
-    private var contextPointer: UnsafeMutableRawPointer { Unmanaged.passUnretained(self).toOpaque() }
-
-    /// The server side of nghttp2, with the limits of the known HTTP/2 denial-of-service shapes set.
-    private func setUpSession() {
-        var callbacks: OpaquePointer?
-        nghttp2_session_callbacks_new(&callbacks)
-        defer { nghttp2_session_callbacks_del(callbacks) }
-        nghttp2_session_callbacks_set_on_begin_headers_callback(callbacks, h2BeginHeaders)
-        nghttp2_session_callbacks_set_on_header_callback(callbacks, h2Header)
-        nghttp2_session_callbacks_set_on_frame_recv_callback(callbacks, h2FrameReceived)
-        nghttp2_session_callbacks_set_on_data_chunk_recv_callback(callbacks, h2DataChunk)
-        nghttp2_session_callbacks_set_on_stream_close_callback(callbacks, h2StreamClosed)
-        var option: OpaquePointer?
-        nghttp2_option_new(&option)
-        defer { nghttp2_option_del(option) }
-        // Window updates are sent once a body's bytes are kept or taken by the transfer (end-to-end flow
-        // control), not when they arrive.
-        nghttp2_option_set_no_auto_window_update(option, 1)
-        // Rapid reset (CVE-2023-44487): a token bucket of RST_STREAMs, then GOAWAY.
-        nghttp2_option_set_stream_reset_rate_limit(option, H2Limits.resetBurst, H2Limits.resetRate)
-        // CONTINUATION flood (CVE-2024-27316 and kin): at most this many CONTINUATION frames per header block.
-        nghttp2_option_set_max_continuations(option, H2Limits.maxContinuations)
-        // PING and SETTINGS floods: ACKs queued but unwritten (a client that does not read) end the session.
-        nghttp2_option_set_max_outbound_ack(option, H2Limits.maxOutboundAcks)
-        nghttp2_option_set_max_settings(option, H2Limits.maxSettings)
-        nghttp2_session_server_new2(&session, callbacks, contextPointer, option)
-        let settings = context.settings
-        var entries = [
-            nghttp2_settings_entry(
-                settings_id: Int32(NGHTTP2_SETTINGS_MAX_CONCURRENT_STREAMS.rawValue),
-                value: UInt32(H2Limits.maxConcurrentStreams)),
-            nghttp2_settings_entry(
-                settings_id: Int32(NGHTTP2_SETTINGS_MAX_HEADER_LIST_SIZE.rawValue),
-                value: UInt32(settings.headLimits.maxHeadBytes)),
-            nghttp2_settings_entry(
-                settings_id: Int32(NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE.rawValue), value: UInt32(H2Limits.streamWindow)),
-            // RFC 8441: WebSocket over HTTP/2 (extended CONNECT with :protocol).
-            nghttp2_settings_entry(settings_id: Int32(NGHTTP2_SETTINGS_ENABLE_CONNECT_PROTOCOL.rawValue), value: 1),
-        ]
-        nghttp2_submit_settings(session, UInt8(NGHTTP2_FLAG_NONE.rawValue), &entries, entries.count)
-        // The connection's own window: room for several streams' bodies in flight.
-        nghttp2_session_set_local_window_size(session, UInt8(NGHTTP2_FLAG_NONE.rawValue), 0, H2Limits.connectionWindow)
-    }
+    var id: UInt64 { identity.id }
+    var peer: String { identity.peer }
+    var clientAddress: String { identity.client }
 
     var isIdle: Bool { machine.isIdle }
 
     // MARK: - Bytes from the client
 
     fileprivate func readable() {
-        guard !closed, let client else { return }
+        guard !phase.isClosed, let client else { return }
         lastActivity = EventLoop.monotonicMilliseconds()
         let input = bufferevent_get_input(client)
-        if lingering {
+        if phase.isLingering {
             evbuffer_drain(input, Buffers.length(input))
             return
         }
-        while Buffers.length(input) > 0 && !closed {
+        while Buffers.length(input) > 0 && !phase.isClosed {
             var consumed = 0
             Buffers.forEachSegment(input) { segment in
-                guard !closed, let taken = receive(segment) else { return false }
+                guard !phase.isClosed, let taken = receive(segment) else { return false }
                 consumed += taken
                 return true
             }
             // Closed (a connection error, or an event of the frames): the bufferevent went with `input`.
-            if closed { return }
+            if phase.isClosed { return }
             evbuffer_drain(input, consumed)
             if consumed == 0 { break }
         }
-        if Buffers.length(input) == 0 { readRecordsLeft() }
+        if Buffers.length(input) == 0, let ssl = bufferevent_openssl_get_ssl(client) {
+            // libevent's OpenSSL bufferevent reads one record per pass of the loop, and a client's frames come in
+            // many small records (a request's HEADERS is one): the rest now, a pass's worth at most.
+            let ended = TLSSocket.readRecordsLeft(ssl, upTo: Self.recordsPerPass) {
+                receive($0) != nil && !phase.isClosed
+            }
+            if ended && !phase.isClosed { event(Int16(BEV_EVENT_READING | BEV_EVENT_EOF)) }
+        }
         processQueued()
     }
+
+    /// TLS records read after what the bufferevent read, per pass (the rest is the next pass's, so that one
+    /// client cannot hold the loop).
+    private static let recordsPerPass = 64
 
     /// Gives the client's bytes to nghttp2: how many it took, or nil when they broke the connection (logged,
     /// what is due flushed, closed).
     private func receive(_ bytes: UnsafeRawBufferPointer) -> Int? {
-        let result = nghttp2_session_mem_recv(
-            session, bytes.baseAddress?.assumingMemoryBound(to: UInt8.self), bytes.count)
-        guard result < 0 else { return result }
-        let reason = String(cString: nghttp2_strerror(Int32(result)))
-        context.logger.info("conn=\(id) client=\(peer) h2 connection error: \(reason)")
-        flush()
-        close()
-        return nil
-    }
-
-    /// Reads the TLS records still waiting in the socket and gives them to nghttp2 now. libevent's OpenSSL
-    /// bufferevent reads one record per pass of the loop; a client's HTTP/2 frames come in many small records
-    /// (a request's HEADERS is one), so one record per pass was one `epoll_wait` and one pass per stream. Read
-    /// here, after what the bufferevent read, until OpenSSL wants more from the socket or `recordsPerPass` were
-    /// read (the rest is the next pass's, so that one client cannot hold the loop): without read-ahead OpenSSL
-    /// holds nothing beyond the record it is reading, so no bytes wait where only a readiness event would
-    /// bring them back, and the socket, not yet empty, is still readable.
-    private func readRecordsLeft() {
-        guard let client, let ssl = bufferevent_openssl_get_ssl(client) else { return }
-        withUnsafeTemporaryAllocation(of: UInt8.self, capacity: Self.recordSize) { buffer in
-            for _ in 0..<Self.recordsPerPass {
-                guard !closed else { return }
-                CryptoError.clearQueue()
-                let count = SSL_read(ssl, buffer.baseAddress, Int32(buffer.count))
-                if count <= 0 {
-                    let error = SSL_get_error(ssl, count)
-                    CryptoError.clearQueue()
-                    // WANT_READ: the socket is empty (a partial record stays with OpenSSL, and the bufferevent
-                    // reads the rest when it comes). Anything else (the client's close_notify, a reset, a bad
-                    // record) ends the connection as the bufferevent's own read would have.
-                    if error != SSL_ERROR_WANT_READ && error != SSL_ERROR_WANT_WRITE {
-                        event(Int16(BEV_EVENT_READING | BEV_EVENT_EOF))
-                    }
-                    return
-                }
-                guard receive(UnsafeRawBufferPointer(start: buffer.baseAddress, count: Int(count))) != nil else {
-                    return
-                }
-            }
+        guard let frames else { return nil }
+        switch frames.receive(bytes) {
+        case .success(let taken):
+            return taken
+        case .failure(let error):
+            context.logger.info("conn=\(id) client=\(peer) h2 connection error: \(error)")
+            flush()
+            close()
+            return nil
         }
     }
 
-    /// The largest TLS record's plaintext.
-    private static let recordSize = 16 * 1024
-    private static let recordsPerPass = 64
-
     fileprivate func writable() {
-        guard !closed else { return }
+        guard !phase.isClosed else { return }
         lastActivity = EventLoop.monotonicMilliseconds()
         flush()
-        if !closed && closingAfterFlush && Buffers.length(clientOutput) == 0 && everythingSent { finishAfterFlush() }
+        if phase.isFlushing && Buffers.length(clientOutput) == 0 && everythingSent { finishAfterFlush() }
     }
 
     /// nghttp2 has nothing more to write and every stream is closed there (its last frame was handed over):
     /// the machine's exchanges can end before the client has their responses (flow control holds them back,
     /// and only the client's WINDOW_UPDATEs let them go), so "after flush" waits for these too.
     private var everythingSent: Bool {
-        guard let session else { return true }
-        return nghttp2_session_want_write(session) == 0 && streams.values.allSatisfy(\.closed)
+        guard let frames else { return true }
+        return !frames.wantsWrite && streams.values.allSatisfy(\.closed)
     }
 
     fileprivate func event(_ events: Int16) {
         // While lingering, the client's end (or a reset) is what was waited for.
-        if !lingering { handle(.clientGone) }
+        if !phase.isLingering { handle(.clientGone) }
         close()
     }
 
     /// Everything went out: shut the sending side and linger, or close when there is no socket to shut.
     private func finishAfterFlush() {
-        guard !closed, !lingering else { return }
+        guard phase.isFlushing else { return }
         guard let client, LingeringClose.shutWrite(client) else { return close() }
-        lingering = true
-        flushDeadline = nil
-        for timer in timers.values { timer.cancel() }
-        bufferevent_enable(client, Int16(EV_READ))
         let timer = LoopTimer(loop: context.loop) { [unowned self] in close() }
         timer.schedule(milliseconds: LingeringClose.milliseconds)
-        lingerTimer = timer
+        phase = .lingering(timer)
+        timers.cancelAll()
+        bufferevent_enable(client, Int16(EV_READ))
     }
 
     private var clientOutput: OpaquePointer? { client.map { bufferevent_get_output($0) } }
 
     /// Writes what nghttp2 has to send, while the socket's buffer has room.
     private func flush() {
-        guard !closed, !lingering, let session, let output = clientOutput else { return }
-        while Buffers.length(output) < context.highWater {
-            var data: UnsafePointer<UInt8>?
-            let length = nghttp2_session_mem_send(session, &data)
-            if length < 0 {
-                context.logger.info(
-                    "conn=\(id) client=\(peer) h2 send error: \(String(cString: nghttp2_strerror(Int32(length))))")
-                return close()
-            }
-            if length == 0 { break }
-            evbuffer_add(output, data, length)
+        switch phase {
+        case .open, .flushing: break
+        case .lingering, .closed: return
         }
-        if nghttp2_session_want_read(session) == 0 && nghttp2_session_want_write(session) == 0 {
-            closingAfterFlush = true
+        guard let frames, let output = clientOutput else { return }
+        if case .failure(let error) = frames.send(into: output, below: context.highWater) {
+            context.logger.info("conn=\(id) client=\(peer) h2 send error: \(error)")
+            return close()
+        }
+        if !frames.wantsRead && !frames.wantsWrite {
+            if case .open = phase { phase = .flushing(deadline: nil) }
             if Buffers.length(output) == 0 { return finishAfterFlush() }
         }
-        if closingAfterFlush && Buffers.length(output) == 0 && everythingSent { return finishAfterFlush() }
-        // The data source may have made room for a paused transfer: resume it now that nghttp2 returned.
-        if !handling && !afterHandling.isEmpty { processQueued() }
+        if phase.isFlushing && Buffers.length(output) == 0 && everythingSent { return finishAfterFlush() }
     }
 
     // MARK: - Events into the machine
 
     private func handle(_ event: H2Session.Event) {
-        if closed { return }
-        queued.append(event)
-        if !handling { processQueued() }
+        if phase.isClosed { return }
+        queue.events.append(event)
+        if !queue.handling { processQueued() }
     }
 
     private func processQueued() {
-        guard !handling else { return }
-        handling = true
-        while !queued.isEmpty && !closed {
-            let event = queued.removeFirst()
+        guard !queue.handling else { return }
+        queue.handling = true
+        while !queue.events.isEmpty && !phase.isClosed {
+            let event = queue.events.removeFirst()
             // A request whose stream nghttp2 closed in the same read (HEADERS then RST_STREAM) was withdrawn
             // before the machine saw it: nothing will ever end it there, so it never begins.
             switch event {
@@ -320,14 +203,11 @@ final class H2Driver: ServerConnection, ExchangeDriver {
             default:
                 break
             }
-            actions.removeAll(keepingCapacity: true)
-            machine.handle(event, now: EventLoop.monotonicMilliseconds(), &actions)
-            run(actions)
+            queue.actions.removeAll(keepingCapacity: true)
+            machine.handle(event, now: EventLoop.monotonicMilliseconds(), &queue.actions)
+            run(queue.actions)
         }
-        handling = false
-        let work = afterHandling
-        afterHandling.removeAll()
-        for job in work where !closed { job() }
+        queue.handling = false
         flushSoon()
     }
 
@@ -342,7 +222,7 @@ final class H2Driver: ServerConnection, ExchangeDriver {
 
     private func run(_ actions: [H2Session.Action]) {
         for action in actions {
-            if closed {
+            if phase.isClosed {
                 if case .exchangeFinished(let stream, let record) = action { exchangeFinished(stream, record) }
                 if case .log(let line) = action { log(line) }
                 continue
@@ -354,13 +234,13 @@ final class H2Driver: ServerConnection, ExchangeDriver {
     private func perform(_ action: H2Session.Action) {
         switch action {
         case .submitResponse(let stream, let fields, let endStream):
-            submit(stream, fields, provider: !endStream)
+            frames?.submitResponse(stream, fields, provider: !endStream)
         case .respond(let stream, let fields, let body):
             let io = streamIO(stream)
             evbuffer_drain(io.pending, io.pendingCount)
             body.withUnsafeBytes { _ = evbuffer_add(io.pending, $0.baseAddress, $0.count) }
             io.responseEnded = true
-            submit(stream, fields, provider: !body.isEmpty)
+            frames?.submitResponse(stream, fields, provider: !body.isEmpty)
         case .writeBody(let stream):
             guard let data = transferData, let io = streams[stream] else { return }
             evbuffer_add(io.pending, data.baseAddress, data.count)
@@ -372,13 +252,13 @@ final class H2Driver: ServerConnection, ExchangeDriver {
             io.trailers = trailers
             resumeData(io)
         case .resetStream(let stream, let code):
-            nghttp2_submit_rst_stream(session, UInt8(NGHTTP2_FLAG_NONE.rawValue), stream, code.rawValue)
+            frames?.reset(stream, code: code.rawValue)
         case .dropRequestBody(let stream):
             guard let io = streams[stream] else { return }
             io.bodyUnwanted = true
             if io.unacknowledged > 0 {
                 // Streamed bytes the transfer never took: the connection's window gets them back.
-                nghttp2_session_consume(session, stream, io.unacknowledged)
+                frames?.consume(stream, io.unacknowledged)
                 io.unacknowledged = 0
             }
         case .requestTrailers(let stream, let fields):
@@ -390,20 +270,21 @@ final class H2Driver: ServerConnection, ExchangeDriver {
         case .exchangeFinished(let stream, let record):
             exchangeFinished(stream, record)
         case .goaway(let code):
-            let last = nghttp2_session_get_last_proc_stream_id(session)
-            nghttp2_submit_goaway(session, UInt8(NGHTTP2_FLAG_NONE.rawValue), last, code.rawValue, nil, 0)
+            frames?.goaway(code: code.rawValue)
         case .closeAfterFlush:
             // The client is still read: its WINDOW_UPDATEs let the last responses out (nghttp2 refuses new
             // streams after the GOAWAY that came first).
-            guard !closingAfterFlush else { return }
-            closingAfterFlush = true
+            guard case .open = phase else { return }
             let deadline = LoopTimer(loop: context.loop) { [unowned self] in close() }
             deadline.schedule(milliseconds: context.settings.idleTimeout)
-            flushDeadline = deadline
-        case .arm(let timer, let milliseconds):
-            self.timer(timer).schedule(milliseconds: milliseconds)
-        case .disarm(let timer):
-            timers[timer]?.cancel()
+            phase = .flushing(deadline: deadline)
+        case .arm(let kind, let milliseconds):
+            timers.arm(kind, milliseconds: milliseconds) {
+                LoopTimer(loop: context.loop) { [unowned self] in handle(.timerFired(kind, lastActivity: lastActivity))
+                }
+            }
+        case .disarm(let kind):
+            timers.disarm(kind)
         case .requestFinished(let outcome):
             context.owner.count(outcome)
         case .auditRefusal(let use):
@@ -411,21 +292,24 @@ final class H2Driver: ServerConnection, ExchangeDriver {
         case .log(let line):
             log(line)
         case .openTunnel(let stream, let head):
-            openTunnel(stream, head: head)
+            guard
+                let end = TunnelEnd.open(
+                    driver: self, stream: stream, head: head, context: context, origin: machine.origin)
+            else { return queue.events.append(.tunnelEnded(stream)) }
+            let io = streamIO(stream)
+            io.tunnel = end
+            io.inExchange = true
         case .consumeTunnel(let stream, let count):
             guard let end = streams[stream]?.tunnel else { return }
-            evbuffer_drain(bufferevent_get_input(end.bev), count)
+            evbuffer_drain(end.input, count)
         case .tunnelToStream(let stream, let count):
             guard let io = streams[stream], let end = io.tunnel else { return }
-            _ = evbuffer_remove_buffer(bufferevent_get_input(end.bev), io.pending, count)
-            if io.pendingCount >= context.highWater {
-                // The client's stream window is full: stop reading the tunnel until it drained.
-                bufferevent_disable(end.bev, Int16(EV_READ))
-            }
+            _ = evbuffer_remove_buffer(end.input, io.pending, count)
+            // The client's stream window is full: stop reading the tunnel until it drained.
+            if io.pendingCount >= context.highWater { end.setReading(false) }
             resumeData(io)
         case .endTunnelInput(let stream):
-            guard let end = streams[stream]?.tunnel else { return }
-            bufferevent_flush(end.bev, Int16(EV_WRITE), BEV_FINISHED)
+            streams[stream]?.tunnel?.endInput()
         case .closeTunnel(let stream):
             guard let io = streams[stream], let end = io.tunnel else { return }
             io.tunnel = nil
@@ -435,52 +319,28 @@ final class H2Driver: ServerConnection, ExchangeDriver {
         }
     }
 
-    /// A WebSocket stream's HTTP/1.1 side: a `ClientDriver` on one end of a buffer pair, fed the upgrade request
-    /// `H2Session` made, running it as it runs any upgrade (tokens, the origin's TLS, refresh and replay).
-    private func openTunnel(_ stream: Int32, head: [UInt8]) {
-        var pair: [OpaquePointer?] = [nil, nil]
-        let options = Int32(BEV_OPT_CLOSE_ON_FREE.rawValue | BEV_OPT_DEFER_CALLBACKS.rawValue)
-        guard bufferevent_pair_new(context.loop.base, options, &pair) == 0, let inner = pair[0], let outer = pair[1]
-        else {
-            queued.append(.tunnelEnded(stream))
-            return
-        }
-        let io = streamIO(stream)
-        let end = TunnelEnd(driver: self, stream: stream, bev: outer)
-        io.tunnel = end
-        io.inExchange = true
-        let driver = ClientDriver(
-            context: context, id: id, peer: peer, client: clientAddress, origin: machine.origin, pair: inner)
-        context.owner.adopt(driver)
-        driver.begin()
-        bufferevent_setwatermark(outer, Int16(EV_WRITE), context.highWater / 2, 0)
-        bufferevent_setcb(outer, tunnelReadCallback, tunnelWriteCallback, tunnelEventCallback, end.pointer)
-        bufferevent_enable(outer, Int16(EV_READ | EV_WRITE))
-        Buffers.append(head, to: bufferevent_get_output(outer))
-    }
-
     /// Bytes from a WebSocket stream's HTTP/1.1 side.
-    fileprivate func tunnelReadable(_ end: TunnelEnd) {
-        guard !closed, let io = streams[end.stream], io.tunnel === end else { return }
+    func tunnelReadable(_ end: TunnelEnd) {
+        guard !phase.isClosed, let io = streams[end.stream], io.tunnel === end else { return }
         lastActivity = EventLoop.monotonicMilliseconds()
-        actions.removeAll(keepingCapacity: true)
-        machine.tunnelData(end.stream, EvbufferView(bufferevent_get_input(end.bev)), now: lastActivity, &actions)
-        handling = true
-        run(actions)
-        handling = false
+        queue.actions.removeAll(keepingCapacity: true)
+        machine.tunnelData(end.stream, EvbufferView(end.input), now: lastActivity, &queue.actions)
+        queue.handling = true
+        run(queue.actions)
+        queue.handling = false
         processQueued()
     }
 
     /// The HTTP/1.1 side took what the client sent: the client may send more.
-    fileprivate func tunnelWritable(_ end: TunnelEnd) {
-        guard !closed, let io = streams[end.stream], io.tunnel === end, io.unacknowledged > 0 else { return }
-        nghttp2_session_consume(session, io.id, io.unacknowledged)
+    func tunnelWritable(_ end: TunnelEnd) {
+        guard !phase.isClosed, let io = streams[end.stream], io.tunnel === end, io.unacknowledged > 0 else { return }
+        frames?.consume(io.id, io.unacknowledged)
         io.unacknowledged = 0
         flush()
     }
 
-    fileprivate func tunnelEvent(_ end: TunnelEnd, _ events: Int16) {
-        guard !closed, let io = streams[end.stream], io.tunnel === end else { return }
+    func tunnelEvent(_ end: TunnelEnd, _ events: Int16) {
+        guard !phase.isClosed, let io = streams[end.stream], io.tunnel === end else { return }
         // What came before the end goes first.
         tunnelReadable(end)
         guard streams[end.stream]?.tunnel === end else { return }
@@ -489,44 +349,22 @@ final class H2Driver: ServerConnection, ExchangeDriver {
 
     private func log(_ line: LogLine) { context.logger.connection(id, peer: peer, line) }
 
-    private func timer(_ kind: ConnectionTimer) -> LoopTimer {
-        if let existing = timers[kind] { return existing }
-        let made = LoopTimer(loop: context.loop) { [unowned self] in
-            handle(.timerFired(kind, lastActivity: lastActivity))
-        }
-        timers[kind] = made
-        return made
-    }
-
-    private func streamIO(_ stream: Int32) -> StreamIO {
+    private func streamIO(_ stream: Int32) -> H2StreamIO {
         if let io = streams[stream] { return io }
-        let made = StreamIO(id: stream)
+        let made = H2StreamIO(id: stream)
         streams[stream] = made
         return made
     }
 
-    /// Submits a response head; with `provider`, the body comes from the stream's pending bytes.
-    private func submit(_ stream: Int32, _ fields: [H2Field], provider: Bool) {
-        withHeaderList(fields) { list, count in
-            if provider {
-                var data = nghttp2_data_provider(
-                    source: nghttp2_data_source(ptr: nil), read_callback: h2ReadResponseBody)
-                nghttp2_submit_response(session, stream, list, count, &data)
-            } else {
-                nghttp2_submit_response(session, stream, list, count, nil)
-            }
-        }
-    }
-
-    private func resumeData(_ io: StreamIO) {
+    private func resumeData(_ io: H2StreamIO) {
         if io.deferred {
             io.deferred = false
-            nghttp2_session_resume_data(session, io.id)
+            frames?.resumeData(io.id)
         }
     }
 
     /// nghttp2's data source callback: the stream's pending response bytes, as many as the window allows.
-    fileprivate func responseBody(
+    func responseBody(
         _ stream: Int32, _ buffer: UnsafeMutablePointer<UInt8>, _ length: Int, _ flags: UnsafeMutablePointer<UInt32>
     ) -> Int {
         guard let io = streams[stream] else { return Int(NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE.rawValue) }
@@ -534,20 +372,18 @@ final class H2Driver: ServerConnection, ExchangeDriver {
         if count > 0 {
             evbuffer_remove(io.pending, buffer, count)
             lastActivity = EventLoop.monotonicMilliseconds()
-            if io.pendingCount < context.highWater / 2, let end = io.tunnel {
-                bufferevent_enable(end.bev, Int16(EV_READ))
+            if io.pendingCount < context.highWater / 2 {
+                // The client caught up: let the tunnel or the transfer go on.
+                io.tunnel?.setReading(true)
+                io.exchange?.resumeResponse()
             }
-            // The client caught up: let the transfer go on.
-            if io.pendingCount < context.highWater / 2 { io.exchange?.resumeResponse() }
         }
         if io.pendingCount == 0 {
             if io.responseEnded {
                 flags.pointee |= NGHTTP2_DATA_FLAG_EOF.rawValue
                 if !io.trailers.isEmpty {
                     flags.pointee |= NGHTTP2_DATA_FLAG_NO_END_STREAM.rawValue
-                    withHeaderList(io.trailers) { list, count in
-                        nghttp2_submit_trailer(session, stream, list, count)
-                    }
+                    frames?.submitTrailer(stream, io.trailers)
                     io.trailers = []
                 }
             } else if count == 0 {
@@ -558,32 +394,9 @@ final class H2Driver: ServerConnection, ExchangeDriver {
         return count
     }
 
-    /// Calls `body` with an nghttp2 header list for `fields`, its names and values in one buffer that lives
-    /// for the call (nghttp2 copies them).
-    private func withHeaderList(_ fields: [H2Field], _ body: (UnsafePointer<nghttp2_nv>, Int) -> Void) {
-        let total = fields.reduce(0) { $0 + $1.name.count + $1.value.count }
-        withUnsafeTemporaryAllocation(of: UInt8.self, capacity: max(1, total)) { bytes in
-            withUnsafeTemporaryAllocation(of: nghttp2_nv.self, capacity: max(1, fields.count)) { list in
-                var offset = 0
-                for (index, field) in fields.enumerated() {
-                    let name = bytes.baseAddress! + offset
-                    _ = UnsafeMutableBufferPointer(start: name, count: field.name.count).initialize(from: field.name)
-                    offset += field.name.count
-                    let value = bytes.baseAddress! + offset
-                    _ = UnsafeMutableBufferPointer(start: value, count: field.value.count).initialize(from: field.value)
-                    offset += field.value.count
-                    list[index] = nghttp2_nv(
-                        name: name, value: value, namelen: field.name.count, valuelen: field.value.count,
-                        flags: UInt8(NGHTTP2_NV_FLAG_NONE.rawValue))
-                }
-                body(UnsafePointer(list.baseAddress!), fields.count)
-            }
-        }
-    }
+    // MARK: - nghttp2's callbacks (inside `H2ServerSession.receive`)
 
-    // MARK: - nghttp2's callbacks (inside nghttp2_session_mem_recv)
-
-    fileprivate func beginHeaders(_ stream: Int32) {
+    func beginHeaders(_ stream: Int32) {
         let io = streamIO(stream)
         io.fields.removeAll()
         io.fieldBytes = 0
@@ -592,9 +405,7 @@ final class H2Driver: ServerConnection, ExchangeDriver {
 
     /// One header field. A request's fields beyond the limits (an HPACK bomb, say) are decoded on but not
     /// kept, and the machine hears of the list as too large; trailers beyond them reset the stream (false).
-    fileprivate func header(
-        _ stream: Int32, name: UnsafeRawBufferPointer, value: UnsafeRawBufferPointer, trailers: Bool
-    ) -> Bool {
+    func header(_ stream: Int32, name: UnsafeRawBufferPointer, value: UnsafeRawBufferPointer, trailers: Bool) -> Bool {
         let io = streamIO(stream)
         guard io.overLimit == nil else { return true }
         io.fieldBytes += name.count + value.count + 32
@@ -612,7 +423,7 @@ final class H2Driver: ServerConnection, ExchangeDriver {
         return false
     }
 
-    fileprivate func frameReceived(_ frame: UnsafePointer<nghttp2_frame>) {
+    func frameReceived(_ frame: UnsafePointer<nghttp2_frame>) {
         let header = frame.pointee.hd
         let endStream = header.flags & UInt8(NGHTTP2_FLAG_END_STREAM.rawValue) != 0
         switch Int(header.type) {
@@ -625,35 +436,34 @@ final class H2Driver: ServerConnection, ExchangeDriver {
                     driver: self, context: context, origin: machine.origin, connectionID: id,
                     generation: UInt64(header.stream_id), tag: header.stream_id, replay: replay)
                 if let reason = io.overLimit {
-                    queued.append(.requestHeadTooLarge(header.stream_id, fields, reason: reason))
+                    queue.events.append(.requestHeadTooLarge(header.stream_id, fields, reason: reason))
                 } else {
-                    queued.append(.requestHeaders(header.stream_id, fields, endStream: endStream))
+                    queue.events.append(.requestHeaders(header.stream_id, fields, endStream: endStream))
                 }
             } else {
-                queued.append(.requestTrailers(header.stream_id, fields))
+                queue.events.append(.requestTrailers(header.stream_id, fields))
             }
         case Int(NGHTTP2_DATA.rawValue):
-            if endStream { queued.append(.requestData(header.stream_id, count: 0, endStream: true)) }
+            if endStream { queue.events.append(.requestData(header.stream_id, count: 0, endStream: true)) }
         default:
             break
         }
     }
 
     /// Request body bytes: kept in the stream's store now (they are only valid during the callback).
-    fileprivate func dataChunk(_ stream: Int32, _ data: UnsafeRawBufferPointer) {
+    func dataChunk(_ stream: Int32, _ data: UnsafeRawBufferPointer) {
         if let io = streams[stream], let end = io.tunnel {
             // A WebSocket stream's bytes go to its HTTP/1.1 side; acknowledged once that side took them.
-            let output = bufferevent_get_output(end.bev)
-            evbuffer_add(output, data.baseAddress, data.count)
-            if Buffers.length(output) < context.highWater {
-                nghttp2_session_consume(session, stream, data.count)
+            evbuffer_add(end.output, data.baseAddress, data.count)
+            if Buffers.length(end.output) < context.highWater {
+                frames?.consume(stream, data.count)
             } else {
                 io.unacknowledged += data.count
             }
             return
         }
         guard let io = streams[stream], let exchange = io.exchange, !io.bodyUnwanted else {
-            nghttp2_session_consume(session, stream, data.count)
+            frames?.consume(stream, data.count)
             return
         }
         // Kept (or, once streaming, queued for the transfer); a spool that cannot be written is the exchange's
@@ -663,18 +473,18 @@ final class H2Driver: ServerConnection, ExchangeDriver {
             // Streaming on unkept: acknowledged when the transfer takes it.
             io.unacknowledged += data.count
         } else {
-            nghttp2_session_consume(session, stream, data.count)
+            frames?.consume(stream, data.count)
         }
-        queued.append(.requestData(stream, count: data.count, endStream: false))
+        queue.events.append(.requestData(stream, count: data.count, endStream: false))
     }
 
     /// nghttp2 closed the stream: its I/O state goes once no exchange needs it (the machine decides whether
     /// the exchange ends with it).
-    fileprivate func streamClosed(_ stream: Int32, errorCode: UInt32) {
+    func streamClosed(_ stream: Int32, errorCode: UInt32) {
         guard let io = streams[stream] else { return }
         io.closed = true
         if io.inExchange {
-            queued.append(.streamClosed(stream, errorCode: errorCode))
+            queue.events.append(.streamClosed(stream, errorCode: errorCode))
         } else {
             streams.removeValue(forKey: stream)
         }
@@ -700,11 +510,8 @@ final class H2Driver: ServerConnection, ExchangeDriver {
 
     // MARK: - ExchangeDriver (at the top of the loop; only a stream's current exchange)
 
-    /// The response bytes of the transfer's current callback (`.writeBody` takes them).
-    private var transferData: UnsafeRawBufferPointer?
-
-    private func current(_ exchange: ExchangeIO) -> StreamIO? {
-        guard !closed, let io = streams[exchange.tag], io.exchange === exchange else { return nil }
+    private func current(_ exchange: ExchangeIO) -> H2StreamIO? {
+        guard !phase.isClosed, let io = streams[exchange.tag], io.exchange === exchange else { return nil }
         return io
     }
 
@@ -729,11 +536,11 @@ final class H2Driver: ServerConnection, ExchangeDriver {
 
     /// One event of a stream's transfer into the session, then its actions.
     private func transferEvent(_ event: (inout H2Session, Int64, inout [H2Session.Action]) -> Void) {
-        actions.removeAll(keepingCapacity: true)
-        event(&machine, lastActivity, &actions)
-        handling = true
-        run(actions)
-        handling = false
+        queue.actions.removeAll(keepingCapacity: true)
+        event(&machine, lastActivity, &queue.actions)
+        queue.handling = true
+        run(queue.actions)
+        queue.handling = false
         processQueued()
     }
 
@@ -755,7 +562,7 @@ final class H2Driver: ServerConnection, ExchangeDriver {
         // Streamed bytes the transfer took: the client may send more.
         let acknowledged = min(io.unacknowledged, count)
         io.unacknowledged -= acknowledged
-        nghttp2_session_consume(session, io.id, acknowledged)
+        frames?.consume(io.id, acknowledged)
         flush()
     }
 
@@ -772,11 +579,11 @@ final class H2Driver: ServerConnection, ExchangeDriver {
     }
 
     func close() {
-        guard !closed else { return }
+        guard !phase.isClosed else { return }
         // Ended by the proxy (a protocol error, a flood, GOAWAY): the exchanges in flight end as aborted.
         if !machine.isIdle { handle(.clientGone) }
-        guard !closed else { return }
-        closed = true
+        guard !phase.isClosed else { return }
+        phase = .closed
         for io in streams.values {
             io.exchange?.cancel()
             io.tunnel?.close()
@@ -784,30 +591,15 @@ final class H2Driver: ServerConnection, ExchangeDriver {
         }
         streams.removeAll()
         timers.removeAll()
-        lingerTimer = nil
-        flushDeadline = nil
         if let client {
             bufferevent_free(client)
             self.client = nil
         }
         context.logger.debug(
-            "conn=\(id) client=\(peer) h2 \(machine.origin.authority): \(machine.requests) stream(s) in \(LogText.duration(EventLoop.monotonicMilliseconds() - started))"
+            "conn=\(id) client=\(peer) h2 \(machine.origin.authority): \(machine.requests) stream(s) in \(LogText.duration(EventLoop.monotonicMilliseconds() - identity.started))"
         )
         context.owner.connectionClosed(self)
     }
-}
-
-/// Limits of the HTTP/2 connections the proxy serves (announced in SETTINGS, or nghttp2 options).
-enum H2Limits {
-    static let maxConcurrentStreams = 100
-    /// Per stream: how much body a client may send before its bytes are kept or taken.
-    static let streamWindow = 1 << 20
-    static let connectionWindow: Int32 = 16 << 20
-    static let resetBurst: UInt64 = 200
-    static let resetRate: UInt64 = 50
-    static let maxContinuations = 8
-    static let maxOutboundAcks = 1000
-    static let maxSettings = 32
 }
 
 // MARK: - C callbacks (user data: the H2Driver, unretained; the server's table owns it)
@@ -819,129 +611,3 @@ private func driver(_ pointer: UnsafeMutableRawPointer?) -> H2Driver {
 private let h2ReadCallback: bufferevent_data_cb = { _, context in driver(context).readable() }
 private let h2WriteCallback: bufferevent_data_cb = { _, context in driver(context).writable() }
 private let h2EventCallback: bufferevent_event_cb = { _, events, context in driver(context).event(events) }
-
-private let h2BeginHeaders:
-    @convention(c) (OpaquePointer?, UnsafePointer<nghttp2_frame>?, UnsafeMutableRawPointer?) -> Int32 = {
-        _, frame, user in
-        if let frame, Int(frame.pointee.hd.type) == Int(NGHTTP2_HEADERS.rawValue) {
-            driver(user).beginHeaders(frame.pointee.hd.stream_id)
-        }
-        return 0
-    }
-
-private let h2Header:
-    @convention(c) (
-        OpaquePointer?, UnsafePointer<nghttp2_frame>?, UnsafePointer<UInt8>?, Int, UnsafePointer<UInt8>?, Int, UInt8,
-        UnsafeMutableRawPointer?
-    ) -> Int32 = { _, frame, name, nameLength, value, valueLength, _, user in
-        guard let frame else { return 0 }
-        let accepted = driver(user).header(
-            frame.pointee.hd.stream_id, name: UnsafeRawBufferPointer(start: name, count: nameLength),
-            value: UnsafeRawBufferPointer(start: value, count: valueLength),
-            trailers: frame.pointee.headers.cat != NGHTTP2_HCAT_REQUEST)
-        return accepted ? 0 : NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE.rawValue
-    }
-
-private let h2FrameReceived:
-    @convention(c) (OpaquePointer?, UnsafePointer<nghttp2_frame>?, UnsafeMutableRawPointer?) -> Int32 = {
-        _, frame, user in
-        if let frame { driver(user).frameReceived(frame) }
-        return 0
-    }
-
-private let h2DataChunk:
-    @convention(c) (OpaquePointer?, UInt8, Int32, UnsafePointer<UInt8>?, Int, UnsafeMutableRawPointer?) -> Int32 = {
-        _, _, stream, data, length, user in
-        driver(user).dataChunk(stream, UnsafeRawBufferPointer(start: data, count: length))
-        return 0
-    }
-
-private let h2StreamClosed: @convention(c) (OpaquePointer?, Int32, UInt32, UnsafeMutableRawPointer?) -> Int32 = {
-    _, stream, errorCode, user in
-    driver(user).streamClosed(stream, errorCode: errorCode)
-    return 0
-}
-
-private let h2ReadResponseBody:
-    @convention(c) (
-        OpaquePointer?, Int32, UnsafeMutablePointer<UInt8>?, Int, UnsafeMutablePointer<UInt32>?,
-        UnsafeMutablePointer<nghttp2_data_source>?, UnsafeMutableRawPointer?
-    ) -> Int = { _, stream, buffer, length, flags, _, user in
-        driver(user).responseBody(stream, buffer!, length, flags!)
-    }
-
-/// Our end of a WebSocket stream's buffer pair (the context pointer of its callbacks).
-final class TunnelEnd {
-    unowned let driver: H2Driver
-    let stream: Int32
-    let bev: OpaquePointer
-    private var closed = false
-
-    init(driver: H2Driver, stream: Int32, bev: OpaquePointer) {
-        self.driver = driver
-        self.stream = stream
-        self.bev = bev
-    }
-
-    var pointer: UnsafeMutableRawPointer { Unmanaged.passUnretained(self).toOpaque() }
-
-    /// Ends the pair: the other side reads its end (EOF), then this end is freed.
-    func close() {
-        guard !closed else { return }
-        closed = true
-        bufferevent_setcb(bev, nil, nil, nil, nil)
-        bufferevent_flush(bev, Int16(EV_WRITE), BEV_FINISHED)
-        bufferevent_free(bev)
-    }
-}
-
-private func tunnelEnd(_ pointer: UnsafeMutableRawPointer?) -> TunnelEnd {
-    Unmanaged<TunnelEnd>.fromOpaque(pointer!).takeUnretainedValue()
-}
-
-private let tunnelReadCallback: bufferevent_data_cb = { _, context in
-    let end = tunnelEnd(context)
-    end.driver.tunnelReadable(end)
-}
-private let tunnelWriteCallback: bufferevent_data_cb = { _, context in
-    let end = tunnelEnd(context)
-    end.driver.tunnelWritable(end)
-}
-private let tunnelEventCallback: bufferevent_event_cb = { _, events, context in
-    let end = tunnelEnd(context)
-    end.driver.tunnelEvent(end, events)
-}
-
-/// An `H2Driver`'s streams by id, remembering the last one looked up: nghttp2's callbacks and the session's
-/// actions come in runs for one stream (a callback per field of a header block, several actions per event),
-/// and a dictionary lookup hashes the id (SipHash) every time: about 45 lookups per request, 5,000
-/// instructions (`scripts/instructions --h2`).
-struct StreamTable {
-    private var table: [Int32: H2Driver.StreamIO] = [:]
-    private var last: H2Driver.StreamIO?
-
-    subscript(id: Int32) -> H2Driver.StreamIO? {
-        mutating get {
-            if let last, last.id == id { return last }
-            let found = table[id]
-            if found != nil { last = found }
-            return found
-        }
-        set {
-            table[id] = newValue
-            last = newValue
-        }
-    }
-
-    mutating func removeValue(forKey id: Int32) {
-        table.removeValue(forKey: id)
-        if last?.id == id { last = nil }
-    }
-
-    mutating func removeAll() {
-        table.removeAll()
-        last = nil
-    }
-
-    var values: Dictionary<Int32, H2Driver.StreamIO>.Values { table.values }
-}

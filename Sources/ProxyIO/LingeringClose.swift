@@ -24,3 +24,31 @@ enum LingeringClose {
         return Platform.shutdownWrite(fd)
     }
 }
+
+/// How far a driver's client connection is in ending; the timers it needs for that are the state's own, so they
+/// go with it.
+enum ClosePhase {
+    case open
+    /// The last bytes are going out (`closeAfterFlush`), nothing new is read; `deadline` bounds the wait for a
+    /// client that stops reading (HTTP/2, whose responses wait for the client's WINDOW_UPDATEs).
+    case flushing(deadline: LoopTimer?)
+    /// Everything went out and the sending side is shut: input is read and dropped until the client closes or the
+    /// timer fires (`LingeringClose`).
+    case lingering(LoopTimer)
+    case closed
+
+    var isClosed: Bool {
+        if case .closed = self { return true }
+        return false
+    }
+
+    var isLingering: Bool {
+        if case .lingering = self { return true }
+        return false
+    }
+
+    var isFlushing: Bool {
+        if case .flushing = self { return true }
+        return false
+    }
+}

@@ -132,6 +132,35 @@ final class TLSSocket {
         fd = -1
     }
 
+    /// Reads the TLS records still waiting in the socket of `ssl`, at most `limit`, giving each one's plaintext to
+    /// `body` until it returns false; true when the connection ended meanwhile (the client's close_notify, a reset,
+    /// a bad record), as the bufferevent's own read would have reported it. libevent's OpenSSL bufferevent reads
+    /// one record per pass of the loop; a client's HTTP/2 frames come in many small records (a request's HEADERS
+    /// is one), so one record per pass was one `epoll_wait` and one pass per stream. The driver reads here, after
+    /// what the bufferevent read, until OpenSSL wants more from the socket or `limit` records were read (the rest
+    /// is the next pass's, so that one client cannot hold the loop): without read-ahead OpenSSL holds nothing
+    /// beyond the record it is reading, so no bytes wait where only a readiness event would bring them back, and
+    /// the socket, not yet empty, is still readable.
+    static func readRecordsLeft(
+        _ ssl: OpaquePointer, upTo limit: Int, _ body: (UnsafeRawBufferPointer) -> Bool
+    ) -> Bool {
+        withUnsafeTemporaryAllocation(of: UInt8.self, capacity: recordSize) { buffer in
+            for _ in 0..<limit {
+                CryptoError.clearQueue()
+                let count = SSL_read(ssl, buffer.baseAddress, Int32(buffer.count))
+                if count <= 0 {
+                    let error = SSL_get_error(ssl, count)
+                    CryptoError.clearQueue()
+                    // WANT_READ: the socket is empty (a partial record stays with OpenSSL, and the bufferevent
+                    // reads the rest when it comes).
+                    return error != SSL_ERROR_WANT_READ && error != SSL_ERROR_WANT_WRITE
+                }
+                guard body(UnsafeRawBufferPointer(start: buffer.baseAddress, count: Int(count))) else { return false }
+            }
+            return false
+        }
+    }
+
     /// Hands the socket and the session to a new OpenSSL bufferevent (HTTP/2, a relay), with the bytes both
     /// buffers hold and the records OpenSSL read ahead; this socket is then done. Nil (and closed) if libevent
     /// cannot make one.

@@ -8,11 +8,11 @@ import Testing
     let answer = Array("HTTP/1.1 200 Connection established\r\n\r\n".utf8)
 
     @Test func theWholeAnswerSentMeansTLSOnTheSocket() {
-        #expect(ClientDriver.interceptionStart(answer: answer, sent: answer.count, buffered: false) == .onTheSocket)
+        #expect(ClientHandOff.interceptionStart(answer: answer, sent: answer.count, buffered: false) == .onTheSocket)
     }
 
     @Test func aPartialSendLeavesOnlyTheRestToSend() {
-        let start = ClientDriver.interceptionStart(answer: answer, sent: 10, buffered: false)
+        let start = ClientHandOff.interceptionStart(answer: answer, sent: 10, buffered: false)
         #expect(start == .overTheBufferevent(rest: answer[10...]))
         if case .overTheBufferevent(let rest) = start {
             #expect(Array(answer[..<10]) + Array(rest) == answer, "each byte of the 200 once, in order")
@@ -21,16 +21,16 @@ import Testing
 
     @Test func nothingSentMeansTheWholeAnswerWaits() {
         #expect(
-            ClientDriver.interceptionStart(answer: answer, sent: -1, buffered: false)
+            ClientHandOff.interceptionStart(answer: answer, sent: -1, buffered: false)
                 == .overTheBufferevent(rest: answer[...]))
         #expect(
-            ClientDriver.interceptionStart(answer: answer, sent: 0, buffered: false)
+            ClientHandOff.interceptionStart(answer: answer, sent: 0, buffered: false)
                 == .overTheBufferevent(rest: answer[...]))
     }
 
     @Test func bytesWaitingInTheBuffereventKeepTheWholeAnswerBehindThem() {
         #expect(
-            ClientDriver.interceptionStart(answer: answer, sent: 0, buffered: true)
+            ClientHandOff.interceptionStart(answer: answer, sent: 0, buffered: true)
                 == .overTheBufferevent(rest: answer[...]))
     }
 }

@@ -6,7 +6,7 @@ import Testing
 @Suite struct StreamTableTests {
     @Test func answersAsADictionaryWouldThroughAddsLookupsAndRemovals() {
         var table = StreamTable()
-        var reference: [Int32: H2Driver.StreamIO] = [:]
+        var reference: [Int32: H2StreamIO] = [:]
         var seed: UInt64 = 0x9E37_79B9_7F4A_7C15
         func next() -> Int32 {
             seed = seed &* 6_364_136_223_846_793_005 &+ 1_442_695_040_888_963_407
@@ -16,7 +16,7 @@ import Testing
             let id = next() * 2 + 1
             switch next() % 4 {
             case 0:
-                let io = H2Driver.StreamIO(id: id)
+                let io = H2StreamIO(id: id)
                 table[id] = io
                 reference[id] = io
             case 1:
