@@ -82,7 +82,7 @@ let package = Package(
         .testTarget(name: "ProxyOAuthTests", dependencies: ["ProxyOAuth", "ProxyTLS", "ProxyCore", "TestFixtures"]),
         .testTarget(
             name: "ProxyIOTests",
-            dependencies: ["ProxyIO", "ProxyOAuth", "ProxyCore", "ProxyTLS", "COpenSSL", "CLibevent"]),
+            dependencies: ["ProxyIO", "ProxyOAuth", "ProxyCore", "ProxyTLS", "COpenSSL", "CLibevent", "CCurl"]),
     ],
     swiftLanguageModes: [.v6]
 )

@@ -24,7 +24,10 @@ final class ConnectionContext {
     /// The decisions for request heads and the `[proxy]` settings they were made with.
     let frontDoor: FrontDoor
     let resolver: Resolver
-    let tokens: TokenBroker
+    /// The tokens exchanges attach (`TokenBroker`; a test's own source).
+    let tokens: any ExchangeTokens
+    /// Makes an exchange's upstream transfer: `makeUpstreamTransfer` (the proxy's own client); a test's fake.
+    let makeTransfer: UpstreamTransferFactory
     /// The proxy's own kept connections to protected origins (`OriginTransfer`), made on first use.
     private(set) lazy var origins = OriginPool(loop: loop)
     /// Protected resource metadata a 401 named, fetched and judged once a while (made on first use).
@@ -73,12 +76,13 @@ final class ConnectionContext {
 
     init(
         loop: EventLoop, logger: Logger, frontDoor: FrontDoor, resolver: Resolver,
-        tokens: TokenBroker, tlsContexts: TLSServerContexts?, tlsClients: TLSClientContexts, spoolDirectory: String,
-        replayBudget: ReplayBudget, nonces: DPoPNonces,
+        tokens: any ExchangeTokens, tlsContexts: TLSServerContexts?, tlsClients: TLSClientContexts,
+        spoolDirectory: String, replayBudget: ReplayBudget, nonces: DPoPNonces,
         keys: DPoPKeyring, pipes: PipePool, tunnelBuffer: TunnelBuffer, peers: PeerLookup, owner: any ConnectionOwner,
-        audit: AuditLog? = nil
+        audit: AuditLog? = nil, makeTransfer: @escaping UpstreamTransferFactory = makeUpstreamTransfer
     ) {
         self.audit = audit
+        self.makeTransfer = makeTransfer
         self.loop = loop
         self.logger = logger
         self.frontDoor = frontDoor

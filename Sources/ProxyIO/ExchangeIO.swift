@@ -167,9 +167,7 @@ final class ExchangeIO: TransferOwner {
     private func send(_ request: UpstreamRequest) {
         credentialFields(request.credential, method: request.method, url: request.url) { [weak self] fields in
             guard let self, !self.finished else { return }
-            let made = makeUpstreamTransfer(
-                owner: self, request: request, origin: origin, authorization: fields, context: context,
-                connectionID: connectionID)
+            let made = context.makeTransfer(self, request, origin, fields, context, connectionID)
             made.tag = tag
             transfer = made
             uploadPaused = false

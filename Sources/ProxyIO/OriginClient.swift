@@ -574,6 +574,13 @@ private let originEventCallback: event_callback_fn = { _, what, context in
     withExtendedLifetime(connection) { connection.event(what) }
 }
 
+/// What makes an exchange's upstream transfer (`ConnectionContext.makeTransfer`): `makeUpstreamTransfer`, or a
+/// test's fake that opens no socket. The arguments are `makeUpstreamTransfer`'s.
+typealias UpstreamTransferFactory = (
+    _ owner: any TransferOwner, _ request: UpstreamRequest, _ origin: OriginConfig,
+    _ authorization: [(name: String, value: [UInt8])], _ context: ConnectionContext, _ connectionID: UInt64
+) -> any UpstreamTransfer
+
 /// The transfer for `request` to `origin`.
 func makeUpstreamTransfer(
     owner: any TransferOwner, request: UpstreamRequest, origin: OriginConfig,

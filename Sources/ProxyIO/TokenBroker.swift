@@ -13,6 +13,24 @@ import ProxyOAuth
     import Darwin
 #endif
 
+/// Where an exchange's I/O (`ExchangeIO`) gets its tokens and makes their credential field values: the server's
+/// `TokenBroker`, or a test's scripted source. A class-bound protocol: `ConnectionContext` holds one for every
+/// connection it serves, so a call is a witness-table call, with nothing boxed or allocated per request. The
+/// completions run on the loop.
+protocol ExchangeTokens: AnyObject {
+    /// A usable token of `key`.
+    func tokens(_ key: TokenKey, completion: @escaping (Result<TokenSet, AuthError>) -> Void)
+    /// Newer tokens than those of `generation`, which the origin rejected.
+    func refresh(
+        _ key: TokenKey, replacing generation: Int64, completion: @escaping (Result<TokenSet, AuthError>) -> Void)
+    /// The value of the credential field `header` for `tokens`, in `scheme`.
+    func headerValue(_ header: CredentialHeader, _ tokens: TokenSet, scheme: String) throws(AuthError) -> [UInt8]
+    /// The issuer of `provider`, as configured.
+    func issuer(of provider: String) -> String?
+}
+
+extension TokenBroker: ExchangeTokens {}
+
 /// Gives connections on the loop the tokens of each provider, through the providers' `TokenManager`s.
 ///
 /// Usable tokens are cached on the loop for up to a second, so most requests get their token without
