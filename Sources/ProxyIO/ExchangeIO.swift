@@ -8,8 +8,11 @@ import ProxyOAuth
     import Foundation
 #endif
 
-/// What an exchange's I/O hands the driver of its client connection (HTTP/1.1 or an HTTP/2 stream). Every call
-/// comes at the top of the loop, never inside a call the driver made into the exchange's I/O.
+/// What an exchange's I/O hands the driver of its client connection (HTTP/1.1 or an HTTP/2 stream). The
+/// transfer's calls (head, body, body taken, trailers, end) and the events `later` holds back come at the top of
+/// the loop, never inside a call the driver made into the exchange's I/O; an answer a cache has at once (tokens
+/// from `TokenBroker`, resource metadata already judged) can come inside `perform`, and the drivers queue it like
+/// any event raised while actions run.
 protocol ExchangeDriver: AnyObject {
     /// An event for the machine that runs the exchange (`ProtectedExchange`, through the connection's machine).
     func exchange(_ io: ExchangeIO, event: ExchangeIO.Event)
