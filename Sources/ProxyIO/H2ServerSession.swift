@@ -80,7 +80,7 @@ final class H2ServerSession {
 
     /// Submits a response head; with `provider`, the body comes from the driver's data source.
     func submitResponse(_ stream: Int32, _ fields: [H2Field], provider: Bool) {
-        Self.withHeaderList(fields) { list, count in
+        withHeaderList(fields) { list, count in
             if provider {
                 var data = nghttp2_data_provider(
                     source: nghttp2_data_source(ptr: nil), read_callback: h2ReadResponseBody)
@@ -92,7 +92,7 @@ final class H2ServerSession {
     }
 
     func submitTrailer(_ stream: Int32, _ fields: [H2Field]) {
-        Self.withHeaderList(fields) { list, count in nghttp2_submit_trailer(session, stream, list, count) }
+        _ = withHeaderList(fields) { list, count in nghttp2_submit_trailer(session, stream, list, count) }
     }
 
     func reset(_ stream: Int32, code: UInt32) {
@@ -113,29 +113,6 @@ final class H2ServerSession {
     /// The data source of `stream` has bytes again (it had deferred).
     func resumeData(_ stream: Int32) {
         nghttp2_session_resume_data(session, stream)
-    }
-
-    /// Calls `body` with an nghttp2 header list for `fields`, its names and values in one buffer that lives
-    /// for the call (nghttp2 copies them).
-    private static func withHeaderList(_ fields: [H2Field], _ body: (UnsafePointer<nghttp2_nv>, Int) -> Void) {
-        let total = fields.reduce(0) { $0 + $1.name.count + $1.value.count }
-        withUnsafeTemporaryAllocation(of: UInt8.self, capacity: max(1, total)) { bytes in
-            withUnsafeTemporaryAllocation(of: nghttp2_nv.self, capacity: max(1, fields.count)) { list in
-                var offset = 0
-                for (index, field) in fields.enumerated() {
-                    let name = bytes.baseAddress! + offset
-                    _ = UnsafeMutableBufferPointer(start: name, count: field.name.count).initialize(from: field.name)
-                    offset += field.name.count
-                    let value = bytes.baseAddress! + offset
-                    _ = UnsafeMutableBufferPointer(start: value, count: field.value.count).initialize(from: field.value)
-                    offset += field.value.count
-                    list[index] = nghttp2_nv(
-                        name: name, value: value, namelen: field.name.count, valuelen: field.value.count,
-                        flags: UInt8(NGHTTP2_NV_FLAG_NONE.rawValue))
-                }
-                body(UnsafePointer(list.baseAddress!), fields.count)
-            }
-        }
     }
 }
 
