@@ -19,6 +19,10 @@ import ProxyCore
 /// A line names the client's user, pid and executable where the kernel says (`PeerLookup.client`): it is written
 /// when the connection's process is known, a moment after the exchange ended at most (the lookup began with the
 /// connection's interception), with the time the exchange ended.
+///
+/// The lines of one pass of the loop are held and written together at its end (`flush`; at once past 64 KiB, and
+/// when the server stops or the log is replaced): one `write` and one `fstat` for a pass's requests, where each
+/// request made both.
 final class AuditLog {
     let path: String
     let maxBytes: Int
@@ -27,15 +31,21 @@ final class AuditLog {
     private var fd: Int32 = -1
     private var warned = false
     private let uid = Int(geteuid())
+    /// Lines of this pass of the loop, not yet written.
+    private var held: [UInt8] = []
+    private var flushTask: LoopTimer?
+    private static let heldLimit = 64 * 1024
 
-    init(stateDirectory: String, maxBytes: Int, logger: Logger, peers: PeerLookup) {
+    init(stateDirectory: String, maxBytes: Int, logger: Logger, peers: PeerLookup, loop: EventLoop) {
         self.path = stateDirectory + "/audit.log"
         self.maxBytes = maxBytes
         self.logger = logger
         self.peers = peers
+        flushTask = LoopTimer(loop: loop) { [weak self] in self?.flush() }
     }
 
     deinit {
+        flush()
         if fd >= 0 { close(fd) }
     }
 
@@ -50,7 +60,7 @@ final class AuditLog {
                     record, time: now, uid: known.uid ?? (ownerAdmitted ? uid : nil), process: known.process,
                     client: client)
             else { return }
-            append(Array((entry.json + "\n").utf8))
+            append(entry.jsonLine)
         }
     }
 
@@ -61,11 +71,29 @@ final class AuditLog {
         peers.client(connection: connection) { [self] known in
             let entry = AuditEntry(
                 use, time: now, uid: known.uid ?? (ownerAdmitted ? uid : nil), process: known.process, client: client)
-            append(Array((entry.json + "\n").utf8))
+            append(entry.jsonLine)
         }
     }
 
+    /// Holds `line` for the end of the pass.
     private func append(_ line: [UInt8]) {
+        let first = held.isEmpty
+        held.append(contentsOf: line)
+        if held.count >= Self.heldLimit {
+            flush()
+        } else if first {
+            flushTask?.fireInThisPass()
+        }
+    }
+
+    /// Writes the held lines now (the loop is about to stop, say).
+    func flush() {
+        guard !held.isEmpty else { return }
+        writeLines(held)
+        held.removeAll(keepingCapacity: held.capacity <= Self.heldLimit * 2)
+    }
+
+    private func writeLines(_ line: [UInt8]) {
         if fd < 0 { fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0o600) }
         guard fd >= 0 else { return fail() }
         var info = stat()

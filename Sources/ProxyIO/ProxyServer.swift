@@ -203,7 +203,8 @@ public final class ProxyServer: ConnectionOwner {
         guard let stateDirectory, settings.auditMaxSize > 0 else { return nil }
         if let auditLog, auditLog.maxBytes == settings.auditMaxSize { return auditLog }
         let made = AuditLog(
-            stateDirectory: stateDirectory, maxBytes: settings.auditMaxSize, logger: logger, peers: peers)
+            stateDirectory: stateDirectory, maxBytes: settings.auditMaxSize, logger: logger, peers: peers, loop: loop)
+        auditLog?.flush()
         auditLog = made
         return made
     }
@@ -631,6 +632,7 @@ public final class ProxyServer: ConnectionOwner {
     /// Stops the loop; audit lines still waiting for their client's process are written without it first.
     private func stopLoop() {
         peers.answerWaiting()
+        auditLog?.flush()
         loop.stop()
     }
 

@@ -227,6 +227,43 @@ import Testing
             ))
     }
 
+    /// The line written byte by byte is the JSON the members make, escapes included, and parses back.
+    @Test func anAuditLineIsTheJSONOfItsMembers() throws {
+        var entry = AuditEntry(
+            time: 951_782_400, origin: "https://a.test", method: "PATCH", path: "/q\"uo\\te/\u{1}\t\n/é",
+            credential: "secret_command:/bin/\"x\"", kind: "secret", status: 502, attempts: 3, refreshed: true,
+            replacedClientCredential: true, placeholder: false, uid: 0, client: "[::1]:5000",
+            process: ClientProcess(pid: 1, executable: "/opt/ünï/cöde"))
+        entry.refused = "placeholder"
+        entry.placeholderOf = "https://b.test"
+        entry.placeholderEnv = "B_KEY"
+        let members: [(String, JSONValue)] = [
+            ("time", .string("2000-02-29T00:00:00Z")), ("ts", .int(951_782_400)), ("origin", .string(entry.origin)),
+            ("method", .string("PATCH")), ("path", .string(entry.path)), ("credential", .string(entry.credential)),
+            ("kind", .string("secret")), ("status", .int(502)), ("attempts", .int(3)), ("refreshed", .bool(true)),
+            ("client_credential_replaced", .bool(true)), ("placeholder", .bool(false)),
+            ("refused", .string("placeholder")), ("placeholder_of", .string("https://b.test")),
+            ("placeholder_env", .string("B_KEY")), ("uid", .int(0)), ("pid", .int(1)),
+            ("executable", .string("/opt/ünï/cöde")), ("client", .string("[::1]:5000")),
+        ]
+        #expect(entry.json == JSON.serialize(.object(JSONObject(members))))
+        #expect(entry.json.contains(#""path":"/q\"uo\\te/\u0001\t\n/é","#))
+        #expect(entry.json.hasPrefix(#"{"time":"2000-02-29T00:00:00Z","ts":951782400,"origin":"https://a.test","#))
+        #expect(
+            entry.jsonLine.last == UInt8(ascii: "\n") && entry.jsonLine.filter { $0 == UInt8(ascii: "\n") }.count == 1)
+        #expect(AuditEntry.parse(entry.json) == entry)
+    }
+
+    @Test(arguments: [
+        (Int64(0), "1970-01-01T00:00:00Z"), (951_782_400, "2000-02-29T00:00:00Z"),
+        (1_767_323_045, "2026-01-02T03:04:05Z"),
+        (4_102_444_799, "2099-12-31T23:59:59Z"), (253_402_300_799, "9999-12-31T23:59:59Z"),
+        (-1, "1969-12-31T23:59:59Z"),
+    ])
+    func auditTimestampsAreUTC(seconds: Int64, text: String) {
+        #expect(AuditEntry.timestamp(seconds) == text)
+    }
+
     @Test(arguments: [
         ("/a/b?c#d", "/a/b"), ("http://127.0.0.1:8000/x?y", "/x"), ("https://h.test", "/"), ("*", "*"), ("", ""),
     ])

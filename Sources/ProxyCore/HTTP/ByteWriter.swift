@@ -1,5 +1,5 @@
 /// Writes a message head into an array made at its exact size: the size is summed first, then the bytes are
-/// copied in place. Appending piece by piece to a growing array cost 100-300 instructions per piece (capacity
+/// copied in place (or, `bytes(atMost:)`, a line into an array sized for its longest: an audit line). Appending piece by piece to a growing array cost 100-300 instructions per piece (capacity
 /// and uniqueness checks, the generic copy of a `String.UTF8View`), a dozen pieces per head, and a reallocation
 /// when the first guess at the size was short (callgrind, bench row 6).
 struct ByteWriter {
@@ -15,6 +15,17 @@ struct ByteWriter {
             var writer = ByteWriter(base: base, capacity: count)
             write(&writer)
             precondition(writer.count == count, "a head's size was summed wrong: \(writer.count) written of \(count)")
+            initialized = writer.count
+        }
+    }
+
+    /// Bytes `write` writes, at most `bound` of them (a line whose strings may need escaping: sized for the
+    /// longest).
+    static func bytes(atMost bound: Int, _ write: (inout ByteWriter) -> Void) -> [UInt8] {
+        [UInt8](unsafeUninitializedCapacity: bound) { buffer, initialized in
+            guard let base = buffer.baseAddress else { return }
+            var writer = ByteWriter(base: base, capacity: bound)
+            write(&writer)
             initialized = writer.count
         }
     }
@@ -44,6 +55,29 @@ struct ByteWriter {
     mutating func write(_ text: String) {
         var text = text
         text.withUTF8 { write($0) }
+    }
+
+    /// A literal's bytes.
+    mutating func write(_ text: StaticString) {
+        write(UnsafeBufferPointer(start: text.utf8Start, count: text.utf8CodeUnitCount))
+    }
+
+    /// The decimal digits of `value` (and a minus sign), at least `width` of them (zeros first).
+    mutating func write(decimal value: some BinaryInteger, width: Int = 1) {
+        if value < 0 { write(UInt8(ascii: "-")) }
+        var magnitude = UInt64(value.magnitude)
+        var digits = 1
+        var divisor: UInt64 = 1
+        while magnitude / divisor >= 10 {
+            divisor *= 10
+            digits += 1
+        }
+        for _ in digits..<max(width, digits) { write(UInt8(ascii: "0")) }
+        while divisor > 0 {
+            write(UInt8(ascii: "0") + UInt8(magnitude / divisor))
+            magnitude %= divisor
+            divisor /= 10
+        }
     }
 
     /// `name: value` and CRLF.

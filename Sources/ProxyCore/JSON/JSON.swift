@@ -161,26 +161,9 @@ public enum JSON {
         out += String(decoding: bytes, as: UTF8.self)
     }
 
-    /// `string` as a JSON string (RFC 8259 §7) in UTF-8: the quotation mark, the reverse solidus and the
-    /// control characters escaped, every other byte (UTF-8 sequences included) as it is.
+    /// `string` as a JSON string (RFC 8259 §7) in UTF-8 (`ByteWriter.jsonString`).
     public static func writeString(_ string: String, to out: inout [UInt8]) {
-        out.append(UInt8(ascii: "\""))
-        for byte in string.utf8 {
-            switch byte {
-            case UInt8(ascii: "\""): out.append(contentsOf: #"\""#.utf8)
-            case UInt8(ascii: "\\"): out.append(contentsOf: #"\\"#.utf8)
-            case UInt8(ascii: "\n"): out.append(contentsOf: #"\n"#.utf8)
-            case UInt8(ascii: "\r"): out.append(contentsOf: #"\r"#.utf8)
-            case UInt8(ascii: "\t"): out.append(contentsOf: #"\t"#.utf8)
-            case 0..<0x20:
-                let hex = Array("0123456789abcdef".utf8)
-                out.append(contentsOf: #"\u00"#.utf8)
-                out.append(hex[Int(byte >> 4)])
-                out.append(hex[Int(byte & 0xF)])
-            default: out.append(byte)
-            }
-        }
-        out.append(UInt8(ascii: "\""))
+        out.append(contentsOf: ByteWriter.bytes(atMost: ByteWriter.jsonStringBound(string)) { $0.jsonString(string) })
     }
 
     private struct Parser {
@@ -399,4 +382,36 @@ extension JSONValue: ExpressibleByStringLiteral, ExpressibleByBooleanLiteral, Ex
     public init(dictionaryLiteral elements: (String, JSONValue)...) { self = .object(JSONObject(elements)) }
 
     public static func int(_ value: Int64) -> JSONValue { .number(String(value)) }
+}
+
+extension ByteWriter {
+    /// The most bytes `jsonString(string)` writes: its quotes, and every byte escaped at the longest (`\u00XX`).
+    static func jsonStringBound(_ string: String) -> Int { 2 + 6 * string.utf8.count }
+
+    /// `string` as a JSON string (RFC 8259 §7) in UTF-8: the quotation mark, the reverse solidus and the control
+    /// characters escaped, every other byte (UTF-8 sequences included) as it is. At most `jsonStringBound` bytes.
+    mutating func jsonString(_ string: String) {
+        var string = string
+        write(UInt8(ascii: "\""))
+        string.withUTF8 { utf8 in
+            for value in utf8 {
+                switch value {
+                case UInt8(ascii: "\""), UInt8(ascii: "\\"):
+                    write(UInt8(ascii: "\\"))
+                    write(value)
+                case UInt8(ascii: "\n"): write(#"\n"#)
+                case UInt8(ascii: "\r"): write(#"\r"#)
+                case UInt8(ascii: "\t"): write(#"\t"#)
+                case 0..<0x20:
+                    write(#"\u00"#)
+                    write(Self.hexDigits[Int(value >> 4)])
+                    write(Self.hexDigits[Int(value & 0xF)])
+                default: write(value)
+                }
+            }
+        }
+        write(UInt8(ascii: "\""))
+    }
+
+    private static let hexDigits: [UInt8] = Array("0123456789abcdef".utf8)
 }

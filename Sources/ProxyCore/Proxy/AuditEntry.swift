@@ -99,6 +99,14 @@ public struct AuditEntry: Sendable, Equatable {
 
     /// `2026-01-02T03:04:05Z` for `seconds` since the epoch (UTC; proleptic Gregorian).
     public static func timestamp(_ seconds: Int64) -> String {
+        String(decoding: ByteWriter.bytes(atMost: timestampBound) { writeTimestamp(seconds, to: &$0) }, as: UTF8.self)
+    }
+
+    /// The most bytes a timestamp takes (a year of Int64's range, a sign).
+    private static let timestampBound = 48
+
+    /// `timestamp(seconds)`'s bytes.
+    static func writeTimestamp(_ seconds: Int64, to out: inout ByteWriter) {
         let days = seconds >= 0 ? seconds / 86400 : (seconds - 86399) / 86400
         let rest = seconds - days * 86400
         // Howard Hinnant's civil_from_days.
@@ -111,33 +119,93 @@ public struct AuditEntry: Sendable, Equatable {
         let day = doy - (153 * mp + 2) / 5 + 1
         let month = mp < 10 ? mp + 3 : mp - 9
         let year = yoe + era * 400 + (month <= 2 ? 1 : 0)
-        func pad(_ value: Int64, _ width: Int) -> String {
-            let text = String(value)
-            return String(repeating: "0", count: max(0, width - text.count)) + text
-        }
-        return
-            "\(pad(year, 4))-\(pad(month, 2))-\(pad(day, 2))T\(pad(rest / 3600, 2)):\(pad(rest / 60 % 60, 2)):\(pad(rest % 60, 2))Z"
+        out.write(decimal: year, width: 4)
+        out.write(UInt8(ascii: "-"))
+        out.write(decimal: month, width: 2)
+        out.write(UInt8(ascii: "-"))
+        out.write(decimal: day, width: 2)
+        out.write(UInt8(ascii: "T"))
+        out.write(decimal: rest / 3600, width: 2)
+        out.write(UInt8(ascii: ":"))
+        out.write(decimal: rest / 60 % 60, width: 2)
+        out.write(UInt8(ascii: ":"))
+        out.write(decimal: rest % 60, width: 2)
+        out.write(UInt8(ascii: "Z"))
     }
 
     /// The JSON line (without its newline).
     public var json: String {
-        var members: [(String, JSONValue)] = [
-            ("time", .string(Self.timestamp(time))), ("ts", .int(time)), ("origin", .string(origin)),
-            ("method", .string(method)), ("path", .string(path)), ("credential", .string(credential)),
-            ("kind", .string(kind)), ("status", .int(Int64(status))), ("attempts", .int(Int64(attempts))),
-            ("refreshed", .bool(refreshed)), ("client_credential_replaced", .bool(replacedClientCredential)),
-            ("placeholder", .bool(placeholder)),
-        ]
-        if let refused {
-            members.append(("refused", .string(refused)))
-            if let placeholderOf { members.append(("placeholder_of", .string(placeholderOf))) }
-            if let placeholderEnv { members.append(("placeholder_env", .string(placeholderEnv))) }
+        var line = jsonLine
+        line.removeLast()
+        return String(decoding: line, as: UTF8.self)
+    }
+
+    /// The JSON line's bytes with its newline, as the audit log appends them: written member by member into
+    /// memory sized for it (`ByteWriter.bytes(atMost:)`, strings escaped by its `jsonString`), the members in the order `parse`
+    /// and the readers of the file know. Built as a `JSONObject` and serialised, the line took more instructions
+    /// than the rest of the intercepted request it records (`scripts/instructions`).
+    public var jsonLine: [UInt8] {
+        // The names, punctuation, numbers and timestamp: under 512 bytes; the strings at their longest escaped.
+        var bound = 512 + ByteWriter.jsonStringBound(origin) + ByteWriter.jsonStringBound(method)
+        bound += ByteWriter.jsonStringBound(path) + ByteWriter.jsonStringBound(credential)
+        bound += ByteWriter.jsonStringBound(kind) + ByteWriter.jsonStringBound(client)
+        if let refused { bound += ByteWriter.jsonStringBound(refused) }
+        if let placeholderOf { bound += ByteWriter.jsonStringBound(placeholderOf) }
+        if let placeholderEnv { bound += ByteWriter.jsonStringBound(placeholderEnv) }
+        if let executable { bound += ByteWriter.jsonStringBound(executable) }
+        return ByteWriter.bytes(atMost: bound) { out in
+            out.write(#"{"time":""#)
+            Self.writeTimestamp(time, to: &out)
+            out.write(#"","ts":"#)
+            out.write(decimal: time)
+            out.write(#","origin":"#)
+            out.jsonString(origin)
+            out.write(#","method":"#)
+            out.jsonString(method)
+            out.write(#","path":"#)
+            out.jsonString(path)
+            out.write(#","credential":"#)
+            out.jsonString(credential)
+            out.write(#","kind":"#)
+            out.jsonString(kind)
+            out.write(#","status":"#)
+            out.write(decimal: status)
+            out.write(#","attempts":"#)
+            out.write(decimal: attempts)
+            out.write(#","refreshed":"#)
+            out.write(refreshed ? "true" : "false")
+            out.write(#","client_credential_replaced":"#)
+            out.write(replacedClientCredential ? "true" : "false")
+            out.write(#","placeholder":"#)
+            out.write(placeholder ? "true" : "false")
+            if let refused {
+                out.write(#","refused":"#)
+                out.jsonString(refused)
+                if let placeholderOf {
+                    out.write(#","placeholder_of":"#)
+                    out.jsonString(placeholderOf)
+                }
+                if let placeholderEnv {
+                    out.write(#","placeholder_env":"#)
+                    out.jsonString(placeholderEnv)
+                }
+            }
+            if let uid {
+                out.write(#","uid":"#)
+                out.write(decimal: uid)
+            }
+            if let pid {
+                out.write(#","pid":"#)
+                out.write(decimal: pid)
+            }
+            if let executable {
+                out.write(#","executable":"#)
+                out.jsonString(executable)
+            }
+            out.write(#","client":"#)
+            out.jsonString(client)
+            out.write("}\n")
         }
-        if let uid { members.append(("uid", .int(Int64(uid)))) }
-        if let pid { members.append(("pid", .int(Int64(pid)))) }
-        if let executable { members.append(("executable", .string(executable))) }
-        members.append(("client", .string(client)))
-        return JSON.serialize(.object(JSONObject(members)))
     }
 
     /// An entry read back from its line; nil for a line that is not one (a torn line at a crash, say).
