@@ -24,6 +24,8 @@ from benchlib.harness import (BENCH_HOST, CLIENT_ENV, BenchError, InterceptSetup
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 GIB = 1 << 30
 CONCURRENCY = 50
+# The intercept section's rows, by the number the report gives them (BENCH_ROWS names either).
+INTERCEPT_ROWS = {"6": "i-keepalive", "6b": "i-rate", "7": "i-bulk", "8": "i-newconn"}
 
 T = TypeVar("T")
 
@@ -54,15 +56,37 @@ class Plan:
     dpop_proofs: int = 50000
     speed_seconds: int = 3  # openssl speed -seconds
     ws_messages: int = 20000  # WebSocket echoes of 1 KiB, one after another, per sample
+    # BENCH_ROWS: the intercept rows to measure (INTERCEPT_ROWS' values); None: all of them.
+    intercept_rows: frozenset[str] | None = None
+
+    def measures(self, row: str) -> bool:
+        """Whether this run measures the intercept row `row` (say "i-rate")."""
+        return self.intercept_rows is None or row in self.intercept_rows
 
 
-def plan(quick: bool) -> Plan:
-    """The full run's plan, or the quick one."""
+def plan(quick: bool, intercept_rows: frozenset[str] | None = None) -> Plan:
+    """The full run's plan, or the quick one; `intercept_rows`: BENCH_ROWS (`intercept_rows()`), None for all."""
     if quick:
         return Plan(True, 1, 64 << 20, 256, 2000, 500, 2000, 1000, 200, intercept_keepalive_requests=2000,
                     intercept_new_requests=500, intercept_rate_requests=4000, dpop_proofs=5000, speed_seconds=1,
-                    ws_messages=2000)
-    return Plan(False, 3, GIB, 256, 20000, 5000, 20000, 1000, 1000)
+                    ws_messages=2000, intercept_rows=intercept_rows)
+    return Plan(False, 3, GIB, 256, 20000, 5000, 20000, 1000, 1000, intercept_rows=intercept_rows)
+
+
+def intercept_rows(names: str) -> frozenset[str] | None:
+    """BENCH_ROWS ("6,6b": row numbers or names such as i-rate, separated by commas) as row names; None when
+    empty (every row). BenchError for a name that is no intercept row."""
+    if not names.strip():
+        return None
+    rows = set()
+    for name in (part.strip() for part in names.split(",") if part.strip()):
+        if name in INTERCEPT_ROWS:
+            rows.add(INTERCEPT_ROWS[name])
+        elif name in INTERCEPT_ROWS.values():
+            rows.add(name)
+        else:
+            raise BenchError(f"BENCH_ROWS: no intercept row {name!r} (rows: {', '.join(INTERCEPT_ROWS)})")
+    return frozenset(rows)
 
 
 @dataclass
@@ -458,11 +482,15 @@ def measure_idle_row(p: Plan, proxies: Proxies, results: Results) -> None:
 
 
 def measure_intercept_rows(p: Plan, setup: InterceptSetup, targets: InterceptTargets, results: Results) -> None:
-    """Rows 6-8 (and 6b): the protected origin through every intercept target, each checked first at
-    /headers; every target running throughout."""
+    """Rows 6-8 and 6b (those p.intercept_rows names): the protected origin through every intercept target, each
+    checked first at /headers; every target running throughout."""
     running: dict[str, InterceptTarget] = {}
+    # The targets of the rows measured: those of row 6 for rows 6, 7 and 8.
+    needed = set(targets.rate_names if p.measures("i-rate") else ())
+    if any(p.measures(row) for row in ("i-keepalive", "i-bulk", "i-newconn")):
+        needed |= set(targets.names)
     try:
-        for name in targets.names:
+        for name in (name for name in targets.names if name in needed):
             running[name] = targets.start(name)
             target = running[name]
             results.intercept_checks[name] = check_headers(target, targets, setup.token)
@@ -473,20 +501,23 @@ def measure_intercept_rows(p: Plan, setup: InterceptSetup, targets: InterceptTar
             # mitmproxy is some 50 times slower: fewer requests keep its samples to seconds, not minutes.
             return max(CONCURRENCY * 2, requests // p.mitmproxy_divisor) if target.name == "mitmproxy" else requests
 
+        def measured_rows(rows: list[Row]) -> list[Row]:
+            return [row for row in rows if p.measures(row[0])]
+
         bulk_bytes = setup.origin.bulk_bytes
-        rows = [
+        rows = measured_rows([
             ("i-keepalive", lambda t: intercept_hey(t, count(t, p.intercept_keepalive_requests), True),
              lambda t: intercept_hey(t, count(t, p.warmup_requests), True)),
             ("i-bulk", lambda t: intercept_bulk(t, bulk_bytes),
              lambda t: intercept_bulk(t, bulk_bytes, min(bulk_bytes, 256 << 20))),
             ("i-newconn", lambda t: intercept_hey(t, count(t, p.intercept_new_requests), False),
              lambda t: intercept_hey(t, count(t, p.warmup_requests // 2), False)),
-        ]
+        ])
         run_rows(p, rows, targets.names, running, results)
-        rate_rows = [
+        rate_rows = measured_rows([
             ("i-rate", lambda t: intercept_hey(t, p.intercept_rate_requests, True, p.intercept_rate),
              lambda t: intercept_hey(t, p.warmup_requests, True, p.intercept_rate)),
-        ]
+        ])
         run_rows(p, rate_rows, targets.rate_names, running, results)
         for name, target in running.items():
             if target.child is not None and target.child.poll() is not None:
