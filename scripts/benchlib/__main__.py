@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from benchlib.harness import (BENCH_HOST, BenchError, InterceptSetup, InterceptTargets, Processes, Proxies,
-                              fake_access_token, log, make_certificates, prepare_www, start_origin)
+                              fake_access_token, log, make_certificates, prepare_www, start_origin, write_post_body)
 from benchlib.measurement import (Results, intercept_rows, measure_dpop, measure_idle_row, measure_intercept_rows,
                                   measure_protocol_rows, measure_throughput_rows, plan, watch_load)
 from benchlib.report import binaries, machine_info, write_report
@@ -92,7 +92,8 @@ def main() -> int:
         if "passthrough" in sections:
             measure_throughput_rows(p, origin, proxies, results)
             measure_idle_row(p, proxies, results)
-        setup = InterceptSetup(origin, fake_access_token(int(time.time())), certificates.bench, args.mitmdump)
+        setup = InterceptSetup(origin, fake_access_token(int(time.time())), certificates.bench, args.mitmdump,
+                               write_post_body(args.tmp))
         targets = InterceptTargets(processes, args.tmp, args.proxyctl, setup, args.baseline)
         results.intercept_token = setup.token
         if "intercept" in sections:

@@ -1,14 +1,15 @@
 """The bench's processes: every child in its own session and ended on exit (`Processes`), the origin (nginx
-serving a bulk and a small file over HTTPS and HTTP, and https://bench.test, the protected origin), the
-passthrough proxies (proxyctl, tinyproxy, squid) and the intercept targets (proxyctl with a Bearer and with a
-DPoP token, nginx as a TLS-terminating reverse proxy, mitmproxy with an addon). With a baseline binary
-(BENCH_BASELINE), `proxyctl-before` runs wherever proxyctl does: as a passthrough proxy and as a Bearer
+serving a bulk and a small file over HTTPS and HTTP, and https://bench.test, the protected origin, which also
+takes POSTs), the passthrough proxies (proxyctl, tinyproxy, squid) and the intercept targets (proxyctl with a
+Bearer and with a DPoP token, nginx as a TLS-terminating reverse proxy, mitmproxy with an addon). With a baseline
+binary (BENCH_BASELINE), `proxyctl-before` runs wherever proxyctl does: as a passthrough proxy and as a Bearer
 intercept target, started by the same functions. Everything listens on 127.0.0.1 (the protected origin: port 443
 of another loopback address) on ports the OS picked.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import random
@@ -44,6 +45,8 @@ INTERCEPT_LABELS = {
     "mitmproxy": "mitmproxy",
 }
 BENCH_HOST = "bench.test"
+# Row 6c's request body (application/octet-stream; base64 characters, so that /upload-echo's answer is text).
+POST_BYTES = 4096
 PROVIDER = "bench"
 # Never contacted: the tokens are written straight into proxyctl's token store and outlive the run, so
 # nothing is refreshed (a refresh would fail on this name, and the bench with it).
@@ -298,12 +301,13 @@ def free_loopback_443() -> str:
 def start_origin(processes: Processes, directory: Path, www: Path, certificates: Certificates,
                  sizes: tuple[int, int]) -> Origin:
     """nginx serving `www`: https and http on 127.0.0.1, and https://bench.test on port 443 of a loopback
-    address of its own, with /headers echoing what a request arrived with."""
+    address of its own, with /headers echoing what a request arrived with and /upload taking POSTs (row 6c)."""
     https_port, http_port = free_port(), free_port()
     bench_address, bench_port = free_loopback_443(), 443
     nginx_dir = directory / "nginx"
     nginx_dir.mkdir()
     nginx_dir.chmod(0o777)
+    headers = 'return 200 "authorization=$http_authorization\\ndpop=$http_dpop\\nhost=$http_host\\n'
     child = start_nginx(processes, nginx_dir, f"""
     sendfile on;
     tcp_nopush on;
@@ -328,7 +332,32 @@ def start_origin(processes: Processes, directory: Path, www: Path, certificates:
         root {www};
         location = /headers {{
             default_type text/plain;
-            return 200 "authorization=$http_authorization\\ndpop=$http_dpop\\nhost=$http_host\\n";
+            {headers}";
+        }}
+        # Row 6c's POSTs. A static file answers no POST (405), and `return` would discard the body unread into
+        # any variable; the mirror module reads the whole body (into memory: client_body_buffer_size) before the
+        # content phase, whose static handler finds no file, and error_page answers with /small.txt as a GET:
+        # the same answer as row 6's, after the body was read whole (a short body would never be answered).
+        location = /upload {{
+            client_body_buffer_size 64k;
+            mirror /upload-read;
+            log_not_found off;
+            error_page 404 = /small.txt;
+        }}
+        # The same, answering with what arrived, body included (checked once per target).
+        location = /upload-echo {{
+            client_body_buffer_size 64k;
+            mirror /upload-read;
+            log_not_found off;
+            error_page 404 = @upload-echo;
+        }}
+        location = /upload-read {{
+            internal;
+            return 204;
+        }}
+        location @upload-echo {{
+            default_type text/plain;
+            {headers}length=$content_length\\nbody=$request_body";
         }}
     }}
 """)
@@ -511,11 +540,20 @@ class InterceptTarget:
 
 @dataclass
 class InterceptSetup:
-    """What every intercept target shares: the origin, the token and the bench.test certificate."""
+    """What every intercept target shares: the origin, the token, the bench.test certificate and row 6c's body."""
     origin: Origin
     token: str
     bench: ServerIdentity
     mitmdump: str
+    post_body: Path
+
+
+def write_post_body(directory: Path) -> Path:
+    """Row 6c's request body: POST_BYTES of base64 characters from random bytes (incompressible enough, and
+    text, so that the origin's echo of it can be compared), in `directory`."""
+    path = directory / "post-body.txt"
+    path.write_bytes(base64.b64encode(os.urandom(POST_BYTES * 3 // 4))[:POST_BYTES])
+    return path
 
 
 class InterceptTargets:
@@ -638,7 +676,8 @@ class InterceptTargets:
         origin = self.setup.origin
         port = free_port()
         # The C reference: TLS terminated with a bench.test leaf, the header added, re-encrypted to the origin
-        # over kept-alive, verified connections. Responses stream through memory buffers (no temp files).
+        # over kept-alive, verified connections. Request bodies (row 6c) and responses stay in memory buffers
+        # (no temp files).
         child = start_nginx(self.processes, work, f"""
     upstream protected_origin {{
         server {origin.bench_address}:{origin.bench_port};
@@ -651,6 +690,7 @@ class InterceptTargets:
         server_name {BENCH_HOST};
         ssl_certificate {self.setup.bench.cert_pem};
         ssl_certificate_key {self.setup.bench.key_pem};
+        client_body_buffer_size 64k;
         location / {{
             proxy_pass https://protected_origin;
             proxy_http_version 1.1;
@@ -731,7 +771,33 @@ def check_headers(target: InterceptTarget, targets: InterceptTargets, token: str
     """One request to /headers through the target: the origin must see the token (and, for DPoP, a proof that
     fixtures.jose verifies: its claims, its ES256 signature and the key in state_dir/keys). What it saw."""
     output = run(["curl", "-sS", "--fail", *target.curl_args, target.curl_base + "/headers"], env=target.curl_env)
-    seen = dict(line.split("=", 1) for line in output.splitlines() if "=" in line)
+    return _check_credentials(target, targets, token, _fields(output), "GET", f"{targets.origin_url}/headers")
+
+
+def check_post(target: InterceptTarget, targets: InterceptTargets, token: str) -> str:
+    """One POST of row 6c's body to /upload-echo through the target: the origin must see the token (and a DPoP
+    proof for POST) as at /headers, and the body byte for byte. What it saw."""
+    body = targets.setup.post_body.read_text()
+    output = run(["curl", "-sS", "--fail", *target.curl_args, "-H", "Content-Type: application/octet-stream",
+                  "--data-binary", f"@{targets.setup.post_body}", target.curl_base + "/upload-echo"],
+                 env=target.curl_env)
+    seen = _fields(output)
+    credentials = _check_credentials(target, targets, token, seen, "POST", f"{targets.origin_url}/upload-echo")
+    if seen.get("body") != body:
+        raise BenchError(f"via {target.name} the origin read a body of {len(seen.get('body', ''))} bytes "
+                         f"(Content-Length {seen.get('length')!r}), not the {len(body)} bytes sent")
+    return f"{credentials}; the {len(body):,}-byte body read whole (Content-Length {seen.get('length')})"
+
+
+def _fields(output: str) -> dict[str, str]:
+    """The `name=value` lines of an origin's echo (the last, `body=`, may hold anything but a newline)."""
+    return dict(line.split("=", 1) for line in output.splitlines() if "=" in line)
+
+
+def _check_credentials(target: InterceptTarget, targets: InterceptTargets, token: str, seen: dict[str, str],
+                       method: str, url: str) -> str:
+    """What the origin says a request through the target arrived with (`seen`), checked: no Authorization direct,
+    else the target's kind of token, and for DPoP a proof for `method` and `url`. What it saw, in words."""
     authorization = seen.get("authorization", "")
     if target.expect_authorization is None:
         if authorization:
@@ -743,8 +809,7 @@ def check_headers(target: InterceptTarget, targets: InterceptTargets, token: str
                          f"not {target.expect_authorization} + the bench's token")
     if target.expect_authorization == "DPoP":
         try:
-            verify_dpop_proof(seen.get("dpop", ""), "GET", f"{targets.origin_url}/headers", access_token=token,
-                              jkt=targets.dpop.thumbprint)
+            verify_dpop_proof(seen.get("dpop", ""), method, url, access_token=token, jkt=targets.dpop.thumbprint)
         except DPoPError as error:
             raise BenchError(f"the DPoP proof the origin received is wrong: {error}") from None
         return "Authorization: DPoP <token> and a DPoP proof whose claims and ES256 signature verify"

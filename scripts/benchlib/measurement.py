@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import TypeVar
 
 from benchlib.harness import (BENCH_HOST, CLIENT_ENV, BenchError, InterceptSetup, InterceptTarget, InterceptTargets,
-                              Origin, Processes, Proxies, Proxy, check_headers, log, run, start_ws_echo)
+                              Origin, Processes, Proxies, Proxy, check_headers, check_post, log, run, start_ws_echo)
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 GIB = 1 << 30
 CONCURRENCY = 50
 # The intercept section's rows, by the number the report gives them (BENCH_ROWS names either).
-INTERCEPT_ROWS = {"6": "i-keepalive", "6b": "i-rate", "7": "i-bulk", "8": "i-newconn"}
+INTERCEPT_ROWS = {"6": "i-keepalive", "6b": "i-rate", "6c": "i-post", "7": "i-bulk", "8": "i-newconn"}
 
 T = TypeVar("T")
 
@@ -60,7 +60,7 @@ class Plan:
     intercept_rows: frozenset[str] | None = None
 
     def measures(self, row: str) -> bool:
-        """Whether this run measures the intercept row `row` (say "i-rate")."""
+        """Whether this run measures the intercept row `row` (say "i-post")."""
         return self.intercept_rows is None or row in self.intercept_rows
 
 
@@ -74,7 +74,7 @@ def plan(quick: bool, intercept_rows: frozenset[str] | None = None) -> Plan:
 
 
 def intercept_rows(names: str) -> frozenset[str] | None:
-    """BENCH_ROWS ("6,6b": row numbers or names such as i-rate, separated by commas) as row names; None when
+    """BENCH_ROWS ("6,6c,6d": row numbers or names such as i-post, separated by commas) as row names; None when
     empty (every row). BenchError for a name that is no intercept row."""
     if not names.strip():
         return None
@@ -105,6 +105,7 @@ class Results:
     idle: dict = field(default_factory=dict)  # target -> [dict]
     retries: list = field(default_factory=list)  # samples taken a second time after a failure
     intercept_checks: dict = field(default_factory=dict)  # target -> what the origin saw at /headers
+    post_checks: dict = field(default_factory=dict)  # target -> what the origin saw of a POST (row 6c)
     dpop: list = field(default_factory=list)  # per run: DPoPBench's JSON plus openssl speed's rates
     intercept_token: str = ""  # the access token every intercept target sends
 
@@ -411,6 +412,14 @@ def intercept_hey(target: InterceptTarget, requests: int, keepalive: bool, rate:
     return hey_sample(argv, target.pid, target.name, requests)
 
 
+def intercept_post(target: InterceptTarget, requests: int, body: Path) -> Sample:
+    """Row 6c: POSTs of `body` to the protected origin's /upload (answered as row 6's GETs are, once the origin
+    read the whole body) through an intercept target, keep-alive, at full speed."""
+    argv = hey_argv(requests, True) + ["-m", "POST", "-D", str(body), "-T", "application/octet-stream"]
+    argv += target.hey_args + [target.hey_base + "/upload"]
+    return hey_sample(argv, target.pid, target.name, requests)
+
+
 # MARK: - The rows
 
 
@@ -482,12 +491,13 @@ def measure_idle_row(p: Plan, proxies: Proxies, results: Results) -> None:
 
 
 def measure_intercept_rows(p: Plan, setup: InterceptSetup, targets: InterceptTargets, results: Results) -> None:
-    """Rows 6-8 and 6b (those p.intercept_rows names): the protected origin through every intercept target, each
-    checked first at /headers; every target running throughout."""
+    """Rows 6-8, 6b and 6c (those p.intercept_rows names): the protected origin through every intercept target,
+    each checked first at /headers (and for row 6c with a POST whose body the origin echoes); every target running
+    throughout."""
     running: dict[str, InterceptTarget] = {}
-    # The targets of the rows measured: those of row 6 for rows 6, 7 and 8.
+    # The targets of the rows measured: those of row 6 for rows 6, 6c, 7 and 8.
     needed = set(targets.rate_names if p.measures("i-rate") else ())
-    if any(p.measures(row) for row in ("i-keepalive", "i-bulk", "i-newconn")):
+    if any(p.measures(row) for row in ("i-keepalive", "i-post", "i-bulk", "i-newconn")):
         needed |= set(targets.names)
     try:
         for name in (name for name in targets.names if name in needed):
@@ -496,6 +506,9 @@ def measure_intercept_rows(p: Plan, setup: InterceptSetup, targets: InterceptTar
             results.intercept_checks[name] = check_headers(target, targets, setup.token)
             log(f"intercept {name}: {target.hey_args or target.hey_base} (pid {target.pid}); "
                 f"origin saw {results.intercept_checks[name]}")
+            if p.measures("i-post"):  # row 6c runs on every target, as row 6 does
+                results.post_checks[name] = check_post(target, targets, setup.token)
+                log(f"intercept {name}: a POST to /upload-echo arrived with {results.post_checks[name]}")
 
         def count(target: InterceptTarget, requests: int) -> int:
             # mitmproxy is some 50 times slower: fewer requests keep its samples to seconds, not minutes.
@@ -505,9 +518,13 @@ def measure_intercept_rows(p: Plan, setup: InterceptSetup, targets: InterceptTar
             return [row for row in rows if p.measures(row[0])]
 
         bulk_bytes = setup.origin.bulk_bytes
+        body = setup.post_body
+        # Row 6c right after row 6, so that the two rows' CPU per request (GET against POST) are close in time.
         rows = measured_rows([
             ("i-keepalive", lambda t: intercept_hey(t, count(t, p.intercept_keepalive_requests), True),
              lambda t: intercept_hey(t, count(t, p.warmup_requests), True)),
+            ("i-post", lambda t: intercept_post(t, count(t, p.intercept_keepalive_requests), body),
+             lambda t: intercept_post(t, count(t, p.warmup_requests), body)),
             ("i-bulk", lambda t: intercept_bulk(t, bulk_bytes),
              lambda t: intercept_bulk(t, bulk_bytes, min(bulk_bytes, 256 << 20))),
             ("i-newconn", lambda t: intercept_hey(t, count(t, p.intercept_new_requests), False),

@@ -16,14 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchlib.harness import (BASELINE, INTERCEPT_LABELS, INTERCEPT_PEERS, INTERCEPT_TARGETS, PEERS, TARGETS,
-                              with_baseline)
+from benchlib.harness import (BASELINE, INTERCEPT_LABELS, INTERCEPT_PEERS, INTERCEPT_TARGETS, PEERS, POST_BYTES,
+                              TARGETS, with_baseline)
 from benchlib.measurement import CLK_TCK, CONCURRENCY, GIB, INTERCEPT_ROWS, Plan, Results
 
 REFERENCE = Path(__file__).with_name("reference.toml")
 SYMBOLS = {"at_least": "≥", "at_most": "≤", "below": "<"}
 OURS = ("proxyctl", "proxyctl-dpop")
-# The intercept rows in the order the tables list them (6, 6b, 7, 8).
+# The intercept rows in the order the tables list them (6, 6b, 6c, 7, 8).
 INTERCEPT_ORDER = tuple(INTERCEPT_ROWS.values())
 
 
@@ -243,6 +243,8 @@ class Report:
             "i-keepalive": ("6", f"Small HTTPS requests, keep-alive, c={CONCURRENCY} (hey; -x for the forward "
                                  "proxies)"),
             "i-rate": ("6b", f"As row 6 at a fixed {p.intercept_rate:,} req/s (hey -q), equal load for every target"),
+            "i-post": ("6c", f"As row 6 with POSTs of a {POST_BYTES / 1024:g} KiB body (hey -m POST -D), read whole "
+                             "by the origin"),
             "i-bulk": ("7", f"Bulk {self.bulk_label} download (curl)"),
             "i-newconn": ("8", f"New connection + TLS handshake per request, c={CONCURRENCY} "
                                "(hey -disable-keepalive)"),
@@ -260,6 +262,11 @@ class Report:
     def ran(self, row: str, targets: tuple[str, ...]) -> tuple[str, ...]:
         """Those of `targets` that this run measured in `row`."""
         return tuple(t for t in targets if (row, t) in self.results.samples)
+
+    def cpu_vs_row6(self, row: str, target: str) -> list[float]:
+        """Each run's CPU per request of `target` in `row` over the same run's in row 6 (GET)."""
+        return [mine / get for mine, get in zip(self.cpu_runs(row, target, 1e6),
+                                                self.cpu_runs("i-keepalive", target, 1e6))]
 
     def ratios(self, row: str, target: str) -> list[float]:
         """Each run's figure of `target` over that run's direct figure."""
@@ -412,17 +419,26 @@ class Report:
             per = {t: self.cpu_per(row, t, 1.0 if bulk else 1e6) for t in peers}
             add(f"| {number} | | {'proxy CPU-s per GiB' if bulk else 'proxy CPU µs/req'} | {ref.target(cpu)} | — | "
                 f"{cells(cpu, per, (lambda v: f'{v:.2f}') if bulk else micro)} |{ref.earlier(cpu)}|")
+            if row == "i-post" and self.has("i-keepalive"):
+                # The issue compares these rows' CPU per request with row 6's: per run, then the median.
+                key = f"{row}.cpu_vs_row6"
+                versus = {t: median(self.cpu_vs_row6(row, t)) for t in self.ran("i-keepalive", peers)}
+                add(f"| {number} | | proxy CPU µs/req ÷ row 6's (GET) | {ref.target(key)} | — | "
+                    f"{cells(key, versus, fmt_ratio)} |{ref.earlier(key)}|")
         add("")
         add("✅/❌: each proxyctl column against the target; the targets are the issue's (nginx's figures of this "
-            "run, and 0.9× direct for new connections). Earlier reference: measured before on this machine, quoted "
-            "in the issue; not from this run.")
+            "run, 0.9× direct for new connections, and for POSTs a CPU per request within 15% of row 6's GETs). "
+            "Earlier reference: measured before on this machine, quoted in the issue; not from this run.")
         add("")
-        add("What the origin received, checked once per target before the samples (its `/headers` echoes them):")
+        add("What the origin received, checked once per target before the samples (`/headers` echoes the request's "
+            "fields; for row 6c, `/upload-echo` also the body it read):")
         add("")
         for name in with_baseline(INTERCEPT_TARGETS, self.baseline):
             if name not in results.intercept_checks:
                 continue  # not started: none of its rows was measured (BENCH_ROWS)
             add(f"- {INTERCEPT_LABELS[name]}: {results.intercept_checks[name]}")
+            if name in results.post_checks:
+                add(f"  - a POST (row 6c): {results.post_checks[name]}")
         add("")
 
     def protocols_table(self) -> None:
@@ -547,6 +563,9 @@ class Report:
                 ]
                 continue
             found += throughput_and_cpu(row)
+            if row == "i-post" and ("i-keepalive", BASELINE) in results.samples:
+                found.append(Comparison(row, "proxy CPU µs/req ÷ row 6's", False,
+                                        lambda t, row=row: self.cpu_vs_row6(row, t), fmt_ratio))
         return found
 
     def before_after_table(self, binaries: dict[str, Binary]) -> None:
@@ -562,7 +581,7 @@ class Report:
                 "tells them apart.")
         add("")
         add(f"The two binaries ran in the same run, set up alike: forward proxies in rows 1–5, Bearer intercept "
-            f"targets in rows 6–8 and 6b (no DPoP column for {BASELINE}). In every round of a row, "
+            f"targets in rows 6–8, 6b and 6c (no DPoP column for {BASELINE}). In every round of a row, "
             f"{BASELINE} was measured right after proxyctl, both after direct (the ratios' denominator). Change: "
             "after / before − 1, of the medians; each run: the same of one round's figures, which shows how much "
             "of a change is noise. ↑: higher is better, ↓: lower is better."
@@ -590,10 +609,15 @@ class Report:
                 f"{self.bulk_label} incompressible file and a {p.small_bytes}-byte one. HTTPS with TLS 1.3 and ECDSA "
                 "P-256 certificates from one test CA; no session resumption, so every new connection is a full "
                 "handshake. Three listeners: https with a leaf for 127.0.0.1 (rows 1–3), plain HTTP (row 4), and "
-                "https for `bench.test` (rows 6–8, 6b, and `/headers`, which echoes `Authorization` and `DPoP`) on "
-                "port 443 of a loopback address picked at random (127.x.y.z), so that every client sends the same "
+                "https for `bench.test` (rows 6–8, 6b, 6c, and `/headers`, which echoes `Authorization` and `DPoP`) "
+                "on port 443 of a loopback address picked at random (127.x.y.z), so that every client sends the same "
                 "plain host name as its TLS server name (hey sends `host:port` for other ports, which proxyctl "
-                "accepts only when the port is the tunnel's).")
+                "accepts only when the port is the tunnel's). `bench.test/upload` takes row 6c's POSTs: the mirror "
+                "module (`mirror` to an internal "
+                "`return 204`) reads the whole body into memory (`client_body_buffer_size 64k`) before the answer, "
+                "which is `/small.txt`'s, as in row 6 (`error_page 404 = /small.txt`, the static handler finding "
+                "no file `upload`); `return` alone would discard the body, perhaps after answering, and a static "
+                "file answers POSTs with 405.")
         if self.passthrough:
             add("- **Passthrough proxies** (rows 1–5), each started by the script on 127.0.0.1 with a temp config, all "
                 "three running during rows 1–4, and started afresh for each run of row 5:")
@@ -639,7 +663,7 @@ class Report:
         if self.intercept:
             mitm_keepalive = max(CONCURRENCY * 2, p.intercept_keepalive_requests // p.mitmproxy_divisor)
             mitm_new = max(CONCURRENCY * 2, p.intercept_new_requests // p.mitmproxy_divisor)
-            add("- **Intercept targets** (rows 6–8, 6b), all running during those rows, each on 127.0.0.1 "
+            add("- **Intercept targets** (rows 6–8, 6b, 6c), all running during those rows, each on 127.0.0.1 "
                 f"with a temp config; every one sends the same JWT-shaped access token of {self.token_bytes} bytes:")
             add("  - proxyctl (Bearer and DPoP, two instances): `proxyctl serve` with `state_dir` in the temp dir, "
                 "`resolve = bench.test=127.x.y.z`, `[provider bench]` with `token_binding = bearer` or `dpop`, "
@@ -653,16 +677,17 @@ class Report:
                 "`proxy_pass https://upstream` with `keepalive 128`, `proxy_http_version 1.1`, "
                 "`proxy_set_header Connection \"\"`, `proxy_set_header Authorization \"Bearer …\"`, "
                 "`proxy_ssl_verify on` against the test CA, `proxy_ssl_session_reuse on`, "
-                "`proxy_max_temp_file_size 0` (responses stream through memory buffers, nothing spooled to disk); "
-                "access log off, no TLS session resumption for clients. hey and curl talk to it directly (curl "
+                "`proxy_max_temp_file_size 0` (responses stream through memory buffers, nothing spooled to disk), "
+                "`client_body_buffer_size 64k` (row 6c's bodies kept in memory too); access log off, no TLS session "
+                "resumption for clients. hey and curl talk to it directly (curl "
                 "`--resolve bench.test:PORT:127.0.0.1`).")
             add("  - mitmproxy: `mitmdump --listen-host 127.0.0.1 -s add_bearer.py --set "
                 "ssl_verify_upstream_trusted_ca=<test CA> --set stream_large_bodies=1m` (default flow log to a file, "
                 "like proxyctl's info log), from a venv of its own (`.bench/venv`, PyPI `mitmproxy`); the addon sets "
                 "`Authorization` in the `request` hook and sends `bench.test` to the origin's address in "
                 "`server_connect`. curl "
-                f"trusts mitmproxy's CA. Being about 50× slower, it gets fewer requests: {mitm_keepalive:,} (row "
-                "6) and "
+                f"trusts mitmproxy's CA. Being about 50× slower, it gets fewer requests: {mitm_keepalive:,} (rows "
+                "6 and 6c) and "
                 f"{mitm_new:,} (row 8); the rates are per second all the same.")
             add(f"- **Row 6**: `hey -c {CONCURRENCY} -n {p.intercept_keepalive_requests} -x $HTTPS_PROXY "
                 "https://bench.test/small.txt` for the forward proxies; `https://127.0.0.1:PORT/small.txt` to nginx, "
@@ -674,6 +699,15 @@ class Report:
                     "both proxyctl columns and nginx (mitmproxy cannot keep up with that rate). At full speed (row 6) "
                     "a slower target also pays more CPU per request, because each wake-up finds fewer events to batch; "
                     "at an equal offered load the CPU per request compares the work alone.")
+            if self.has("i-post"):
+                add("- **Row 6c**: as row 6 with `-m POST -D <file> -T application/octet-stream` and the URL's "
+                    f"path `/upload`: {POST_BYTES:,} bytes (base64 characters of random bytes) per request, with "
+                    "`Content-Length`, on the same keep-alive connections, for every target of row 6; the answer is "
+                    "row 6's. Measured right after row 6, in rounds of its own. Checked once per target before the "
+                    "samples: a POST of the same body to `/upload-echo`, whose answer must give back the token (a "
+                    "DPoP proof for POST) and the body byte for byte. \"÷ row 6's\": per run, the target's CPU per "
+                    "request here over its CPU per request in row 6 of the same round number, then the median; the "
+                    "issue wants POSTs within 15% of GETs (≤ 1.15×).")
             if self.has("i-bulk"):
                 add(f"- **Row 7**: curl downloads `/bulk.bin` ({self.bulk_label}) as in row 1: with `HTTPS_PROXY` "
                     "and `CURL_CA_BUNDLE` from `proxyctl env`, `-x … --cacert <mitmproxy CA>`, or `--resolve` and the "
@@ -709,9 +743,9 @@ class Report:
         if self.baseline:
             add(f"- **{BASELINE}** (`BENCH_BASELINE`): the baseline binary, started by the same code as proxyctl "
                 "with the same configuration: a forward proxy in rows 1–4 (running throughout) and row 5 (afresh "
-                "for each run), and a Bearer intercept target in rows 6–8 and 6b, with a `state_dir`, local CA "
-                "(`proxyctl ca init` of that binary) and token file of its own, made the same way. In every round it "
-                "is measured right after proxyctl.")
+                "for each run), and a Bearer intercept target in rows 6–8, 6b and 6c, with a `state_dir`, "
+                "local CA (`proxyctl ca init` of that binary) and token file of its own, made the same way. In every "
+                "round it is measured right after proxyctl.")
         if results.retries:
             add(f"- Samples taken again after a failed first try: {', '.join(results.retries)}.")
         add("")
