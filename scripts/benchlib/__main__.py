@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchlib.harness import (BENCH_HOST, BenchError, InterceptSetup, InterceptTargets, Processes, Proxies,
+from benchlib.harness import (BENCH_HOST, H2_HOST, BenchError, InterceptSetup, InterceptTargets, Processes, Proxies,
                               fake_access_token, log, make_certificates, prepare_www, start_origin, write_post_body)
 from benchlib.measurement import (Results, intercept_rows, measure_dpop, measure_idle_row, measure_intercept_rows,
                                   measure_protocol_rows, measure_throughput_rows, plan, watch_load)
@@ -84,8 +84,9 @@ def main() -> int:
         certificates = make_certificates(args.tmp / "tls")
         www, storage = prepare_www(args.tmp, p.bulk_bytes, p.small_bytes)
         origin = start_origin(processes, args.tmp, www, certificates, (p.bulk_bytes, p.small_bytes))
-        log(f"origin: https://127.0.0.1:{origin.https_port}, http://127.0.0.1:{origin.http_port} and "
-            f"https://{BENCH_HOST} on {origin.bench_address}:{origin.bench_port} ({storage})")
+        log(f"origin: https://127.0.0.1:{origin.https_port}, http://127.0.0.1:{origin.http_port}, "
+            f"https://{BENCH_HOST} on {origin.bench_address}:{origin.bench_port} and https://{H2_HOST} (h2) on "
+            f"{origin.h2_address}:443 ({storage})")
         load = watch_load(processes, wait=not p.quick)
         proxies = Proxies(processes, args.tmp, args.proxyctl, args.baseline)
         results = Results()

@@ -12,20 +12,22 @@ import re
 import resource
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from benchlib.harness import (BENCH_HOST, CLIENT_ENV, BenchError, InterceptSetup, InterceptTarget, InterceptTargets,
-                              Origin, Processes, Proxies, Proxy, check_headers, check_post, log, run, start_ws_echo)
+from benchlib.harness import (BENCH_HOST, CLIENT_ENV, H2_HOST, BenchError, InterceptSetup, InterceptTarget,
+                              InterceptTargets, Origin, Processes, Proxies, Proxy, check_h2_origin, check_headers,
+                              check_post, log, origin_protocols, run, start_ws_echo)
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 GIB = 1 << 30
 CONCURRENCY = 50
 # The intercept section's rows, by the number the report gives them (BENCH_ROWS names either).
-INTERCEPT_ROWS = {"6": "i-keepalive", "6b": "i-rate", "6c": "i-post", "7": "i-bulk", "8": "i-newconn"}
+INTERCEPT_ROWS = {"6": "i-keepalive", "6b": "i-rate", "6c": "i-post", "6d": "i-h2", "7": "i-bulk", "8": "i-newconn"}
 
 T = TypeVar("T")
 
@@ -106,6 +108,8 @@ class Results:
     retries: list = field(default_factory=list)  # samples taken a second time after a failure
     intercept_checks: dict = field(default_factory=dict)  # target -> what the origin saw at /headers
     post_checks: dict = field(default_factory=dict)  # target -> what the origin saw of a POST (row 6c)
+    h2_checks: dict = field(default_factory=dict)  # target -> what bench-h2.test saw at /headers (row 6d)
+    h2_protocols: dict = field(default_factory=dict)  # target -> Counter of protocols in row 6d's samples
     dpop: list = field(default_factory=list)  # per run: DPoPBench's JSON plus openssl speed's rates
     intercept_token: str = ""  # the access token every intercept target sends
 
@@ -420,6 +424,32 @@ def intercept_post(target: InterceptTarget, requests: int, body: Path) -> Sample
     return hey_sample(argv, target.pid, target.name, requests)
 
 
+def intercept_h2(target: InterceptTarget, requests: int, origin: Origin, results: Results | None = None) -> Sample:
+    """Row 6d: small requests to https://bench-h2.test (an origin that offers HTTP/2) through an intercept target,
+    keep-alive, at full speed; then the origin's access log must show every one of them in the protocol of the
+    target's route (HTTP/2.0 through proxyctl), else BenchError: a sample of the wrong protocol is not row 6d's.
+    With `results`, the protocols seen are added to `results.h2_protocols`."""
+    route = target.h2
+    if route is None or origin.h2_log is None:
+        raise BenchError(f"{target.name} has no route to {H2_HOST}")
+    offset = origin.h2_log.stat().st_size
+    argv = hey_argv(requests, True) + target.hey_args + [route.hey_base + "/small.txt"]
+    sample = hey_sample(argv, target.pid, target.name, requests)
+    # nginx writes its buffered log lines within `flush` (100 ms) of the last one.
+    deadline = time.monotonic() + 5
+    seen = origin_protocols(origin.h2_log, offset)
+    while sum(seen.values()) < requests and time.monotonic() < deadline:
+        time.sleep(0.1)
+        seen = origin_protocols(origin.h2_log, offset)
+    if route.protocol is None or set(seen) != {route.protocol} or seen[route.protocol] < requests:
+        found = ", ".join(f"{count:,} {protocol}" for protocol, count in seen.most_common()) or "nothing"
+        raise BenchError(f"row 6d via {target.name}: {H2_HOST}'s access log shows {found} for {requests:,} requests, "
+                         f"not all {route.protocol}: the row would not measure what it says")
+    if results is not None:
+        results.h2_protocols.setdefault(target.name, Counter()).update(seen)
+    return sample
+
+
 # MARK: - The rows
 
 
@@ -491,12 +521,13 @@ def measure_idle_row(p: Plan, proxies: Proxies, results: Results) -> None:
 
 
 def measure_intercept_rows(p: Plan, setup: InterceptSetup, targets: InterceptTargets, results: Results) -> None:
-    """Rows 6-8, 6b and 6c (those p.intercept_rows names): the protected origin through every intercept target,
-    each checked first at /headers (and for row 6c with a POST whose body the origin echoes); every target running
-    throughout."""
+    """Rows 6-8, 6b, 6c and 6d (those p.intercept_rows names): the protected origin through every intercept target,
+    each checked first at /headers (and for row 6c with a POST whose body the origin echoes, for row 6d at
+    bench-h2.test, which must see the protocol the row is about); every target running throughout."""
     running: dict[str, InterceptTarget] = {}
+    h2_names = targets.h2_names if p.measures("i-h2") else ()
     # The targets of the rows measured: those of row 6 for rows 6, 6c, 7 and 8.
-    needed = set(targets.rate_names if p.measures("i-rate") else ())
+    needed = set(h2_names) | set(targets.rate_names if p.measures("i-rate") else ())
     if any(p.measures(row) for row in ("i-keepalive", "i-post", "i-bulk", "i-newconn")):
         needed |= set(targets.names)
     try:
@@ -509,6 +540,9 @@ def measure_intercept_rows(p: Plan, setup: InterceptSetup, targets: InterceptTar
             if p.measures("i-post"):  # row 6c runs on every target, as row 6 does
                 results.post_checks[name] = check_post(target, targets, setup.token)
                 log(f"intercept {name}: a POST to /upload-echo arrived with {results.post_checks[name]}")
+            if name in h2_names:
+                results.h2_checks[name] = check_h2_origin(target, targets, setup.token)
+                log(f"intercept {name}: {H2_HOST} saw {results.h2_checks[name]}")
 
         def count(target: InterceptTarget, requests: int) -> int:
             # mitmproxy is some 50 times slower: fewer requests keep its samples to seconds, not minutes.
@@ -531,6 +565,12 @@ def measure_intercept_rows(p: Plan, setup: InterceptSetup, targets: InterceptTar
              lambda t: intercept_hey(t, count(t, p.warmup_requests // 2), False)),
         ])
         run_rows(p, rows, targets.names, running, results)
+        origin = setup.origin
+        h2_rows = measured_rows([
+            ("i-h2", lambda t: intercept_h2(t, p.intercept_keepalive_requests, origin, results),
+             lambda t: intercept_h2(t, p.warmup_requests, origin)),
+        ])
+        run_rows(p, h2_rows, targets.h2_names, running, results)
         rate_rows = measured_rows([
             ("i-rate", lambda t: intercept_hey(t, p.intercept_rate_requests, True, p.intercept_rate),
              lambda t: intercept_hey(t, p.warmup_requests, True, p.intercept_rate)),

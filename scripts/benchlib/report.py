@@ -16,14 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchlib.harness import (BASELINE, INTERCEPT_LABELS, INTERCEPT_PEERS, INTERCEPT_TARGETS, PEERS, POST_BYTES,
-                              TARGETS, with_baseline)
+from benchlib.harness import (BASELINE, H2_HOST, INTERCEPT_LABELS, INTERCEPT_PEERS, INTERCEPT_TARGETS, PEERS,
+                              POST_BYTES, TARGETS, with_baseline)
 from benchlib.measurement import CLK_TCK, CONCURRENCY, GIB, INTERCEPT_ROWS, Plan, Results
 
 REFERENCE = Path(__file__).with_name("reference.toml")
 SYMBOLS = {"at_least": "≥", "at_most": "≤", "below": "<"}
 OURS = ("proxyctl", "proxyctl-dpop")
-# The intercept rows in the order the tables list them (6, 6b, 6c, 7, 8).
+# The intercept rows in the order the tables list them (6, 6b, 6c, 6d, 7, 8).
 INTERCEPT_ORDER = tuple(INTERCEPT_ROWS.values())
 
 
@@ -245,6 +245,8 @@ class Report:
             "i-rate": ("6b", f"As row 6 at a fixed {p.intercept_rate:,} req/s (hey -q), equal load for every target"),
             "i-post": ("6c", f"As row 6 with POSTs of a {POST_BYTES / 1024:g} KiB body (hey -m POST -D), read whole "
                              "by the origin"),
+            "i-h2": ("6d", f"As row 6 against an origin that offers HTTP/2 ({H2_HOST}, ALPN h2): proxyctl speaks h2 "
+                           "upstream"),
             "i-bulk": ("7", f"Bulk {self.bulk_label} download (curl)"),
             "i-newconn": ("8", f"New connection + TLS handshake per request, c={CONCURRENCY} "
                                "(hey -disable-keepalive)"),
@@ -264,7 +266,7 @@ class Report:
         return tuple(t for t in targets if (row, t) in self.results.samples)
 
     def cpu_vs_row6(self, row: str, target: str) -> list[float]:
-        """Each run's CPU per request of `target` in `row` over the same run's in row 6 (GET)."""
+        """Each run's CPU per request of `target` in `row` over the same run's in row 6 (GET, HTTP/1.1 origin)."""
         return [mine / get for mine, get in zip(self.cpu_runs(row, target, 1e6),
                                                 self.cpu_runs("i-keepalive", target, 1e6))]
 
@@ -392,9 +394,11 @@ class Report:
         add("The client asks for `https://bench.test/…` (nginx serving the same files from "
             f"{self.storage}); each target adds `Authorization` on the way. proxyctl terminates TLS with its local "
             "CA, attaches the token (Bearer, or DPoP with a fresh proof per request) and re-encrypts to the origin "
-            "with its own HTTP client (libcurl in builds before issue 28); nginx does the same as a TLS-terminating "
-            "reverse proxy (the C reference); mitmproxy as a forward proxy with an addon. \"≥ nginx\" means at least "
-            "the nginx column of this run; \"—\": the target does not run that row.")
+            "with its own HTTP client (libcurl in builds before issue 28), which offers the origin HTTP/2 by ALPN: "
+            f"bench.test's listener answers HTTP/1.1, {H2_HOST}'s (row 6d, same files) HTTP/2. nginx does the same "
+            "as a TLS-terminating reverse proxy (the C reference; HTTP/1.1 to every origin); mitmproxy as a forward "
+            "proxy with an addon. \"≥ nginx\" means at least the nginx column of this run; \"—\": the target does "
+            "not run that row.")
         add("")
         add("| # | Scenario | Metric | Target (issue) | direct | proxyctl (Bearer) | proxyctl (DPoP) | nginx | "
             "mitmproxy | earlier reference |")
@@ -419,19 +423,25 @@ class Report:
             per = {t: self.cpu_per(row, t, 1.0 if bulk else 1e6) for t in peers}
             add(f"| {number} | | {'proxy CPU-s per GiB' if bulk else 'proxy CPU µs/req'} | {ref.target(cpu)} | — | "
                 f"{cells(cpu, per, (lambda v: f'{v:.2f}') if bulk else micro)} |{ref.earlier(cpu)}|")
-            if row == "i-post" and self.has("i-keepalive"):
+            if row in ("i-post", "i-h2") and self.has("i-keepalive"):
                 # The issue compares these rows' CPU per request with row 6's: per run, then the median.
                 key = f"{row}.cpu_vs_row6"
                 versus = {t: median(self.cpu_vs_row6(row, t)) for t in self.ran("i-keepalive", peers)}
-                add(f"| {number} | | proxy CPU µs/req ÷ row 6's (GET) | {ref.target(key)} | — | "
+                what = "GET" if row == "i-post" else "HTTP/1.1 origin"
+                add(f"| {number} | | proxy CPU µs/req ÷ row 6's ({what}) | {ref.target(key)} | — | "
                     f"{cells(key, versus, fmt_ratio)} |{ref.earlier(key)}|")
+            if row == "i-h2":
+                add(f"| {number} | | protocol at the origin (its access log, every request of the samples) | — | "
+                    f"{self.protocols_seen('direct')} | "
+                    + " | ".join(self.protocols_seen(t) if t in peers else "—" for t in INTERCEPT_PEERS) + " | |")
         add("")
         add("✅/❌: each proxyctl column against the target; the targets are the issue's (nginx's figures of this "
             "run, 0.9× direct for new connections, and for POSTs a CPU per request within 15% of row 6's GETs). "
             "Earlier reference: measured before on this machine, quoted in the issue; not from this run.")
         add("")
         add("What the origin received, checked once per target before the samples (`/headers` echoes the request's "
-            "fields; for row 6c, `/upload-echo` also the body it read):")
+            "fields; for row 6c, `/upload-echo` also the body it read; for row 6d, " + H2_HOST + "'s `/headers` also "
+            "the protocol):")
         add("")
         for name in with_baseline(INTERCEPT_TARGETS, self.baseline):
             if name not in results.intercept_checks:
@@ -439,6 +449,8 @@ class Report:
             add(f"- {INTERCEPT_LABELS[name]}: {results.intercept_checks[name]}")
             if name in results.post_checks:
                 add(f"  - a POST (row 6c): {results.post_checks[name]}")
+            if name in results.h2_checks:
+                add(f"  - {H2_HOST} (row 6d): {results.h2_checks[name]}")
         add("")
 
     def protocols_table(self) -> None:
@@ -463,10 +475,10 @@ class Report:
         add("## Protocols: HTTP/2 and WebSocket to a protected origin")
         add("")
         add("The same proxyctl (Bearer) and origin as rows 6-8, in rounds of their own. HTTP/2 is what the client "
-            "speaks to proxyctl (ALPN h2); proxyctl speaks HTTP/1.1 to the origin (the bench's nginx offers no h2), "
-            "so the rows compare the client side. The WebSocket origin is a Go echo server on the origin's address "
-            "(`loadgen wsecho`), protected like bench.test; the client sends 1 KiB binary messages one after another, "
-            "each waiting for its echo.")
+            "speaks to proxyctl (ALPN h2); proxyctl speaks HTTP/1.1 to the origin (bench.test's listener offers no "
+            "h2; row 6d is the one against an origin that does), so the rows compare the client side. The WebSocket "
+            "origin is a Go echo server on the origin's address (`loadgen wsecho`), protected like bench.test; the "
+            "client sends 1 KiB binary messages one after another, each waiting for its echo.")
         add("")
         add("| # | Scenario | Metric | Target (issue) | HTTP/1.1 | HTTP/2 |")
         add("|---|---|---|---|---|---|")
@@ -563,7 +575,7 @@ class Report:
                 ]
                 continue
             found += throughput_and_cpu(row)
-            if row == "i-post" and ("i-keepalive", BASELINE) in results.samples:
+            if row in ("i-post", "i-h2") and ("i-keepalive", BASELINE) in results.samples:
                 found.append(Comparison(row, "proxy CPU µs/req ÷ row 6's", False,
                                         lambda t, row=row: self.cpu_vs_row6(row, t), fmt_ratio))
         return found
@@ -581,7 +593,7 @@ class Report:
                 "tells them apart.")
         add("")
         add(f"The two binaries ran in the same run, set up alike: forward proxies in rows 1–5, Bearer intercept "
-            f"targets in rows 6–8, 6b and 6c (no DPoP column for {BASELINE}). In every round of a row, "
+            f"targets in rows 6–8, 6b, 6c and 6d (no DPoP column for {BASELINE}). In every round of a row, "
             f"{BASELINE} was measured right after proxyctl, both after direct (the ratios' denominator). Change: "
             "after / before − 1, of the medians; each run: the same of one round's figures, which shows how much "
             "of a change is noise. ↑: higher is better, ↓: lower is better."
@@ -599,6 +611,23 @@ class Report:
                 f"{comparison.fmt(median(after))} | {fmt_change(median(before), median(after))} | {runs} |")
             previous = comparison.row
         add("")
+        protocols = {t: self.protocols_seen(t) for t in ("proxyctl", BASELINE)}
+        if all(protocols.values()):
+            same = protocols["proxyctl"] == protocols[BASELINE]
+            add(f"Row 6d: {H2_HOST}'s access log shows {BASELINE} speaking {protocols[BASELINE]} to it and proxyctl "
+                f"{protocols['proxyctl']}"
+                + ("." if same else ": the change in that row includes the change of the upstream protocol."))
+            add("")
+
+    def protocols_seen(self, target: str) -> str:
+        """The protocols row 6d's origin logged for `target`'s samples ("HTTP/2.0", or counts when mixed), "" when
+        it ran no row 6d."""
+        counts = self.results.h2_protocols.get(target)
+        if not counts:
+            return ""
+        if len(counts) == 1:
+            return next(iter(counts))
+        return ", ".join(f"{count:,} {protocol}" for protocol, count in counts.most_common())
 
     def method(self) -> None:
         p, results, add = self.p, self.results, self.add
@@ -608,12 +637,13 @@ class Report:
             add(f"- **Origin**: nginx, `worker_processes auto`, access log off, files on {self.storage}: a "
                 f"{self.bulk_label} incompressible file and a {p.small_bytes}-byte one. HTTPS with TLS 1.3 and ECDSA "
                 "P-256 certificates from one test CA; no session resumption, so every new connection is a full "
-                "handshake. Three listeners: https with a leaf for 127.0.0.1 (rows 1–3), plain HTTP (row 4), and "
+                "handshake. Four listeners: https with a leaf for 127.0.0.1 (rows 1–3), plain HTTP (row 4), "
                 "https for `bench.test` (rows 6–8, 6b, 6c, and `/headers`, which echoes `Authorization` and `DPoP`) "
-                "on port 443 of a loopback address picked at random (127.x.y.z), so that every client sends the same "
-                "plain host name as its TLS server name (hey sends `host:port` for other ports, which proxyctl "
-                "accepts only when the port is the tunnel's). `bench.test/upload` takes row 6c's POSTs: the mirror "
-                "module (`mirror` to an internal "
+                f"and https with `http2` for `{H2_HOST}` (row 6d: the same files, ALPN h2 offered; its access log, "
+                "the only one on, has each request's `$server_protocol`), each on port 443 of a loopback address "
+                "picked at random (127.x.y.z), so that every client sends the same plain host name as its TLS server "
+                "name (hey sends `host:port` for other ports, which proxyctl accepts only when the port is the "
+                "tunnel's). `bench.test/upload` takes row 6c's POSTs: the mirror module (`mirror` to an internal "
                 "`return 204`) reads the whole body into memory (`client_body_buffer_size 64k`) before the answer, "
                 "which is `/small.txt`'s, as in row 6 (`error_page 404 = /small.txt`, the static handler finding "
                 "no file `upload`); `return` alone would discard the body, perhaps after answering, and a static "
@@ -663,11 +693,12 @@ class Report:
         if self.intercept:
             mitm_keepalive = max(CONCURRENCY * 2, p.intercept_keepalive_requests // p.mitmproxy_divisor)
             mitm_new = max(CONCURRENCY * 2, p.intercept_new_requests // p.mitmproxy_divisor)
-            add("- **Intercept targets** (rows 6–8, 6b, 6c), all running during those rows, each on 127.0.0.1 "
+            add("- **Intercept targets** (rows 6–8, 6b, 6c, 6d), all running during those rows, each on 127.0.0.1 "
                 f"with a temp config; every one sends the same JWT-shaped access token of {self.token_bytes} bytes:")
             add("  - proxyctl (Bearer and DPoP, two instances): `proxyctl serve` with `state_dir` in the temp dir, "
-                "`resolve = bench.test=127.x.y.z`, `[provider bench]` with `token_binding = bearer` or `dpop`, "
-                "`[origin https://bench.test]` with `ca_file` = the test CA, `log_level = info`. `proxyctl ca init` "
+                f"`resolve = bench.test=127.x.y.z,{H2_HOST}=127.x'.y'.z'`, `[provider bench]` with "
+                f"`token_binding = bearer` or `dpop`, `[origin https://bench.test]` and `[origin https://{H2_HOST}]` "
+                "with `ca_file` = the test CA, `log_level = info`. `proxyctl ca init` "
                 "made the local CA; the tokens are written into the token store in proxyctl's format "
                 "(`tokens/bench.json`, 30 days' expiry, so nothing is refreshed and no provider is contacted; "
                 "`proxyctl status` must report them signed in), and for DPoP `keys/bench.dpop.pem` (PKCS#8 P-256) "
@@ -680,7 +711,8 @@ class Report:
                 "`proxy_max_temp_file_size 0` (responses stream through memory buffers, nothing spooled to disk), "
                 "`client_body_buffer_size 64k` (row 6c's bodies kept in memory too); access log off, no TLS session "
                 "resumption for clients. hey and curl talk to it directly (curl "
-                "`--resolve bench.test:PORT:127.0.0.1`).")
+                f"`--resolve bench.test:PORT:127.0.0.1`); a second server of the same nginx, on another port, proxies "
+                f"to `{H2_HOST}` for row 6d, in HTTP/1.1 (nginx's proxy module speaks no HTTP/2 to upstreams).")
             add("  - mitmproxy: `mitmdump --listen-host 127.0.0.1 -s add_bearer.py --set "
                 "ssl_verify_upstream_trusted_ca=<test CA> --set stream_large_bodies=1m` (default flow log to a file, "
                 "like proxyctl's info log), from a venv of its own (`.bench/venv`, PyPI `mitmproxy`); the addon sets "
@@ -688,7 +720,8 @@ class Report:
                 "`server_connect`. curl "
                 f"trusts mitmproxy's CA. Being about 50× slower, it gets fewer requests: {mitm_keepalive:,} (rows "
                 "6 and 6c) and "
-                f"{mitm_new:,} (row 8); the rates are per second all the same.")
+                f"{mitm_new:,} (row 8); the rates are per second all the same. It has no row 6d: it speaks to an "
+                "origin what the client spoke to it (HTTP/1.1 from hey), so that row would repeat row 6.")
             add(f"- **Row 6**: `hey -c {CONCURRENCY} -n {p.intercept_keepalive_requests} -x $HTTPS_PROXY "
                 "https://bench.test/small.txt` for the forward proxies; `https://127.0.0.1:PORT/small.txt` to nginx, "
                 "`https://127.x.y.z/small.txt` (direct) to the origin. hey does not verify certificates; curl does "
@@ -708,6 +741,18 @@ class Report:
                     "DPoP proof for POST) and the body byte for byte. \"÷ row 6's\": per run, the target's CPU per "
                     "request here over its CPU per request in row 6 of the same round number, then the median; the "
                     "issue wants POSTs within 15% of GETs (≤ 1.15×).")
+            if self.has("i-h2"):
+                add(f"- **Row 6d**: as row 6 against `https://{H2_HOST}/small.txt` (direct: "
+                    "`https://127.x'.y'.z'/…`; nginx: its second server), for direct, both proxyctl columns and "
+                    "nginx. hey speaks HTTP/1.1 (it speaks h2 only with `-h2`) to the proxy, or to the origin direct; "
+                    f"proxyctl's own client offers h2 to the origin, which takes it, so the {CONCURRENCY} client "
+                    "connections' "
+                    "requests go upstream as HTTP/2 streams. Checked, and the row fails (BenchError) otherwise: before "
+                    f"the samples, a request per target to `{H2_HOST}/headers`, which echoes `$server_protocol` "
+                    "(HTTP/2.0 through proxyctl, HTTP/1.1 direct and through nginx); after every sample, warm-ups "
+                    "included, the origin's access log, in which each of the sample's requests must have that "
+                    "protocol. \"÷ row 6's\" as for row 6c: the h2 upstream's CPU per request against the HTTP/1.1 "
+                    "upstream's of row 6.")
             if self.has("i-bulk"):
                 add(f"- **Row 7**: curl downloads `/bulk.bin` ({self.bulk_label}) as in row 1: with `HTTPS_PROXY` "
                     "and `CURL_CA_BUNDLE` from `proxyctl env`, `-x … --cacert <mitmproxy CA>`, or `--resolve` and the "
@@ -743,7 +788,7 @@ class Report:
         if self.baseline:
             add(f"- **{BASELINE}** (`BENCH_BASELINE`): the baseline binary, started by the same code as proxyctl "
                 "with the same configuration: a forward proxy in rows 1–4 (running throughout) and row 5 (afresh "
-                "for each run), and a Bearer intercept target in rows 6–8, 6b and 6c, with a `state_dir`, "
+                "for each run), and a Bearer intercept target in rows 6–8, 6b, 6c and 6d, with a `state_dir`, "
                 "local CA (`proxyctl ca init` of that binary) and token file of its own, made the same way. In every "
                 "round it is measured right after proxyctl.")
         if results.retries:
