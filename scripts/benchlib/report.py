@@ -265,6 +265,16 @@ class Report:
         """Those of `targets` that this run measured in `row`."""
         return tuple(t for t in targets if (row, t) in self.results.samples)
 
+    def row_numbers(self, target: str) -> str:
+        """The intercept rows `target` ran in this run, as the prose names them ("rows 6–8, 6b, 6c and 6d")."""
+        numbers = [self.scenarios[row][0] for row in self.intercept_rows if (row, target) in self.results.samples]
+        if {"6", "7", "8"} <= set(numbers):
+            numbers = ["6–8"] + [n for n in numbers if n not in ("6", "7", "8")]
+        if not numbers:
+            return "no intercept row"
+        return ("row " if numbers != ["6–8"] and len(numbers) == 1 else "rows ") + " and ".join(
+            ", ".join(numbers).rsplit(", ", 1))
+
     def cpu_vs_row6(self, row: str, target: str) -> list[float]:
         """Each run's CPU per request of `target` in `row` over the same run's in row 6 (GET, HTTP/1.1 origin)."""
         return [mine / get for mine, get in zip(self.cpu_runs(row, target, 1e6),
@@ -593,7 +603,7 @@ class Report:
                 "tells them apart.")
         add("")
         add(f"The two binaries ran in the same run, set up alike: forward proxies in rows 1–5, Bearer intercept "
-            f"targets in rows 6–8, 6b, 6c and 6d (no DPoP column for {BASELINE}). In every round of a row, "
+            f"targets in {self.row_numbers(BASELINE)} (no DPoP column for {BASELINE}). In every round of a row, "
             f"{BASELINE} was measured right after proxyctl, both after direct (the ratios' denominator). Change: "
             "after / before − 1, of the medians; each run: the same of one round's figures, which shows how much "
             "of a change is noise. ↑: higher is better, ↓: lower is better."
@@ -693,8 +703,9 @@ class Report:
         if self.intercept:
             mitm_keepalive = max(CONCURRENCY * 2, p.intercept_keepalive_requests // p.mitmproxy_divisor)
             mitm_new = max(CONCURRENCY * 2, p.intercept_new_requests // p.mitmproxy_divisor)
-            add("- **Intercept targets** (rows 6–8, 6b, 6c, 6d), all running during those rows, each on 127.0.0.1 "
-                f"with a temp config; every one sends the same JWT-shaped access token of {self.token_bytes} bytes:")
+            add(f"- **Intercept targets** ({self.row_numbers('direct')}), all running during those rows, each "
+                "on 127.0.0.1 with a temp config; every one sends the same JWT-shaped access token of "
+                f"{self.token_bytes} bytes:")
             add("  - proxyctl (Bearer and DPoP, two instances): `proxyctl serve` with `state_dir` in the temp dir, "
                 f"`resolve = bench.test=127.x.y.z,{H2_HOST}=127.x'.y'.z'`, `[provider bench]` with "
                 f"`token_binding = bearer` or `dpop`, `[origin https://bench.test]` and `[origin https://{H2_HOST}]` "
@@ -788,9 +799,9 @@ class Report:
         if self.baseline:
             add(f"- **{BASELINE}** (`BENCH_BASELINE`): the baseline binary, started by the same code as proxyctl "
                 "with the same configuration: a forward proxy in rows 1–4 (running throughout) and row 5 (afresh "
-                "for each run), and a Bearer intercept target in rows 6–8, 6b, 6c and 6d, with a `state_dir`, "
-                "local CA (`proxyctl ca init` of that binary) and token file of its own, made the same way. In every "
-                "round it is measured right after proxyctl.")
+                f"for each run), and a Bearer intercept target in {self.row_numbers(BASELINE)}, with a "
+                "`state_dir`, local CA (`proxyctl ca init` of that binary) and token file of its own, made the same "
+                "way. In every round it is measured right after proxyctl.")
         if results.retries:
             add(f"- Samples taken again after a failed first try: {', '.join(results.retries)}.")
         add("")
