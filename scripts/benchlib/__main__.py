@@ -1,8 +1,9 @@
 """The bench's run (scripts/bench starts it as `python -m benchlib`, with everything it needs checked, built
 and installed; run that, not this): the origin, then the passthrough rows, the intercept rows and the DPoP rows
-(all, or those BENCH_ONLY names), then the report. With --baseline (BENCH_BASELINE), a second proxyctl binary runs
-wherever proxyctl does, and the report compares the two. Every process started here is started in its own session
-and ended (TERM, then KILL) on exit, on SIGTERM/SIGINT/SIGHUP and on errors.
+(all, or the sections BENCH_ONLY names; of the intercept rows, those BENCH_ROWS names), then the report. With
+--baseline (BENCH_BASELINE), a second proxyctl binary runs wherever proxyctl does, and the report compares the two.
+Every process started here is started in its own session and ended (TERM, then KILL) on exit, on
+SIGTERM/SIGINT/SIGHUP and on errors.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-from benchlib.harness import (BENCH_HOST, BenchError, InterceptSetup, InterceptTargets, Processes, Proxies,
-                              fake_access_token, log, make_certificates, prepare_www, start_origin)
-from benchlib.measurement import (Results, measure_dpop, measure_idle_row, measure_intercept_rows,
+from benchlib.harness import (BENCH_HOST, H2_HOST, BenchError, InterceptSetup, InterceptTargets, Processes, Proxies,
+                              fake_access_token, log, make_certificates, prepare_www, start_origin, write_post_body)
+from benchlib.measurement import (Results, intercept_rows, measure_dpop, measure_idle_row, measure_intercept_rows,
                                   measure_protocol_rows, measure_throughput_rows, plan, watch_load)
 from benchlib.report import binaries, machine_info, write_report
 
@@ -40,8 +41,9 @@ def main() -> int:
     parser.add_argument("--command", required=True)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--mitmdump", required=True, help="mitmproxy's mitmdump (from the bench's own venv)")
-    parser.add_argument("--dpop-bench", required=True, help="Tests/Bench's DPoPBench, release build")
-    parser.add_argument("--loadgen", required=True, help="scripts/benchlib/loadgen, built (HTTP/2 and WebSocket)")
+    parser.add_argument("--dpop-bench", help="Tests/Bench's DPoPBench, release build (for the dpop section)")
+    parser.add_argument("--loadgen", help="scripts/benchlib/loadgen, built (HTTP/2 and WebSocket; for the protocols "
+                                          "section)")
     args = parser.parse_args()
 
     def on_signal(number, _frame):
@@ -56,7 +58,21 @@ def main() -> int:
         return 1
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
-    p = plan(args.quick)
+    only = os.environ.get("BENCH_ONLY", "")  # for working on the bench itself: some of SECTIONS
+    sections = set(only.split(",")) if only else set(SECTIONS)
+    if sections - set(SECTIONS):
+        log(f"error: BENCH_ONLY names no section {', '.join(sorted(sections - set(SECTIONS)))} "
+            f"(sections: {', '.join(SECTIONS)})")
+        return 1
+    for section, tool, given in (("dpop", "--dpop-bench", args.dpop_bench), ("protocols", "--loadgen", args.loadgen)):
+        if section in sections and not given:
+            log(f"error: the {section} section needs {tool}")
+            return 1
+    try:
+        p = plan(args.quick, intercept_rows(os.environ.get("BENCH_ROWS", "")))
+    except BenchError as error:
+        log(f"error: {error}")
+        return 1
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     t0 = time.monotonic()
     processes = Processes(args.tmp / "children.pids")
@@ -68,17 +84,17 @@ def main() -> int:
         certificates = make_certificates(args.tmp / "tls")
         www, storage = prepare_www(args.tmp, p.bulk_bytes, p.small_bytes)
         origin = start_origin(processes, args.tmp, www, certificates, (p.bulk_bytes, p.small_bytes))
-        log(f"origin: https://127.0.0.1:{origin.https_port}, http://127.0.0.1:{origin.http_port} and "
-            f"https://{BENCH_HOST} on {origin.bench_address}:{origin.bench_port} ({storage})")
+        log(f"origin: https://127.0.0.1:{origin.https_port}, http://127.0.0.1:{origin.http_port}, "
+            f"https://{BENCH_HOST} on {origin.bench_address}:{origin.bench_port} and https://{H2_HOST} (h2) on "
+            f"{origin.h2_address}:443 ({storage})")
         load = watch_load(processes, wait=not p.quick)
         proxies = Proxies(processes, args.tmp, args.proxyctl, args.baseline)
         results = Results()
-        only = os.environ.get("BENCH_ONLY", "")  # for working on the bench itself: some of SECTIONS
-        sections = set(only.split(",")) if only else set(SECTIONS)
         if "passthrough" in sections:
             measure_throughput_rows(p, origin, proxies, results)
             measure_idle_row(p, proxies, results)
-        setup = InterceptSetup(origin, fake_access_token(int(time.time())), certificates.bench, args.mitmdump)
+        setup = InterceptSetup(origin, fake_access_token(int(time.time())), certificates.bench, args.mitmdump,
+                               write_post_body(args.tmp))
         targets = InterceptTargets(processes, args.tmp, args.proxyctl, setup, args.baseline)
         results.intercept_token = setup.token
         if "intercept" in sections:

@@ -1,14 +1,16 @@
 """The bench's processes: every child in its own session and ended on exit (`Processes`), the origin (nginx
-serving a bulk and a small file over HTTPS and HTTP, and https://bench.test, the protected origin), the
-passthrough proxies (proxyctl, tinyproxy, squid) and the intercept targets (proxyctl with a Bearer and with a
-DPoP token, nginx as a TLS-terminating reverse proxy, mitmproxy with an addon). With a baseline binary
-(BENCH_BASELINE), `proxyctl-before` runs wherever proxyctl does: as a passthrough proxy and as a Bearer
-intercept target, started by the same functions. Everything listens on 127.0.0.1 (the protected origin: port 443
-of another loopback address) on ports the OS picked.
+serving a bulk and a small file over HTTPS and HTTP, https://bench.test, the protected origin, which also takes
+POSTs, and https://bench-h2.test, the same files from a listener that offers HTTP/2), the passthrough proxies
+(proxyctl, tinyproxy, squid) and the intercept targets (proxyctl with a Bearer and with a DPoP token, nginx as a
+TLS-terminating reverse proxy, mitmproxy with an addon). With a baseline binary (BENCH_BASELINE),
+`proxyctl-before` runs wherever proxyctl does: as a passthrough proxy and as a Bearer intercept target, started
+by the same functions. Everything listens on 127.0.0.1 (the protected origins: port 443 of other loopback
+addresses) on ports the OS picked.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import random
@@ -19,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +36,9 @@ TARGETS = ("direct",) + PEERS
 INTERCEPT_PEERS = ("proxyctl", "proxyctl-dpop", "nginx", "mitmproxy")
 INTERCEPT_TARGETS = ("direct",) + INTERCEPT_PEERS
 RATE_TARGETS = ("direct", "proxyctl", "proxyctl-dpop", "nginx")  # mitmproxy cannot sustain row 6b's rate
+# Row 6d (an origin that offers HTTP/2): mitmproxy speaks to the origin what the client spoke to it (HTTP/1.1 from
+# hey), so it would only repeat row 6, some 50 times slower.
+H2_TARGETS = ("direct", "proxyctl", "proxyctl-dpop", "nginx")
 # The BENCH_BASELINE binary: started as proxyctl is (passthrough, and intercept with a Bearer token).
 BASELINE = "proxyctl-before"
 INTERCEPT_LABELS = {
@@ -44,6 +50,12 @@ INTERCEPT_LABELS = {
     "mitmproxy": "mitmproxy",
 }
 BENCH_HOST = "bench.test"
+# The protected origin of row 6d: the same files as bench.test, from a listener with `http2` (ALPN h2). Not a
+# subdomain of bench.test: proxyctl's local CA excludes the subdomains of each protected host (`.bench.test`), and
+# an excluded subtree wins over a permitted one, so it would sign no leaf for h2.bench.test.
+H2_HOST = "bench-h2.test"
+# Row 6c's request body (application/octet-stream; base64 characters, so that /upload-echo's answer is text).
+POST_BYTES = 4096
 PROVIDER = "bench"
 # Never contacted: the tokens are written straight into proxyctl's token store and outlive the run, so
 # nothing is refreshed (a refresh would fail on this name, and the bench with it).
@@ -222,12 +234,12 @@ class Certificates:
 
 
 def make_certificates(directory: Path) -> Certificates:
-    """A test CA and its leaves, for localhost and 127.0.0.1 and for bench.test (the protected origin needs a
-    host name and a CA that proxyctl's `ca_file` and nginx's `proxy_ssl_trusted_certificate` can trust). The
-    keys are readable by all: nginx's workers read them as an unprivileged user."""
+    """A test CA and its leaves, for localhost and 127.0.0.1 and for bench.test and bench-h2.test (the protected
+    origins need a host name and a CA that proxyctl's `ca_file` and nginx's `proxy_ssl_trusted_certificate` can
+    trust). The keys are readable by all: nginx's workers read them as an unprivileged user."""
     ca = CertificateAuthority.make("proxyctl bench test CA")
     return Certificates(ca.issue(directory, ["localhost", "127.0.0.1"], stem="origin", key_mode=0o644),
-                        ca.issue(directory, [BENCH_HOST], stem="bench", key_mode=0o644))
+                        ca.issue(directory, [BENCH_HOST, H2_HOST], stem="bench", key_mode=0o644))
 
 
 @dataclass
@@ -241,6 +253,10 @@ class Origin:
     # The intercept path's origin: https://bench.test on port 443 of bench_address.
     bench_address: str = ""
     bench_port: int = 443
+    # Row 6d's origin: https://bench-h2.test on port 443 of h2_address, offering HTTP/2; its access log has
+    # each request's protocol (`$server_protocol`), one line per request.
+    h2_address: str = ""
+    h2_log: Path | None = None
 
 
 def prepare_www(directory: Path, bulk_bytes: int, small_bytes: int) -> tuple[Path, str]:
@@ -272,8 +288,8 @@ def prepare_www(directory: Path, bulk_bytes: int, small_bytes: int) -> tuple[Pat
     return www, storage
 
 
-def free_loopback_443() -> str:
-    """A loopback address (127.0.0.0/8) whose port 443 is free: the protected origin's.
+def free_loopback_443(taken: tuple[str, ...] = ()) -> str:
+    """A loopback address (127.0.0.0/8) whose port 443 is free, and not one of `taken`: a protected origin's.
 
     It must be the default port: hey sends the Host field, port included, as the TLS server name
     (`ServerName: b.Request.Host`), and proxyctl answers an SNI of `bench.test:PORT` with 421 Misdirected
@@ -283,6 +299,8 @@ def free_loopback_443() -> str:
     rng = random.SystemRandom()
     for _ in range(50):
         address = f"127.{rng.randint(64, 254)}.{rng.randint(0, 255)}.{rng.randint(1, 254)}"
+        if address in taken:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             try:
                 probe.bind((address, 443))
@@ -297,13 +315,17 @@ def free_loopback_443() -> str:
 
 def start_origin(processes: Processes, directory: Path, www: Path, certificates: Certificates,
                  sizes: tuple[int, int]) -> Origin:
-    """nginx serving `www`: https and http on 127.0.0.1, and https://bench.test on port 443 of a loopback
-    address of its own, with /headers echoing what a request arrived with."""
+    """nginx serving `www`: https and http on 127.0.0.1, https://bench.test on port 443 of a loopback address of
+    its own, with /headers echoing what a request arrived with and /upload taking POSTs (row 6c), and
+    https://bench-h2.test on port 443 of another, offering HTTP/2 (row 6d) and logging each request's protocol."""
     https_port, http_port = free_port(), free_port()
     bench_address, bench_port = free_loopback_443(), 443
+    h2_address = free_loopback_443(taken=(bench_address,))
     nginx_dir = directory / "nginx"
     nginx_dir.mkdir()
     nginx_dir.chmod(0o777)
+    h2_log = nginx_dir / "h2-access.log"
+    headers = 'return 200 "authorization=$http_authorization\\ndpop=$http_dpop\\nhost=$http_host\\n'
     child = start_nginx(processes, nginx_dir, f"""
     sendfile on;
     tcp_nopush on;
@@ -328,14 +350,57 @@ def start_origin(processes: Processes, directory: Path, www: Path, certificates:
         root {www};
         location = /headers {{
             default_type text/plain;
-            return 200 "authorization=$http_authorization\\ndpop=$http_dpop\\nhost=$http_host\\n";
+            {headers}";
+        }}
+        # Row 6c's POSTs. A static file answers no POST (405), and `return` would discard the body unread into
+        # any variable; the mirror module reads the whole body (into memory: client_body_buffer_size) before the
+        # content phase, whose static handler finds no file, and error_page answers with /small.txt as a GET:
+        # the same answer as row 6's, after the body was read whole (a short body would never be answered).
+        location = /upload {{
+            client_body_buffer_size 64k;
+            mirror /upload-read;
+            log_not_found off;
+            error_page 404 = /small.txt;
+        }}
+        # The same, answering with what arrived, body included (checked once per target).
+        location = /upload-echo {{
+            client_body_buffer_size 64k;
+            mirror /upload-read;
+            log_not_found off;
+            error_page 404 = @upload-echo;
+        }}
+        location = /upload-read {{
+            internal;
+            return 204;
+        }}
+        location @upload-echo {{
+            default_type text/plain;
+            {headers}length=$content_length\\nbody=$request_body";
+        }}
+    }}
+    # Row 6d's origin: the same files and /headers (with the protocol) on a listener that offers HTTP/2 by ALPN,
+    # so that a client that offers h2 (proxyctl's own) speaks HTTP/2 to it; every request's protocol goes to its
+    # access log, which the bench reads after each sample.
+    log_format bench_protocol '$server_protocol $request_method $status';
+    server {{
+        listen {h2_address}:443 ssl http2;
+        server_name {H2_HOST};
+        ssl_certificate {certificates.bench.cert_pem};
+        ssl_certificate_key {certificates.bench.key_pem};
+        root {www};
+        access_log {h2_log} bench_protocol buffer=64k flush=100ms;
+        location = /headers {{
+            default_type text/plain;
+            {headers}protocol=$server_protocol\\n";
         }}
     }}
 """)
     wait_for_port(https_port, child, "nginx")
     wait_for_port(http_port, child, "nginx")
     wait_for_port(bench_port, child, "nginx", address=bench_address)
-    return Origin(https_port, http_port, certificates.ca, sizes[0], sizes[1], bench_address, bench_port)
+    wait_for_port(443, child, "nginx", address=h2_address)
+    return Origin(https_port, http_port, certificates.ca, sizes[0], sizes[1], bench_address, bench_port,
+                  h2_address, h2_log)
 
 
 # MARK: - The passthrough proxies, each with a temp config, logging as it does by default (to a file here)
@@ -491,6 +556,19 @@ class DPoPKey:
 
 
 @dataclass
+class H2Route:
+    """How the clients reach row 6d's origin (https://bench-h2.test) through one target, and the protocol the origin
+    must see its requests arrive in."""
+    hey_base: str  # URL without the path (hey's other arguments are the target's hey_args)
+    curl_args: list[str]
+    curl_base: str
+    # nginx's $server_protocol: "HTTP/2.0" from proxyctl's own client, "HTTP/1.1" from the others. None for the
+    # baseline binary, which may predate HTTP/2 to origins: what the first request shows (check_h2_origin), held
+    # from then on.
+    protocol: str | None
+
+
+@dataclass
 class InterceptTarget:
     """How the clients reach the protected origin through one target, and whose CPU counts."""
 
@@ -503,6 +581,7 @@ class InterceptTarget:
     curl_env: dict
     expect_authorization: str | None  # "Bearer" or "DPoP", checked once at /headers
     details: dict = field(default_factory=dict)
+    h2: H2Route | None = None  # None: the target does not run row 6d
 
     @property
     def pid(self) -> int | None:
@@ -511,11 +590,20 @@ class InterceptTarget:
 
 @dataclass
 class InterceptSetup:
-    """What every intercept target shares: the origin, the token and the bench.test certificate."""
+    """What every intercept target shares: the origin, the token, the bench.test certificate and row 6c's body."""
     origin: Origin
     token: str
     bench: ServerIdentity
     mitmdump: str
+    post_body: Path
+
+
+def write_post_body(directory: Path) -> Path:
+    """Row 6c's request body: POST_BYTES of base64 characters from random bytes (incompressible enough, and
+    text, so that the origin's echo of it can be compared), in `directory`."""
+    path = directory / "post-body.txt"
+    path.write_bytes(base64.b64encode(os.urandom(POST_BYTES * 3 // 4))[:POST_BYTES])
+    return path
 
 
 class InterceptTargets:
@@ -530,8 +618,8 @@ class InterceptTargets:
         self.baseline = baseline
         self.setup = setup
         self.dpop: DPoPKey | None = None
-        # Protected origins besides https://bench.test for the proxyctl targets started from now on (the
-        # WebSocket echo server of the protocols rows).
+        # Protected origins besides https://bench.test and https://bench-h2.test for the proxyctl targets started
+        # from now on (the WebSocket echo server of the protocols rows).
         self.extra_origins: list[str] = []
 
     @property
@@ -548,6 +636,15 @@ class InterceptTargets:
     def origin_url(self) -> str:
         return f"https://{BENCH_HOST}"  # port 443
 
+    @property
+    def h2_url(self) -> str:
+        return f"https://{H2_HOST}"  # port 443
+
+    @property
+    def h2_names(self) -> tuple[str, ...]:
+        """The targets of row 6d in this run: H2_TARGETS, with BASELINE when there is a baseline binary."""
+        return with_baseline(H2_TARGETS, self.baseline is not None)
+
     def _dir(self, name: str) -> Path:
         path = self.directory / f"intercept-{name}"
         path.mkdir()
@@ -558,11 +655,15 @@ class InterceptTargets:
         """The target `name`, running (direct: just how to reach the origin)."""
         if name == "direct":
             origin = self.setup.origin
+            # hey speaks HTTP/1.1 unless told -h2, and so does curl here, to check what hey gets.
+            h2 = H2Route(f"https://{origin.h2_address}",
+                         ["--noproxy", "*", "--http1.1", "--cacert", str(origin.ca),
+                          "--resolve", f"{H2_HOST}:443:{origin.h2_address}"], self.h2_url, "HTTP/1.1")
             return InterceptTarget(
                 "direct", None, [], f"https://{origin.bench_address}",
                 ["--noproxy", "*", "--cacert", str(origin.ca),
                  "--resolve", f"{BENCH_HOST}:{origin.bench_port}:{origin.bench_address}"],
-                self.origin_url, CLIENT_ENV, None)
+                self.origin_url, CLIENT_ENV, None, h2=h2)
         if name == "proxyctl":
             return self._start_proxyctl(self._dir(name), "bearer", self.proxyctl, name)
         if name == BASELINE and self.baseline is not None:
@@ -583,10 +684,11 @@ class InterceptTargets:
         port = free_port()
         conf = work / "proxy.conf"
         conf.write_text(config.proxy(listen=f"127.0.0.1:{port}", log_level="info", state_dir=state,
-                                     resolve=f"{BENCH_HOST}={origin.bench_address}")
+                                     resolve=f"{BENCH_HOST}={origin.bench_address},{H2_HOST}={origin.h2_address}")
                         + config.provider(PROVIDER, ISSUER, client_id=CLIENT_ID, scopes="openid",
                                           token_binding=binding)
                         + config.origin(self.origin_url, PROVIDER, ca_file=origin.ca)
+                        + config.origin(self.h2_url, PROVIDER, ca_file=origin.ca)
                         + "".join(config.origin(url, PROVIDER, ca_file=origin.ca) for url in self.extra_origins))
         env = dict(os.environ, XDG_CONFIG_HOME=str(work), XDG_STATE_HOME=str(work), HOME=str(work))
         env.pop("PROXYCTL_CONFIG", None)
@@ -626,9 +728,13 @@ class InterceptTargets:
         wait_for_port(port, child, name)
         curl_env = dict(CLIENT_ENV, HTTPS_PROXY=exported["HTTPS_PROXY"], CURL_CA_BUNDLE=exported["CURL_CA_BUNDLE"])
         details["log"] = str(log_path)
+        # Its own client offers h2 to an https origin. A binary from before issue 28 sent a bodiless GET through its
+        # own HTTP/1.1 client, and anything else through libcurl, which offered h2: the baseline is held to what it
+        # is seen to speak, proxyctl to HTTP/2.
+        h2 = H2Route(self.h2_url, [], self.h2_url, None if name == BASELINE else "HTTP/2.0")
         return InterceptTarget(
             name, child, ["-x", exported["HTTPS_PROXY"]],
-            self.origin_url, [], self.origin_url, curl_env, "DPoP" if binding == "dpop" else "Bearer", details)
+            self.origin_url, [], self.origin_url, curl_env, "DPoP" if binding == "dpop" else "Bearer", details, h2)
 
     def start_protocols_proxyctl(self) -> InterceptTarget:
         """proxyctl (Bearer) for the protocols rows, with the extra origins, in a directory of its own."""
@@ -636,41 +742,55 @@ class InterceptTargets:
 
     def _start_nginx(self, work: Path) -> InterceptTarget:
         origin = self.setup.origin
-        port = free_port()
-        # The C reference: TLS terminated with a bench.test leaf, the header added, re-encrypted to the origin
-        # over kept-alive, verified connections. Responses stream through memory buffers (no temp files).
-        child = start_nginx(self.processes, work, f"""
-    upstream protected_origin {{
-        server {origin.bench_address}:{origin.bench_port};
+        port, h2_port = free_port(), free_port()
+
+        def reverse_proxy(listen_port: int, upstream: str, address: str, host: str) -> str:
+            # The C reference: TLS terminated with the bench leaf, the header added, re-encrypted to the origin
+            # over kept-alive, verified connections. Request bodies (row 6c) and responses stay in memory buffers
+            # (no temp files).
+            return f"""
+    upstream {upstream} {{
+        server {address}:443;
         keepalive 128;
         keepalive_requests 1000000;
         keepalive_timeout 120s;
     }}
     server {{
-        listen 127.0.0.1:{port} ssl;
-        server_name {BENCH_HOST};
+        listen 127.0.0.1:{listen_port} ssl;
+        server_name {host};
         ssl_certificate {self.setup.bench.cert_pem};
         ssl_certificate_key {self.setup.bench.key_pem};
+        client_body_buffer_size 64k;
         location / {{
-            proxy_pass https://protected_origin;
+            proxy_pass https://{upstream};
             proxy_http_version 1.1;
             proxy_set_header Connection "";
-            proxy_set_header Host {BENCH_HOST};
+            proxy_set_header Host {host};
             proxy_set_header Authorization "Bearer {self.setup.token}";
             proxy_ssl_server_name on;
-            proxy_ssl_name {BENCH_HOST};
+            proxy_ssl_name {host};
             proxy_ssl_verify on;
             proxy_ssl_trusted_certificate {origin.ca};
             proxy_ssl_session_reuse on;
             proxy_max_temp_file_size 0;
         }}
     }}
-""")
+"""
+
+        # Row 6d through nginx: its proxy module speaks HTTP/1.x to upstreams whatever they offer (HTTP/2 only
+        # for gRPC), so this is the same work as row 6 against the h2 origin: the C reference for proxyctl's h2.
+        child = start_nginx(self.processes, work,
+                            reverse_proxy(port, "protected_origin", origin.bench_address, BENCH_HOST)
+                            + reverse_proxy(h2_port, "protected_h2_origin", origin.h2_address, H2_HOST))
         wait_for_port(port, child, "nginx (reverse proxy)")
+        wait_for_port(h2_port, child, "nginx (reverse proxy)")
+        h2 = H2Route(f"https://127.0.0.1:{h2_port}",
+                     ["--noproxy", "*", "--cacert", str(origin.ca), "--resolve", f"{H2_HOST}:{h2_port}:127.0.0.1"],
+                     f"https://{H2_HOST}:{h2_port}", "HTTP/1.1")
         return InterceptTarget(
             "nginx", child, [], f"https://127.0.0.1:{port}",
             ["--noproxy", "*", "--cacert", str(origin.ca), "--resolve", f"{BENCH_HOST}:{port}:127.0.0.1"],
-            f"https://{BENCH_HOST}:{port}", CLIENT_ENV, "Bearer", {"config": str(work / "nginx.conf")})
+            f"https://{BENCH_HOST}:{port}", CLIENT_ENV, "Bearer", {"config": str(work / "nginx.conf")}, h2)
 
     def _start_mitmproxy(self, work: Path) -> InterceptTarget:
         origin = self.setup.origin
@@ -731,7 +851,64 @@ def check_headers(target: InterceptTarget, targets: InterceptTargets, token: str
     """One request to /headers through the target: the origin must see the token (and, for DPoP, a proof that
     fixtures.jose verifies: its claims, its ES256 signature and the key in state_dir/keys). What it saw."""
     output = run(["curl", "-sS", "--fail", *target.curl_args, target.curl_base + "/headers"], env=target.curl_env)
-    seen = dict(line.split("=", 1) for line in output.splitlines() if "=" in line)
+    return _check_credentials(target, targets, token, _fields(output), "GET", f"{targets.origin_url}/headers")
+
+
+def check_post(target: InterceptTarget, targets: InterceptTargets, token: str) -> str:
+    """One POST of row 6c's body to /upload-echo through the target: the origin must see the token (and a DPoP
+    proof for POST) as at /headers, and the body byte for byte. What it saw."""
+    body = targets.setup.post_body.read_text()
+    output = run(["curl", "-sS", "--fail", *target.curl_args, "-H", "Content-Type: application/octet-stream",
+                  "--data-binary", f"@{targets.setup.post_body}", target.curl_base + "/upload-echo"],
+                 env=target.curl_env)
+    seen = _fields(output)
+    credentials = _check_credentials(target, targets, token, seen, "POST", f"{targets.origin_url}/upload-echo")
+    if seen.get("body") != body:
+        raise BenchError(f"via {target.name} the origin read a body of {len(seen.get('body', ''))} bytes "
+                         f"(Content-Length {seen.get('length')!r}), not the {len(body)} bytes sent")
+    return f"{credentials}; the {len(body):,}-byte body read whole (Content-Length {seen.get('length')})"
+
+
+def check_h2_origin(target: InterceptTarget, targets: InterceptTargets, token: str) -> str:
+    """One request to row 6d's origin's /headers through the target: the token as at bench.test, and the protocol
+    the origin saw must be the route's (HTTP/2.0 through proxyctl); else BenchError, before any sample. A route
+    without a protocol (the baseline's) takes the one seen. What it saw."""
+    route = target.h2
+    if route is None:
+        raise BenchError(f"{target.name} has no route to {H2_HOST}")
+    output = run(["curl", "-sS", "--fail", *route.curl_args, route.curl_base + "/headers"], env=target.curl_env)
+    seen = _fields(output)
+    credentials = _check_credentials(target, targets, token, seen, "GET", f"{targets.h2_url}/headers")
+    protocol = seen.get("protocol", "")
+    if route.protocol is None and protocol in ("HTTP/1.1", "HTTP/2.0"):
+        route.protocol = protocol
+        if protocol != "HTTP/2.0":
+            log(f"{target.name} speaks {protocol} to {H2_HOST}: its row 6d is the before of HTTP/2 upstream (the "
+                "report says so)")
+        return f"{credentials}; upstream {protocol} (the baseline is held to what it speaks)"
+    if protocol != route.protocol:
+        raise BenchError(f"via {target.name} {H2_HOST} saw a request in {protocol or 'no protocol'!r}, not "
+                         f"{route.protocol}: row 6d would not measure what it says (does the origin's listener "
+                         "offer h2, and does the target's client offer it?)")
+    return f"{credentials}; upstream {protocol}"
+
+
+def origin_protocols(log: Path, offset: int) -> Counter:
+    """The requests row 6d's origin logged from byte `offset` of its access log on, by `$server_protocol`."""
+    with open(log, "rb") as lines:
+        lines.seek(offset)
+        return Counter(line.split(b" ", 1)[0].decode(errors="replace") for line in lines.read().splitlines() if line)
+
+
+def _fields(output: str) -> dict[str, str]:
+    """The `name=value` lines of an origin's echo (the last, `body=`, may hold anything but a newline)."""
+    return dict(line.split("=", 1) for line in output.splitlines() if "=" in line)
+
+
+def _check_credentials(target: InterceptTarget, targets: InterceptTargets, token: str, seen: dict[str, str],
+                       method: str, url: str) -> str:
+    """What the origin says a request through the target arrived with (`seen`), checked: no Authorization direct,
+    else the target's kind of token, and for DPoP a proof for `method` and `url`. What it saw, in words."""
     authorization = seen.get("authorization", "")
     if target.expect_authorization is None:
         if authorization:
@@ -743,8 +920,7 @@ def check_headers(target: InterceptTarget, targets: InterceptTargets, token: str
                          f"not {target.expect_authorization} + the bench's token")
     if target.expect_authorization == "DPoP":
         try:
-            verify_dpop_proof(seen.get("dpop", ""), "GET", f"{targets.origin_url}/headers", access_token=token,
-                              jkt=targets.dpop.thumbprint)
+            verify_dpop_proof(seen.get("dpop", ""), method, url, access_token=token, jkt=targets.dpop.thumbprint)
         except DPoPError as error:
             raise BenchError(f"the DPoP proof the origin received is wrong: {error}") from None
         return "Authorization: DPoP <token> and a DPoP proof whose claims and ES256 signature verify"

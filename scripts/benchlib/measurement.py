@@ -12,18 +12,22 @@ import re
 import resource
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from benchlib.harness import (BENCH_HOST, CLIENT_ENV, BenchError, InterceptSetup, InterceptTarget, InterceptTargets,
-                              Origin, Processes, Proxies, Proxy, check_headers, log, run, start_ws_echo)
+from benchlib.harness import (BENCH_HOST, CLIENT_ENV, H2_HOST, BenchError, InterceptSetup, InterceptTarget,
+                              InterceptTargets, Origin, Processes, Proxies, Proxy, check_h2_origin, check_headers,
+                              check_post, log, origin_protocols, run, start_ws_echo)
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 GIB = 1 << 30
 CONCURRENCY = 50
+# The intercept section's rows, by the number the report gives them (BENCH_ROWS names either).
+INTERCEPT_ROWS = {"6": "i-keepalive", "6b": "i-rate", "6c": "i-post", "6d": "i-h2", "7": "i-bulk", "8": "i-newconn"}
 
 T = TypeVar("T")
 
@@ -54,15 +58,37 @@ class Plan:
     dpop_proofs: int = 50000
     speed_seconds: int = 3  # openssl speed -seconds
     ws_messages: int = 20000  # WebSocket echoes of 1 KiB, one after another, per sample
+    # BENCH_ROWS: the intercept rows to measure (INTERCEPT_ROWS' values); None: all of them.
+    intercept_rows: frozenset[str] | None = None
+
+    def measures(self, row: str) -> bool:
+        """Whether this run measures the intercept row `row` (say "i-post")."""
+        return self.intercept_rows is None or row in self.intercept_rows
 
 
-def plan(quick: bool) -> Plan:
-    """The full run's plan, or the quick one."""
+def plan(quick: bool, intercept_rows: frozenset[str] | None = None) -> Plan:
+    """The full run's plan, or the quick one; `intercept_rows`: BENCH_ROWS (`intercept_rows()`), None for all."""
     if quick:
         return Plan(True, 1, 64 << 20, 256, 2000, 500, 2000, 1000, 200, intercept_keepalive_requests=2000,
                     intercept_new_requests=500, intercept_rate_requests=4000, dpop_proofs=5000, speed_seconds=1,
-                    ws_messages=2000)
-    return Plan(False, 3, GIB, 256, 20000, 5000, 20000, 1000, 1000)
+                    ws_messages=2000, intercept_rows=intercept_rows)
+    return Plan(False, 3, GIB, 256, 20000, 5000, 20000, 1000, 1000, intercept_rows=intercept_rows)
+
+
+def intercept_rows(names: str) -> frozenset[str] | None:
+    """BENCH_ROWS ("6,6c,6d": row numbers or names such as i-post, separated by commas) as row names; None when
+    empty (every row). BenchError for a name that is no intercept row."""
+    if not names.strip():
+        return None
+    rows = set()
+    for name in (part.strip() for part in names.split(",") if part.strip()):
+        if name in INTERCEPT_ROWS:
+            rows.add(INTERCEPT_ROWS[name])
+        elif name in INTERCEPT_ROWS.values():
+            rows.add(name)
+        else:
+            raise BenchError(f"BENCH_ROWS: no intercept row {name!r} (rows: {', '.join(INTERCEPT_ROWS)})")
+    return frozenset(rows)
 
 
 @dataclass
@@ -81,6 +107,9 @@ class Results:
     idle: dict = field(default_factory=dict)  # target -> [dict]
     retries: list = field(default_factory=list)  # samples taken a second time after a failure
     intercept_checks: dict = field(default_factory=dict)  # target -> what the origin saw at /headers
+    post_checks: dict = field(default_factory=dict)  # target -> what the origin saw of a POST (row 6c)
+    h2_checks: dict = field(default_factory=dict)  # target -> what bench-h2.test saw at /headers (row 6d)
+    h2_protocols: dict = field(default_factory=dict)  # target -> Counter of protocols in row 6d's samples
     dpop: list = field(default_factory=list)  # per run: DPoPBench's JSON plus openssl speed's rates
     intercept_token: str = ""  # the access token every intercept target sends
 
@@ -387,6 +416,40 @@ def intercept_hey(target: InterceptTarget, requests: int, keepalive: bool, rate:
     return hey_sample(argv, target.pid, target.name, requests)
 
 
+def intercept_post(target: InterceptTarget, requests: int, body: Path) -> Sample:
+    """Row 6c: POSTs of `body` to the protected origin's /upload (answered as row 6's GETs are, once the origin
+    read the whole body) through an intercept target, keep-alive, at full speed."""
+    argv = hey_argv(requests, True) + ["-m", "POST", "-D", str(body), "-T", "application/octet-stream"]
+    argv += target.hey_args + [target.hey_base + "/upload"]
+    return hey_sample(argv, target.pid, target.name, requests)
+
+
+def intercept_h2(target: InterceptTarget, requests: int, origin: Origin, results: Results | None = None) -> Sample:
+    """Row 6d: small requests to https://bench-h2.test (an origin that offers HTTP/2) through an intercept target,
+    keep-alive, at full speed; then the origin's access log must show every one of them in the protocol of the
+    target's route (HTTP/2.0 through proxyctl), else BenchError: a sample of the wrong protocol is not row 6d's.
+    With `results`, the protocols seen are added to `results.h2_protocols`."""
+    route = target.h2
+    if route is None or origin.h2_log is None:
+        raise BenchError(f"{target.name} has no route to {H2_HOST}")
+    offset = origin.h2_log.stat().st_size
+    argv = hey_argv(requests, True) + target.hey_args + [route.hey_base + "/small.txt"]
+    sample = hey_sample(argv, target.pid, target.name, requests)
+    # nginx writes its buffered log lines within `flush` (100 ms) of the last one.
+    deadline = time.monotonic() + 5
+    seen = origin_protocols(origin.h2_log, offset)
+    while sum(seen.values()) < requests and time.monotonic() < deadline:
+        time.sleep(0.1)
+        seen = origin_protocols(origin.h2_log, offset)
+    if route.protocol is None or set(seen) != {route.protocol} or seen[route.protocol] < requests:
+        found = ", ".join(f"{count:,} {protocol}" for protocol, count in seen.most_common()) or "nothing"
+        raise BenchError(f"row 6d via {target.name}: {H2_HOST}'s access log shows {found} for {requests:,} requests, "
+                         f"not all {route.protocol}: the row would not measure what it says")
+    if results is not None:
+        results.h2_protocols.setdefault(target.name, Counter()).update(seen)
+    return sample
+
+
 # MARK: - The rows
 
 
@@ -458,35 +521,60 @@ def measure_idle_row(p: Plan, proxies: Proxies, results: Results) -> None:
 
 
 def measure_intercept_rows(p: Plan, setup: InterceptSetup, targets: InterceptTargets, results: Results) -> None:
-    """Rows 6-8 (and 6b): the protected origin through every intercept target, each checked first at
-    /headers; every target running throughout."""
+    """Rows 6-8, 6b, 6c and 6d (those p.intercept_rows names): the protected origin through every intercept target,
+    each checked first at /headers (and for row 6c with a POST whose body the origin echoes, for row 6d at
+    bench-h2.test, which must see the protocol the row is about); every target running throughout."""
     running: dict[str, InterceptTarget] = {}
+    h2_names = targets.h2_names if p.measures("i-h2") else ()
+    # The targets of the rows measured: those of row 6 for rows 6, 6c, 7 and 8.
+    needed = set(h2_names) | set(targets.rate_names if p.measures("i-rate") else ())
+    if any(p.measures(row) for row in ("i-keepalive", "i-post", "i-bulk", "i-newconn")):
+        needed |= set(targets.names)
     try:
-        for name in targets.names:
+        for name in (name for name in targets.names if name in needed):
             running[name] = targets.start(name)
             target = running[name]
             results.intercept_checks[name] = check_headers(target, targets, setup.token)
             log(f"intercept {name}: {target.hey_args or target.hey_base} (pid {target.pid}); "
                 f"origin saw {results.intercept_checks[name]}")
+            if p.measures("i-post"):  # row 6c runs on every target, as row 6 does
+                results.post_checks[name] = check_post(target, targets, setup.token)
+                log(f"intercept {name}: a POST to /upload-echo arrived with {results.post_checks[name]}")
+            if name in h2_names:
+                results.h2_checks[name] = check_h2_origin(target, targets, setup.token)
+                log(f"intercept {name}: {H2_HOST} saw {results.h2_checks[name]}")
 
         def count(target: InterceptTarget, requests: int) -> int:
             # mitmproxy is some 50 times slower: fewer requests keep its samples to seconds, not minutes.
             return max(CONCURRENCY * 2, requests // p.mitmproxy_divisor) if target.name == "mitmproxy" else requests
 
+        def measured_rows(rows: list[Row]) -> list[Row]:
+            return [row for row in rows if p.measures(row[0])]
+
         bulk_bytes = setup.origin.bulk_bytes
-        rows = [
+        body = setup.post_body
+        # Row 6c right after row 6, so that the two rows' CPU per request (GET against POST) are close in time.
+        rows = measured_rows([
             ("i-keepalive", lambda t: intercept_hey(t, count(t, p.intercept_keepalive_requests), True),
              lambda t: intercept_hey(t, count(t, p.warmup_requests), True)),
+            ("i-post", lambda t: intercept_post(t, count(t, p.intercept_keepalive_requests), body),
+             lambda t: intercept_post(t, count(t, p.warmup_requests), body)),
             ("i-bulk", lambda t: intercept_bulk(t, bulk_bytes),
              lambda t: intercept_bulk(t, bulk_bytes, min(bulk_bytes, 256 << 20))),
             ("i-newconn", lambda t: intercept_hey(t, count(t, p.intercept_new_requests), False),
              lambda t: intercept_hey(t, count(t, p.warmup_requests // 2), False)),
-        ]
+        ])
         run_rows(p, rows, targets.names, running, results)
-        rate_rows = [
+        origin = setup.origin
+        h2_rows = measured_rows([
+            ("i-h2", lambda t: intercept_h2(t, p.intercept_keepalive_requests, origin, results),
+             lambda t: intercept_h2(t, p.warmup_requests, origin)),
+        ])
+        run_rows(p, h2_rows, targets.h2_names, running, results)
+        rate_rows = measured_rows([
             ("i-rate", lambda t: intercept_hey(t, p.intercept_rate_requests, True, p.intercept_rate),
              lambda t: intercept_hey(t, p.warmup_requests, True, p.intercept_rate)),
-        ]
+        ])
         run_rows(p, rate_rows, targets.rate_names, running, results)
         for name, target in running.items():
             if target.child is not None and target.child.poll() is not None:
