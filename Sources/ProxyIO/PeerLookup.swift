@@ -14,7 +14,9 @@ import ProxyCore
 /// For the audit log it also names the client's process (`ClientProcess`): the accept's netlink answer carries the
 /// client socket's inode, kept by connection id (`remember`); the first exchange with a protected origin on the
 /// connection (`resolve`) has a worker thread find the processes holding that inode in /proc (once per connection,
-/// one scan at a time for all connections waiting, bounded by `scanBudget` descriptors); audit lines wait for the
+/// one scan at a time for all connections waiting, bounded by `scanBudget` descriptors, and scans started at least
+/// `scanInterval` apart: a scan reads every descriptor of the user's processes, and one per new connection took a
+/// core's worth of CPU under a load of new connections, bench row 8); audit lines wait for the
 /// answer (`client(connection:_:)`). Connection ids are never reused, so an answer is never another connection's;
 /// entries are dropped oldest first past their bounds, and a connection whose entry is gone gets no pid (absent,
 /// not wrong).
@@ -39,14 +41,19 @@ final class PeerLookup {
     }
     private var resolutions: [UInt64: (resolution: Resolution, used: UInt64)] = [:]
     private var uses: UInt64 = 0
-    /// Whether a worker is scanning /proc.
+    /// Whether a worker is scanning /proc, and when the last scan began.
     private var scanning = false
+    private var lastScan: Int64?
+    /// Starts the next scan once `scanInterval` passed since the last one began.
+    private var scanTimer: LoopTimer?
     private let loop: EventLoop?
 
     /// How many unresolved sockets and resolutions are kept; descriptors one scan reads at most.
     static let socketLimit = 4096
     static let resolutionLimit = 4096
     static let scanBudget = 200_000
+    /// Milliseconds between the starts of two scans at the least: the connections that come meanwhile share the next.
+    static let scanInterval = 20
 
     init(loop: EventLoop? = nil) {
         self.loop = loop
@@ -140,6 +147,14 @@ final class PeerLookup {
             if case .waiting(let socket, _) = entry.resolution { wanted[connection] = socket }
         }
         guard !wanted.isEmpty else { return }
+        let now = EventLoop.monotonicMilliseconds()
+        if let lastScan, now - lastScan < Int64(Self.scanInterval) {
+            let timer = scanTimer ?? LoopTimer(loop: loop) { [weak self] in self?.scanIfIdle() }
+            scanTimer = timer
+            timer.schedule(milliseconds: Self.scanInterval - Int(now - lastScan))
+            return
+        }
+        lastScan = now
         scanning = true
         let waiting = wanted
         let inodes = Set(wanted.values.map(\.inode))

@@ -394,6 +394,10 @@ extension ByteWriter {
         var string = string
         write(UInt8(ascii: "\""))
         string.withUTF8 { utf8 in
+            // Most strings need no escape: their bytes at once.
+            guard utf8.contains(where: { $0 < 0x20 || $0 == UInt8(ascii: "\"") || $0 == UInt8(ascii: "\\") }) else {
+                return write(utf8)
+            }
             for value in utf8 {
                 switch value {
                 case UInt8(ascii: "\""), UInt8(ascii: "\\"):

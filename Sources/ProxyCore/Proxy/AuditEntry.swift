@@ -82,6 +82,16 @@ public struct AuditEntry: Sendable, Equatable {
     /// The target's path: without its query or fragment (a query may carry a key: `?api_key=...`), and without
     /// the scheme and authority of an absolute-form target (a request to a loopback `http://` origin).
     public static func pathOnly(_ target: String) -> String {
+        var target = target
+        // The usual origin-form target: itself, or up to its query.
+        let originForm = target.withUTF8 { utf8 -> String? in
+            guard utf8.first == UInt8(ascii: "/") else { return nil }
+            guard let end = utf8.firstIndex(where: { $0 == UInt8(ascii: "?") || $0 == UInt8(ascii: "#") }) else {
+                return ""
+            }
+            return String(decoding: UnsafeBufferPointer(rebasing: utf8[..<end]), as: UTF8.self)
+        }
+        if let originForm { return originForm.isEmpty ? target : originForm }
         var path: [UInt8] = []
         for byte in target.utf8 {
             if byte == UInt8(ascii: "?") || byte == UInt8(ascii: "#") { break }
