@@ -653,8 +653,10 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
     /// The machine asked for at most this many bytes of the request body (`.readBody`), not read yet.
     private var bodyRead: Int?
     private var pumping = false
-    /// The piece of the request body read last (`.bodyRead`), written by `.writeBody`.
-    private var bodyPiece: [UInt8] = []
+    /// The piece of the request body read last (`.bodyRead`), written by `.writeBody`: as large as the machine
+    /// asked for (a whole 64 KiB piece zeroed for every request was a quarter of a 4 KiB POST's instructions), never
+    /// read beyond what the owner wrote into it.
+    private var bodyPiece = UnsafeMutableRawBufferPointer(start: nil, count: 0)
     /// Request body bytes waiting in the connection's output beyond which no more are read.
     static let bodyHighWater = 256 * 1024
     private var deferredTimer: LoopTimer?
@@ -711,6 +713,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
         switched?.close()
         session?.release(stream)
         if let timer { context.spareTimer(timer) }
+        bodyPiece.deallocate()
     }
 
     /// The origin-form target of `url` when it is `origin`'s URL followed by one (as `ProtectedExchange` makes
@@ -840,7 +843,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
                 // The owner's store rewinds the body (the read position back to 0) if it kept all of it.
                 handle(.bodyRewound(owner?.transferSeek(self, 0) ?? false))
             case .writeBody(let count):
-                bodyPiece.withUnsafeBytes { connection?.send(UnsafeRawBufferPointer(rebasing: $0[..<count])) }
+                connection?.send(UnsafeRawBufferPointer(rebasing: bodyPiece[..<count]))
             case .switchProtocols(let headBytes):
                 // Before the 101 reaches the owner, which starts the tunnel with this connection: the head's
                 // bytes go, what follows them stays in the input for the tunnel (`readable` drains nothing more).
@@ -865,10 +868,11 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
             connection.outputLength < Self.bodyHighWater
         {
             bodyRead = nil
-            if bodyPiece.count < most { bodyPiece = [UInt8](repeating: 0, count: OriginExchange.bodyPiece) }
-            let count = bodyPiece.withUnsafeMutableBytes {
-                owner?.transferRead(self, UnsafeMutableRawBufferPointer(rebasing: $0[..<most])) ?? 0
+            if bodyPiece.count < most {
+                bodyPiece.deallocate()
+                bodyPiece = .allocate(byteCount: most, alignment: 1)
             }
+            let count = owner?.transferRead(self, UnsafeMutableRawBufferPointer(rebasing: bodyPiece[..<most])) ?? 0
             if count == proxyctl_readfunc_pause() {
                 handle(.bodyPaused)
             } else if count == 0 {
