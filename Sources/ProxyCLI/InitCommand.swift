@@ -260,9 +260,10 @@ enum InitCommand {
     }
 
     /// The sign-in redirect of the new file: the port given, else the one of the file replaced, else one
-    /// `RedirectPort` chooses (a fixed default, free now and below the kernel's ephemeral range).
+    /// `RedirectPort` chooses (a fixed default, free now and below the kernel's ephemeral range; never `taken`).
     static func chooseRedirectPort(
-        given: Int?, replacing file: String, provider name: String, context: CommandContext
+        given: Int?, replacing file: String, provider name: String, avoiding taken: Int? = nil,
+        context: CommandContext
     ) -> (port: Int, uri: String, note: String) {
         let path = ProviderConfig(name: name).redirectPath
         let uri = { (port: Int) in "http://127.0.0.1:\(port)\(path)" }
@@ -282,7 +283,8 @@ enum InitCommand {
         let ephemeral = Platform.ephemeralPorts
         guard
             let (port, reason) = RedirectPort.choose(
-                existing: existing, ephemeral: ephemeral, isFree: LoopbackReceiver.canListen(port:))
+                existing: existing, ephemeral: ephemeral,
+                isFree: { $0 != taken && LoopbackReceiver.canListen(port: $0) })
         else {
             context.err("  no free port below the ephemeral range for the sign-in redirect; give --redirect-port")
             return (RedirectPort.preferred, uri(RedirectPort.preferred), "")

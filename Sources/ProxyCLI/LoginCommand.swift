@@ -332,8 +332,10 @@ extension LoginCommand {
                     "\(provider.issuer) has no registration endpoint any more (registration_endpoint, RFC 7591): free port \(provider.redirectPort), or register a public client with a redirect URI http://127.0.0.1:PORT\(provider.redirectPath) there and set client_id and redirect_port in [provider \(provider.name)] of \(file)"
             )
         }
+        // Never the port found taken: free again a moment later (another login's listener gone), it would be
+        // chosen, registered again for nothing and refused below.
         let chosen = InitCommand.chooseRedirectPort(
-            given: nil, replacing: "", provider: provider.name, context: context)
+            given: nil, replacing: "", provider: provider.name, avoiding: provider.redirectPort, context: context)
         guard chosen.port != provider.redirectPort, LoopbackReceiver.canListen(port: chosen.port) else {
             throw CommandFailure(
                 message:

@@ -284,11 +284,14 @@ def test_the_audit_line_names_the_clients_process_as_the_kernel_says(setup, http
     the client's loopback connection (found once per connection, off the loop), read with jq."""
     d, keys = setup["d"], setup["keys"]
     path = f"/whose{http}"
-    curl = subprocess.Popen(["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "--suppress-connect-headers",
-                             http, url(keys, KEYS, path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    # Two requests half a second apart (--rate): curl is still running when the proxy looks for the holders of
+    # its socket (scans start at most every 20 ms, off the loop), as a client that is not gone at once would be.
+    curl = subprocess.Popen(["curl", "-sS", "-o", "/dev/null", "-o", "/dev/null", "-w", "%{http_code}",
+                             "--suppress-connect-headers", "--rate", "2/s", http, url(keys, KEYS, path),
+                             url(keys, KEYS, f"{path}-again")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=d.client_env(), text=True)
     out, err = curl.communicate(timeout=60)
-    assert out == "200", err
+    assert out == "200200", err
     entry = audit_entry(setup["ws"], path)
     assert entry["pid"] == curl.pid and entry["executable"] == CURL, entry
     assert entry["uid"] == os.geteuid(), entry
@@ -297,7 +300,7 @@ def test_the_audit_line_names_the_clients_process_as_the_kernel_says(setup, http
 
 
 FORKED_CLIENT = """
-import os, socket, ssl, sys
+import os, socket, ssl, sys, time
 proxy_port, authority, cafile, path = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 sock = socket.create_connection(("127.0.0.1", proxy_port))
 hold, release = os.pipe()
@@ -315,7 +318,8 @@ tls.sendall(f"GET {path} HTTP/1.1\\r\\nHost: {authority}\\r\\nConnection: close\
 answer = b""
 while chunk := tls.recv(65536):
     answer += chunk
-print(answer.split(b"\\r\\n", 1)[0].decode())
+print(answer.split(b"\\r\\n", 1)[0].decode(), flush=True)
+time.sleep(1)                           # both alive while the proxy looks for the socket's holders
 os.close(release)
 os.wait()
 """
