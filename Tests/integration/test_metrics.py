@@ -277,6 +277,8 @@ def probes(address: tuple[str, int], count: int) -> tuple[list[float], str]:
 # build's 0.4-26 ms), so the bound there is 300 ms, which still fails the 8-10 s of connection resets the flood
 # caused before.
 HEALTHZ_BOUND = 0.1 if SANITIZER is None else 0.3
+# While the flood churns: one dropped SYN's retransmission (1 s) and then the bound.
+CHURN_MAX = 1.0 + 1.0
 
 
 def test_a_thousand_half_sent_heads_do_not_blind_healthz(proxy_factory):
@@ -285,7 +287,7 @@ def test_a_thousand_half_sent_heads_do_not_blind_healthz(proxy_factory):
     over with its first bytes (TCP_DEFER_ACCEPT) and a probe's head is read at its accept: every probe answers
     200 within 100 ms while the 1,000 are held. Then the flood keeps opening new ones as fast as it can: the
     probes wait behind the flood's connections in the kernel's accept queue, so there every one answers 200,
-    half within the bound and all within a second (a probe's usual timeout)."""
+    half within the bound and all within two seconds (a SYN the full queue dropped is sent again after one)."""
     proxy = proxy_factory(admin_listen="127.0.0.1:0")
     address = admin_address(proxy)
     flood = HalfOpenFlood(address, hold=1000)
@@ -300,7 +302,10 @@ def test_a_thousand_half_sent_heads_do_not_blind_healthz(proxy_factory):
         opened = flood.stop()
     print(f"/healthz while the flood opened {opened - 1000} more: {churn_summary}")
     assert opened > 1030, "the flood ran during the probes"
-    assert churned[len(churned) // 2] < HEALTHZ_BOUND and churned[-1] < 1.0, churn_summary
+    # The slowest may have had its SYN dropped by the full accept queue the flood keeps filling: the kernel's
+    # first retransmission comes after 1 s (a fresh clone's AddressSanitizer pass, two clones at once: 1,029.6 ms),
+    # so the bound for the slowest allows that one retransmission; the 8-10 s of resets before still fail it.
+    assert churned[len(churned) // 2] < HEALTHZ_BOUND and churned[-1] < CHURN_MAX, churn_summary
     assert proxy.process.poll() is None
 
 
