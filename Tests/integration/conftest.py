@@ -190,3 +190,16 @@ def curl():
                               **kwargs)
 
     return run
+
+
+@pytest.fixture
+def default_redirect_port():
+    """`proxyctl init`'s default sign-in redirect port (17755, below the ephemeral range, so no outgoing connection
+    takes it) for a test whose `proxyctl login` listens on it: one such test at a time across pytest-xdist's
+    workers, by a file lock, so that no other worker's login holds the port meanwhile (two fresh clones failed
+    on it: 'cannot listen on 127.0.0.1:17755 for the sign-in redirect: Address already in use')."""
+    import fcntl
+    import tempfile
+    with open(Path(tempfile.gettempdir()) / "proxyctl-tests-redirect-port-17755.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield 17755

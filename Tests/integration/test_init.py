@@ -164,7 +164,8 @@ def test_init_writes_a_redirect_port_and_prints_the_redirect_uri_to_register(tmp
         assert not (tmp_path / "bad.conf").exists()
 
 
-def test_readme_use_it_against_a_provider_that_matches_redirect_uris_exactly(tmp_path, glewlwyd_factory):
+def test_readme_use_it_against_a_provider_that_matches_redirect_uris_exactly(tmp_path, glewlwyd_factory,
+                                                                           default_redirect_port):
     """The README's "Use it", command by command, against glewlwyd (which matches redirect URIs exactly): init
     with no redirect port, the redirect URI it prints registered at the provider, the `proxyctl login` it prints
     (the scripted browser signs in), then the `proxyctl exec -- curl` it prints gets the API's answer, which

@@ -89,7 +89,8 @@ def glewlwyd_registering():
 
 
 @needs_glewlwyd
-def test_init_from_the_origin_alone_then_login_and_serve_reach_the_api(home, rs, glewlwyd_registering, tmp_path):
+def test_init_from_the_origin_alone_then_login_and_serve_reach_the_api(home, rs, glewlwyd_registering, tmp_path,
+                                                                     default_redirect_port):
     """The issue's Done-when: `proxyctl init --origin URL` and `proxyctl login`, nothing else, and a request through
     `serve` (plain curl) reaches the API with the token of the client init registered, whose audience is the
     origin's resource. glewlwyd registers the client (RFC 7591, `register-client-allowed`), honours RFC 8707 for
