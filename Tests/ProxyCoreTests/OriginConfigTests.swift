@@ -164,6 +164,24 @@ import Testing
         #expect(origins.wildcard(covering: "https://other.test") == nil)
     }
 
+    /// Two exact hosts, one below the other (found by FuzzConfig): the upper host's excluded subtree took the
+    /// lower host from the CA, whose leaf every client then refused.
+    @Test func theCAPermitsAnExactHostBelowAnother() throws {
+        let origins = try table(
+            "[origin https://corp.example]\nprovider = corp\n[origin https://api.corp.example]\nprovider = corp\n"
+                + "[origin https://v2.api.corp.example]\nprovider = corp\n[origin https://other.test]\nprovider = corp\n"
+        )
+        let constraints = NameConstraints.exactly(origins.tlsHosts)
+        #expect(constraints.excludedDNS == [".other.test", ".v2.api.corp.example"])
+        for permitted in ["corp.example", "api.corp.example", "v2.api.corp.example", "other.test"] {
+            #expect(constraints.permits(dnsName: permitted), "\(permitted)")
+            #expect(origins.match(scheme: "https", authority: host(permitted, 443))?.url == "https://\(permitted)")
+        }
+        for refused in ["x.v2.api.corp.example", "sub.other.test", "evilcorp.example", "example", "10.0.0.1"] {
+            #expect(!constraints.permits(dnsName: refused), "\(refused)")
+        }
+    }
+
     @Test(arguments: [
         ("[origin https://*.com]", "top-level domain"), ("[origin https://*.internal]", "top-level domain"),
         ("[origin https://*]", "written https://*.DOMAIN"),

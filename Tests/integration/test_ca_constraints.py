@@ -378,3 +378,49 @@ def test_ca_init_replaces_a_ca_made_before_the_intermediate(module_dir):
     assert old in bundle, "the old root stays trusted until it expires"
     assert "signs with:  " + str(ca / "intermediate.pem") in ws.cli("ca", "show").stdout
     assert "nothing to do" in ws.ca_init().stderr
+
+
+def test_an_origin_below_another_is_intercepted_and_verifies(module_dir, go_client):
+    """Protected origins one below another (nest.test, api.nest.test, v2.api.nest.test; FuzzConfig found it): the
+    upper host's excluded subtree took the lower hosts from the intermediate, whose leaves every client refused.
+    Each host's leaf verifies in Go and OpenSSL through the proxy, the token reaches each, and the lowest host's
+    own subtree stays excluded."""
+    hosts = ["nest.test", "api.nest.test", "v2.api.nest.test"]
+    with FakeIdP(access_token_format="jwt") as fake:
+        rs = ResourceServer(module_dir / "nested-rs", hosts)
+        rs.trust(fake.issuer, fake.url("jwks"))
+        sections = config.provider("fake", fake.issuer, redirect_port=0)
+        for host in hosts:
+            sections += config.origin(f"https://{host}:{rs.port}", "fake", ca_file=rs.ca_pem)
+        ws = Workspace(module_dir / "nested-ws", sections, ",".join(f"{host}=127.0.0.1" for host in hosts))
+        ws.ca_init()
+        ws.login_fake("fake")
+        nested = Deployment(ws, ws.start_proxy())
+        try:
+            root = ws.state / "ca" / "ca.pem"
+            for host in hosts:
+                mark = rs.mark()
+                answer = nested.curl(rs.url("/me", host))
+                assert answer.status == 200, (host, answer)
+                done = subprocess.run([str(go_client), rs.url("/me", host), str(root),
+                                       f"http://127.0.0.1:{nested.proxy.port}"], capture_output=True, text=True,
+                                      timeout=60, env=clean_env())
+                assert done.stdout.startswith("STATUS 200"), (host, done.stdout + done.stderr)
+                seen = rs.since(mark, host)
+                assert len(seen) == 2 and all(s.error is None and s.token for s in seen), (host, seen)
+                verified = subprocess.run(["openssl", "s_client", "-proxy", f"127.0.0.1:{nested.proxy.port}",
+                                           "-connect", f"{host}:{rs.port}", "-servername", host, "-CAfile", str(root),
+                                           "-verify_return_error", "-verify_hostname", host], input="",
+                                          capture_output=True, text=True, timeout=30)
+                assert "Verification: OK" in verified.stdout, (host, verified.stdout[-2000:] + verified.stderr)
+            constraints = x509.load_pem_x509_certificate((ws.state / "ca" / "intermediate.pem").read_bytes()) \
+                .extensions.get_extension_for_class(x509.NameConstraints).value
+            permitted = sorted(name.value for name in constraints.permitted_subtrees)
+            excluded = sorted(name.value for name in constraints.excluded_subtrees
+                              if isinstance(name, x509.DNSName))
+            assert permitted == sorted(hosts), permitted
+            assert excluded == [".v2.api.nest.test"], excluded
+        finally:
+            failure = nested.stop()
+            rs.close()
+        assert failure is None, failure

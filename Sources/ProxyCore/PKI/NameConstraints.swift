@@ -47,17 +47,18 @@ public struct NameConstraints: Sendable, Equatable {
     }
 
     /// The subtrees excluded for `hosts`: `.HOST` below each exact host, so that a DNS constraint permits the name
-    /// alone (RFC 5280 §4.2.1.10: it would admit every name below); except where a wildcard's `.DOMAIN` overlaps
-    /// that subtree (a host below the domain, the domain itself, or a domain below the host), since an exclusion
-    /// wins over every permission and would take names the wildcard covers. Then the host's subtree is permitted
-    /// as far as the constraints go; the proxy still mints leaves only for hosts its origins match.
+    /// alone (RFC 5280 §4.2.1.10: it would admit every name below). Except where another host lies in that
+    /// subtree or overlaps it: an exact host below HOST (`api.corp.example` below `corp.example`), or a wildcard's
+    /// `.DOMAIN` below HOST, equal to it or above it. An exclusion wins over every permission and has no holes, so
+    /// it would take that other host from the CA. Then the host's subtree is permitted as far as the constraints
+    /// go; the proxy still mints leaves only for hosts its origins match.
     public static func excluded(_ hosts: [String]) -> [String] {
         let domains = hosts.filter { $0.hasPrefix(".") }.map { String($0.dropFirst()) }
-        return hosts.filter { host in
-            !host.hasPrefix(".")
-                && !domains.contains { domain in
-                    domain == host || domain.hasSuffix("." + host) || host.hasSuffix("." + domain)
-                }
+        let exact = hosts.filter { !$0.hasPrefix(".") }
+        return exact.filter { host in
+            !domains.contains { domain in
+                domain == host || domain.hasSuffix("." + host) || host.hasSuffix("." + domain)
+            } && !exact.contains { $0.hasSuffix("." + host) }
         }.map { "." + $0 }
     }
 
