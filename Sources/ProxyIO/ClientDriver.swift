@@ -46,10 +46,9 @@ final class ClientDriver: ServerConnection, ExchangeDriver, UpstreamSocketUser {
     private var phase = ClosePhase.open
     private var flow = Flow()
 
-    /// The exchange with a protected origin in flight (its body, tokens and transfer), and how many this
-    /// connection has had (each one's generation).
+    /// The exchange with a protected origin in flight (its body, tokens and transfer); callbacks of any other
+    /// are dropped.
     private var exchangeIO: ExchangeIO?
-    private var exchanges: UInt64 = 0
     /// The response bytes of the transfer's current callback (`.writeResponseBody` writes them).
     private var transferData: UnsafeRawBufferPointer?
 
@@ -461,10 +460,7 @@ final class ClientDriver: ServerConnection, ExchangeDriver, UpstreamSocketUser {
     /// The exchange's I/O for `origin`: the one in flight, or a new one (the exchange's first output).
     private func exchange(for origin: OriginConfig) -> ExchangeIO {
         if let exchangeIO { return exchangeIO }
-        exchanges += 1
-        let made = ExchangeIO(
-            driver: self, context: context, origin: origin, connectionID: id, generation: exchanges,
-            replay: replay)
+        let made = ExchangeIO(driver: self, context: context, origin: origin, connectionID: id, replay: replay)
         exchangeIO = made
         return made
     }

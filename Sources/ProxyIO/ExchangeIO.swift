@@ -31,9 +31,10 @@ protocol ExchangeDriver: AnyObject {
 /// `H2Driver` each keep one per exchange in flight and carry the outputs of `ProtectedExchange` to it that are
 /// I/O (`perform`); the rest they frame for their client.
 ///
-/// Late callbacks are harmless by construction: every exchange has a generation of its own, the driver holds
-/// the current one and drops what an older one sends, and an exchange that ended (`finish`) has no transfer,
-/// no tokens and no driver. Its owner references (the driver, the transfer's owner) are weak.
+/// Late callbacks are harmless by construction: every exchange is an object of its own and that identity is its
+/// generation. The driver holds its current one (so no other can share its address) and drops what any other
+/// sends (`io === exchangeIO`); an exchange that ended (`finish`) has no transfer, no tokens and no driver. Its
+/// owner references (the driver, the transfer's owner) are weak.
 final class ExchangeIO: TransferOwner {
     /// What the exchange's machine hears.
     enum Event {
@@ -56,8 +57,6 @@ final class ExchangeIO: TransferOwner {
         case transferFinished(UpstreamFailure?, detail: String)
     }
 
-    /// Which of its driver's exchanges this is (1, 2, ...): the driver listens to its current one only.
-    let generation: UInt64
     /// The driver's name for the exchange (an HTTP/2 stream's id; 0 on HTTP/1.1).
     let tag: Int32
     private weak var driver: (any ExchangeDriver)?
@@ -83,9 +82,8 @@ final class ExchangeIO: TransferOwner {
 
     init(
         driver: any ExchangeDriver, context: ConnectionContext, origin: OriginConfig, connectionID: UInt64,
-        generation: UInt64, tag: Int32 = 0, replay: ReplayAccount
+        tag: Int32 = 0, replay: ReplayAccount
     ) {
-        self.generation = generation
         self.tag = tag
         self.driver = driver
         self.context = context

@@ -433,8 +433,8 @@ final class H2Driver: ServerConnection, ExchangeDriver {
             io.fields = []
             if frame.pointee.headers.cat == NGHTTP2_HCAT_REQUEST {
                 io.exchange = ExchangeIO(
-                    driver: self, context: context, origin: machine.origin, connectionID: id,
-                    generation: UInt64(header.stream_id), tag: header.stream_id, replay: replay)
+                    driver: self, context: context, origin: machine.origin, connectionID: id, tag: header.stream_id,
+                    replay: replay)
                 if let reason = io.overLimit {
                     queue.events.append(.requestHeadTooLarge(header.stream_id, fields, reason: reason))
                 } else {

@@ -182,6 +182,17 @@ private func rejection(_ text: String, sourceLocation: SourceLocation = #_source
                 == #""quote\" backslash\\ slash/ nl\n cr\r tab\t bs\u0008 ff\u000c nul\u0000 us\u001f é 😀""#)
     }
 
+    /// The bytes form (DPoP proofs, audit lines) and the String form agree, for strings with and without escapes.
+    @Test(arguments: ["", "plain", "https://api.test/orders?id=7", "é 😀", "a\"b", "back\\slash", "nl\n", "\u{1F}"])
+    func bothFormsWriteTheSameString(_ text: String) throws {
+        var string = "["
+        JSON.writeString(text, to: &string)
+        var bytes = Array("[".utf8)
+        JSON.writeString(text, to: &bytes)
+        #expect(String(decoding: bytes, as: UTF8.self) == string)
+        #expect(parsed(string + "]") == .array([.string(text)]))
+    }
+
     @Test func numbersAreWrittenAsReceived() {
         #expect(JSON.serialize(.number("1E+2")) == "1E+2")
         #expect(JSON.serialize(.int(-9_223_372_036_854_775_808)) == "-9223372036854775808")

@@ -52,7 +52,8 @@ final class TransferLog {
 /// test into the exchange was under way at the time.
 final class RecordingDriver: ExchangeDriver {
     struct Heard {
-        let generation: UInt64
+        /// The exchange that sent it: the driver listens to its current one only.
+        let from: ObjectIdentifier
         let event: ExchangeIO.Event
         /// It came inside the test's call into the exchange, not at the top of the loop.
         let insideCall: Bool
@@ -68,7 +69,7 @@ final class RecordingDriver: ExchangeDriver {
     var events: [ExchangeIO.Event] { heard.map(\.event) }
 
     func exchange(_ io: ExchangeIO, event: ExchangeIO.Event) {
-        heard.append(Heard(generation: io.generation, event: event, insideCall: inCall))
+        heard.append(Heard(from: ObjectIdentifier(io), event: event, insideCall: inCall))
     }
 
     func exchange(_ io: ExchangeIO, responseBody data: UnsafeRawBufferPointer) -> Bool {
@@ -180,10 +181,8 @@ final class ExchangeHarness {
             })
     }
 
-    func exchange(generation: UInt64 = 1, tag: Int32 = 0) -> ExchangeIO {
-        ExchangeIO(
-            driver: driver, context: context, origin: origin, connectionID: 9, generation: generation, tag: tag,
-            replay: replay)
+    func exchange(tag: Int32 = 0) -> ExchangeIO {
+        ExchangeIO(driver: driver, context: context, origin: origin, connectionID: 9, tag: tag, replay: replay)
     }
 
     /// A call into the exchange as its driver makes it: what reaches the driver meanwhile is marked inside it.
@@ -288,7 +287,7 @@ private func jsonObject(_ part: Substring) throws -> [String: Any] {
 
     @Test func tokensReachTheDriverAsAGrantWithTheirGeneration() throws {
         let harness = ExchangeHarness()
-        let io = harness.exchange(generation: 3)
+        let io = harness.exchange()
         harness.call { io.perform(.getTokens(key: harness.key)) }
         #expect(harness.tokens.asked == [.init(key: harness.key, replacing: nil)])
         #expect(harness.driver.heard.isEmpty, "nothing before the tokens come")
@@ -296,7 +295,7 @@ private func jsonObject(_ part: Substring) throws -> [String: Any] {
         harness.tokens.answer(.success(ExchangeHarness.tokenSet(generation: 7)))
         let heard = try #require(harness.driver.heard.first)
         #expect(harness.driver.heard.count == 1)
-        #expect(heard.generation == 3, "the exchange's generation, for the driver to tell it from older ones")
+        #expect(heard.from == ObjectIdentifier(io), "the exchange itself, for the driver to tell it from older ones")
         guard case .tokens(.success(let grant)) = heard.event else {
             Issue.record("expected .tokens(.success), got \(heard.event)")
             return

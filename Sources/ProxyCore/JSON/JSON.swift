@@ -156,6 +156,12 @@ public enum JSON {
     }
 
     public static func writeString(_ string: String, to out: inout String) {
+        if !string.utf8.contains(where: ByteWriter.needsJSONEscape) {
+            out += "\""
+            out += string
+            out += "\""
+            return
+        }
         var bytes: [UInt8] = []
         writeString(string, to: &bytes)
         out += String(decoding: bytes, as: UTF8.self)
@@ -163,6 +169,16 @@ public enum JSON {
 
     /// `string` as a JSON string (RFC 8259 §7) in UTF-8 (`ByteWriter.jsonString`).
     public static func writeString(_ string: String, to out: inout [UInt8]) {
+        // Most strings need no escape (a DPoP proof's members, three per request): their bytes appended at once,
+        // without the bounded scratch array the escaper writes into.
+        let plain = string.utf8.withContiguousStorageIfAvailable { utf8 in
+            guard !utf8.contains(where: ByteWriter.needsJSONEscape) else { return false }
+            out.append(UInt8(ascii: "\""))
+            out.append(contentsOf: utf8)
+            out.append(UInt8(ascii: "\""))
+            return true
+        }
+        if plain == true { return }
         out.append(contentsOf: ByteWriter.bytes(atMost: ByteWriter.jsonStringBound(string)) { $0.jsonString(string) })
     }
 
@@ -395,7 +411,7 @@ extension ByteWriter {
         write(UInt8(ascii: "\""))
         string.withUTF8 { utf8 in
             // Most strings need no escape: their bytes at once.
-            guard utf8.contains(where: { $0 < 0x20 || $0 == UInt8(ascii: "\"") || $0 == UInt8(ascii: "\\") }) else {
+            guard utf8.contains(where: Self.needsJSONEscape) else {
                 return write(utf8)
             }
             for value in utf8 {
@@ -415,6 +431,11 @@ extension ByteWriter {
             }
         }
         write(UInt8(ascii: "\""))
+    }
+
+    /// Whether a UTF-8 byte is escaped in a JSON string: the quotation mark, the reverse solidus, a control.
+    static func needsJSONEscape(_ byte: UInt8) -> Bool {
+        byte < 0x20 || byte == UInt8(ascii: "\"") || byte == UInt8(ascii: "\\")
     }
 
     private static let hexDigits: [UInt8] = Array("0123456789abcdef".utf8)
