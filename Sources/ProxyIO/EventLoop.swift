@@ -165,6 +165,9 @@ public final class LoopTimer {
         event_del(event)
     }
 
+    /// Whether it is scheduled and has not fired yet.
+    public var isPending: Bool { event_pending(event, Int16(EV_TIMEOUT), nil) != 0 }
+
     /// Fires in this pass of the loop, after the callbacks already due (at most once however often it is
     /// called before it fired): work that a pass's events add up to, done once for all of them.
     public func fireInThisPass() {

@@ -15,8 +15,9 @@ import ProxyCore
 /// client socket's inode, kept by connection id (`remember`); the first exchange with a protected origin on the
 /// connection (`resolve`) has a worker thread find the processes holding that inode in /proc (once per connection,
 /// one scan at a time for all connections waiting, bounded by `scanBudget` descriptors, and scans started at least
-/// `scanInterval` apart: a scan reads every descriptor of the user's processes, and one per new connection took a
-/// core's worth of CPU under a load of new connections, bench row 8); audit lines wait for the
+/// `scanInterval` apart, and `scanDutyFactor` times the last scan's CPU time: a scan reads every descriptor of the
+/// user's processes, and one per new connection took a core's worth of CPU under a load of new connections, bench
+/// row 8); audit lines wait for the
 /// answer (`client(connection:_:)`). Connection ids are never reused, so an answer is never another connection's;
 /// entries are dropped oldest first past their bounds, and a connection whose entry is gone gets no pid (absent,
 /// not wrong).
@@ -41,9 +42,13 @@ final class PeerLookup {
     }
     private var resolutions: [UInt64: (resolution: Resolution, used: UInt64)] = [:]
     private var uses: UInt64 = 0
-    /// Whether a worker is scanning /proc, and when the last scan began.
+    /// Connections waiting for a scan that has not started: the next scan's, without a walk of every resolution
+    /// (a walk of up to `resolutionLimit` entries per new connection showed in bench row 8's profile).
+    private var unscanned: [UInt64] = []
+    /// Whether a worker is scanning /proc, when the last scan began, and the least time before the next one.
     private var scanning = false
     private var lastScan: Int64?
+    private var interval = PeerLookup.scanInterval
     /// Starts the next scan once `scanInterval` passed since the last one began.
     private var scanTimer: LoopTimer?
     private let loop: EventLoop?
@@ -54,6 +59,10 @@ final class PeerLookup {
     static let scanBudget = 200_000
     /// Milliseconds between the starts of two scans at the least: the connections that come meanwhile share the next.
     static let scanInterval = 20
+    /// The next scan waits at least this many times the CPU time the last one took, so that scans take at most
+    /// about 1% of a core however many descriptors the user's processes hold (about a millisecond each under
+    /// bench row 8: the 20 ms floor alone let them take 7% of the proxy's CPU there).
+    static let scanDutyFactor = 100
 
     init(loop: EventLoop? = nil) {
         self.loop = loop
@@ -97,6 +106,7 @@ final class PeerLookup {
             return
         }
         store(connection, .waiting(socket, []))
+        unscanned.append(connection)
         scanIfIdle()
     }
 
@@ -141,19 +151,20 @@ final class PeerLookup {
     /// One scan at a time, for every connection waiting when it starts; those that come meanwhile wait for the
     /// next.
     private func scanIfIdle() {
-        guard !scanning, let loop else { return }
-        var wanted: [UInt64: Platform.ClientSocket] = [:]
-        for (connection, entry) in resolutions {
-            if case .waiting(let socket, _) = entry.resolution { wanted[connection] = socket }
-        }
-        guard !wanted.isEmpty else { return }
+        guard !scanning, let loop, !unscanned.isEmpty else { return }
         let now = EventLoop.monotonicMilliseconds()
-        if let lastScan, now - lastScan < Int64(Self.scanInterval) {
+        if let lastScan, now - lastScan < Int64(interval) {
             let timer = scanTimer ?? LoopTimer(loop: loop) { [weak self] in self?.scanIfIdle() }
             scanTimer = timer
-            timer.schedule(milliseconds: Self.scanInterval - Int(now - lastScan))
+            if !timer.isPending { timer.schedule(milliseconds: interval - Int(now - lastScan)) }
             return
         }
+        var wanted: [UInt64: Platform.ClientSocket] = [:]
+        for connection in unscanned {
+            if case .waiting(let socket, _) = resolutions[connection]?.resolution { wanted[connection] = socket }
+        }
+        unscanned.removeAll(keepingCapacity: true)
+        guard !wanted.isEmpty else { return }
         lastScan = now
         scanning = true
         let waiting = wanted
@@ -162,10 +173,13 @@ final class PeerLookup {
         let lookup = LoopBound(self, loop: loop)
         let budget = Self.scanBudget
         DispatchQueue.global(qos: .utility).async {
+            let began = Platform.threadCPUMicroseconds()
             let holders = Platform.socketHolders(inodes: inodes, uids: uids, budget: budget)
+            let took = Platform.threadCPUMicroseconds() - began
             loop.post {
                 let peers = lookup.value
                 peers.scanning = false
+                peers.interval = max(Self.scanInterval, Int(took * Int64(Self.scanDutyFactor) / 1000))
                 for (connection, socket) in waiting {
                     guard let entry = peers.resolutions[connection], case .waiting(_, let waiters) = entry.resolution
                     else { continue }

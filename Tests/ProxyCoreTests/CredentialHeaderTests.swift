@@ -298,16 +298,17 @@ import Testing
     @Test(arguments: [
         ("socket:[12345]", UInt64?(12345)), ("socket:[0]", 0), ("socket:[]", nil), ("socket:[12a]", nil),
         ("pipe:[12345]", nil), ("/dev/null", nil), ("socket:[123", nil), ("socket:[18446744073709551616]", nil),
-        ("anon_inode:[eventpoll]", nil),
+        ("anon_inode:[eventpoll]", nil), ("socket:[18446744073709551615]", UInt64.max), ("socket:(1]", nil),
+        ("Socket:[1]", nil), ("socket:[1]x", nil), ("", nil),
     ])
     func socketLinks(link: String, inode: UInt64?) {
-        #expect(ClientProcess.socketInode(link: Array(link.utf8)) == inode)
+        #expect(Array(link.utf8).withUnsafeBytes { ClientProcess.socketInode(link: $0) } == inode)
     }
 
     @Test(arguments: [
         ("1", 1), ("4194304", 4_194_304), ("self", nil), ("0", nil), ("01", nil), ("", nil), ("12345678901", nil),
     ])
     func procEntries(name: String, pid: Int?) {
-        #expect(ClientProcess.pid(directoryName: Array(name.utf8)) == pid)
+        #expect(Array(name.utf8).withUnsafeBytes { ClientProcess.pid(directoryName: $0) } == pid)
     }
 }

@@ -44,13 +44,23 @@ public struct ClientProcess: Sendable, Equatable {
 
     /// The inode of the socket a descriptor's link names: `socket:[12345]` (what readlink(2) gives for
     /// `/proc/PID/fd/N` when N is a socket); nil for any other link (files, pipes, anon inodes).
-    public static func socketInode(link: some BidirectionalCollection<UInt8>) -> UInt64? {
-        let prefix = Array("socket:[".utf8)
-        guard link.count > prefix.count + 1, link.starts(with: prefix), link.last == UInt8(ascii: "]") else {
+    ///
+    /// Inlinable and free of allocations: the audit log's `/proc` scan calls it for every descriptor of every
+    /// process of the client's user (a generic call across modules, unspecialised, with the prefix made as an
+    /// array each time, was most of that scan's instructions).
+    @inlinable
+    public static func socketInode(link: UnsafeRawBufferPointer) -> UInt64? {
+        // "socket:[" is 8 bytes; then at least one digit and "]".
+        guard link.count > 9, link[link.count - 1] == UInt8(ascii: "]"), link[0] == UInt8(ascii: "s"),
+            link[1] == UInt8(ascii: "o"), link[2] == UInt8(ascii: "c"), link[3] == UInt8(ascii: "k"),
+            link[4] == UInt8(ascii: "e"), link[5] == UInt8(ascii: "t"), link[6] == UInt8(ascii: ":"),
+            link[7] == UInt8(ascii: "[")
+        else {
             return nil
         }
         var inode: UInt64 = 0
-        for byte in link.dropFirst(prefix.count).dropLast() {
+        for index in 8..<(link.count - 1) {
+            let byte = link[index]
             guard byte >= UInt8(ascii: "0"), byte <= UInt8(ascii: "9") else { return nil }
             let (times, overflow) = inode.multipliedReportingOverflow(by: 10)
             let (sum, carry) = times.addingReportingOverflow(UInt64(byte - UInt8(ascii: "0")))
@@ -61,8 +71,9 @@ public struct ClientProcess: Sendable, Equatable {
     }
 
     /// The pid a `/proc` entry's name is (`1234`); nil for the others (`self`, `net`, `sys`, ...).
-    public static func pid(directoryName name: some Collection<UInt8>) -> Int? {
-        guard !name.isEmpty, name.count <= 10, name.first != UInt8(ascii: "0") else { return nil }
+    @inlinable
+    public static func pid(directoryName name: UnsafeRawBufferPointer) -> Int? {
+        guard !name.isEmpty, name.count <= 10, name[0] != UInt8(ascii: "0") else { return nil }
         var pid = 0
         for byte in name {
             guard byte >= UInt8(ascii: "0"), byte <= UInt8(ascii: "9") else { return nil }

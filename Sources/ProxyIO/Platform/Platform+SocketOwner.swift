@@ -56,25 +56,40 @@ extension Platform {
         defer { closedir(proc) }
         let own = Int(getpid())
         var remaining = budget
-        var link = [CChar](repeating: 0, count: 64)
+        // Nothing is allocated per process or per descriptor: names are read where readdir left them, paths are
+        // relative to the directory's descriptor, and a link is read into one buffer (a socket's is 8 bytes, up
+        // to 20 digits and "]").
+        let link = UnsafeMutableRawBufferPointer.allocate(byteCount: 64, alignment: 1)
+        let fdPath = UnsafeMutablePointer<CChar>.allocate(capacity: 32)
+        defer {
+            link.deallocate()
+            fdPath.deallocate()
+        }
         while remaining > 0, let entry = readdir(proc) {
             let name = entryName(entry)
-            guard let pid = ClientProcess.pid(directoryName: name), pid != own else { continue }
-            var info = stat()
-            guard fstatat(dirfd(proc), name.map { CChar(bitPattern: $0) } + [0], &info, 0) == 0,
-                uids.contains(Int(info.st_uid)), let fds = opendir("/proc/\(pid)/fd")
+            let nameLength = strlen(name)
+            guard let pid = ClientProcess.pid(directoryName: UnsafeRawBufferPointer(start: name, count: nameLength)),
+                pid != own
             else { continue }
+            var info = stat()
+            guard fstatat(dirfd(proc), name, &info, 0) == 0, uids.contains(Int(info.st_uid)) else { continue }
+            // "PID/fd", relative to /proc (a pid is at most 10 digits).
+            fdPath.update(from: name, count: nameLength)
+            for (offset, byte) in "/fd\0".utf8.enumerated() { fdPath[nameLength + offset] = CChar(bitPattern: byte) }
+            let fdDirectory = openat(dirfd(proc), fdPath, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+            guard fdDirectory >= 0 else { continue }
+            guard let fds = fdopendir(fdDirectory) else {
+                close(fdDirectory)
+                continue
+            }
             var holds: [UInt64] = []
             while remaining > 0, let descriptor = readdir(fds) {
                 let fdName = entryName(descriptor)
-                guard fdName.first != UInt8(ascii: ".") else { continue }
+                guard fdName.pointee != CChar(bitPattern: UInt8(ascii: ".")) else { continue }
                 remaining -= 1
-                let length = link.withUnsafeMutableBufferPointer { buffer in
-                    readlinkat(
-                        dirfd(fds), fdName.map { CChar(bitPattern: $0) } + [0], buffer.baseAddress!, buffer.count)
-                }
+                let length = readlinkat(dirfd(fds), fdName, link.baseAddress!, link.count)
                 guard length > 0,
-                    let inode = ClientProcess.socketInode(link: link[..<length].map { UInt8(bitPattern: $0) }),
+                    let inode = ClientProcess.socketInode(link: UnsafeRawBufferPointer(rebasing: link[..<length])),
                     inodes.contains(inode)
                 else { continue }
                 if !holds.contains(inode) { holds.append(inode) }
@@ -89,14 +104,21 @@ extension Platform {
         return found
     }
 
-    /// The name of a directory entry readdir(3) returned. Read where it lies, up to its NUL: `d_name` is declared
-    /// 256 bytes long, but the kernel's record is only as long as the name, so copying the field (as
-    /// `entry.pointee.d_name` does) reads past the end of the last record in readdir's buffer (AddressSanitizer
-    /// caught it: heap-buffer-overflow, 2 bytes past a 32 KiB DIR buffer).
-    private static func entryName(_ entry: UnsafeMutablePointer<dirent>) -> [UInt8] {
+    /// The name of a directory entry readdir(3) returned, where it lies: NUL-terminated, valid until the next
+    /// readdir. Never copied as a field: `d_name` is declared 256 bytes long, but the kernel's record is only as
+    /// long as the name, so copying the field (as `entry.pointee.d_name` does) reads past the end of the last
+    /// record in readdir's buffer (AddressSanitizer caught it: heap-buffer-overflow, 2 bytes past a 32 KiB DIR
+    /// buffer).
+    private static func entryName(_ entry: UnsafeMutablePointer<dirent>) -> UnsafePointer<CChar> {
         let offset = MemoryLayout<dirent>.offset(of: \.d_name)!
-        let start = (UnsafeRawPointer(entry) + offset).assumingMemoryBound(to: CChar.self)
-        return Array(UnsafeRawBufferPointer(start: start, count: strlen(start)))
+        return (UnsafeRawPointer(entry) + offset).assumingMemoryBound(to: CChar.self)
+    }
+
+    /// CPU time the calling thread has used, in microseconds (CLOCK_THREAD_CPUTIME_ID): what a scan cost.
+    static func threadCPUMicroseconds() -> Int64 {
+        var now = timespec()
+        clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now)
+        return Int64(now.tv_sec) * 1_000_000 + Int64(now.tv_nsec) / 1000
     }
 
     /// readlink(2) of `path`; nil when it cannot be read.
