@@ -63,6 +63,9 @@ final class PeerLookup {
     /// about 1% of a core however many descriptors the user's processes hold (about a millisecond each under
     /// bench row 8: the 20 ms floor alone let them take 7% of the proxy's CPU there).
     static let scanDutyFactor = 100
+    /// But never more than this many milliseconds apart: audit lines wait for the scan, and a client process
+    /// that ended before it is logged without a pid.
+    static let longestInterval = 250
 
     init(loop: EventLoop? = nil) {
         self.loop = loop
@@ -179,7 +182,8 @@ final class PeerLookup {
             loop.post {
                 let peers = lookup.value
                 peers.scanning = false
-                peers.interval = max(Self.scanInterval, Int(took * Int64(Self.scanDutyFactor) / 1000))
+                peers.interval = min(
+                    Self.longestInterval, max(Self.scanInterval, Int(took * Int64(Self.scanDutyFactor) / 1000)))
                 for (connection, socket) in waiting {
                     guard let entry = peers.resolutions[connection], case .waiting(_, let waiters) = entry.resolution
                     else { continue }

@@ -100,8 +100,11 @@ def run_recipe(tmp_path: Path, title: str, host: str, shape: dict[str, str], pre
         assert answer.status == 200, (answer.status, answer.body, answer.stderr, proxy.log()[-2000:])
         assert json.loads(answer.body)["authorized"] is True
         check_origin_saw_exactly(origin, mark, shape)
+        # The audit line is written once the scan for curl's process has answered (up to 250 ms under load).
+        audit = ws.state / "audit.log"
+        poll(lambda: audit.exists() and '"/recipe"' in audit.read_text(), message="the audit line")
         for text, where in ((answer.body, "curl's output"), (proxy.log(), "the proxy's log"),
-                            ((ws.state / "audit.log").read_text(), "the audit log")):
+                            (audit.read_text(), "the audit log")):
             assert_no_secret(text, where)
         return deployment, origin, url
     except BaseException:

@@ -1040,7 +1040,8 @@ def test_by_default_the_clients_own_authorization_is_replaced_and_logged(main, r
     line = assert_one_intercepted(main, mark, f"GET https://{REPLACE}:{rs.port}{path}", "status=200")
     assert "token=client" not in line and "client_credential=replaced" in line
     audit = main.ws.state / "audit.log"
-    entry = poll(lambda: [json.loads(text) for text in audit.read_text().splitlines() if f'"{path}"' in text],
+    entry = poll(lambda: audit.exists() and [json.loads(text) for text in audit.read_text().splitlines()
+                                             if f'"{path}"' in text],
                  message="the audit line")[0]
     assert entry["client_credential_replaced"] is True and entry["credential"] == "glew", entry
 
