@@ -355,15 +355,22 @@ final class OriginConnection {
 
     /// Writes `bytes` (now, or as the socket takes them; copied).
     func send(_ bytes: UnsafeRawBufferPointer) {
-        evbuffer_add(output, bytes.baseAddress, bytes.count)
+        queue(bytes)
         flush()
+    }
+
+    /// Adds `bytes` to the output without writing (copied): what is queued together goes out in one `flush`, one
+    /// TLS record and one send(2) where it fits (a POST's head and body, HTTP/2 frames; each written apart was a
+    /// record and a system call of its own).
+    func queue(_ bytes: UnsafeRawBufferPointer) {
+        evbuffer_add(output, bytes.baseAddress, bytes.count)
     }
 
     /// Bytes written but not yet taken by the socket.
     var outputLength: Int { evbuffer_get_length(output) }
 
     /// Writes what `output` holds, a piece at a time, until the socket takes no more.
-    private func flush() {
+    func flush() {
         while phase == .open, evbuffer_get_length(output) > 0 {
             let piece = min(evbuffer_get_length(output), Self.writePiece)
             guard let start = evbuffer_pullup(output, piece) else { return broke("out of memory") }
@@ -660,6 +667,8 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
     /// Request body bytes waiting in the connection's output beyond which no more are read.
     static let bodyHighWater = 256 * 1024
     private var deferredTimer: LoopTimer?
+    /// Steps under way that hold the connection's writes (`holdingWrites`).
+    private var holding = 0
 
     /// Response bytes go through the machine in pieces of at most this many bytes.
     static let readPiece = 64 * 1024
@@ -751,7 +760,9 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
         run(out)
         insideOwnerCall = false
         out.returnScratch(to: &context.originActions)
-        if bodyRead != nil { later(nil) }
+        // A kept connection's head waits for the body's first piece (read at the top of the loop) to go out with
+        // it; without a body it goes now.
+        if bodyRead != nil { later(nil) } else { connection?.flush() }
     }
 
     func resume() {
@@ -787,6 +798,8 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
     private func run(
         _ actions: [OriginExchange.Action], _ range: Range<Int>? = nil, input: UnsafeRawBufferPointer? = nil
     ) {
+        // `.write` and `.writeBody` queue; what they queued goes out when the outermost step is done.
+        defer { flushUnlessHeld() }
         var index = range?.lowerBound ?? 0
         let end = range?.upperBound ?? actions.count
         while index < end {
@@ -807,7 +820,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
             case .arm(let milliseconds):
                 armTimer(milliseconds)
             case .write(let bytes):
-                connection?.send(bytes)
+                bytes.withUnsafeBytes { connection?.queue($0) }
             case .submit(let fields, let body):
                 guard let session, let opened = session.open(self, fields: fields, body: body) else {
                     later(.streamFailed(refused: true, detail: "the connection to the origin went away"))
@@ -843,7 +856,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
                 // The owner's store rewinds the body (the read position back to 0) if it kept all of it.
                 handle(.bodyRewound(owner?.transferSeek(self, 0) ?? false))
             case .writeBody(let count):
-                connection?.send(UnsafeRawBufferPointer(rebasing: bodyPiece[..<count]))
+                connection?.queue(UnsafeRawBufferPointer(rebasing: bodyPiece[..<count]))
             case .switchProtocols(let headBytes):
                 // Before the 101 reaches the owner, which starts the tunnel with this connection: the head's
                 // bytes go, what follows them stays in the input for the tunnel (`readable` drains nothing more).
@@ -864,9 +877,13 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
         guard !insideOwnerCall, !pumping else { return }
         pumping = true
         defer { pumping = false }
-        while let most = bodyRead, !cancelled, !machine.isFinished, let connection,
-            connection.outputLength < Self.bodyHighWater
-        {
+        while let most = bodyRead, !cancelled, !machine.isFinished, let connection {
+            if connection.outputLength >= Self.bodyHighWater {
+                // What was queued goes now; only a socket that takes no more stops the pump, its write event
+                // armed (`connectionDrained` goes on). Stopping with the bytes merely queued would wait forever.
+                connection.flush()
+                if connection.outputLength >= Self.bodyHighWater { break }
+            }
             bodyRead = nil
             if bodyPiece.count < most {
                 bodyPiece.deallocate()
@@ -902,10 +919,26 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
 
     private func handle(_ event: OriginExchange.Event) {
         var out = Array.takeScratch(from: &context.originActions, minimumCapacity: 8)
-        machine.handle(event, &out)
-        run(out)
+        holdingWrites {
+            machine.handle(event, &out)
+            run(out)
+            if bodyRead != nil { pumpBody() }
+        }
         out.returnScratch(to: &context.originActions)
-        if bodyRead != nil { pumpBody() }
+    }
+
+    /// Runs `body` with the connection's writes held, then writes them together (one TLS record and one send(2)
+    /// for a head and the body's first piece, where two were before), unless an outer step or the owner's call
+    /// holds them still.
+    private func holdingWrites(_ body: () -> Void) {
+        holding += 1
+        body()
+        holding -= 1
+        flushUnlessHeld()
+    }
+
+    private func flushUnlessHeld() {
+        if holding == 0, !insideOwnerCall { connection?.flush() }
     }
 
     /// `event` (or, for nil, the stashed response and what the connection holds) at the top of the loop.
@@ -921,12 +954,14 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
     }
 
     private func runDeferred() {
-        while !cancelled, !deferred.isEmpty {
-            handle(deferred.removeFirst())
+        holdingWrites {
+            while !cancelled, !deferred.isEmpty {
+                handle(deferred.removeFirst())
+            }
+            // The owner has more of the request body (or the start left a read for now).
+            if !cancelled, machine.isWaitingForBody { handle(.bodyResumed) }
+            pumpBody()
         }
-        // The owner has more of the request body (or the start left a read for now).
-        if !cancelled, machine.isWaitingForBody { handle(.bodyResumed) }
-        pumpBody()
         guard !cancelled, !paused else { return }
         // Resumed: what was read before the pause first, then the connection.
         let steps = stash
@@ -1076,7 +1111,7 @@ final class OriginTransfer: UpstreamTransfer, OriginConnectionUser, OriginStream
     func connectionDrained(_ used: OriginConnection) {
         guard used === connection else { return }
         lastActivity = EventLoop.monotonicMilliseconds()
-        pumpBody()
+        holdingWrites { pumpBody() }
     }
 
     func connectionReadable(_ used: OriginConnection) {

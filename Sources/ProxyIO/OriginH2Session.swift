@@ -181,13 +181,20 @@ final class OriginH2Session: OriginConnectionUser {
     /// Hands nghttp2's frames to the connection while its output has room (the rest when it drains).
     private func flush() {
         guard !closed, let session else { return }
-        while connection.outputLength < OriginTransfer.bodyHighWater {
+        while true {
+            if connection.outputLength >= OriginTransfer.bodyHighWater {
+                // Only a socket that takes no more stops it (its write event armed); queued bytes alone would wait.
+                connection.flush()
+                if connection.outputLength >= OriginTransfer.bodyHighWater { break }
+            }
             var data: UnsafePointer<UInt8>?
             let length = nghttp2_session_mem_send(session, &data)
             if length < 0 { return fail("HTTP/2 send error: \(String(cString: nghttp2_strerror(Int32(length))))") }
             if length == 0 { break }
-            connection.send(UnsafeRawBufferPointer(start: data, count: length))
+            connection.queue(UnsafeRawBufferPointer(start: data, count: length))
         }
+        // The frames of this pass in one write: a HEADERS frame and its DATA went as a record and a send(2) each.
+        connection.flush()
         dispatch()
         if goingAway && streams.isEmpty { close() }
     }
