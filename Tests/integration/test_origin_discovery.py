@@ -313,9 +313,13 @@ echo "argc=$#" >> "{log}"
 """
 
 
-def test_the_authorization_endpoint_reaches_the_browser_as_one_argument_and_a_file_url_never(home, rs, tmp_path):
+def test_the_authorization_endpoint_reaches_the_browser_as_one_argument_and_a_file_url_never(home, rs, tmp_path,
+                                                                                          default_redirect_port):
     """An authorization_endpoint with shell metacharacters is one argument of the browser's execve (the command
-    substitution in it never runs); a `file:` endpoint, or one with a space, is refused before anything starts."""
+    substitution in it never runs); a `file:` endpoint, or one with a space, is refused before anything starts.
+    Its login listens on init's default redirect port until it is stopped: under the port's lock, or another
+    test's login finds the port taken and registers a new client (a fresh clone failed
+    test_init_from_the_origin_alone_then_login_and_serve_reach_the_api so: its token was the new client's)."""
     marker = tmp_path / "pwned"
     log = tmp_path / "browser.log"
     recorder = tmp_path / "recorder"
