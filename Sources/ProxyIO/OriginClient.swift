@@ -232,8 +232,13 @@ final class OriginConnection {
     private var ssl: OpaquePointer?
     private var readEvent: OpaquePointer?
     private var writeEvent: OpaquePointer?
-    /// Bytes waiting for the socket.
-    let output: OpaquePointer
+    /// Bytes waiting for the socket: `pending[sent...]`. An array that keeps its storage between requests: an
+    /// evbuffer allocated a chain for each request's head and freed it when the socket took it (about 1,000
+    /// instructions per request, callgrind, bench row 6).
+    private var pending: [UInt8] = []
+    private var sent = 0
+    /// Storage `pending` keeps once empty: a head's and more, not a large body's on every idle pooled connection.
+    private static let keptCapacity = 16 * 1024
     private enum Phase { case connecting, handshaking, open, closed }
     private var phase = Phase.connecting
     private var reading = false
@@ -273,7 +278,6 @@ final class OriginConnection {
         self.offerHTTP2 = offerHTTP2
         self.user = user
         input = evbuffer_new()
-        output = evbuffer_new()
         fd = Platform.tcpSocket(family: address.family, nonBlocking: true)
         guard fd >= 0 else { throw ConnectError(code: proxyctl_errno()) }
         let status = address.withSockaddr { socketConnect(fd, $0, $1) }
@@ -289,7 +293,6 @@ final class OriginConnection {
     deinit {
         close()
         evbuffer_free(input)
-        evbuffer_free(output)
     }
 
     var isOpen: Bool { phase == .open }
@@ -321,7 +324,7 @@ final class OriginConnection {
             TLSSocket.readBuffered(ssl, into: input)
             SSL_set_read_ahead(ssl, 0)
         }
-        let handed = (fd: fd, ssl: ssl, received: Self.take(input), unsent: Self.take(output))
+        let handed = (fd: fd, ssl: ssl, received: Self.take(input), unsent: Array(pending[sent...]))
         fd = -1
         ssl = nil
         close()
@@ -363,24 +366,28 @@ final class OriginConnection {
     /// TLS record and one send(2) where it fits (a POST's head and body, HTTP/2 frames; each written apart was a
     /// record and a system call of its own).
     func queue(_ bytes: UnsafeRawBufferPointer) {
-        evbuffer_add(output, bytes.baseAddress, bytes.count)
+        // What the socket took goes when it is half of what is held: each byte moves once at most.
+        if sent > 0 && sent * 2 >= pending.count {
+            pending.removeSubrange(..<sent)
+            sent = 0
+        }
+        pending.append(contentsOf: bytes)
     }
 
     /// Bytes written but not yet taken by the socket.
-    var outputLength: Int { evbuffer_get_length(output) }
+    var outputLength: Int { pending.count - sent }
 
-    /// Writes what `output` holds, a piece at a time, until the socket takes no more.
+    /// Writes what `pending` holds, a piece at a time, until the socket takes no more.
     func flush() {
-        while phase == .open, evbuffer_get_length(output) > 0 {
-            let piece = min(evbuffer_get_length(output), Self.writePiece)
-            guard let start = evbuffer_pullup(output, piece) else { return broke("out of memory") }
-            let bytes = UnsafeRawBufferPointer(start: start, count: piece)
+        while phase == .open, sent < pending.count {
+            let piece = min(pending.count - sent, Self.writePiece)
+            let start = sent
             let written: Int
             if let ssl {
                 CryptoError.clearQueue()
                 // SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER (set with the SSL): a retry after WANT_WRITE may come from
-                // another address, the buffer's front having moved.
-                let result = SSL_write(ssl, bytes.baseAddress, Int32(bytes.count))
+                // another address, the array having grown or its front having gone.
+                let result = pending.withUnsafeBytes { SSL_write(ssl, $0.baseAddress! + start, Int32(piece)) }
                 if result <= 0 {
                     switch SSL_get_error(ssl, result) {
                     case SSL_ERROR_WANT_WRITE, SSL_ERROR_WANT_READ:
@@ -392,7 +399,9 @@ final class OriginConnection {
                 }
                 written = Int(result)
             } else {
-                written = socketSend(fd, bytes)
+                written = pending.withUnsafeBytes {
+                    socketSend(fd, UnsafeRawBufferPointer(rebasing: $0[start..<start + piece]))
+                }
                 if written < 0 {
                     let code = proxyctl_errno()
                     if code == EAGAIN || code == EWOULDBLOCK || code == EINTR {
@@ -402,12 +411,18 @@ final class OriginConnection {
                     return broke("writing to the origin failed: \(String(cString: strerror(code)))")
                 }
             }
-            evbuffer_drain(output, written)
+            sent += written
         }
+        if sent == pending.count { emptyPending() }
+    }
+
+    private func emptyPending() {
+        pending.removeAll(keepingCapacity: pending.capacity <= Self.keptCapacity)
+        sent = 0
     }
 
     private func broke(_ detail: String) {
-        evbuffer_drain(output, evbuffer_get_length(output))
+        emptyPending()
         if let user { user.connectionBroke(self, detail: detail) } else { pool?.drop(self) }
     }
 
@@ -486,7 +501,7 @@ final class OriginConnection {
                 }
                 flush()
                 // The socket took what waited: a request body may go on (not from `send`, which the user calls).
-                if evbuffer_get_length(output) < Self.writePiece { user?.connectionDrained(self) }
+                if outputLength < Self.writePiece { user?.connectionDrained(self) }
             }
             if Int32(what) & Int32(EV_READ) != 0 { notifyReadable() }
         }

@@ -49,7 +49,8 @@ final class PeerLookup {
     private var scanning = false
     private var lastScan: Int64?
     private var interval = PeerLookup.scanInterval
-    /// Starts the next scan once `scanInterval` passed since the last one began.
+    /// Starts the next scan once `interval` passed since the last one began (`scanInterval` to `longestInterval`
+    /// milliseconds, by the last scan's CPU time).
     private var scanTimer: LoopTimer?
     private let loop: EventLoop?
 

@@ -183,7 +183,10 @@ private func rejection(_ text: String, sourceLocation: SourceLocation = #_source
     }
 
     /// The bytes form (DPoP proofs, audit lines) and the String form agree, for strings with and without escapes.
-    @Test(arguments: ["", "plain", "https://api.test/orders?id=7", "é 😀", "a\"b", "back\\slash", "nl\n", "\u{1F}"])
+    @Test(arguments: [
+        "", "plain", "https://api.test/orders?id=7", "é 😀", "a\"b", "back\\slash", "nl\n", "\u{1F}",
+        "https://api.test/a-long-path/with\"a-quote-late", "\u{7F}del is not escaped",
+    ])
     func bothFormsWriteTheSameString(_ text: String) throws {
         var string = "["
         JSON.writeString(text, to: &string)
@@ -191,6 +194,23 @@ private func rejection(_ text: String, sourceLocation: SourceLocation = #_source
         JSON.writeString(text, to: &bytes)
         #expect(String(decoding: bytes, as: UTF8.self) == string)
         #expect(parsed(string + "]") == .array([.string(text)]))
+    }
+
+    /// `ByteWriter.write(decimal:width:)` (audit lines, timestamps) writes what `String(_:)` does, zeros first up to
+    /// the width, at every digit count and at both ends of the range.
+    @Test(arguments: [
+        0, 1, 9, 10, 99, 100, 1_000_000_007, 1_780_000_000, -1, -10, -2026, Int64.max, Int64.min,
+        999_999_999_999_999_999, 1_000_000_000_000_000_000,
+    ])
+    func decimalsAreWrittenAsStringWritesThem(_ value: Int64) {
+        for width in [1, 2, 4, 25] {
+            let written = ByteWriter.bytes(atMost: 64) { $0.write(decimal: value, width: width) }
+            let digits = String(value.magnitude)
+            let expected = (value < 0 ? "-" : "") + String(repeating: "0", count: max(0, width - digits.count)) + digits
+            #expect(String(decoding: written, as: UTF8.self) == expected, "width \(width)")
+        }
+        let unsigned = ByteWriter.bytes(atMost: 32) { $0.write(decimal: UInt64.max) }
+        #expect(String(decoding: unsigned, as: UTF8.self) == "18446744073709551615")
     }
 
     @Test func numbersAreWrittenAsReceived() {

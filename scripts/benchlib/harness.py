@@ -74,6 +74,21 @@ def with_baseline(names: tuple[str, ...], baseline: bool) -> tuple[str, ...]:
     return names[:after] + (BASELINE,) + names[after:]
 
 
+def proxyctl_keys() -> dict[str, str]:
+    """Extra [proxy] keys for the proxyctl under test only, never the baseline (BENCH_PROXYCTL_KEYS, as
+    `key=value;key=value`): a setting's cost as a row of its own, say `audit_max_size=0` against the default,
+    with BENCH_BASELINE the same binary."""
+    keys: dict[str, str] = {}
+    for pair in os.environ.get("BENCH_PROXYCTL_KEYS", "").split(";"):
+        if not pair.strip():
+            continue
+        key, equals, value = pair.partition("=")
+        if not equals or not key.strip():
+            raise BenchError(f"BENCH_PROXYCTL_KEYS: {pair!r} is not key=value")
+        keys[key.strip()] = value.strip()
+    return keys
+
+
 def log(message: str) -> None:
     """A progress line on stderr."""
     print(f"bench: {message}", file=sys.stderr, flush=True)
@@ -465,7 +480,8 @@ class Proxies:
     def _start_proxyctl(self, work: Path, binary: str, name: str) -> Proxy:
         """The proxyctl binary `binary` as the forward proxy `name` (proxyctl, or BASELINE)."""
         conf = work / "proxy.conf"
-        conf.write_text(config.proxy(listen="127.0.0.1:0", log_level="info"))
+        extra = proxyctl_keys() if name != BASELINE else {}
+        conf.write_text(config.proxy(listen="127.0.0.1:0", log_level="info", **extra))
         log_path = work / "proxyctl.log"
         env = dict(os.environ, XDG_CONFIG_HOME=str(work), HOME=str(work))
         env.pop("PROXYCTL_CONFIG", None)
@@ -683,8 +699,10 @@ class InterceptTargets:
         state = work / "state"
         port = free_port()
         conf = work / "proxy.conf"
+        extra = proxyctl_keys() if name != BASELINE else {}
         conf.write_text(config.proxy(listen=f"127.0.0.1:{port}", log_level="info", state_dir=state,
-                                     resolve=f"{BENCH_HOST}={origin.bench_address},{H2_HOST}={origin.h2_address}")
+                                     resolve=f"{BENCH_HOST}={origin.bench_address},{H2_HOST}={origin.h2_address}",
+                                     **extra)
                         + config.provider(PROVIDER, ISSUER, client_id=CLIENT_ID, scopes="openid",
                                           token_binding=binding)
                         + config.origin(self.origin_url, PROVIDER, ca_file=origin.ca)

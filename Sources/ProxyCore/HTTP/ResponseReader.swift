@@ -237,12 +237,12 @@ extension UpstreamRequest {
         for field in credential { size += ByteWriter.fieldSize(field.name, field.value) }
         size += 2
         return ByteWriter.bytes(count: size) { head in
-            head.write(method)
+            head.write(string: method)
             head.write(ASCII.space)
-            head.write(target)
+            head.write(string: target)
             head.write(Self.requestLineEnd)
             head.write("Host: ")
-            head.write(host)
+            head.write(string: host)
             head.write(ASCII.cr)
             head.write(ASCII.lf)
             for field in fields { head.writeField(field.name, field.value) }
