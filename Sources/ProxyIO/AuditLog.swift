@@ -56,11 +56,11 @@ final class AuditLog {
         let now = Int64(time(nil))
         peers.client(connection: connection) { [self] known in
             guard
-                let entry = AuditEntry(
+                let line = AuditEntry.jsonLine(
                     record, time: now, uid: known.uid ?? (ownerAdmitted ? uid : nil), process: known.process,
                     client: client)
             else { return }
-            append(entry.jsonLine)
+            append(line)
         }
     }
 

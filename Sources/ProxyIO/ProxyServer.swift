@@ -382,20 +382,29 @@ public final class ProxyServer: ConnectionOwner {
     func record(_ record: ExchangeRecord, up: Int, down: Int, milliseconds: Int64) {
         metrics.update { $0.recordExchange(record, up: up, down: down, milliseconds: milliseconds) }
         guard serveState != nil else { return }
+        let origin = record.origin
         // Every configured origin has its counts from the start: an origin without them is a host a wildcard
-        // section covers, met for the first time.
-        if serveState!.origins[record.origin] == nil,
-            let wildcard = frontDoor.origins.wildcard(covering: record.origin)
-        {
-            wildcardOfHost[record.origin] = wildcard.url
+        // section covers, met for the first time. One lookup of the origin, counted in place: reading
+        // `serveState!.origins[origin]` first copied the whole state and hashed the origin again (about 1,200
+        // instructions per request, callgrind, bench row 6).
+        var firstTime = false
+        Self.count(
+            record,
+            in: &serveState!.origins[
+                origin,
+                default: {
+                    firstTime = true
+                    return ServeState.OriginCounts()
+                }()])
+        serveStateDirty = true
+        if firstTime, let wildcard = frontDoor.origins.wildcard(covering: origin) {
+            wildcardOfHost[origin] = wildcard.url
         }
-        if let wildcard = wildcardOfHost[record.origin],
-            seenHosts.record(record.origin, under: wildcard, at: Int64(time(nil)))
+        if !wildcardOfHost.isEmpty, let wildcard = wildcardOfHost[origin],
+            seenHosts.record(origin, under: wildcard, at: Int64(time(nil)))
         {
             seenHostsDirty = true
         }
-        Self.count(record, in: &serveState!.origins[record.origin, default: ServeState.OriginCounts()])
-        serveStateDirty = true
     }
 
     /// Writes the hosts wildcard origins served, off the loop (a file merged and replaced, fsynced).

@@ -183,11 +183,14 @@ import Testing
         #expect(!entry.json.contains("SECRET") && !entry.json.contains("?"))
         #expect(entry.json.contains(#""time":"2026-01-02T03:04:05Z""#))
         #expect(AuditEntry.parse(entry.json) == entry)
+        // The audit log writes the line from the record, without the entry: the same bytes.
+        #expect(AuditEntry.jsonLine(record, time: 1_767_323_045, uid: 1000, client: "127.0.0.1:5000") == entry.jsonLine)
         let none = ExchangeRecord(
             method: "GET", origin: "https://a.test", provider: "corp", target: "/", status: 200, attempts: 1,
             keptClientAuthorization: true, attached: false, refreshed: false, nonceRetried: false, stepUp: false,
             answeredByProxy: false, note: nil, close: false)
         #expect(AuditEntry(none, time: 0, uid: nil, client: "") == nil)
+        #expect(AuditEntry.jsonLine(none, time: 0, uid: nil, client: "") == nil)
     }
 
     @Test func auditLinesNameTheClientsProcessWhereKnown() throws {
@@ -207,6 +210,10 @@ import Testing
             AuditEntry(record, time: 0, uid: 7, process: ClientProcess(pid: nil, executable: "/bin/x"), client: ""))
         #expect(!forked.json.contains("pid") && AuditEntry.parse(forked.json) == forked)
         #expect(forked.text.hasSuffix("(uid=7, /bin/x)"))
+        for (uid, process) in [(1000, curl), (nil, nil), (7, ClientProcess(pid: nil, executable: "/bin/x"))] {
+            let line = AuditEntry.jsonLine(record, time: 9, uid: uid, process: process, client: "[::1]:1")
+            #expect(line == AuditEntry(record, time: 9, uid: uid, process: process, client: "[::1]:1")?.jsonLine)
+        }
     }
 
     @Test func aRefusedPlaceholderIsARefusedUseOfItsOwnersCredential() throws {
