@@ -166,7 +166,7 @@ final class ClientDriver: ServerConnection, ExchangeDriver, UpstreamSocketUser {
         queue.handling = true
         var next: ConnectionMachine.Event? = event
         while let current = next, !phase.isClosed {
-            queue.actions.removeAll(keepingCapacity: true)
+            queue.actions.emptyKeepingStorage()
             machine.handle(
                 current, client: EvbufferView(side.input), upstream: EvbufferView(nextHop?.input),
                 now: EventLoop.monotonicMilliseconds(), &queue.actions)
@@ -502,7 +502,7 @@ final class ClientDriver: ServerConnection, ExchangeDriver, UpstreamSocketUser {
     private func transferEvent(_ event: (inout ConnectionMachine, Int64, inout [ConnectionMachine.Action]) -> Void) {
         precondition(!queue.handling, "a transfer callback inside an event of the same connection")
         // The driver's action array: nothing else uses it outside `handle`.
-        queue.actions.removeAll(keepingCapacity: true)
+        queue.actions.emptyKeepingStorage()
         event(&machine, lastActivity, &queue.actions)
         queue.handling = true
         run(queue.actions)

@@ -65,7 +65,7 @@ final class H2Driver: ServerConnection, ExchangeDriver {
         bufferevent_setcb(
             client, h2ReadCallback, h2WriteCallback, h2EventCallback, Unmanaged.passUnretained(self).toOpaque())
         bufferevent_enable(client, Int16(EV_READ | EV_WRITE))
-        queue.actions.removeAll(keepingCapacity: true)
+        queue.actions.emptyKeepingStorage()
         machine.start(now: identity.started, &queue.actions)
         run(queue.actions)
         // The client's connection preface may have come with the handshake.
@@ -203,7 +203,7 @@ final class H2Driver: ServerConnection, ExchangeDriver {
             default:
                 break
             }
-            queue.actions.removeAll(keepingCapacity: true)
+            queue.actions.emptyKeepingStorage()
             machine.handle(event, now: EventLoop.monotonicMilliseconds(), &queue.actions)
             run(queue.actions)
         }
@@ -323,7 +323,7 @@ final class H2Driver: ServerConnection, ExchangeDriver {
     func tunnelReadable(_ end: TunnelEnd) {
         guard !phase.isClosed, let io = streams[end.stream], io.tunnel === end else { return }
         lastActivity = EventLoop.monotonicMilliseconds()
-        queue.actions.removeAll(keepingCapacity: true)
+        queue.actions.emptyKeepingStorage()
         machine.tunnelData(end.stream, EvbufferView(end.input), now: lastActivity, &queue.actions)
         queue.handling = true
         run(queue.actions)
@@ -536,7 +536,7 @@ final class H2Driver: ServerConnection, ExchangeDriver {
 
     /// One event of a stream's transfer into the session, then its actions.
     private func transferEvent(_ event: (inout H2Session, Int64, inout [H2Session.Action]) -> Void) {
-        queue.actions.removeAll(keepingCapacity: true)
+        queue.actions.emptyKeepingStorage()
         event(&machine, lastActivity, &queue.actions)
         queue.handling = true
         run(queue.actions)

@@ -532,7 +532,7 @@ public struct OriginExchange: Sendable {
                 finish(closing ? .incomplete : Self.failure(error), "\(error)", &out)
             }
         }
-        outputs.removeAll(keepingCapacity: true)
+        outputs.emptyKeepingStorage()
     }
 
     /// A kept connection that ended before a byte of the response: the request is sent again on a new one

@@ -115,8 +115,16 @@ extension Array {
 
     /// Empties this scratch array (keeping its storage) and puts it back in `store` for the next event.
     public mutating func returnScratch(to store: inout [Element]) {
-        removeAll(keepingCapacity: true)
+        emptyKeepingStorage()
         swap(&self, &store)
+    }
+
+    /// Empties the array and keeps its storage, element by element from the end: `removeAll(keepingCapacity:
+    /// true)` goes through the generic `replaceSubrange`, about 500 instructions for an event's few actions
+    /// (callgrind, bench row 6: four times per request for the connection's actions, more for the exchanges').
+    @inlinable
+    public mutating func emptyKeepingStorage() {
+        while !isEmpty { removeLast() }
     }
 }
 
