@@ -47,8 +47,8 @@ final class TokenBroker {
     /// The snapshot `cachedTokens` found last, with its key and token file (forgotten whenever `snapshots`
     /// changes): a pass's requests go to one origin as a rule, and keys compared (the same strings, the origin's)
     /// cost less than two dictionary lookups, which hashed the key's strings for every request (about 1,300
-    /// instructions, callgrind, bench row 6).
-    /// A class: a tuple or struct of the key and snapshot was copied field by field (about 600 instructions).
+    /// instructions, callgrind, bench row 6). A class: a tuple of the key and snapshot was copied field by field
+    /// on every use (about 600 instructions).
     private var recent: Recent?
     private final class Recent {
         let key: TokenKey

@@ -173,23 +173,37 @@ import Testing
 
     // MARK: - The audit log
 
+    /// The line the audit log writes for `record` (without its newline, which it must end with) and the entry
+    /// `parse` reads back from it.
+    private func logged(
+        _ record: ExchangeRecord, time: Int64, uid: Int?, process: ClientProcess? = nil, client: String
+    ) throws -> (json: String, entry: AuditEntry) {
+        let line = try #require(AuditEntry.jsonLine(record, time: time, uid: uid, process: process, client: client))
+        #expect(line.last == UInt8(ascii: "\n"))
+        let json = String(decoding: line.dropLast(), as: UTF8.self)
+        let entry = try #require(AuditEntry.parse(json))
+        // The entry writes the very line the record did: one writer for both.
+        #expect(entry.jsonLine == line)
+        return (json, entry)
+    }
+
     @Test func auditLinesHoldNoQueryAndReadBack() throws {
         let record = ExchangeRecord(
             method: "POST", origin: "https://a.test", provider: "secret_file:/k", target: "/v1/x?api_key=SECRET#f",
             status: 200, attempts: 2, keptClientAuthorization: false, attached: true, refreshed: true,
             nonceRetried: false, stepUp: false, answeredByProxy: false, note: nil, close: false,
             clientCredentialReplaced: false, placeholderUsed: true, staticSecret: true)
-        let entry = try #require(AuditEntry(record, time: 1_767_323_045, uid: 1000, client: "127.0.0.1:5000"))
-        #expect(!entry.json.contains("SECRET") && !entry.json.contains("?"))
-        #expect(entry.json.contains(#""time":"2026-01-02T03:04:05Z""#))
-        #expect(AuditEntry.parse(entry.json) == entry)
-        // The audit log writes the line from the record, without the entry: the same bytes.
-        #expect(AuditEntry.jsonLine(record, time: 1_767_323_045, uid: 1000, client: "127.0.0.1:5000") == entry.jsonLine)
+        let (json, entry) = try logged(record, time: 1_767_323_045, uid: 1000, client: "127.0.0.1:5000")
+        #expect(!json.contains("SECRET") && !json.contains("?"))
+        #expect(json.contains(#""time":"2026-01-02T03:04:05Z""#))
+        #expect(entry.origin == "https://a.test" && entry.method == "POST" && entry.path == "/v1/x")
+        #expect(entry.credential == "secret_file:/k" && entry.kind == "secret" && entry.status == 200)
+        #expect(entry.attempts == 2 && entry.refreshed && !entry.replacedClientCredential && entry.placeholder)
+        #expect(entry.uid == 1000 && entry.client == "127.0.0.1:5000" && entry.time == 1_767_323_045)
         let none = ExchangeRecord(
             method: "GET", origin: "https://a.test", provider: "corp", target: "/", status: 200, attempts: 1,
             keptClientAuthorization: true, attached: false, refreshed: false, nonceRetried: false, stepUp: false,
             answeredByProxy: false, note: nil, close: false)
-        #expect(AuditEntry(none, time: 0, uid: nil, client: "") == nil)
         #expect(AuditEntry.jsonLine(none, time: 0, uid: nil, client: "") == nil)
     }
 
@@ -199,21 +213,17 @@ import Testing
             keptClientAuthorization: false, attached: true, refreshed: false, nonceRetried: false, stepUp: false,
             answeredByProxy: false, note: nil, close: false)
         let curl = ClientProcess(pid: 4242, executable: "/usr/bin/curl")
-        let entry = try #require(AuditEntry(record, time: 0, uid: 1000, process: curl, client: "127.0.0.1:5000"))
-        #expect(entry.json.contains(#""uid":1000,"pid":4242,"executable":"/usr/bin/curl","client""#))
-        #expect(AuditEntry.parse(entry.json) == entry)
+        let (json, entry) = try logged(record, time: 0, uid: 1000, process: curl, client: "127.0.0.1:5000")
+        #expect(json.contains(#""uid":1000,"pid":4242,"executable":"/usr/bin/curl","client""#))
+        #expect(entry.kind == "token" && entry.pid == 4242 && entry.executable == "/usr/bin/curl")
         #expect(entry.text.hasSuffix("GET https://a.test/v1 200 token corp (uid=1000, pid=4242 /usr/bin/curl)"))
         // Unknown: absent, not empty or zero.
-        let unknown = try #require(AuditEntry(record, time: 0, uid: nil, process: nil, client: "127.0.0.1:5000"))
+        let unknown = try logged(record, time: 0, uid: nil, process: nil, client: "127.0.0.1:5000")
         #expect(!unknown.json.contains("pid") && !unknown.json.contains("executable") && !unknown.json.contains("uid"))
-        let forked = try #require(
-            AuditEntry(record, time: 0, uid: 7, process: ClientProcess(pid: nil, executable: "/bin/x"), client: ""))
-        #expect(!forked.json.contains("pid") && AuditEntry.parse(forked.json) == forked)
-        #expect(forked.text.hasSuffix("(uid=7, /bin/x)"))
-        for (uid, process) in [(1000, curl), (nil, nil), (7, ClientProcess(pid: nil, executable: "/bin/x"))] {
-            let line = AuditEntry.jsonLine(record, time: 9, uid: uid, process: process, client: "[::1]:1")
-            #expect(line == AuditEntry(record, time: 9, uid: uid, process: process, client: "[::1]:1")?.jsonLine)
-        }
+        let forked = try logged(
+            record, time: 0, uid: 7, process: ClientProcess(pid: nil, executable: "/bin/x"), client: "")
+        #expect(!forked.json.contains("pid") && forked.entry.executable == "/bin/x")
+        #expect(forked.entry.text.hasSuffix("(uid=7, /bin/x)"))
     }
 
     @Test func aRefusedPlaceholderIsARefusedUseOfItsOwnersCredential() throws {

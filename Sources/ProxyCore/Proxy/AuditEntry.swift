@@ -54,24 +54,14 @@ public struct AuditEntry: Sendable, Equatable {
         executable = process?.executable
     }
 
-    /// The entry of an exchange in which the proxy attached its credential; nil when it attached none.
-    public init?(_ record: ExchangeRecord, time: Int64, uid: Int?, process: ClientProcess? = nil, client: String) {
-        guard record.attached else { return nil }
-        self.init(
-            time: time, origin: record.origin, method: record.method, path: Self.pathOnly(record.target),
-            credential: record.provider, kind: record.staticSecret ? "secret" : "token", status: record.status,
-            attempts: record.attempts, refreshed: record.refreshed,
-            replacedClientCredential: record.clientCredentialReplaced, placeholder: record.placeholderUsed, uid: uid,
-            client: client, process: process)
-    }
-
     /// The entry of a request refused for carrying another origin's placeholder: a refused use (403, nothing
     /// sent) of that origin's credential, at the origin the request went to. The placeholder is not in it.
     public init(_ use: RefusedCredentialUse, time: Int64, uid: Int?, process: ClientProcess? = nil, client: String) {
         let refusal = use.refusal
         self.init(
             time: time, origin: use.origin, method: use.method, path: Self.pathOnly(use.target),
-            credential: refusal.credential, kind: refusal.staticSecret ? "secret" : "token", status: 403, attempts: 0,
+            credential: refusal.credential, kind: Self.kind(staticSecret: refusal.staticSecret), status: 403,
+            attempts: 0,
             refreshed: false, replacedClientCredential: false, placeholder: true, uid: uid, client: client,
             process: process)
         refused = "placeholder"
@@ -163,21 +153,24 @@ public struct AuditEntry: Sendable, Equatable {
             uid: uid, pid: pid, executable: executable, client: client)
     }
 
-    /// The line of `AuditEntry(record, ...)`, written from the record without making the entry (whose strings
-    /// were copied in and released again for every request: about 1,200 instructions, callgrind, bench row 6);
-    /// nil when the proxy attached no credential.
+    /// The line of an exchange in which the proxy attached its credential, written from the record without
+    /// making an entry (whose strings were copied in and released again for every request: about 1,200
+    /// instructions, callgrind, bench row 6); nil when it attached none. `parse` reads it back as an entry.
     public static func jsonLine(
         _ record: ExchangeRecord, time: Int64, uid: Int?, process: ClientProcess? = nil, client: String
     ) -> [UInt8]? {
         guard record.attached else { return nil }
         return jsonLine(
             time: time, origin: record.origin, method: record.method, path: pathOnly(record.target),
-            credential: record.provider, kind: record.staticSecret ? "secret" : "token", status: record.status,
+            credential: record.provider, kind: kind(staticSecret: record.staticSecret), status: record.status,
             attempts: record.attempts, refreshed: record.refreshed,
             replacedClientCredential: record.clientCredentialReplaced, placeholder: record.placeholderUsed,
             refused: nil, placeholderOf: nil, placeholderEnv: nil, uid: uid, pid: process?.pid,
             executable: process?.executable, client: client)
     }
+
+    /// `kind` of a use: a provider's token or a static secret.
+    static func kind(staticSecret: Bool) -> String { staticSecret ? "secret" : "token" }
 
     /// The one writer of a line, for both.
     private static func jsonLine(
