@@ -104,7 +104,8 @@ final class PeerLookup {
     /// Starts finding `connection`'s client process, once: its first exchange with a protected origin (the client
     /// is waiting for the answer, so its process is there to be found).
     func resolve(connection: UInt64) {
-        guard resolutions[connection] == nil, let socket = sockets.removeValue(forKey: connection) else { return }
+        // A connection's socket is let go when its resolution begins: after the first exchange, one lookup.
+        guard let socket = sockets.removeValue(forKey: connection) else { return }
         guard socket.inode != 0, loop != nil else {
             store(connection, .done(Client(uid: socket.uid)))
             return
@@ -117,17 +118,24 @@ final class PeerLookup {
     /// Calls `body` with what the kernel said of `connection`'s client once its process is known (at once when it
     /// is, or when it cannot be): nothing when the connection was not remembered or its entry is gone.
     func client(connection: UInt64, _ body: @escaping (Client) -> Void) {
-        resolve(connection: connection)
-        guard let entry = resolutions[connection] else { return body(Client()) }
+        if let known = clientIfKnown(connection: connection) { return body(known) }
+        guard let index = resolutions.index(forKey: connection),
+            case .waiting(let socket, var waiters) = resolutions.values[index].resolution
+        else { return body(Client()) }
         uses += 1
-        switch entry.resolution {
-        case .done(let client):
-            resolutions[connection] = (entry.resolution, uses)
-            body(client)
-        case .waiting(let socket, var waiters):
-            waiters.append(body)
-            resolutions[connection] = (.waiting(socket, waiters), uses)
-        }
+        waiters.append(body)
+        resolutions.values[index] = (.waiting(socket, waiters), uses)
+    }
+
+    /// What `client(connection:_:)` would call its body with at once; nil while a scan is awaited. Every exchange
+    /// of a connection after its first finds its answer here, with one lookup and no closure to keep.
+    func clientIfKnown(connection: UInt64) -> Client? {
+        resolve(connection: connection)
+        guard let index = resolutions.index(forKey: connection) else { return Client() }
+        guard case .done(let client) = resolutions.values[index].resolution else { return nil }
+        uses += 1
+        resolutions.values[index].used = uses
+        return client
     }
 
     /// The loop is about to stop: whatever waits for a scan is answered without a process now (its audit line

@@ -178,8 +178,10 @@ import Testing
     private func logged(
         _ record: ExchangeRecord, time: Int64, uid: Int?, process: ClientProcess? = nil, client: String
     ) throws -> (json: String, entry: AuditEntry) {
-        let line = try #require(AuditEntry.jsonLine(record, time: time, uid: uid, process: process, client: client))
-        #expect(line.last == UInt8(ascii: "\n"))
+        let lines = AuditLines()
+        try #require(lines.append(record, time: time, uid: uid, process: process, client: client))
+        let line = lines.withBytes { [UInt8]($0) }
+        #expect(line.last == UInt8(ascii: "\n") && line.filter { $0 == UInt8(ascii: "\n") }.count == 1)
         let json = String(decoding: line.dropLast(), as: UTF8.self)
         let entry = try #require(AuditEntry.parse(json))
         // The entry writes the very line the record did: one writer for both.
@@ -204,7 +206,8 @@ import Testing
             method: "GET", origin: "https://a.test", provider: "corp", target: "/", status: 200, attempts: 1,
             keptClientAuthorization: true, attached: false, refreshed: false, nonceRetried: false, stepUp: false,
             answeredByProxy: false, note: nil, close: false)
-        #expect(AuditEntry.jsonLine(none, time: 0, uid: nil, client: "") == nil)
+        let lines = AuditLines()
+        #expect(!lines.append(none, time: 0, uid: nil, client: "") && lines.isEmpty)
     }
 
     @Test func auditLinesNameTheClientsProcessWhereKnown() throws {

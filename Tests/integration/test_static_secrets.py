@@ -278,6 +278,42 @@ def test_the_audit_log_says_which_credential_went_where_and_holds_no_secret(setu
         assert_no_secret(text, where)
 
 
+def test_the_audit_log_moves_aside_past_its_size_and_loses_no_line(setup, tmp_path):
+    """`audit_max_size`: a write that would take the log past it moves the log to audit.log.1 first (the one before
+    is dropped). The proxy looks at the file's size once a second and counts its own writes in between, so a log
+    moves aside at the line that would overfill it, not a second later, and no line is lost or written twice."""
+    keys = setup["keys"]
+    sections = config.section(f"origin https://{KEYS}:{keys.port}", secret_file=setup["root"] / "keys.secret",
+                              ca_file=keys.ca_pem, header="X-API-Key: {secret}")
+    ws = Workspace(tmp_path / "ws", sections, RESOLVE, audit_max_size="4KiB")
+    ws.ca_init()
+    deployment = Deployment(ws, ws.start_proxy())
+    try:
+        paths = [f"/rotate-{n:02d}" for n in range(30)]
+        # One curl, one kept connection, one request at a time: a line per pass of the loop, about 330 bytes.
+        # (run_curl puts its own URL last.)
+        outputs = ["-o", "/dev/null"] * (len(paths) - 1)
+        answer = deployment.curl(url(keys, KEYS, paths[-1]), *outputs, *[url(keys, KEYS, p) for p in paths[:-1]])
+        assert answer.returncode == 0 and answer.status == 200, answer.stderr
+        log, moved = ws.state / "audit.log", ws.state / "audit.log.1"
+        poll(lambda: log.exists() and paths[-1] in log.read_text(), message="the last request's audit line")
+        assert moved.exists(), "30 lines of about 330 bytes never moved a 4KiB log aside"
+        kept = [json.loads(line) for line in moved.read_text().splitlines() + log.read_text().splitlines()]
+        seen = [entry["path"] for entry in kept]
+        # Two moves: the first file's lines are gone; what is left is the last of them, in order, each once.
+        assert seen == paths[-len(seen):], seen
+        assert len(seen) > 12, seen
+        for file in (moved, log):
+            assert file.stat().st_size <= 4096, (file, file.stat().st_size)
+            assert oct(file.stat().st_mode & 0o777) == "0o600"
+        # Moved aside at the line that would have overfilled it: no room was left for one more.
+        longest = max(len(line) + 1 for line in moved.read_text().splitlines())
+        assert moved.stat().st_size + longest > 4096, moved.stat().st_size
+        assert all(entry["credential"].startswith("secret_file:") for entry in kept)
+    finally:
+        deployment.stop()
+
+
 @pytest.mark.parametrize("http", ["--http1.1", "--http2"])
 def test_the_audit_line_names_the_clients_process_as_the_kernel_says(setup, http):
     """Issue 31: the client's pid and executable where the kernel says: the process that holds the other end of

@@ -30,6 +30,16 @@ struct ByteWriter {
         }
     }
 
+    /// Writes at `base`, which has room for `capacity` bytes (the end of a buffer of lines: `AuditLines`), and
+    /// returns how many `write` wrote.
+    static func write(
+        at base: UnsafeMutablePointer<UInt8>, capacity: Int, _ write: (inout ByteWriter) -> Void
+    ) -> Int {
+        var writer = ByteWriter(base: base, capacity: capacity)
+        write(&writer)
+        return writer.count
+    }
+
     private init(base: UnsafeMutablePointer<UInt8>, capacity: Int) {
         self.base = base
         self.capacity = capacity

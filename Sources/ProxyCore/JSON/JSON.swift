@@ -408,26 +408,30 @@ extension ByteWriter {
     /// characters escaped, every other byte (UTF-8 sequences included) as it is. At most `jsonStringBound` bytes.
     mutating func jsonString(_ string: String) {
         var string = string
+        string.withUTF8 { jsonString($0) }
+    }
+
+    /// `jsonString` of a string's UTF-8 bytes (a part of one: a target's path).
+    mutating func jsonString(_ utf8: UnsafeBufferPointer<UInt8>) {
         write(UInt8(ascii: "\""))
-        string.withUTF8 { utf8 in
-            // Most strings need no escape: their bytes at once.
-            guard utf8.contains(where: Self.needsJSONEscape) else {
-                return write(utf8)
-            }
-            for value in utf8 {
-                switch value {
-                case UInt8(ascii: "\""), UInt8(ascii: "\\"):
-                    write(UInt8(ascii: "\\"))
-                    write(value)
-                case UInt8(ascii: "\n"): write(#"\n"#)
-                case UInt8(ascii: "\r"): write(#"\r"#)
-                case UInt8(ascii: "\t"): write(#"\t"#)
-                case 0..<0x20:
-                    write(#"\u00"#)
-                    write(Self.hexDigits[Int(value >> 4)])
-                    write(Self.hexDigits[Int(value & 0xF)])
-                default: write(value)
-                }
+        // Most strings need no escape: their bytes at once.
+        guard utf8.contains(where: Self.needsJSONEscape) else {
+            write(utf8)
+            return write(UInt8(ascii: "\""))
+        }
+        for value in utf8 {
+            switch value {
+            case UInt8(ascii: "\""), UInt8(ascii: "\\"):
+                write(UInt8(ascii: "\\"))
+                write(value)
+            case UInt8(ascii: "\n"): write(#"\n"#)
+            case UInt8(ascii: "\r"): write(#"\r"#)
+            case UInt8(ascii: "\t"): write(#"\t"#)
+            case 0..<0x20:
+                write(#"\u00"#)
+                write(Self.hexDigits[Int(value >> 4)])
+                write(Self.hexDigits[Int(value & 0xF)])
+            default: write(value)
             }
         }
         write(UInt8(ascii: "\""))

@@ -140,45 +140,52 @@ public struct AuditEntry: Sendable, Equatable {
         return String(decoding: line, as: UTF8.self)
     }
 
-    /// The JSON line's bytes with its newline, as the audit log appends them: written member by member into
-    /// memory sized for it (`ByteWriter.bytes(atMost:)`, strings escaped by its `jsonString`), the members in the order `parse`
-    /// and the readers of the file know. Built as a `JSONObject` and serialised, the line took more instructions
-    /// than the rest of the intercepted request it records (`scripts/instructions`).
+    /// The JSON line's bytes with its newline, as the audit log appends them (`AuditLines`): written member by
+    /// member into memory sized for it (strings escaped by `ByteWriter.jsonString`), the members in the order
+    /// `parse` and the readers of the file know. Built as a `JSONObject` and serialised, the line took more
+    /// instructions than the rest of the intercepted request it records (`scripts/instructions`).
     public var jsonLine: [UInt8] {
-        Self.jsonLine(
-            time: time, origin: origin, method: method, path: path, credential: credential, kind: kind,
-            status: status, attempts: attempts, refreshed: refreshed,
-            replacedClientCredential: replacedClientCredential,
-            placeholder: placeholder, refused: refused, placeholderOf: placeholderOf, placeholderEnv: placeholderEnv,
-            uid: uid, pid: pid, executable: executable, client: client)
+        let bound =
+            Self.stampBound
+            + Self.membersBound(
+                origin: origin, method: method, path: path, credential: credential, kind: kind, refused: refused,
+                placeholderOf: placeholderOf, placeholderEnv: placeholderEnv, executable: executable, client: client)
+        return ByteWriter.bytes(atMost: bound) { out in
+            Self.writeStamp(time, to: &out)
+            writeMembers(to: &out)
+        }
     }
 
-    /// The line of an exchange in which the proxy attached its credential, written from the record without
-    /// making an entry (whose strings were copied in and released again for every request: about 1,200
-    /// instructions, callgrind, bench row 6); nil when it attached none. `parse` reads it back as an entry.
-    public static func jsonLine(
-        _ record: ExchangeRecord, time: Int64, uid: Int?, process: ClientProcess? = nil, client: String
-    ) -> [UInt8]? {
-        guard record.attached else { return nil }
-        return jsonLine(
-            time: time, origin: record.origin, method: record.method, path: pathOnly(record.target),
-            credential: record.provider, kind: kind(staticSecret: record.staticSecret), status: record.status,
-            attempts: record.attempts, refreshed: record.refreshed,
-            replacedClientCredential: record.clientCredentialReplaced, placeholder: record.placeholderUsed,
-            refused: nil, placeholderOf: nil, placeholderEnv: nil, uid: uid, pid: process?.pid,
-            executable: process?.executable, client: client)
+    /// This entry's members after the stamp, and the line's end.
+    func writeMembers(to out: inout ByteWriter) {
+        Self.writeMembers(
+            to: &out, origin: origin, method: method, path: path, pathIsTarget: false, credential: credential,
+            kind: kind, status: status, attempts: attempts, refreshed: refreshed,
+            replacedClientCredential: replacedClientCredential, placeholder: placeholder, refused: refused,
+            placeholderOf: placeholderOf, placeholderEnv: placeholderEnv, uid: uid, pid: pid, executable: executable,
+            client: client)
     }
 
     /// `kind` of a use: a provider's token or a static secret.
     static func kind(staticSecret: Bool) -> String { staticSecret ? "secret" : "token" }
 
-    /// The one writer of a line, for both.
-    private static func jsonLine(
-        time: Int64, origin: String, method: String, path: String, credential: String, kind: String, status: Int,
-        attempts: Int, refreshed: Bool, replacedClientCredential: Bool, placeholder: Bool, refused: String?,
-        placeholderOf: String?, placeholderEnv: String?, uid: Int?, pid: Int?, executable: String?, client: String
-    ) -> [UInt8] {
-        // The names, punctuation, numbers and timestamp: under 512 bytes; the strings at their longest escaped.
+    /// The most bytes `writeStamp` writes.
+    static let stampBound = 96
+
+    /// A line's start, the same for every line of one second: `{"time":"2026-01-02T03:04:05Z","ts":1767323045`.
+    static func writeStamp(_ time: Int64, to out: inout ByteWriter) {
+        out.write(#"{"time":""#)
+        writeTimestamp(time, to: &out)
+        out.write(#"","ts":"#)
+        out.write(decimal: time)
+    }
+
+    /// The most bytes `writeMembers` writes for these strings: the names, punctuation and numbers (under 512
+    /// bytes) and each string at its longest escaped.
+    static func membersBound(
+        origin: String, method: String, path: String, credential: String, kind: String, refused: String?,
+        placeholderOf: String?, placeholderEnv: String?, executable: String?, client: String
+    ) -> Int {
         var bound = 512 + ByteWriter.jsonStringBound(origin) + ByteWriter.jsonStringBound(method)
         bound += ByteWriter.jsonStringBound(path) + ByteWriter.jsonStringBound(credential)
         bound += ByteWriter.jsonStringBound(kind) + ByteWriter.jsonStringBound(client)
@@ -186,59 +193,78 @@ public struct AuditEntry: Sendable, Equatable {
         if let placeholderOf { bound += ByteWriter.jsonStringBound(placeholderOf) }
         if let placeholderEnv { bound += ByteWriter.jsonStringBound(placeholderEnv) }
         if let executable { bound += ByteWriter.jsonStringBound(executable) }
-        return ByteWriter.bytes(atMost: bound) { out in
-            out.write(#"{"time":""#)
-            writeTimestamp(time, to: &out)
-            out.write(#"","ts":"#)
-            out.write(decimal: time)
-            out.write(#","origin":"#)
-            out.jsonString(origin)
-            out.write(#","method":"#)
-            out.jsonString(method)
-            out.write(#","path":"#)
-            out.jsonString(path)
-            out.write(#","credential":"#)
-            out.jsonString(credential)
-            out.write(#","kind":"#)
-            out.jsonString(kind)
-            out.write(#","status":"#)
-            out.write(decimal: status)
-            out.write(#","attempts":"#)
-            out.write(decimal: attempts)
-            out.write(#","refreshed":"#)
-            out.write(refreshed ? "true" as StaticString : "false")
-            out.write(#","client_credential_replaced":"#)
-            out.write(replacedClientCredential ? "true" as StaticString : "false")
-            out.write(#","placeholder":"#)
-            out.write(placeholder ? "true" as StaticString : "false")
-            if let refused {
-                out.write(#","refused":"#)
-                out.jsonString(refused)
-                if let placeholderOf {
-                    out.write(#","placeholder_of":"#)
-                    out.jsonString(placeholderOf)
-                }
-                if let placeholderEnv {
-                    out.write(#","placeholder_env":"#)
-                    out.jsonString(placeholderEnv)
-                }
+        return bound
+    }
+
+    /// The one writer of a line's members after its stamp, for an entry and for an exchange's record. With
+    /// `pathIsTarget`, `path` is a request target and its path is written (`pathOnly`; an origin-form target's
+    /// bytes up to its query, without making a string of them).
+    static func writeMembers(
+        to out: inout ByteWriter, origin: String, method: String, path: String, pathIsTarget: Bool,
+        credential: String, kind: String, status: Int, attempts: Int, refreshed: Bool,
+        replacedClientCredential: Bool, placeholder: Bool, refused: String?, placeholderOf: String?,
+        placeholderEnv: String?, uid: Int?, pid: Int?, executable: String?, client: String
+    ) {
+        out.write(#","origin":"#)
+        out.jsonString(origin)
+        out.write(#","method":"#)
+        out.jsonString(method)
+        out.write(#","path":"#)
+        if pathIsTarget { writePath(of: path, to: &out) } else { out.jsonString(path) }
+        out.write(#","credential":"#)
+        out.jsonString(credential)
+        out.write(#","kind":"#)
+        out.jsonString(kind)
+        out.write(#","status":"#)
+        out.write(decimal: status)
+        out.write(#","attempts":"#)
+        out.write(decimal: attempts)
+        out.write(#","refreshed":"#)
+        out.write(refreshed ? "true" as StaticString : "false")
+        out.write(#","client_credential_replaced":"#)
+        out.write(replacedClientCredential ? "true" as StaticString : "false")
+        out.write(#","placeholder":"#)
+        out.write(placeholder ? "true" as StaticString : "false")
+        if let refused {
+            out.write(#","refused":"#)
+            out.jsonString(refused)
+            if let placeholderOf {
+                out.write(#","placeholder_of":"#)
+                out.jsonString(placeholderOf)
             }
-            if let uid {
-                out.write(#","uid":"#)
-                out.write(decimal: uid)
+            if let placeholderEnv {
+                out.write(#","placeholder_env":"#)
+                out.jsonString(placeholderEnv)
             }
-            if let pid {
-                out.write(#","pid":"#)
-                out.write(decimal: pid)
-            }
-            if let executable {
-                out.write(#","executable":"#)
-                out.jsonString(executable)
-            }
-            out.write(#","client":"#)
-            out.jsonString(client)
-            out.write("}\n")
         }
+        if let uid {
+            out.write(#","uid":"#)
+            out.write(decimal: uid)
+        }
+        if let pid {
+            out.write(#","pid":"#)
+            out.write(decimal: pid)
+        }
+        if let executable {
+            out.write(#","executable":"#)
+            out.jsonString(executable)
+        }
+        out.write(#","client":"#)
+        out.jsonString(client)
+        out.write("}\n")
+    }
+
+    /// `pathOnly(target)` as a JSON string: the usual origin-form target's bytes up to its query or fragment,
+    /// written from the target's storage.
+    private static func writePath(of target: String, to out: inout ByteWriter) {
+        var target = target
+        let written = target.withUTF8 { utf8 -> Bool in
+            guard utf8.first == UInt8(ascii: "/") else { return false }
+            let end = utf8.firstIndex(where: { $0 == UInt8(ascii: "?") || $0 == UInt8(ascii: "#") }) ?? utf8.endIndex
+            out.jsonString(UnsafeBufferPointer(rebasing: utf8[..<end]))
+            return true
+        }
+        if !written { out.jsonString(pathOnly(target)) }
     }
 
     /// An entry read back from its line; nil for a line that is not one (a torn line at a crash, say).
