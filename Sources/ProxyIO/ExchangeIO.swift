@@ -119,6 +119,11 @@ final class ExchangeIO: TransferOwner {
             body.finish()
             resumeUpload()
         case .getTokens(let key):
+            // Most requests find their token at hand: no closure, and no weak reference to this exchange (whose
+            // first costs a side table's allocation: about 1,900 instructions a request with `send`'s, callgrind).
+            if let atHand = context.tokens.tokensAtHand(key) {
+                return tokensArrived(.success(atHand), refreshed: false)
+            }
             context.tokens.tokens(key) { [weak self] result in self?.tokensArrived(result, refreshed: false) }
         case .refreshTokens(let key, let generation):
             context.tokens.refresh(key, replacing: generation) { [weak self] result in
@@ -164,40 +169,38 @@ final class ExchangeIO: TransferOwner {
         driver?.exchange(self, event: refreshed ? .refreshed(grant) : .tokens(grant))
     }
 
-    /// Starts the transfer `request` describes, the credential's fields attached.
+    /// Starts the transfer `request` describes, the credential's fields attached; later when the key that signs
+    /// them must be read first.
     private func send(_ request: UpstreamRequest) {
-        credentialFields(request.credential, method: request.method, url: request.url) { [weak self] fields in
-            guard let self, !self.finished else { return }
-            let made = context.makeTransfer(self, request, origin, fields, context, connectionID)
-            made.tag = tag
-            transfer = made
-            uploadPaused = false
-            made.start()
-        }
+        guard let fields = credentialFields(for: request) else { return }
+        let made = context.makeTransfer(self, request, origin, fields, context, connectionID)
+        made.tag = tag
+        transfer = made
+        uploadPaused = false
+        made.start()
     }
 
-    /// The fields of `credential` (none without one): `Authorization` with the scheme the exchange chose, and for
-    /// a key-bound token a fresh DPoP proof for `method` and `url` (RFC 9449 §7: one per request, replays
-    /// included, bound to the token by `ath`). A key that was replaced is read off the loop first; a key that is
-    /// missing or a proof that cannot be signed ends in `.credentialFailed` (at the top of the loop).
-    func credentialFields(
-        _ credential: UpstreamRequest.Credential?, method: String, url: String,
-        _ use: @escaping ([(name: String, value: [UInt8])]) -> Void
-    ) {
-        guard let credential, let tokens else { return use([]) }
+    /// The fields of `request`'s credential (none without one): `Authorization` with the scheme the exchange chose,
+    /// and for a key-bound token a fresh DPoP proof for its method and URL (RFC 9449 §7: one per request, replays
+    /// included, bound to the token by `ath`). Nil when not now: a key that was replaced is read off the loop first
+    /// and `request` sent when it is there; a key that is missing or a proof that cannot be signed ends in
+    /// `.credentialFailed` (at the top of the loop).
+    private func credentialFields(for request: UpstreamRequest) -> [(name: String, value: [UInt8])]? {
+        guard let credential = request.credential, let tokens else { return [] }
         var fields: [(name: String, value: [UInt8])] = []
         fields.reserveCapacity(credential.headers.count + 1)
         for header in credential.headers {
             do {
                 fields.append((header.name, try context.tokens.headerValue(header, tokens, scheme: credential.scheme)))
             } catch {
-                return later(
+                later(
                     .credentialFailed(
                         .providerMisconfigured(
                             origin: origin.url, provider: origin.credentialName, reason: error.description)))
+                return nil
             }
         }
-        guard credential.boundToKey else { return use(fields) }
+        guard credential.boundToKey else { return fields }
         let provider = origin.provider
         guard let key = context.keys.cached(provider: provider, thumbprint: tokens.dpopThumbprint) else {
             // The key was replaced (`proxyctl login --new-key`): read it off the loop, then go on.
@@ -206,20 +209,21 @@ final class ExchangeIO: TransferOwner {
                 if key == nil {
                     driver?.exchange(self, event: .credentialFailed(.dpopKeyMissing(provider: provider)))
                 } else {
-                    credentialFields(credential, method: method, url: url, use)
+                    send(request)
                 }
             }
-            return
+            return nil
         }
         do {
             let proof = try key.proof(
-                method: method, url: url, accessToken: tokens.accessToken, nonce: credential.dpopNonce,
-                now: Int64(time(nil)))
+                method: request.method, url: request.url, accessToken: tokens.accessToken,
+                nonce: credential.dpopNonce, now: Int64(time(nil)))
             fields.append(("DPoP", Array(proof.utf8)))
         } catch {
-            return later(.credentialFailed(.dpopProofFailed(reason: "\(error)")))
+            later(.credentialFailed(.dpopProofFailed(reason: "\(error)")))
+            return nil
         }
-        use(fields)
+        return fields
     }
 
     /// `event` for the driver at the top of the loop (it was raised inside the driver's call).

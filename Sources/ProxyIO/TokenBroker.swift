@@ -18,6 +18,9 @@ import ProxyOAuth
 /// connection it serves, so a call is a witness-table call, with nothing boxed or allocated per request. The
 /// completions run on the loop.
 protocol ExchangeTokens: AnyObject {
+    /// A usable token of `key` when one is at hand on the loop (`tokens` would complete at once with it): the
+    /// exchange goes on without a completion to make and keep; nil when `tokens` must be asked.
+    func tokensAtHand(_ key: TokenKey) -> TokenSet?
     /// A usable token of `key`.
     func tokens(_ key: TokenKey, completion: @escaping (Result<TokenSet, AuthError>) -> Void)
     /// Newer tokens than those of `generation`, which the origin rejected.
@@ -154,6 +157,10 @@ final class TokenBroker {
     }
 
     /// A usable token of `key` (as `TokenSet.view(for:)` shows it); `completion` runs on the loop.
+    func tokensAtHand(_ key: TokenKey) -> TokenSet? {
+        key.isStaticSecret ? secrets[key.provider]?.cached() : cachedTokens(key)
+    }
+
     func tokens(_ key: TokenKey, completion: @escaping (Result<TokenSet, AuthError>) -> Void) {
         if key.isStaticSecret {
             guard let secret = secrets[key.provider] else {

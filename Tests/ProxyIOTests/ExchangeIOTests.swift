@@ -95,6 +95,11 @@ final class ScriptedTokens: ExchangeTokens {
 
     init(loop: EventLoop) { rendering = TokenBroker(loop: loop, managers: [:]) }
 
+    /// Tokens `tokensAtHand` gives without being asked (the broker's cache); nil: every request is asked.
+    var atHand: TokenSet?
+
+    func tokensAtHand(_ key: TokenKey) -> TokenSet? { atHand }
+
     func tokens(_ key: TokenKey, completion: @escaping (Result<TokenSet, AuthError>) -> Void) {
         asked.append(Asked(key: key, replacing: nil))
         waiting.append(completion)
@@ -301,6 +306,25 @@ private func jsonObject(_ part: Substring) throws -> [String: Any] {
             return
         }
         #expect(grant == TokenGrant(generation: 7, dpopNonce: nil, boundToKey: false))
+    }
+
+    /// A token at hand (the broker's cache) is the grant at once, with nothing asked and nothing left waiting; a
+    /// refresh is always asked.
+    @Test func aTokenAtHandIsTheGrantAtOnce() throws {
+        let harness = ExchangeHarness()
+        harness.tokens.atHand = ExchangeHarness.tokenSet(generation: 3)
+        let io = harness.exchange()
+        harness.call { io.perform(.getTokens(key: harness.key)) }
+        #expect(harness.tokens.asked.isEmpty)
+        let heard = try #require(harness.driver.heard.first)
+        #expect(harness.driver.heard.count == 1 && heard.from == ObjectIdentifier(io))
+        guard case .tokens(.success(let grant)) = heard.event else {
+            Issue.record("expected .tokens(.success), got \(heard.event)")
+            return
+        }
+        #expect(grant == TokenGrant(generation: 3, dpopNonce: nil, boundToKey: false))
+        harness.call { io.perform(.refreshTokens(key: harness.key, replacing: 3)) }
+        #expect(harness.tokens.asked == [.init(key: harness.key, replacing: 3)])
     }
 
     @Test func aRefreshReachesTheDriverAsRefreshedWithTheOriginsNonce() throws {
