@@ -101,7 +101,10 @@ def ephemeral_range() -> range:
     return range(int(low), int(high) + 1)
 
 
-def test_init_writes_a_redirect_port_and_prints_the_redirect_uri_to_register(tmp_path):
+def test_init_writes_a_redirect_port_and_prints_the_redirect_uri_to_register(tmp_path, default_redirect_port):
+    # default_redirect_port: this test listens on the default port itself (below), so it holds the lock that the
+    # tests whose `proxyctl login` listens there hold; without it, a fresh clone's README test on another worker
+    # failed at login ('cannot listen on 127.0.0.1:17755 ... Address already in use').
     home = tmp_path / "home"
     home.mkdir()
     with FakeIdP() as fake:
