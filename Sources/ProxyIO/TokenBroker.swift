@@ -156,24 +156,21 @@ final class TokenBroker {
         return version
     }
 
-    /// A usable token of `key` (as `TokenSet.view(for:)` shows it); `completion` runs on the loop.
+    /// The static secret or the tokens of `key` cached on the loop, if usable: what `tokens` completes with at once.
     func tokensAtHand(_ key: TokenKey) -> TokenSet? {
         key.isStaticSecret ? secrets[key.provider]?.cached() : cachedTokens(key)
     }
 
+    /// A usable token of `key` (as `TokenSet.view(for:)` shows it); `completion` runs on the loop.
     func tokens(_ key: TokenKey, completion: @escaping (Result<TokenSet, AuthError>) -> Void) {
+        if let atHand = tokensAtHand(key) { return completion(.success(atHand)) }
         if key.isStaticSecret {
             guard let secret = secrets[key.provider] else {
                 return completion(.failure(.configuration(reason: "no secret named \(key.provider)")))
             }
-            if let cached = secret.cached() { return completion(.success(cached)) }
             return offLoop(completion) {
                 do throws(AuthError) { return .success(try secret.load()) } catch { return .failure(error) }
             }
-        }
-        if let cached = cachedTokens(key) {
-            completion(.success(cached))
-            return
         }
         run(key, completion: completion) { manager in try await manager.currentTokens(for: key) }
     }

@@ -55,7 +55,7 @@ import Testing
         #expect(lines(of: held).dropLast().compactMap(AuditEntry.parse).filter { $0.path == long }.count == 14)
     }
 
-    /// Emptied, it holds nothing and takes lines again, with its storage given back past the limit.
+    /// Emptied, it holds nothing and takes lines again.
     @Test func emptiedItTakesLinesAgain() throws {
         let held = AuditLines(capacity: 64)
         held.append(record(target: "/" + String(repeating: "x", count: 4000)), time: 1, uid: nil, client: "c")

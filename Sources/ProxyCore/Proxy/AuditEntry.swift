@@ -75,10 +75,8 @@ public struct AuditEntry: Sendable, Equatable {
         var target = target
         // The usual origin-form target: itself, or up to its query.
         let originForm = target.withUTF8 { utf8 -> String? in
-            guard utf8.first == UInt8(ascii: "/") else { return nil }
-            guard let end = utf8.firstIndex(where: { $0 == UInt8(ascii: "?") || $0 == UInt8(ascii: "#") }) else {
-                return ""
-            }
+            guard let end = originFormPathEnd(utf8) else { return nil }
+            guard end < utf8.count else { return "" }
             return String(decoding: UnsafeBufferPointer(rebasing: utf8[..<end]), as: UTF8.self)
         }
         if let originForm { return originForm.isEmpty ? target : originForm }
@@ -259,12 +257,17 @@ public struct AuditEntry: Sendable, Equatable {
     private static func writePath(of target: String, to out: inout ByteWriter) {
         var target = target
         let written = target.withUTF8 { utf8 -> Bool in
-            guard utf8.first == UInt8(ascii: "/") else { return false }
-            let end = utf8.firstIndex(where: { $0 == UInt8(ascii: "?") || $0 == UInt8(ascii: "#") }) ?? utf8.endIndex
+            guard let end = originFormPathEnd(utf8) else { return false }
             out.jsonString(UnsafeBufferPointer(rebasing: utf8[..<end]))
             return true
         }
         if !written { out.jsonString(pathOnly(target)) }
+    }
+
+    /// Where an origin-form target's path ends (its `?` or `#`, or its end); nil for a target of another form.
+    private static func originFormPathEnd(_ utf8: UnsafeBufferPointer<UInt8>) -> Int? {
+        guard utf8.first == UInt8(ascii: "/") else { return nil }
+        return utf8.firstIndex(where: { $0 == UInt8(ascii: "?") || $0 == UInt8(ascii: "#") }) ?? utf8.count
     }
 
     /// An entry read back from its line; nil for a line that is not one (a torn line at a crash, say).
