@@ -21,7 +21,7 @@ from pathlib import Path
 from benchlib.harness import (BENCH_HOST, H2_HOST, BenchError, InterceptSetup, InterceptTargets, Processes, Proxies,
                               fake_access_token, log, make_certificates, prepare_www, start_origin, write_post_body)
 from benchlib.measurement import (Results, intercept_rows, measure_dpop, measure_idle_row, measure_intercept_rows,
-                                  measure_protocol_rows, measure_throughput_rows, plan, watch_load)
+                                  measure_protocol_rows, measure_throughput_rows, plan, rounds, watch_load)
 from benchlib.report import binaries, machine_info, write_report
 
 SECTIONS = ("passthrough", "intercept", "protocols", "dpop")
@@ -69,7 +69,7 @@ def main() -> int:
             log(f"error: the {section} section needs {tool}")
             return 1
     try:
-        p = plan(args.quick, intercept_rows(os.environ.get("BENCH_ROWS", "")))
+        p = plan(args.quick, intercept_rows(os.environ.get("BENCH_ROWS", "")), rounds(os.environ.get("BENCH_ROUNDS", "")))
     except BenchError as error:
         log(f"error: {error}")
         return 1

@@ -67,7 +67,8 @@ CLIENT_ENV = clean_env()
 
 def with_baseline(names: tuple[str, ...], baseline: bool) -> tuple[str, ...]:
     """`names` (targets of some rows) with BASELINE right after proxyctl when the run has a baseline binary, so
-    that each round measures the two binaries one right after the other; `names` unchanged otherwise."""
+    that each round measures the two binaries one right after the other (`round_order` swaps them every other
+    round); `names` unchanged otherwise."""
     if not baseline:
         return names
     after = names.index("proxyctl") + 1

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from benchlib.harness import (BENCH_HOST, CLIENT_ENV, H2_HOST, BenchError, InterceptSetup, InterceptTarget,
+from benchlib.harness import (BASELINE, BENCH_HOST, CLIENT_ENV, H2_HOST, BenchError, InterceptSetup, InterceptTarget,
                               InterceptTargets, Origin, Processes, Proxies, Proxy, check_h2_origin, check_headers,
                               check_post, log, origin_protocols, run, start_ws_echo)
 
@@ -66,13 +66,25 @@ class Plan:
         return self.intercept_rows is None or row in self.intercept_rows
 
 
-def plan(quick: bool, intercept_rows: frozenset[str] | None = None) -> Plan:
-    """The full run's plan, or the quick one; `intercept_rows`: BENCH_ROWS (`intercept_rows()`), None for all."""
+def plan(quick: bool, intercept_rows: frozenset[str] | None = None, rounds: int | None = None) -> Plan:
+    """The full run's plan, or the quick one; `intercept_rows`: BENCH_ROWS (`intercept_rows()`), None for all;
+    `rounds`: BENCH_ROUNDS (`rounds()`), None for the plan's own (3, or 1 when quick)."""
     if quick:
-        return Plan(True, 1, 64 << 20, 256, 2000, 500, 2000, 1000, 200, intercept_keepalive_requests=2000,
+        return Plan(True, rounds or 1, 64 << 20, 256, 2000, 500, 2000, 1000, 200, intercept_keepalive_requests=2000,
                     intercept_new_requests=500, intercept_rate_requests=4000, dpop_proofs=5000, speed_seconds=1,
                     ws_messages=2000, intercept_rows=intercept_rows)
-    return Plan(False, 3, GIB, 256, 20000, 5000, 20000, 1000, 1000, intercept_rows=intercept_rows)
+    return Plan(False, rounds or 3, GIB, 256, 20000, 5000, 20000, 1000, 1000, intercept_rows=intercept_rows)
+
+
+def rounds(text: str) -> int | None:
+    """BENCH_ROUNDS: how many rounds of every row (a whole number from 1 to 99); None when empty (the plan's
+    own). More rounds narrow a median where the machine's spread between rounds is larger than the change
+    being measured. BenchError otherwise."""
+    if not text.strip():
+        return None
+    if not text.strip().isdigit() or not 1 <= int(text) <= 99:
+        raise BenchError(f"BENCH_ROUNDS: {text!r} is not a number of rounds from 1 to 99")
+    return int(text)
 
 
 def intercept_rows(names: str) -> frozenset[str] | None:
@@ -456,16 +468,29 @@ def intercept_h2(target: InterceptTarget, requests: int, origin: Origin, results
 Row = tuple[str, Callable, Callable | None]  # name, measure(target), warm-up(target)
 
 
+def round_order(targets: tuple[str, ...], index: int) -> tuple[str, ...]:
+    """The targets in the order round `index` measures them: proxyctl and BASELINE (next to each other,
+    `with_baseline`) trade places every other round, so that neither binary is always the one measured second
+    (on a warmer or busier machine) and a before / after change is not the order's."""
+    if index % 2 == 0 or "proxyctl" not in targets or BASELINE not in targets:
+        return targets
+    order = list(targets)
+    first, second = order.index("proxyctl"), order.index(BASELINE)
+    order[first], order[second] = order[second], order[first]
+    return tuple(order)
+
+
 def run_rows(p: Plan, rows: list[Row], targets: tuple[str, ...], running: dict, results: Results) -> None:
     """Each row: a discarded warm-up per target, then p.runs rounds of every target in turn (so each round's
-    samples are close in time and comparable to that round's direct sample)."""
+    samples are close in time and comparable to that round's direct sample), proxyctl and BASELINE trading
+    places every other round (`round_order`)."""
     for row, measure, warmup in rows:
         if warmup:
             for target in targets:
                 with no_settling():
                     warmup(running.get(target))
         for index in range(p.runs):
-            for target in targets:
+            for target in round_order(targets, index):
                 try:
                     sample = measure(running.get(target))
                 except (BenchError, subprocess.TimeoutExpired) as error:
