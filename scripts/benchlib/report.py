@@ -105,19 +105,33 @@ def file_digest(path: str) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]
 
 
+def swift_runtime(path: str) -> str:
+    """How a binary has the Swift runtime: linked in (`--static-swift-stdlib`, as scripts/package and scripts/test
+    build proxyctl) or from shared libraries (ldd names libswiftCore.so). A dynamic build runs some 1% more
+    instructions per intercepted request (every retain and release through the PLT; scripts/instructions, the same
+    commit both ways: 167,109 against 165,400), so two binaries compared should be linked alike."""
+    needed = subprocess.run(["ldd", path], capture_output=True, text=True).stdout
+    return "shared Swift runtime" if "libswiftCore.so" in needed else "static Swift runtime"
+
+
 @dataclass
 class Binary:
     """A proxyctl binary of the run, as found when the run began: what `proxyctl --version` prints, where the
-    binary comes from, and its checksum, to tell whether the file was replaced during the run."""
+    binary comes from, how it has the Swift runtime, and its checksum, to tell whether the file was replaced
+    during the run."""
     path: str
     version: str
     source: str
     digest: str
     changed: bool = False  # replaced during the run (a rebuild): its figures may mix two builds
+    runtime: str = ""  # swift_runtime(path)
+
+    def __post_init__(self) -> None:
+        self.runtime = self.runtime or swift_runtime(self.path)
 
     def __str__(self) -> str:
         warning = "; **the file changed during the run: its figures may mix two builds**" if self.changed else ""
-        return f"{self.version} ({self.source}{warning})"
+        return f"{self.version} ({self.source}; {self.runtime}{warning})"
 
     def check_unchanged(self) -> bool:
         """Whether the file is still the one described; marks it `changed` when not."""
@@ -133,7 +147,8 @@ def describe_binary(path: str, built_from: Path | None = None, given_by: str = "
     version = first_line([path, "--version"])
     digest = file_digest(path)
     if built_from is not None:
-        return Binary(path, version, f"release build of commit {git_head(built_from)}", digest)
+        return Binary(path, version, f"release build of commit {git_head(built_from)}, as scripts/package builds it",
+                      digest)
     modified = datetime.datetime.fromtimestamp(os.stat(path).st_mtime, datetime.timezone.utc)
     source = f"{given_by}={path}, sha256 {digest}…, modified {modified:%Y-%m-%d %H:%M:%S UTC}"
     tree = subprocess.run(["git", "-C", str(Path(path).parent), "rev-parse", "--show-toplevel"],
@@ -602,6 +617,10 @@ class Report:
         if binaries["proxyctl"].version == binaries[BASELINE].version:
             add(f"- Both print the same `proxyctl --version` ({binaries[BASELINE].version}): what follows it above "
                 "tells them apart.")
+        if binaries["proxyctl"].runtime != binaries[BASELINE].runtime:
+            add(f"- **The two are linked differently ({binaries['proxyctl'].runtime} against "
+                f"{binaries[BASELINE].runtime}): part of every change below is the linking's, about 1% of "
+                "instructions per intercepted request. Build both with `--static-swift-stdlib`.**")
         add("")
         add(f"The two binaries ran in the same run, set up alike: forward proxies in rows 1–5, Bearer intercept "
             f"targets in {self.row_numbers(BASELINE)} (no DPoP column for {BASELINE}). In every round of a row, "
