@@ -118,6 +118,7 @@ class Results:
     samples: dict = field(default_factory=dict)  # (row, target) -> [Sample]
     idle: dict = field(default_factory=dict)  # target -> [dict]
     retries: list = field(default_factory=list)  # samples taken a second time after a failure
+    rewarmed: Counter = field(default_factory=Counter)  # row: samples warmed up again first (STALE_SECONDS)
     intercept_checks: dict = field(default_factory=dict)  # target -> what the origin saw at /headers
     post_checks: dict = field(default_factory=dict)  # target -> what the origin saw of a POST (row 6c)
     h2_checks: dict = field(default_factory=dict)  # target -> what bench-h2.test saw at /headers (row 6d)
@@ -480,17 +481,34 @@ def round_order(targets: tuple[str, ...], index: int) -> tuple[str, ...]:
     return tuple(order)
 
 
+# A target whose last sample of a row ended longer ago than this is warmed up again before its next one. The
+# proxies close an origin connection left unused for 55 s (proxyctl's pool; nginx's upstream keepalive_timeout is
+# longer): row 6b's samples last 10 s, so a round of five targets takes about a minute, and with proxyctl and
+# BASELINE trading places a target waited four samples' time in one round and six in the next. After six, its 50
+# origin connections were gone (seen with ss) and the sample paid 50 new origin handshakes, some 5 million
+# instructions each (scripts/instructions), a few % of the sample's CPU: a bias that fell on one binary in one
+# round and on the other in the next, depending on seconds of settling.
+STALE_SECONDS = 30
+
+
 def run_rows(p: Plan, rows: list[Row], targets: tuple[str, ...], running: dict, results: Results) -> None:
     """Each row: a discarded warm-up per target, then p.runs rounds of every target in turn (so each round's
     samples are close in time and comparable to that round's direct sample), proxyctl and BASELINE trading
-    places every other round (`round_order`)."""
+    places every other round (`round_order`); a target whose last sample ended over STALE_SECONDS before is
+    warmed up again first, so that every sample starts with the connections a busy client keeps warm."""
     for row, measure, warmup in rows:
+        last_end: dict[str, float] = {}
         if warmup:
             for target in targets:
                 with no_settling():
                     warmup(running.get(target))
+                last_end[target] = time.monotonic()
         for index in range(p.runs):
             for target in round_order(targets, index):
+                if warmup and time.monotonic() - last_end.get(target, time.monotonic()) > STALE_SECONDS:
+                    with no_settling():
+                        warmup(running.get(target))
+                    results.rewarmed[row] += 1
                 try:
                     sample = measure(running.get(target))
                 except (BenchError, subprocess.TimeoutExpired) as error:
@@ -499,6 +517,7 @@ def run_rows(p: Plan, rows: list[Row], targets: tuple[str, ...], running: dict, 
                     results.retries.append(f"{row} run {index + 1} {target}")
                     sample = measure(running.get(target))
                 results.samples.setdefault((row, target), []).append(sample)
+                last_end[target] = time.monotonic()
                 cpu = "" if sample.cpu is None else f", proxy CPU {sample.cpu:.2f}s"
                 log(f"{row} run {index + 1}/{p.runs} {target}: {sample.value:,.1f}/s{cpu}, "
                     f"other load {sample.foreign:.2f} cores")
