@@ -82,7 +82,9 @@ let package = Package(
         .testTarget(name: "ProxyOAuthTests", dependencies: ["ProxyOAuth", "ProxyTLS", "ProxyCore", "TestFixtures"]),
         .testTarget(
             name: "ProxyIOTests",
-            dependencies: ["ProxyIO", "ProxyOAuth", "ProxyCore", "ProxyTLS", "COpenSSL", "CLibevent", "CCurl"]),
+            dependencies: [
+                "ProxyIO", "ProxyOAuth", "ProxyCore", "ProxyTLS", "COpenSSL", "CLibevent", "CCurl", "TestFixtures",
+            ]),
     ],
     swiftLanguageModes: [.v6]
 )

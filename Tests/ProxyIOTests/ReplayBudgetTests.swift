@@ -1,4 +1,5 @@
 import Foundation
+import TestFixtures
 import Testing
 
 @testable import ProxyIO
@@ -7,7 +8,11 @@ import Testing
 /// (up to each body's `replay_memory`), then the spool; past the connection's or the process's share a body
 /// streams on, unkept, and says so once. What a body held comes back when it goes.
 @Suite struct ReplayBudgetTests {
-    let spool = FileManager.default.temporaryDirectory.appendingPathComponent("replay-budget-\(getpid())").path
+    let scratch: TemporaryDirectory
+    /// The spool directory, made by the first body that spools.
+    var spool: String { scratch.path + "/spool" }
+
+    init() throws { scratch = try TemporaryDirectory() }
 
     func bytes(_ count: Int, _ value: UInt8 = 7) -> [UInt8] { [UInt8](repeating: value, count: count) }
 

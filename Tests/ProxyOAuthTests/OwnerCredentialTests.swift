@@ -1,5 +1,6 @@
 import Foundation
 import ProxyCore
+import TestFixtures
 import Testing
 
 @testable import ProxyOAuth

@@ -51,22 +51,6 @@ final class Shared<Value: Sendable>: Sendable {
     func update(_ change: (inout Value) -> Void) { storage.withLock { change(&$0) } }
 }
 
-/// A private directory under the system's temporary directory, removed when released.
-final class TemporaryDirectory {
-    let path: String
-
-    init() throws {
-        var template = Array("\(NSTemporaryDirectory())/proxyctl-oauth-tests.XXXXXX".utf8CString)
-        let created = template.withUnsafeMutableBufferPointer { mkdtemp($0.baseAddress!) }
-        try #require(created != nil)
-        path = String(decoding: template.prefix { $0 != 0 }.map { UInt8(bitPattern: $0) }, as: UTF8.self)
-    }
-
-    deinit {
-        try? FileManager.default.removeItem(atPath: path)
-    }
-}
-
 /// The permission bits of a file or directory, not following symbolic links.
 func mode(_ path: String) -> mode_t? {
     var info = stat()

@@ -1,6 +1,7 @@
 import Foundation
 import ProxyCore
 import Synchronization
+import TestFixtures
 import Testing
 
 @testable import ProxyOAuth

@@ -1,6 +1,7 @@
 import COpenSSL
 import Foundation
 import ProxyCore
+import TestFixtures
 import Testing
 
 @testable import ProxyTLS
@@ -10,11 +11,10 @@ import Testing
 /// address is refused by the intermediate's name constraints even though its key signed it, and the CA itself
 /// refuses to sign them.
 @Suite struct LocalCATests {
-    let directory: String = {
-        let path = NSTemporaryDirectory() + "proxyctl-ca-\(UUID().uuidString)"
-        try! FileManager.default.createDirectory(atPath: path, withIntermediateDirectories: true)
-        return path
-    }()
+    let scratch: TemporaryDirectory
+    var directory: String { scratch.path }
+
+    init() throws { scratch = try TemporaryDirectory() }
 
     func write(_ certificate: Certificate, _ name: String) throws -> String {
         let path = "\(directory)/\(name).pem"
@@ -193,8 +193,14 @@ import Testing
 /// A CA replaced by a wider one is retired: its key goes, its certificate stays in the bundle until it expires,
 /// so a proxy that still signs with it keeps working. `retainPrevious: false` (ca init --force) trusts it no more.
 @Suite struct LocalCARetirementTests {
-    let files = LocalCA.Files(
-        stateDirectory: NSTemporaryDirectory() + "proxyctl-ca-retire-\(UUID().uuidString)")
+    let scratch: TemporaryDirectory
+    /// A state directory that does not exist yet.
+    let files: LocalCA.Files
+
+    init() throws {
+        scratch = try TemporaryDirectory()
+        files = LocalCA.Files(stateDirectory: scratch.path + "/state")
+    }
 
     func bundle() throws -> String { try String(contentsOfFile: files.bundle, encoding: .utf8) }
 
@@ -264,7 +270,14 @@ import Testing
 /// A CA made before the intermediate (a constrained root that signs leaves itself, `ca-key.pem`): it loads and
 /// keeps serving; `ca init` replaces it (`Plan.upgrade`), and its key goes with it.
 @Suite struct LegacyCATests {
-    let files = LocalCA.Files(stateDirectory: NSTemporaryDirectory() + "proxyctl-ca-legacy-\(UUID().uuidString)")
+    let scratch: TemporaryDirectory
+    /// A state directory that does not exist yet.
+    let files: LocalCA.Files
+
+    init() throws {
+        scratch = try TemporaryDirectory()
+        files = LocalCA.Files(stateDirectory: scratch.path + "/state")
+    }
 
     /// What `ca init` wrote before: the root, its key, its hosts.
     func writeLegacy(hosts: [String]) throws -> Certificate {
