@@ -110,6 +110,9 @@ class Sample:
     cpu: float | None  # proxy CPU seconds during the sample
     units: float  # GiB or requests
     foreign: float = 0.0  # cores kept busy by processes the bench did not start, during the sample
+    # What the proxy's process tree did meanwhile beyond its CPU (`counters`), for the log: a sample dearer than
+    # its neighbours shows there whether it faulted, woke or was preempted more.
+    detail: Counter | None = None
 
 
 @dataclass
@@ -161,6 +164,36 @@ def cpu_seconds(root: int) -> float:
         fields = stat[stat.rindex(")") + 2 :].split()
         ticks += int(fields[11]) + int(fields[12])  # fields 14 and 15 of proc(5)
     return ticks / CLK_TCK
+
+
+def counters(root: int) -> Counter:
+    """User and system ticks, minor faults, and voluntary and involuntary context switches (every thread's) of
+    the process tree of `root`, to be subtracted from a later reading."""
+    total: Counter = Counter()
+    for pid in descendants(root):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text()
+            fields = fields[fields.rindex(")") + 2 :].split()
+            total["user"] += int(fields[11])
+            total["sys"] += int(fields[12])
+            total["minflt"] += int(fields[7])
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                for line in (task / "status").read_text().splitlines():
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        total["vcs"] += int(line.split()[1])
+                    elif line.startswith("nonvoluntary_ctxt_switches:"):
+                        total["nvcs"] += int(line.split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def detail_said(detail: Counter | None) -> str:
+    """A sample's `detail` for the log line: " (user 1.31s, sys 0.62s, minflt 120, vcs 800, nvcs 11000)"."""
+    if not detail:
+        return ""
+    return (f" (user {detail['user'] / CLK_TCK:.2f}s, sys {detail['sys'] / CLK_TCK:.2f}s, minflt {detail['minflt']}, "
+            f"vcs {detail['vcs']}, nvcs {detail['nvcs']})")
 
 
 @dataclass
@@ -303,17 +336,20 @@ def hey_sample(argv: list[str], pid: int | None, who: str, requests: int) -> Sam
     """One hey run that must get `requests` × 200; the CPU of pid's tree meanwhile."""
 
     def body():
+        counted = counters(pid) if pid else None
         before = cpu_seconds(pid) if pid else None
         output = run(argv, env=CLIENT_ENV)
         after = cpu_seconds(pid) if pid else None
-        return output, None if pid is None else after - before
+        if counted is not None:
+            counted = counters(pid) - counted
+        return output, None if pid is None else after - before, counted
 
-    (output, cpu), foreign = measured(body)
+    (output, cpu, detail), foreign = measured(body)
     rate = re.search(r"Requests/sec:\s+([0-9.]+)", output)
     ok = re.search(r"\[200\]\s+(\d+) responses", output)
     if not rate or not ok or int(ok.group(1)) != requests or "Error distribution" in output:
         raise BenchError(f"hey via {who} did not get {requests} × 200:\n{output[-3000:]}")
-    return Sample(float(rate.group(1)), cpu, requests, foreign)
+    return Sample(float(rate.group(1)), cpu, requests, foreign, detail)
 
 
 def hey_argv(requests: int, keepalive: bool) -> list[str]:
@@ -520,7 +556,7 @@ def run_rows(p: Plan, rows: list[Row], targets: tuple[str, ...], running: dict, 
                 last_end[target] = time.monotonic()
                 cpu = "" if sample.cpu is None else f", proxy CPU {sample.cpu:.2f}s"
                 log(f"{row} run {index + 1}/{p.runs} {target}: {sample.value:,.1f}/s{cpu}, "
-                    f"other load {sample.foreign:.2f} cores")
+                    f"other load {sample.foreign:.2f} cores{detail_said(sample.detail)}")
 
 
 def measure_throughput_rows(p: Plan, origin: Origin, proxies: Proxies, results: Results) -> None:
