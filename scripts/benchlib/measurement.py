@@ -167,7 +167,8 @@ def cpu_seconds(root: int) -> float:
 
 
 def counters(root: int) -> Counter:
-    """User and system ticks, minor faults, and voluntary and involuntary context switches (every thread's) of
+    """User and system ticks, minor faults, read- and write-like system calls and their bytes (/proc/PID/io:
+    read, recv, write, send and their kin), and voluntary and involuntary context switches (every thread's) of
     the process tree of `root`, to be subtracted from a later reading."""
     total: Counter = Counter()
     for pid in descendants(root):
@@ -177,6 +178,10 @@ def counters(root: int) -> Counter:
             total["user"] += int(fields[11])
             total["sys"] += int(fields[12])
             total["minflt"] += int(fields[7])
+            for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+                key, _, value = line.partition(":")
+                if key in ("syscr", "syscw", "rchar", "wchar"):
+                    total[key] += int(value)
             for task in Path(f"/proc/{pid}/task").iterdir():
                 for line in (task / "status").read_text().splitlines():
                     if line.startswith("voluntary_ctxt_switches:"):
@@ -189,11 +194,13 @@ def counters(root: int) -> Counter:
 
 
 def detail_said(detail: Counter | None) -> str:
-    """A sample's `detail` for the log line: " (user 1.31s, sys 0.62s, minflt 120, vcs 800, nvcs 11000)"."""
+    """A sample's `detail` for the log line: " (user 1.31s, sys 0.62s, minflt 120, vcs 800, nvcs 11000, reads ...,
+    writes ...)"."""
     if not detail:
         return ""
     return (f" (user {detail['user'] / CLK_TCK:.2f}s, sys {detail['sys'] / CLK_TCK:.2f}s, minflt {detail['minflt']}, "
-            f"vcs {detail['vcs']}, nvcs {detail['nvcs']})")
+            f"vcs {detail['vcs']}, nvcs {detail['nvcs']}, reads {detail['syscr']} of {detail['rchar']} B, "
+            f"writes {detail['syscw']} of {detail['wchar']} B)")
 
 
 @dataclass
