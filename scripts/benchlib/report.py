@@ -276,14 +276,14 @@ class Report:
     # --- figures
 
     def rewarmed_said(self) -> str:
-        """The samples of this run warmed up again before they were taken, by row: " (in this run: row 6b 20
-        samples)", or nothing."""
+        """The samples of this run warmed up again before they were taken, by row: "; in this run: row 6b 20
+        samples", or nothing."""
         counts = self.results.rewarmed
         if not counts:
             return ""
         rows = ", ".join(f"row {self.scenarios.get(row, (row,))[0]} {n} sample{'s' if n > 1 else ''}"
                          for row, n in counts.items())
-        return f" (in this run: {rows})"
+        return f"; in this run: {rows}"
 
     def has(self, row: str) -> bool:
         """Whether this run measured the row (its direct column: every row has one)."""
@@ -721,8 +721,8 @@ class Report:
             f"{min(p.bulk_bytes, 256 << 20) >> 20} MiB download; request rows: {p.warmup_requests} requests, half that "
             "for new connections), and a target whose last sample of the row ended over "
             f"{STALE_SECONDS} s before gets it again before its next one (proxyctl closes origin connections unused "
-            "for 55 s: a sample after a longer wait paid 50 new origin handshakes)"
-            f"{self.rewarmed_said()}; every hey run must return all 200s with no errors or the bench fails. In a full "
+            "for 55 s: a sample after a longer wait paid 50 new origin handshakes"
+            f"{self.rewarmed_said()}); every hey run must return all 200s with no errors or the bench fails. In a full "
             "run, each sample waits (up to 30 s, 10 min in all) for other processes' load to drop below 0.25 cores.")
         if self.passthrough:
             add(f"- **Row 5**: a fresh proxy, 20 tunnels opened and closed as a warm-up, then VmRSS (summed over the "
