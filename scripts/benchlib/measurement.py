@@ -133,18 +133,22 @@ class Results:
 # MARK: - CPU and memory of a process tree
 
 
+def stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (so index 0 is proc(5)'s field 3, the state), or None
+    when the process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()
+
+
 def descendants(root: int) -> list[int]:
     """root and every process below it (squid's log daemon, nginx's workers)."""
     parents: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        parents.setdefault(ppid, []).append(int(entry))
+        if entry.isdigit() and (fields := stat_fields(entry)) is not None:
+            parents.setdefault(int(fields[1]), []).append(int(entry))
     found, queue = [], [root]
     while queue:
         pid = queue.pop()
@@ -157,27 +161,23 @@ def cpu_seconds(root: int) -> float:
     """utime + stime of the process tree, threads included (dead threads' time stays in the process)."""
     ticks = 0
     for pid in descendants(root):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        ticks += int(fields[11]) + int(fields[12])  # fields 14 and 15 of proc(5)
+        if (fields := stat_fields(pid)) is not None:
+            ticks += int(fields[11]) + int(fields[12])  # fields 14 and 15 of proc(5)
     return ticks / CLK_TCK
 
 
 def counters(root: int) -> Counter:
-    """User and system ticks, minor faults, read- and write-like system calls and their bytes (/proc/PID/io:
-    read, recv, write, send and their kin), and voluntary and involuntary context switches (every thread's) of
-    the process tree of `root`, to be subtracted from a later reading."""
+    """User and system ticks (as `cpu_seconds`), minor faults, read- and write-like system calls and their bytes
+    (/proc/PID/io: read, recv, write, send and their kin), and voluntary and involuntary context switches (every
+    thread's) of the process tree of `root`, to be subtracted from a later reading."""
     total: Counter = Counter()
     for pid in descendants(root):
+        if (fields := stat_fields(pid)) is None:
+            continue
+        total["user"] += int(fields[11])
+        total["sys"] += int(fields[12])
+        total["minflt"] += int(fields[7])
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text()
-            fields = fields[fields.rindex(")") + 2 :].split()
-            total["user"] += int(fields[11])
-            total["sys"] += int(fields[12])
-            total["minflt"] += int(fields[7])
             for line in Path(f"/proc/{pid}/io").read_text().splitlines():
                 key, _, value = line.partition(":")
                 if key in ("syscr", "syscw", "rchar", "wchar"):
@@ -188,7 +188,7 @@ def counters(root: int) -> Counter:
                         total["vcs"] += int(line.split()[1])
                     elif line.startswith("nonvoluntary_ctxt_switches:"):
                         total["nvcs"] += int(line.split()[1])
-        except (OSError, ValueError, IndexError):
+        except OSError:  # gone meanwhile, or /proc/PID/io not ours to read: its CPU still counts
             continue
     return total
 
@@ -343,15 +343,12 @@ def hey_sample(argv: list[str], pid: int | None, who: str, requests: int) -> Sam
     """One hey run that must get `requests` × 200; the CPU of pid's tree meanwhile."""
 
     def body():
-        counted = counters(pid) if pid else None
-        before = cpu_seconds(pid) if pid else None
+        before = counters(pid) if pid else None
         output = run(argv, env=CLIENT_ENV)
-        after = cpu_seconds(pid) if pid else None
-        if counted is not None:
-            counted = counters(pid) - counted
-        return output, None if pid is None else after - before, counted
+        return output, None if before is None else counters(pid) - before
 
-    (output, cpu, detail), foreign = measured(body)
+    (output, detail), foreign = measured(body)
+    cpu = None if detail is None else (detail["user"] + detail["sys"]) / CLK_TCK
     rate = re.search(r"Requests/sec:\s+([0-9.]+)", output)
     ok = re.search(r"\[200\]\s+(\d+) responses", output)
     if not rate or not ok or int(ok.group(1)) != requests or "Error distribution" in output:
@@ -548,7 +545,7 @@ def run_rows(p: Plan, rows: list[Row], targets: tuple[str, ...], running: dict, 
                 last_end[target] = time.monotonic()
         for index in range(p.runs):
             for target in round_order(targets, index):
-                if warmup and time.monotonic() - last_end.get(target, time.monotonic()) > STALE_SECONDS:
+                if warmup and time.monotonic() - last_end[target] > STALE_SECONDS:
                     with no_settling():
                         warmup(running.get(target))
                     results.rewarmed[row] += 1
