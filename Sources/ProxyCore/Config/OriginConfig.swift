@@ -28,7 +28,12 @@ public struct OriginConfig: Sendable, Equatable {
         /// `header = NAME: TEMPLATE` lines; empty: `Authorization: Bearer` (or DPoP).
         var headers: [CredentialHeader] = []
         /// Lower-case names of the fields the credential goes in.
-        var credentialFieldNames: [String] = ["authorization"]
+        var credentialFieldNames: [String] = ["authorization"] {
+            didSet { credentialFieldBytes = credentialFieldNames.map { Array($0.utf8) } }
+        }
+        /// The same names as bytes, what every field name of an intercepted request is compared with (twice per
+        /// field: the credential scan and the fields forwarded).
+        private(set) var credentialFieldBytes: [[UInt8]] = [Array("authorization".utf8)]
         /// `placeholder_env`: the variable `env` and `exec` export with this origin's placeholder.
         var placeholderEnv: String? = nil
         /// Every origin's placeholder (filled in by the runtime from the state directory).
@@ -116,7 +121,10 @@ public struct OriginConfig: Sendable, Equatable {
     public var credentialFieldNames: [String] { fields.credentialFieldNames }
     /// Whether the field named `name` (as received, any case) is one the credential goes in.
     public func isCredentialField(_ name: some Collection<UInt8>) -> Bool {
-        for lower in fields.credentialFieldNames where ASCII.equalsLowercase(name, bytes: lower.utf8) {
+        let count = name.count
+        // Lengths first: most names differ in length from every credential field's.
+        for lower in fields.credentialFieldBytes where lower.count == count && ASCII.equalsLowercase(name, bytes: lower)
+        {
             return true
         }
         return false
@@ -268,6 +276,13 @@ public struct OriginConfig: Sendable, Equatable {
     ) -> CredentialScan {
         var scan = CredentialScan()
         let placeholders = self.fields.placeholders
+        if placeholders.isEmpty {
+            // No placeholder anywhere (no origin has `placeholder_env`): only the credential fields matter.
+            fields { name, _ in
+                if !scan.clientCredential && isCredentialField(name) { scan.clientCredential = true }
+            }
+            return scan
+        }
         let own = placeholders.entry(for: url)
         fields { name, value in
             let found = placeholders.find(in: value)

@@ -46,12 +46,17 @@ extension ConnectionMachine {
 
     /// Body bytes from the client into the replay store (chunk framing consumed, data kept).
     mutating func pumpInterceptedBody(_ client: some ByteView, _ out: inout [Action]) {
-        guard case .intercepting(var intercepting) = state else { return }
-        if intercepting.body.done {
+        // Read in place: binding the payload to change it would copy it (a retain of each reference in it), on
+        // every pump of a request whose body is all read (every GET).
+        guard case .intercepting(let peek) = state else { return }
+        if peek.body.done {
             if client.count - clientOffset > settings.headLimits.maxHeadBytes { out.append(.readClient(false)) }
             return
         }
-        state = .modifying  // moved out while it changes (see `changeIntercepting`); put back below
+        // Moved out while it changes (see `changeIntercepting`); put back below.
+        var taken = State.modifying
+        swap(&taken, &state)
+        guard case .intercepting(var intercepting) = consume taken else { preconditionFailure("checked above") }
         var kept = 0
         var failure: HTTPParseError?
         while !intercepting.body.done && client.count > clientOffset {
@@ -117,8 +122,9 @@ extension ConnectionMachine {
         } else if intercepting.body.done {
             intercepting.exchange.bodyEnded(&outputs)
         }
+        let finished = Self.apply(outputs, to: &intercepting, draining: draining, &out)
         state = .intercepting(intercepting)
-        apply(outputs, &out)
+        if let finished { exchangeDone(finished, &out) }
     }
 
     /// Runs an event of the exchange in flight, if there is one.
@@ -126,8 +132,14 @@ extension ConnectionMachine {
         _ out: inout [Action], _ body: (inout ProtectedExchange, inout [ProtectedExchange.Output]) -> Void
     ) {
         var outputs = Array.takeScratch(from: &exchangeOutputs, minimumCapacity: 4)
-        changeIntercepting { body(&$0.exchange, &outputs) }
-        apply(outputs, &out)
+        let draining = draining
+        var finished: ExchangeRecord?
+        // The event and its outputs in one move of the payload (see `changeIntercepting`), not one per output.
+        changeIntercepting { intercepting in
+            body(&intercepting.exchange, &outputs)
+            finished = Self.apply(outputs, to: &intercepting, draining: draining, &out)
+        }
+        if let finished { exchangeDone(finished, &out) }
         outputs.returnScratch(to: &exchangeOutputs)
     }
 
@@ -171,18 +183,16 @@ extension ConnectionMachine {
         out.append(.writeClient(ChunkedFraming.dataEnd))
     }
 
-    /// Carries the exchange's outputs over to this HTTP/1.1 connection.
-    mutating func apply(_ outputs: [ProtectedExchange.Output], _ out: inout [Action]) {
-        let draining = draining
+    /// The exchange's outputs as actions for this HTTP/1.1 connection's client, up to the one that finished it
+    /// (its record returned: what follows a finished exchange is not its client's any more).
+    private static func apply(
+        _ outputs: [ProtectedExchange.Output], to intercepting: inout Intercepting, draining: Bool,
+        _ out: inout [Action]
+    ) -> ExchangeRecord? {
         for output in outputs {
-            guard case .intercepting = state else { return }
-            var finished: ExchangeRecord?
-            // Applied to the state in place (see `changeIntercepting`).
-            changeIntercepting { intercepting in
-                finished = Self.apply(output, to: &intercepting, draining: draining, &out)
-            }
-            if let finished { exchangeDone(finished, &out) }
+            if let record = apply(output, to: &intercepting, draining: draining, &out) { return record }
         }
+        return nil
     }
 
     /// One output of the exchange as actions for the client; the exchange's record when it finished.
