@@ -73,7 +73,8 @@ def main():
         for name, lines in sorted(lines_by_object.items(), key=lambda item: -len(item[1]))
         if len(lines) * LINE >= 1024
     )
-    print(f"{total} lines of code per request ({total * LINE // 1024} KiB; by object, KiB: {parts})")
+    by_object = f"; by object, KiB: {parts}" if parts else ""
+    print(f"{total} lines of code per request ({total * LINE // 1024} KiB{by_object})")
     for fn, lines in sorted(lines_by_function.items(), key=lambda item: -len(item[1]))[:show]:
         print(f"    {len(lines):5d}  {fn[:150]}")
 
